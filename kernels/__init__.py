@@ -1,0 +1,142 @@
+"""Canonical ops: numbers that depend only on a row's own inputs, never on batch, chunking or layout.
+
+Each public op dispatches on the device of its inputs: CUDA tensors use the Triton kernels when they
+are installed (kernels.triton), everything else the reference implementation (kernels.reference).
+Ops are differentiable: canonical forward, ordinary backward (kernels.backward).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import reference
+from .backward import (attention_ref, linear_ref, rms_norm_ref, silu_mul_ref, with_reference_grad)
+from .sampling import gumbel_noise, sample
+
+__version__ = "0.1.0"
+
+# Segments of the row-parallel segment tree: the largest tensor-parallel degree supported.
+TREE_SEGMENTS = 8
+# Size of the KV blocks attention visits, from position 0.
+BLOCK_KV = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_backend():
+    try:
+        from . import triton as backend  # noqa: F401  (needs triton and a GPU)
+    except ImportError:
+        return None
+    return backend
+
+
+def backend_for(t: torch.Tensor):
+    """The module implementing the canonical ops for tensors on t's device."""
+    if t.is_cuda:
+        backend = _triton_backend()
+        if backend is not None:
+            return backend
+    return reference
+
+
+def _check(name: str, t: torch.Tensor, dims: int | None = None, dtype: torch.dtype | None = None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+
+
+def _same_device(*ts):
+    devices = {t.device for t in ts if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"inputs are on different devices: {sorted(map(str, devices))}")
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           row_parallel: bool = False, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Canonical x @ weight.T (+ bias); bf16 inputs, fp32 accumulation in a fixed K order.
+
+    row_parallel=True uses the segment tree over K (TREE_SEGMENTS segments), so any TP degree that
+    divides TREE_SEGMENTS reproduces it exactly.
+    """
+    _check("x", x, dtype=torch.bfloat16)
+    _check("weight", weight, dims=2, dtype=torch.bfloat16)
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has K={x.shape[-1]} but weight is {tuple(weight.shape)} ([N, K])")
+    _same_device(x, weight, bias)
+    segments = TREE_SEGMENTS if row_parallel else 1
+    impl = backend_for(x).matmul
+    inputs = (x, weight) if bias is None else (x, weight, bias)
+    return with_reference_grad(
+        lambda *t: impl(*t[:2], t[2] if len(t) > 2 else None, segments=segments, out_dtype=out_dtype),
+        lambda *t: linear_ref(*t[:2], t[2] if len(t) > 2 else None, out_dtype=out_dtype), *inputs)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check("x", x, dtype=torch.bfloat16)
+    _check("weight", weight, dims=1, dtype=torch.bfloat16)
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"x last dim {x.shape[-1]} != weight size {weight.shape[0]}")
+    _same_device(x, weight)
+    impl = backend_for(x).rms_norm
+    return with_reference_grad(lambda a, w: impl(a, w, eps), lambda a, w: rms_norm_ref(a, w, eps), x, weight)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Canonical float32 log-softmax over the last dim."""
+    _check("x", x)
+    if x.dtype != torch.float32:
+        raise TypeError(f"log_softmax takes float32 logits, got {x.dtype}")
+    impl = backend_for(x).log_softmax
+    return with_reference_grad(impl, lambda a: torch.log_softmax(a, dim=-1), x)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    _check("gate", gate, dtype=torch.bfloat16)
+    _check("up", up, dtype=torch.bfloat16)
+    return with_reference_grad(backend_for(gate).silu_mul, silu_mul_ref, gate, up)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (elementwise, hence canonical and differentiable as written)."""
+    return reference.rotary(x, cos, sin)
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return reference.add(a, b)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
+              block_table: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Canonical causal GQA attention; query (b, t) sees keys 0..positions[b, t] of sequence b.
+
+    q [B, T, Hq, D] bf16. Contiguous KV: k, v [B, L, Hkv, D] (key j at position j). Paged KV:
+    k, v [num_blocks, block_size, Hkv, D] with block_table [B, max_blocks]. Negative positions are
+    padding rows. KV is visited in blocks of BLOCK_KV positions from 0, whatever the layout.
+    """
+    _check("q", q, dims=4, dtype=torch.bfloat16)
+    _check("k", k, dims=4, dtype=torch.bfloat16)
+    _check("v", v, dims=4, dtype=torch.bfloat16)
+    _same_device(q, k, v, positions, block_table)
+    if positions.shape != q.shape[:2]:
+        raise ValueError(f"positions {tuple(positions.shape)} must be [B, T] = {tuple(q.shape[:2])}")
+    if q.shape[2] % k.shape[2] or q.shape[3] != k.shape[3] or k.shape != v.shape:
+        raise ValueError(f"bad GQA shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    if block_table is None and k.shape[0] != q.shape[0]:
+        raise ValueError("contiguous KV must have one sequence per query batch row")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    impl = backend_for(q).attention
+    fwd = lambda q_, k_, v_: impl(q_, k_, v_, positions, block_table=block_table, scale=scale,  # noqa: E731
+                                  block_kv=BLOCK_KV)
+    if block_table is not None:
+        return fwd(q, k, v)
+    return with_reference_grad(fwd, lambda q_, k_, v_: attention_ref(q_, k_, v_, positions, scale), q, k, v)
+
+
+__all__ = ["BLOCK_KV", "TREE_SEGMENTS", "add", "attention", "backend_for", "gumbel_noise", "log_softmax",
+           "matmul", "rms_norm", "rotary", "sample", "silu_mul"]

@@ -1,0 +1,196 @@
+"""The canonical forward of a Llama / Qwen2 / Qwen3 decoder, written once over an op set.
+
+The trainer (trainer_patch) and the rollout verifier run it with CANONICAL_OPS; the native fast path
+runs the very same code with ordinary torch ops. Weights are read from the Hugging Face modules
+(under FSDP2, from their unsharded parameters), so there is one copy of the model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import kernels as K
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class OpSet:
+    """The ops a forward uses; CANONICAL_OPS or a fast path's own."""
+    name: str
+    linear: Callable  # (x, weight, bias, row_parallel) -> bf16
+    logits: Callable  # (x, weight) -> float32
+    rms_norm: Callable  # (x, weight, eps) -> bf16
+    attention: Callable  # (q, k, v, positions, block_table, scale) -> bf16
+    silu_mul: Callable
+    add: Callable = K.add
+    rotary: Callable = K.rotary
+
+
+CANONICAL_OPS = OpSet(
+    name="canonical",
+    linear=lambda x, w, b=None, row_parallel=False: K.matmul(x, w, b, row_parallel=row_parallel),
+    logits=lambda x, w: K.matmul(x, w, out_dtype=torch.float32),
+    rms_norm=K.rms_norm,
+    attention=lambda q, k, v, positions, block_table=None, scale=None: K.attention(
+        q, k, v, positions, block_table=block_table, scale=scale),
+    silu_mul=K.silu_mul,
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    qk_norm: bool
+    max_positions: int
+
+
+def model_spec(model: torch.nn.Module) -> ModelSpec:
+    """Validate that `model` is a supported dense decoder and describe it."""
+    arch = type(model).__name__
+    # FSDP2 wraps the class in a dynamic subclass; look through it.
+    for cls in type(model).__mro__:
+        if cls.__name__ in SUPPORTED_ARCHITECTURES:
+            arch = cls.__name__
+            break
+    else:
+        raise TypeError(f"unsupported model {arch}: supported are {', '.join(SUPPORTED_ARCHITECTURES)}")
+    cfg = model.config
+    if getattr(cfg, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported (use_sliding_window=True)")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"only SiLU MLPs are supported, got hidden_act={cfg.hidden_act!r}")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelSpec(arch, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                     cfg.num_key_value_heads, head_dim, cfg.vocab_size, cfg.rms_norm_eps,
+                     arch == "Qwen3ForCausalLM", cfg.max_position_embeddings)
+
+
+class RopeTable:
+    """cos/sin per absolute position, computed once with Python's math (deterministic per element)."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0, chunk: int = 1024):
+        self.inv_freq = [float(f) for f in inv_freq.detach().float().cpu()]
+        self.scaling = float(attention_scaling)
+        self.chunk = chunk
+        self.cos = torch.empty(0, len(self.inv_freq))
+        self.sin = torch.empty(0, len(self.inv_freq))
+
+    def _grow(self, n: int) -> None:
+        start = self.cos.shape[0]
+        stop = -(-n // self.chunk) * self.chunk
+        angles = [[p * f for f in self.inv_freq] for p in range(start, stop)]
+        cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64)
+        sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64)
+        self.cos = torch.cat([self.cos, (cos.float() * self.scaling)])
+        self.sin = torch.cat([self.sin, (sin.float() * self.scaling)])
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max().item()) + 1 if positions.numel() else 0
+        if need > self.cos.shape[0]:
+            self._grow(need)
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+        idx = positions.clamp_min(0)
+        return self.cos[idx], self.sin[idx]
+
+
+def rope_table(model: torch.nn.Module) -> RopeTable:
+    table = model.__dict__.get("_zerokl_rope")
+    if table is None:
+        rotary = model.model.rotary_emb
+        table = RopeTable(rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0))
+        model.__dict__["_zerokl_rope"] = table
+    return table
+
+
+@dataclass
+class PagedKV:
+    """A paged KV cache: per layer [num_blocks, block_size, Hkv, D] pools, written at slot_mapping."""
+    k_pools: list[torch.Tensor]
+    v_pools: list[torch.Tensor]
+    block_table: torch.Tensor  # [B, max_blocks] int
+    slot_mapping: torch.Tensor  # [B, T] flat slot per token; -1 = padding
+
+    def write_and_get(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        kp, vp = self.k_pools[layer_idx], self.v_pools[layer_idx]
+        slots = self.slot_mapping.reshape(-1)
+        valid = slots >= 0
+        kp.view(-1, *kp.shape[2:])[slots[valid]] = k.reshape(-1, *k.shape[2:])[valid].to(kp.dtype)
+        vp.view(-1, *vp.shape[2:])[slots[valid]] = v.reshape(-1, *v.shape[2:])[valid].to(vp.dtype)
+        return kp, vp, self.block_table
+
+
+@dataclass
+class ForwardContext:
+    ops: OpSet
+    spec: ModelSpec
+    positions: torch.Tensor  # [B, T]; negative = padding token
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv: PagedKV | None = None  # None: contiguous KV of this call (training / full sequences)
+    extras: dict = field(default_factory=dict)
+
+
+def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(torch.bfloat16)
+
+
+def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """One decoder layer; installed as the layer's forward so FSDP2's hooks still wrap it."""
+    ops, spec = ctx.ops, ctx.spec
+    attn, mlp = layer.self_attn, layer.mlp
+    b, t, _ = hidden.shape
+    x = ops.rms_norm(hidden, _bf16(layer.input_layernorm.weight), spec.rms_norm_eps)
+    q = ops.linear(x, _bf16(attn.q_proj.weight), _bf16(attn.q_proj.bias)).view(b, t, -1, spec.head_dim)
+    k = ops.linear(x, _bf16(attn.k_proj.weight), _bf16(attn.k_proj.bias)).view(b, t, -1, spec.head_dim)
+    v = ops.linear(x, _bf16(attn.v_proj.weight), _bf16(attn.v_proj.bias)).view(b, t, -1, spec.head_dim)
+    if spec.qk_norm:
+        q = ops.rms_norm(q, _bf16(attn.q_norm.weight), spec.rms_norm_eps)
+        k = ops.rms_norm(k, _bf16(attn.k_norm.weight), spec.rms_norm_eps)
+    q, k = ops.rotary(q, ctx.cos, ctx.sin), ops.rotary(k, ctx.cos, ctx.sin)
+    scale = getattr(attn, "scaling", spec.head_dim ** -0.5)
+    if ctx.kv is None:
+        o = ops.attention(q, k, v, ctx.positions, None, scale)
+    else:
+        kp, vp, table = ctx.kv.write_and_get(attn.layer_idx, k, v)
+        o = ops.attention(q, kp, vp, ctx.positions, table, scale)
+    o = ops.linear(o.reshape(b, t, -1), _bf16(attn.o_proj.weight), _bf16(attn.o_proj.bias), row_parallel=True)
+    hidden = ops.add(hidden, o)
+    x = ops.rms_norm(hidden, _bf16(layer.post_attention_layernorm.weight), spec.rms_norm_eps)
+    gate = ops.linear(x, _bf16(mlp.gate_proj.weight), _bf16(mlp.gate_proj.bias))
+    up = ops.linear(x, _bf16(mlp.up_proj.weight), _bf16(mlp.up_proj.bias))
+    down = ops.linear(ops.silu_mul(gate, up), _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias),
+                      row_parallel=True)
+    return ops.add(hidden, down)
+
+
+def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, *,
+                   ops: OpSet = CANONICAL_OPS, kv: PagedKV | None = None) -> torch.Tensor:
+    """Final-norm hidden states [B, T, H] (bf16) for token ids [B, T] at absolute positions [B, T]."""
+    spec = model_spec(model)
+    cos, sin = rope_table(model).lookup(positions)
+    ctx = ForwardContext(ops, spec, positions, cos, sin, kv)
+    hidden = model.model.embed_tokens(input_ids).to(torch.bfloat16)
+    for layer in model.model.layers:
+        hidden = layer(hidden, ctx) if _is_patched(layer) else decoder_layer_forward(layer, hidden, ctx)
+    return ops.rms_norm(hidden, _bf16(model.model.norm.weight), spec.rms_norm_eps)
+
+
+def compute_logits(model: torch.nn.Module, hidden: torch.Tensor, ops: OpSet = CANONICAL_OPS) -> torch.Tensor:
+    """float32 logits from final hidden states (fp32 accumulator, never rounded to bf16)."""
+    return ops.logits(hidden, _bf16(model.lm_head.weight))
+
+
+def _is_patched(layer: torch.nn.Module) -> bool:
+    return layer.__dict__.get("_zerokl_patched", False)

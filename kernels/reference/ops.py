@@ -1,0 +1,139 @@
+"""Reference canonical ops: plain torch, any device, invariant by construction.
+
+Every per-row result is a fixed sequence of correctly rounded operations on that row's own inputs:
+reductions run in a fixed order (sequential over K for matmul, fixed trees elsewhere) that does not
+depend on how many rows are computed together, where a row sits, or how a sequence is chunked.
+Slow (a Python loop over K), which is fine for tests, tiny models and as the oracle for GPU kernels.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import exact_math as em
+
+
+def matmul_partials(x: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
+    """fp32 [segments, M, N]: segment s = sum over its K slice, k = lo, lo+1, ... in order.
+
+    x [M, K], weight [N, K] (nn.Linear layout), bf16 values. bf16 x bf16 products are exact in fp32,
+    so fused or unfused multiply-add gives the same bits; one rounding per step.
+    """
+    k_dim = x.shape[-1]
+    xf = x.float()
+    wt = weight.float().t().contiguous()  # [K, N]: row k is contiguous for the rank-1 update
+    seg_len = -(-k_dim // segments)
+    out = torch.zeros(segments, xf.shape[0], wt.shape[1], dtype=torch.float32, device=x.device)
+    for s in range(segments):
+        acc = out[s]
+        for k in range(s * seg_len, min((s + 1) * seg_len, k_dim)):
+            acc.addcmul_(xf[:, k:k + 1], wt[k:k + 1])
+    return out
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           segments: int = 1, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x @ weight.T (+ bias), x [..., K]: K in `segments` equal segments (each in order), the
+    partials combined by a fixed binary tree, then the bias added."""
+    parts = matmul_partials(x.reshape(-1, x.shape[-1]), weight, segments)
+    out = em.tree_combine(list(parts.unbind(0)))
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    var = em.tree_sum(xf * xf) / xf.shape[-1]
+    inv = 1.0 / torch.sqrt(var + eps)
+    y = (xf * inv.unsqueeze(-1)).to(torch.bfloat16)
+    return (weight.float() * y.float()).to(torch.bfloat16)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    z = xf - xf.amax(dim=-1, keepdim=True)
+    return z - em.log(em.tree_sum(em.exp(z))).unsqueeze(-1)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g = gate.float()
+    return (g * em.sigmoid(g) * up.float()).to(torch.bfloat16)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Paged cache [NB, BS, H, D] + block table [B, nb] -> contiguous [B, num_blocks * BS, H, D]."""
+    blocks = cache[block_table[:, :num_blocks].long()]
+    return blocks.reshape(block_table.shape[0], -1, *cache.shape[2:])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              block_table: torch.Tensor | None = None, scale: float | None = None,
+              block_kv: int = 16) -> torch.Tensor:
+    """Causal GQA attention where query (b, t) at positions[b, t] sees keys 0..positions[b, t] of b.
+
+    q [B, T, Hq, D]. Contiguous KV: k, v [B, L, Hkv, D], key j at position j. Paged KV: k, v
+    [NB, BS, Hkv, D] with block_table [B, nb]. Negative positions mark padding rows (output 0).
+    KV is visited in blocks of `block_kv` positions from 0 with an fp32 online softmax; blocks with no
+    visible key leave a row's state untouched, so extra blocks (a longer neighbour) change nothing.
+    """
+    bsz, tq, hq, d = q.shape
+    max_pos = int(positions.max().item()) if positions.numel() else -1
+    n_keys = max_pos + 1
+    if block_table is not None:
+        bs = k.shape[1]
+        nb = -(-n_keys // bs)
+        k, v = gather_kv(k, block_table, nb), gather_kv(v, block_table, nb)
+    k, v = k[:, :n_keys], v[:, :n_keys]
+    hkv = k.shape[2]
+    heads = torch.arange(hq, device=q.device) // (hq // hkv)
+    n_pad = -(-max(n_keys, 1) // block_kv) * block_kv
+    pad = (0, 0, 0, 0, 0, n_pad - k.shape[1])
+    kf = torch.nn.functional.pad(k.float(), pad).index_select(2, heads)  # [B, L, Hq, D]
+    vf = torch.nn.functional.pad(v.float(), pad).index_select(2, heads)
+    # keys beyond a sequence's last query position may be stale cache contents: never read them
+    row_max = positions.amax(dim=1)
+    vf = torch.where((torch.arange(n_pad, device=q.device)[None, :] <= row_max[:, None])[..., None, None], vf, 0.0)
+    qf = q.float()
+    scale = d ** -0.5 if scale is None else scale
+
+    scores = torch.zeros(bsz, tq, hq, n_pad, dtype=torch.float32, device=q.device)
+    kt = kf.permute(0, 2, 3, 1).unsqueeze(1)  # [B, 1, Hq, D, L]
+    for j in range(d):
+        scores.addcmul_(qf[..., j:j + 1], kt[:, :, :, j])
+    scores = scores * scale
+
+    m = torch.full((bsz, tq, hq), float("-inf"), device=q.device)
+    denom = torch.zeros(bsz, tq, hq, device=q.device)
+    acc = torch.zeros(bsz, tq, hq, d, device=q.device)
+    key_pos = torch.arange(n_pad, device=q.device)
+    for start in range(0, n_pad, block_kv):
+        visible = (key_pos[start:start + block_kv] <= positions[..., None])[:, :, None, :]  # [B,T,1,Bk]
+        s = torch.where(visible, scores[..., start:start + block_kv], float("-inf"))
+        any_visible = visible.any(-1)  # [B, T, 1]
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.where(torch.isinf(m), 0.0, em.exp(m - m_new))
+        p = torch.where(visible, em.exp(s - m_new.unsqueeze(-1)), 0.0)
+        new_denom = denom * alpha + em.tree_sum(p)
+        pb = p.to(torch.bfloat16).float()
+        pv = torch.zeros_like(acc)
+        for j in range(block_kv):
+            pv.addcmul_(pb[..., j:j + 1], vf[:, None, start + j])
+        new_acc = acc * alpha.unsqueeze(-1) + pv
+        m = torch.where(any_visible, m_new, m)
+        denom = torch.where(any_visible, new_denom, denom)
+        acc = torch.where(any_visible.unsqueeze(-1), new_acc, acc)
+    out = acc / torch.where(denom > 0, denom, 1.0).unsqueeze(-1)
+    out = out + 0.0  # canonical sign of zero
+    return torch.where((positions >= 0)[..., None, None], out, 0.0).to(torch.bfloat16)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x [B, T, H, D] bf16, cos/sin [B, T, D/2] fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(torch.bfloat16)
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.float() + b.float()).to(torch.bfloat16)

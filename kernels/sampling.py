@@ -1,0 +1,99 @@
+"""Seeded Gumbel-max sampling with a counter-based hash: no RNG state, no dependence on the batch.
+
+token = argmax over allowed ids of logits / T + g(seed, position, id), g = -log(-log(u)), u from a
+32-bit integer hash of (seed, position, id). Greedy (T == 0) is plain argmax. Ties go to the lowest id.
+Integer ops and the exact-math log make the noise identical on every device, so any engine that
+applies this rule to the same logits picks the same token.
+"""
+from __future__ import annotations
+
+import torch
+
+from .reference import exact_math as em
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3 finaliser on int64 tensors holding uint32 values (products wrap; low bits kept)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u in (0, 1), float32 [N, V], a pure function of (seed, position, token id)."""
+    seeds = seeds.to(torch.int64).reshape(-1, 1)
+    positions = positions.to(torch.int64).reshape(-1, 1)
+    ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64).reshape(1, -1)
+    h = _fmix32((ids * 0x9E3779B1 + 0x7F4A7C15) & _MASK32)
+    h = _fmix32((h + (positions & _MASK32)) & _MASK32)
+    h = _fmix32((h + (seeds & _MASK32)) & _MASK32)
+    h = _fmix32((h + ((seeds >> 32) & _MASK32)) & _MASK32)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return -em.log(-em.log(hash_uniform(seeds, positions, vocab_size)))
+
+
+def _first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the maximum per row, lowest index on ties (independent of the backend's argmax)."""
+    ids = torch.arange(x.shape[-1], device=x.device).expand_as(x)
+    top = x.amax(dim=-1, keepdim=True)
+    return torch.where(x == top, ids, x.shape[-1]).amin(dim=-1)
+
+
+def allowed_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Bool [N, V]: ids kept by top-k then top-p, ranking by value with lower ids first on ties."""
+    n, vocab = scaled.shape
+    order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(vocab, device=scaled.device).expand(n, vocab))
+    k = torch.where(top_k > 0, top_k, vocab).reshape(-1, 1)
+    keep = rank < k
+    probs = em.exp(scaled - scaled.amax(-1, keepdim=True))
+    probs = torch.where(keep, probs, 0.0)
+    sorted_probs = probs.gather(1, order)
+    # mass strictly before each sorted id, in sorted order (sequential prefix sum per row)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    total = em.tree_sum(probs).unsqueeze(-1)
+    keep_sorted = before < top_p.reshape(-1, 1).float() * total
+    keep_sorted[:, 0] = True
+    keep_p = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+    return keep & keep_p
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row of float32 logits [N, V]; per-row temperature (0 = greedy), top_k (<= 0 =
+    off), top_p (1.0 = off), seed and absolute position of the token being sampled."""
+    _check_sample_args(logits, temperature, top_k, top_p, seeds, positions)
+    logits = logits.float()
+    temperature = temperature.to(logits.device, torch.float32).reshape(-1, 1)
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)
+    needs_mask = bool(((top_k > 0) | (top_p < 1.0)).any())
+    if needs_mask:
+        mask = allowed_mask(scaled, top_k.to(logits.device), top_p.to(logits.device))
+        scaled = torch.where(mask, scaled, float("-inf"))
+    noisy = scaled + gumbel_noise(seeds.to(logits.device), positions.to(logits.device), logits.shape[-1])
+    return torch.where(greedy.reshape(-1), _first_argmax(scaled), _first_argmax(noisy))
+
+
+def _check_sample_args(logits, temperature, top_k, top_p, seeds, positions) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}")
+    n = logits.shape[0]
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                    ("seeds", seeds), ("positions", positions)):
+        if not isinstance(t, torch.Tensor) or t.numel() != n:
+            raise ValueError(f"{name} must be a tensor with one entry per row ({n})")
+    if bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):
+        raise ValueError("temperature must be finite and >= 0 (0 means greedy)")
+    if bool(((top_p <= 0) | (top_p > 1)).any()):
+        raise ValueError("top_p must be in (0, 1]")
+    if bool((positions < 0).any()):
+        raise ValueError("positions must be >= 0")

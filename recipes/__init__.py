@@ -1,0 +1,1 @@
+"""GRPO recipes and the embedded tiny default (model, tokenizer, task)."""

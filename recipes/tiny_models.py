@@ -1,0 +1,40 @@
+"""Tiny randomly initialised Llama / Qwen2 / Qwen3 models: no downloads, seconds on a CPU."""
+from __future__ import annotations
+
+import torch
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def tiny_config(arch: str = "qwen2", vocab_size: int = 96, hidden_size: int = 64, num_layers: int = 2,
+                num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                max_positions: int = 512):
+    import transformers
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=hidden_size // num_heads, **common)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+
+
+def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.bfloat16, **config_kwargs):
+    """A randomly initialised causal LM (weights scaled up so that outputs are not near-uniform)."""
+    import transformers
+    cfg = tiny_config(arch, **config_kwargs)
+    torch.manual_seed(seed)
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    model = model_cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.02)
+    return model.to(dtype).eval()

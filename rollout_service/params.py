@@ -1,0 +1,79 @@
+"""Request and result types shared by the engine, the Ray service and the recipes."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DETERMINISM_MODES = ("verified", "invariant", "off")
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served (bad params, bad token ids, prompt too long...)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    determinism: str = "verified"
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        def bad(msg):
+            raise InvalidRequestError(f"invalid SamplingParams: {msg}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            bad(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.determinism not in DETERMINISM_MODES:
+            bad(f"determinism must be one of {DETERMINISM_MODES}, got {self.determinism!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63):
+            bad(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if self.seed is None and not self.greedy and self.determinism != "off":
+            bad(f"a sampled request (temperature={self.temperature}) with determinism="
+                f"{self.determinism!r} needs a seed")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+    @property
+    def effective_seed(self) -> int:
+        return 0 if self.seed is None else self.seed
+
+
+@dataclass
+class RolloutStats:
+    verify_windows: int = 0
+    rollbacks: int = 0
+    recomputed_tokens: int = 0  # proposals the verifier recomputed and rejected
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass
+class Rollout:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
+    error: str | None = None
+    stats: RolloutStats = field(default_factory=RolloutStats)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_reason in ("stop", "length")
