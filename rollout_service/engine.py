@@ -1,0 +1,290 @@
+"""The rollout engine: continuous batching with decode-verify-rollback (DVR).
+
+Per step the engine either prefills (canonically, chunked under a token budget) or decodes:
+  * `verified`: the fast path proposes up to W tokens; the verifier replays the windows of G requests
+    in one canonical forward, commits the matching prefix plus its own next token, and its KV
+    overwrites the fast path's (same paged cache), which rolls the fast path back.
+  * `invariant`: a verify window with no proposals: one canonical token per step.
+  * `off`: the fast path's tokens and log-probs are committed as they are.
+Outputs are a pure function of (weights, prompt, params, seed) for verified and invariant requests.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from collections import deque
+from pathlib import Path
+
+import torch
+
+import kernels as K
+from kernels.forward import CANONICAL_OPS, model_spec
+
+from .fast_path.base import DraftRequest, FastPath
+from .fast_path.native import NativeFastPath, sample_rows, token_logprobs_at
+from .kv_cache import KVCache, OutOfBlocks
+from .params import InvalidRequestError, Rollout, SamplingParams
+from .request import Request
+from .runner import Chunk, ModelRunner
+from .weights import load_weights, model_digest
+
+
+def load_model(model, device, copy_model: bool = True) -> torch.nn.Module:
+    """An HF causal LM (object or local directory) as a bf16 inference model on `device`."""
+    if isinstance(model, (str, Path)):
+        path = Path(model)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model path {str(model)!r} is not a local directory "
+                                    "(no model hub is contacted; pass a saved checkpoint or a model object)")
+        import transformers
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    elif not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a Hugging Face model or a local path, got {type(model).__name__}")
+    elif copy_model:
+        model = copy.deepcopy(model)
+    model_spec(model)  # supported architecture?
+    return model.to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
+
+
+class Engine:
+    def __init__(self, model, fast_path: str | FastPath = "native", window: int = 32, group: int = 8,
+                 device: str = "cpu", *, block_size: int = 16, kv_cache_tokens: int = 65536,
+                 max_num_seqs: int = 256, max_prefill_tokens: int = 4096, max_model_len: int | None = None,
+                 copy_model: bool = True, fast_path_options: dict | None = None):
+        if window < 1 or group < 1:
+            raise ValueError(f"window and group must be >= 1, got window={window} group={group}")
+        self.device = torch.device(device)
+        self.model = load_model(model, self.device, copy_model)
+        self.spec = model_spec(self.model)
+        self.window, self.group = window, group
+        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
+        self.max_model_len = max_model_len or self.spec.max_positions
+        self.cache = KVCache(self.spec, -(-kv_cache_tokens // block_size), block_size, self.device)
+        self.verifier = ModelRunner(self.model, self.cache, CANONICAL_OPS, self.device)
+        self.fast_path = self._make_fast_path(fast_path, fast_path_options or {})
+        self._ids = itertools.count()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._done: list[tuple[int, Rollout]] = []
+
+    def _make_fast_path(self, fast_path, options) -> FastPath:
+        if fast_path == "native":
+            return NativeFastPath(self.model, self.cache, self.device)
+        if fast_path == "vllm":
+            from .fast_path.vllm import VLLMFastPath
+            return VLLMFastPath(self.model, **options)
+        if isinstance(fast_path, str):
+            raise ValueError(f"unknown fast_path {fast_path!r}: use 'native', 'vllm' or a FastPath object")
+        return fast_path
+
+    # ---- public API -------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids, params: SamplingParams) -> int:
+        """Queue a request; raises InvalidRequestError if it can never be served."""
+        prompt = self._check_prompt(prompt_token_ids)
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        need = self.cache.blocks_for(len(prompt) + params.max_tokens)
+        if need > self.cache.num_blocks:
+            raise InvalidRequestError(f"request can never fit: prompt + max_tokens needs {need} KV blocks, "
+                                      f"the cache has {self.cache.num_blocks}")
+        req = Request(next(self._ids), prompt, params, arrival=0)
+        req.arrival = req.request_id
+        self.waiting.append(req)
+        return req.request_id
+
+    def abort(self, request_id: int) -> bool:
+        for queue in (self.waiting, self.running):
+            for req in list(queue):
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    req.finish_reason = "abort"
+                    self._finish(req)
+                    return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._done)
+
+    def step(self) -> list[tuple[int, Rollout]]:
+        """One scheduling step; returns the requests that finished during it."""
+        self._admit()
+        if self.running:
+            prefill = [r for r in self.running if r.needs_prefill]
+            if prefill:
+                self._prefill(prefill)
+            else:
+                self._decode(list(self.running))
+            for req in [r for r in self.running if r.finish_reason]:
+                self.running.remove(req)
+                self._finish(req)
+        done, self._done = self._done, []
+        return done
+
+    def generate(self, prompts, params, use_tqdm: bool = False) -> list[Rollout]:
+        """Rollouts in request order; a request that cannot be served gets finish_reason 'error'."""
+        params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+        results: dict[int, Rollout] = {}
+        order: list[int | Rollout] = []
+        for prompt, p in zip(prompts, params_list):
+            try:
+                order.append(self.add_request(prompt, p))
+            except (InvalidRequestError, TypeError, ValueError) as err:
+                order.append(Rollout(list(prompt) if isinstance(prompt, (list, tuple)) else [],
+                                     finish_reason="error", error=str(err)))
+        wanted = {x for x in order if isinstance(x, int)}
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            progress = tqdm(total=len(wanted), desc="rollouts")
+        while wanted - results.keys():
+            for rid, rollout in self.step():
+                results[rid] = rollout
+                if progress is not None and rid in wanted:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [results[x] if isinstance(x, int) else x for x in order]
+
+    def update_weights(self, state_dict) -> str:
+        """Load new weights (names and shapes must match); returns the content digest."""
+        digest = load_weights(self.model, state_dict)
+        self.fast_path.update_weights(state_dict)
+        return digest
+
+    def weights_digest(self) -> str:
+        return model_digest(self.model)
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def _check_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt):
+            raise InvalidRequestError("prompt must be a list of int token ids")
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt has token ids outside [0, {self.spec.vocab_size}): {bad[:5]}")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
+        return list(prompt)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if self.cache.blocks_for(len(req.tokens) + 1) > self.cache.free_blocks:
+                break
+            self.running.append(self.waiting.popleft())
+
+    def _finish(self, req: Request) -> None:
+        self.cache.release(req.block_ids)
+        self.fast_path.release(req.request_id)
+        self._done.append((req.request_id, req.to_rollout()))
+
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        """Blocks for num_tokens slots of req, preempting the youngest other requests if needed."""
+        while True:
+            try:
+                self.cache.ensure(req.block_ids, num_tokens)
+                return True
+            except OutOfBlocks:
+                victims = [r for r in self.running if r is not req and r.block_ids]
+                if not victims:
+                    return False
+                self._preempt(max(victims, key=lambda r: r.arrival))
+
+    def _preempt(self, req: Request) -> None:
+        """Free req's KV; it is recomputed canonically (same bits) when it runs again."""
+        self.cache.release(req.block_ids)
+        self.fast_path.release(req.request_id)
+        req.num_cached = 0
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        budget = self.max_prefill_tokens
+        items = []
+        for req in sorted(reqs, key=lambda r: r.arrival):
+            if budget <= 0 or len(items) == self.group or req not in self.running:
+                break
+            todo = len(req.tokens) - req.num_cached
+            take = min(todo, budget)
+            if not self._reserve(req, req.num_cached + take):
+                break
+            items.append((req, take == todo, take))
+            budget -= take
+        items = [it for it in items if it[0] in self.running]  # a later reservation may preempt
+        if items:
+            self._canonical_pass([(req, [], final, take) for req, final, take in items])
+
+    def _decode(self, reqs: list[Request]) -> None:
+        plans = []
+        for req in sorted(reqs, key=lambda r: r.arrival):
+            if req not in self.running:
+                continue  # preempted while reserving for an earlier request
+            room = min(req.remaining, self.max_model_len - len(req.tokens))
+            mode = req.params.determinism
+            n = 0 if mode == "invariant" else min(self.window, room - (mode == "verified"))
+            if self._reserve(req, len(req.tokens) + max(n, 1)):
+                plans.append((req, n))
+        plans = [(r, n) for r, n in plans if r in self.running]
+        drafts = [(r, n) for r, n in plans if n > 0]
+        proposals = {}
+        if drafts:
+            outs = self.fast_path.propose([DraftRequest(r.request_id, list(r.tokens), r.params, n, r.block_ids,
+                                                        len(r.prompt)) for r, n in drafts])
+            proposals = {r.request_id: p for (r, _), p in zip(drafts, outs)}
+        canonical = []
+        for req, n in plans:
+            prop = proposals.get(req.request_id)
+            if req.params.determinism == "off":
+                k = len(prop.token_ids)
+                req.num_cached = len(req.tokens) - 1 + k
+                req.commit(prop.token_ids, prop.logprobs, self.max_model_len)
+            else:
+                canonical.append((req, prop.token_ids if prop else [], True, None))
+        for start in range(0, len(canonical), self.group):
+            self._canonical_pass(canonical[start:start + self.group])
+
+    def _canonical_pass(self, items) -> None:
+        """One canonical forward over G requests: items are (req, proposals, final, prefill_take).
+
+        Feeds req.tokens[num_cached:] (+ proposals); for final items samples every window position,
+        commits the proposals the verifier agrees with plus the verifier's own next token.
+        """
+        chunks = []
+        for req, props, final, take in items:
+            fed = req.tokens[req.num_cached:req.num_cached + take] if take else req.tokens[req.num_cached:]
+            chunks.append(Chunk(fed + props, req.num_cached, req.block_ids, (len(props) + 1) if final else 0))
+        logits = self.verifier.forward(chunks)
+        rows, params, positions = [], [], []
+        for (req, props, final, _), lg in zip(items, logits):
+            rows.append(lg)
+            params += [req.params] * lg.shape[0]
+            positions += list(range(len(req.tokens), len(req.tokens) + lg.shape[0]))
+        all_logits = torch.cat(rows)
+        tokens = sample_rows(all_logits, params, positions) if all_logits.shape[0] else None
+        logps = token_logprobs_at(all_logits, params, tokens, K.log_softmax) if tokens is not None else None
+        offset = 0
+        for (req, props, final, take), chunk in zip(items, chunks):
+            if not final:
+                req.num_cached += len(chunk.token_ids)
+                continue
+            n = len(props)
+            canon = tokens[offset:offset + n + 1].tolist()
+            canon_lp = logps[offset:offset + n + 1].tolist()
+            offset += n + 1
+            j = next((i for i in range(n) if canon[i] != props[i]), n)
+            if req.num_generated > 0 and req.params.determinism == "verified" and not req.needs_prefill:
+                req.stats.verify_windows += 1
+                req.stats.proposed_tokens += n
+                req.stats.accepted_tokens += j
+                if j < n:
+                    req.stats.rollbacks += 1
+                    req.stats.recomputed_tokens += n - j
+            req.num_cached = len(req.tokens) + j
+            req.commit(canon[:j + 1], canon_lp[:j + 1], self.max_model_len)

@@ -1,0 +1,65 @@
+"""The native fast path: the project's batched decoder over the engine's own paged KV cache.
+
+It runs the shared decoder forward with ordinary torch ops (FAST_OPS) and samples with the same
+seeded Gumbel rule as the verifier, so proposals agree whenever the fast logits pick the same token.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import sample
+
+from ..runner import Chunk, ModelRunner
+from .base import DraftRequest, Proposal
+from .native_ops import FAST_OPS
+
+
+def sample_rows(logits: torch.Tensor, params_rows, positions: list[int]) -> torch.Tensor:
+    """kernels.sample for rows with per-row SamplingParams."""
+    dev = logits.device
+    return sample(
+        logits,
+        torch.tensor([p.temperature for p in params_rows], dtype=torch.float32, device=dev),
+        torch.tensor([p.top_k for p in params_rows], device=dev),
+        torch.tensor([p.top_p for p in params_rows], dtype=torch.float32, device=dev),
+        torch.tensor([p.effective_seed for p in params_rows], dtype=torch.int64, device=dev),
+        torch.tensor(positions, device=dev))
+
+
+def token_logprobs_at(logits: torch.Tensor, params_rows, tokens: torch.Tensor, log_softmax) -> torch.Tensor:
+    """log_softmax(logits / T)[token] per row; greedy rows use T = 1."""
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params_rows],
+                         dtype=torch.float32, device=logits.device).reshape(-1, 1)
+    return log_softmax(logits / temps).gather(1, tokens.reshape(-1, 1)).squeeze(1)
+
+
+class NativeFastPath:
+    name = "native"
+
+    def __init__(self, model: torch.nn.Module, cache, device):
+        self.runner = ModelRunner(model, cache, FAST_OPS, device)
+
+    def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        out = [Proposal([], []) for _ in batch]
+        for step in range(max((r.num_tokens for r in batch), default=0)):
+            live = [i for i, r in enumerate(batch) if r.num_tokens > step]
+            chunks, params, positions = [], [], []
+            for i in live:
+                r = batch[i]
+                seq = r.token_ids + out[i].token_ids
+                chunks.append(Chunk([seq[-1]], len(seq) - 1, r.block_ids, 1))
+                params.append(r.params)
+                positions.append(len(seq))
+            logits = torch.cat(self.runner.forward(chunks))
+            tokens = sample_rows(logits, params, positions)
+            logps = token_logprobs_at(logits, params, tokens, lambda x: torch.log_softmax(x, dim=-1))
+            for i, tok, lp in zip(live, tokens.tolist(), logps.tolist()):
+                out[i].token_ids.append(tok)
+                out[i].logprobs.append(lp)
+        return out
+
+    def release(self, request_id: int) -> None:
+        pass  # all state lives in the engine's KV cache
+
+    def update_weights(self, state_dict) -> None:
+        pass  # shares the engine's model

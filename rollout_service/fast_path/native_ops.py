@@ -1,0 +1,53 @@
+"""Ordinary (non-canonical) torch ops for the native fast path: whatever is fastest on the device."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.forward import OpSet
+from kernels.reference.ops import gather_kv
+
+
+def _linear(x, w, b=None, row_parallel=False):
+    return F.linear(x, w, b)
+
+
+def _logits(x, w):
+    return F.linear(x, w).float()
+
+
+def _rms_norm(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _attention(q, k, v, positions, block_table=None, scale=None):
+    """Masked SDPA over the gathered paged cache (GPU: flash / split-KV decode kernels)."""
+    n_keys = int(positions.max().item()) + 1
+    if block_table is not None:
+        nb = -(-n_keys // k.shape[1])
+        k, v = gather_kv(k, block_table, nb), gather_kv(v, block_table, nb)
+    k, v = k[:, :n_keys].transpose(1, 2), v[:, :n_keys].transpose(1, 2)  # [B, Hkv, L, D]
+    groups = q.shape[2] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    visible = torch.arange(n_keys, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, T, L]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale)
+    return torch.where((positions >= 0)[..., None, None], out.transpose(1, 2), 0).to(q.dtype)
+
+
+def _silu_mul(gate, up):
+    return F.silu(gate) * up
+
+
+def _add(a, b):
+    return a + b
+
+
+def _rotary(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+FAST_OPS = OpSet(name="fast", linear=_linear, logits=_logits, rms_norm=_rms_norm, attention=_attention,
+                 silu_mul=_silu_mul, add=_add, rotary=_rotary)

@@ -1,0 +1,48 @@
+"""Runs one forward over a padded batch of sequence chunks against the paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.forward import OpSet, PagedKV, compute_logits, forward_hidden
+
+from .kv_cache import KVCache
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]  # tokens fed this pass (their KV is written)
+    start_pos: int  # absolute position of token_ids[0]
+    block_ids: list[int]
+    num_logits: int  # logits wanted for the last num_logits tokens
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: KVCache, ops: OpSet, device: torch.device):
+        self.model, self.cache, self.ops, self.device = model, cache, ops, torch.device(device)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """float32 logits [num_logits, V] for each chunk."""
+        bsz, t_max = len(chunks), max(len(c.token_ids) for c in chunks)
+        max_blocks = max(len(c.block_ids) for c in chunks)
+        ids = torch.zeros(bsz, t_max, dtype=torch.long)
+        pos = torch.full((bsz, t_max), -1, dtype=torch.long)
+        table = torch.zeros(bsz, max_blocks, dtype=torch.int32)
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            ids[i, :n] = torch.tensor(c.token_ids)
+            pos[i, :n] = torch.arange(c.start_pos, c.start_pos + n)
+            table[i, :len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.int32)
+        bs = self.cache.block_size
+        safe = pos.clamp_min(0)
+        slots = table.long().gather(1, safe // bs) * bs + safe % bs
+        slots = torch.where(pos >= 0, slots, -1)
+        ids, pos, table, slots = (t.to(self.device) for t in (ids, pos, table, slots))
+        kv = PagedKV(self.cache.k, self.cache.v, table, slots)
+        hidden = forward_hidden(self.model, ids, pos, ops=self.ops, kv=kv)
+        rows = torch.cat([torch.arange(len(c.token_ids) - c.num_logits, len(c.token_ids)) + i * t_max
+                          for i, c in enumerate(chunks)]).to(self.device)
+        logits = compute_logits(self.model, hidden.reshape(bsz * t_max, -1)[rows], self.ops)
+        return list(logits.split([c.num_logits for c in chunks]))
