@@ -247,8 +247,13 @@ class Engine:
                 req.commit(prop.token_ids, prop.logprobs, self.max_model_len)
             else:
                 canonical.append((req, prop.token_ids if prop else [], True, None))
-        for start in range(0, len(canonical), self.group):
-            self._canonical_pass(canonical[start:start + self.group])
+        # verify windows go G at a time (grouped verification); single-token invariant steps all at once
+        windows = [it for it in canonical if it[0].params.determinism == "verified"]
+        steps = [it for it in canonical if it[0].params.determinism == "invariant"]
+        for start in range(0, len(windows), self.group):
+            self._canonical_pass(windows[start:start + self.group])
+        if steps:
+            self._canonical_pass(steps)
 
     def _canonical_pass(self, items) -> None:
         """One canonical forward over G requests: items are (req, proposals, final, prefill_take).

@@ -42,7 +42,10 @@ class ModelRunner:
         ids, pos, table, slots = (t.to(self.device) for t in (ids, pos, table, slots))
         kv = PagedKV(self.cache.k, self.cache.v, table, slots)
         hidden = forward_hidden(self.model, ids, pos, ops=self.ops, kv=kv)
+        sizes = [c.num_logits for c in chunks]
+        if not sum(sizes):  # a prefill chunk that ends mid-prompt: KV only
+            return [hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32) for _ in chunks]
         rows = torch.cat([torch.arange(len(c.token_ids) - c.num_logits, len(c.token_ids)) + i * t_max
                           for i, c in enumerate(chunks)]).to(self.device)
         logits = compute_logits(self.model, hidden.reshape(bsz * t_max, -1)[rows], self.ops)
-        return list(logits.split([c.num_logits for c in chunks]))
+        return list(logits.split(sizes))

@@ -1,0 +1,51 @@
+"""`zerokl` command line: `zerokl audit` runs the determinism audit on a model."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _load(model: str):
+    if model.startswith("tiny:"):
+        from recipes.tiny_models import tiny_model
+        return tiny_model(model.split(":", 1)[1])
+    return model  # a local checkpoint directory; Engine loads it
+
+
+def audit(args) -> int:
+    from rich.console import Console
+
+    from .audit import format_table, run_audit
+    from .engine import Engine, load_model
+
+    model = load_model(_load(args.model), args.device)
+    make = lambda **kw: Engine(model, fast_path=args.fast_path, device=args.device,  # noqa: E731
+                               copy_model=False, **kw)
+    results = run_audit(make, model.config.vocab_size, tests=args.tests.split(","), modes=args.modes.split(","),
+                        max_tokens=args.max_tokens, progress=True)
+    Console().print(format_table(results))
+    if args.json:
+        print(json.dumps([r.__dict__ for r in results]))
+    bad = [r for r in results if r.mode != "off" and not r.deterministic]
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="zerokl")
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("audit", help="count distinct outputs per prompt across batch/order/engine variations")
+    a.add_argument("--model", default="tiny:qwen2", help="local HF checkpoint dir, or tiny:{llama,qwen2,qwen3}")
+    a.add_argument("--fast-path", default="native", choices=["native", "vllm"])
+    a.add_argument("--device", default="cpu")
+    a.add_argument("--tests", default="single,mixed,prefix")
+    a.add_argument("--modes", default="verified,invariant,off")
+    a.add_argument("--max-tokens", type=int, default=12)
+    a.add_argument("--json", action="store_true", help="also print the results as JSON")
+    a.set_defaults(func=audit)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

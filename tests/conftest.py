@@ -1,0 +1,28 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view of a tensor's bits, so comparisons are exact (-0.0 != 0.0, nan == nan)."""
+    t = t.detach().contiguous()
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(t.dtype, t.dtype))
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = ""):
+    assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} != {tuple(b.shape)}"
+    assert a.dtype == b.dtype, f"{what}: dtypes {a.dtype} != {b.dtype}"
+    eq = torch.equal(bits(a), bits(b))
+    if not eq:
+        diff = (a.float() - b.float()).abs()
+        raise AssertionError(f"{what}: not bitwise equal; {int((bits(a) != bits(b)).sum())} elements differ, "
+                             f"max |diff| {diff.max().item():.3e}")
+
+
+@pytest.fixture(scope="session")
+def device():
+    return torch.device("cuda" if os.environ.get("ZEROKL_TEST_DEVICE") == "cuda" else "cpu")

@@ -1,0 +1,107 @@
+"""trainer_patch public API: gradients, bad input, unsupported models, and the `kernels` name clash."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import trainer_patch
+from recipes.tiny_models import tiny_model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_backward_gives_finite_gradients_close_to_unpatched(arch):
+    ids = torch.randint(0, 96, (3, 24), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+
+    def grads(model, patched):
+        model.train()
+        if patched:
+            logp = trainer_patch.token_logprobs(model, ids, mask)
+        else:
+            logits = model(input_ids=ids).logits.float()
+            logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
+        logp.sum().backward()
+        return {n: p.grad.float() for n, p in model.named_parameters()}
+
+    # fp32 master weights, as a trainer keeps them; the canonical forward computes in bf16
+    ref = grads(tiny_model(arch, seed=3, dtype=torch.float32), patched=False)
+    got = grads(trainer_patch.patch_model(tiny_model(arch, seed=3, dtype=torch.float32)), patched=True)
+    for name, g in got.items():
+        assert torch.isfinite(g).all(), name
+        rel = (g - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)
+        assert rel < 0.1, f"{name}: relative gradient error {rel:.3f}"
+
+
+def test_unsupported_model_raises_clear_error():
+    import transformers
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(TypeError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        trainer_patch.patch_model(gpt2)
+    with pytest.raises(TypeError):
+        trainer_patch.patch_model(torch.nn.Linear(2, 2))
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = trainer_patch.patch_model(tiny_model("qwen2"))
+    ids = torch.randint(0, 96, (2, 10))
+    with pytest.raises(ValueError, match="temperature"):
+        trainer_patch.token_logprobs(model, ids, temperature=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        trainer_patch.token_logprobs(model, ids, temperature=-1.0)
+    with pytest.raises(TypeError, match="integer"):
+        trainer_patch.token_logprobs(model, ids.float())
+    with pytest.raises(ValueError, match="outside"):
+        trainer_patch.token_logprobs(model, ids + 200)
+    with pytest.raises(ValueError, match="non-empty"):
+        trainer_patch.token_logprobs(model, torch.zeros(0, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        trainer_patch.token_logprobs(model, ids[0])
+    with pytest.raises(ValueError, match="at least 2"):
+        trainer_patch.token_logprobs(model, ids[:, :1])
+    with pytest.raises(ValueError, match="right-padded"):
+        trainer_patch.token_logprobs(model, ids, torch.tensor([[0, 1] * 5, [1] * 10]))
+    with pytest.raises(TypeError):
+        trainer_patch.token_logprobs(model, ids.tolist())
+
+
+def test_bad_op_inputs_raise():
+    import kernels as K
+    x = torch.randn(4, 8).to(torch.bfloat16)
+    with pytest.raises(TypeError):
+        K.matmul(x.float(), torch.randn(3, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError):
+        K.matmul(x, torch.randn(3, 9).to(torch.bfloat16))
+    with pytest.raises(ValueError):
+        K.matmul(x[:0], torch.randn(3, 8).to(torch.bfloat16))
+    with pytest.raises(TypeError):
+        K.log_softmax(x)
+    with pytest.raises(ValueError):
+        K.rms_norm(x, torch.ones(7, dtype=torch.bfloat16), 1e-6)
+
+
+def test_patch_is_idempotent_and_returns_model():
+    model = tiny_model("llama")
+    assert trainer_patch.patch_model(model) is model
+    assert trainer_patch.patch_model(model) is model
+    assert trainer_patch.is_patched(model)
+
+
+def test_our_kernels_package_does_not_confuse_transformers(tmp_path):
+    """transformers probes for the hub `kernels` package; ours must not be mistaken for it."""
+    model = tiny_model("qwen2")
+    model.save_pretrained(tmp_path)
+    code = f"""
+import kernels, transformers
+from transformers.utils import import_utils
+assert kernels.__file__ and 'canonical' in kernels.__doc__.lower()
+assert not import_utils.is_kernels_available(), 'transformers thinks hub kernels are installed'
+m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})
+import torch
+out = m(input_ids=torch.tensor([[1, 2, 3]])).logits
+assert out.shape == (1, 3, 96)
+print('ok')
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
