@@ -22,6 +22,7 @@ from kernels.forward import CANONICAL_OPS, model_spec
 
 from .fast_path.base import DraftRequest, FastPath
 from .fast_path.native import NativeFastPath, sample_rows, token_logprobs_at
+from .fast_path.native_ops import FAST_OPS
 from .kv_cache import KVCache, OutOfBlocks
 from .params import InvalidRequestError, Rollout, SamplingParams
 from .request import Request
@@ -50,7 +51,7 @@ class Engine:
     def __init__(self, model, fast_path: str | FastPath = "native", window: int = 32, group: int = 8,
                  device: str = "cpu", *, block_size: int = 16, kv_cache_tokens: int = 65536,
                  max_num_seqs: int = 256, max_prefill_tokens: int = 4096, max_model_len: int | None = None,
-                 copy_model: bool = True, fast_path_options: dict | None = None):
+                 copy_model: bool = True, fast_path_options: dict | None = None, runner_factory=None):
         if window < 1 or group < 1:
             raise ValueError(f"window and group must be >= 1, got window={window} group={group}")
         self.device = torch.device(device)
@@ -60,7 +61,9 @@ class Engine:
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.max_model_len = max_model_len or self.spec.max_positions
         self.cache = KVCache(self.spec, -(-kv_cache_tokens // block_size), block_size, self.device)
-        self.verifier = ModelRunner(self.model, self.cache, CANONICAL_OPS, self.device)
+        # runner_factory(model, cache, ops, device) -> runner: how a forward is executed (e.g. tensor parallel)
+        self._runner_factory = runner_factory or ModelRunner
+        self.verifier = self._runner_factory(self.model, self.cache, CANONICAL_OPS, self.device)
         self.fast_path = self._make_fast_path(fast_path, fast_path_options or {})
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
@@ -69,7 +72,7 @@ class Engine:
 
     def _make_fast_path(self, fast_path, options) -> FastPath:
         if fast_path == "native":
-            return NativeFastPath(self.model, self.cache, self.device)
+            return NativeFastPath(self._runner_factory(self.model, self.cache, FAST_OPS, self.device))
         if fast_path == "vllm":
             from .fast_path.vllm import VLLMFastPath
             return VLLMFastPath(self.model, **options)

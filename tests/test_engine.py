@@ -7,7 +7,6 @@ import torch
 import trainer_patch
 from rollout_service import Engine, InvalidRequestError, SamplingParams
 from rollout_service.audit import run_audit
-from rollout_service.fast_path.native import NativeFastPath
 from recipes.tiny_models import tiny_model
 
 
@@ -94,7 +93,7 @@ def test_verifier_guarantees_output_with_a_corrupting_fast_path(model, fraction)
     params = [SamplingParams(max_tokens=16, temperature=0.8, seed=7 + i) for i in range(5)]
     clean = Engine(model, window=5, group=2).generate(prompts, params)
     engine = Engine(model, window=5, group=2)
-    engine.fast_path = CorruptingFastPath(NativeFastPath(engine.model, engine.cache, "cpu"), fraction, 96)
+    engine.fast_path = CorruptingFastPath(engine.fast_path, fraction, 96)
     bad = engine.generate(prompts, params)
     for c, b in zip(clean, bad):
         assert (c.token_ids, c.logprobs, c.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)

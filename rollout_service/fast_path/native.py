@@ -11,7 +11,6 @@ from kernels import sample
 
 from ..runner import Chunk, ModelRunner
 from .base import DraftRequest, Proposal
-from .native_ops import FAST_OPS
 
 
 def sample_rows(logits: torch.Tensor, params_rows, positions: list[int]) -> torch.Tensor:
@@ -36,8 +35,8 @@ def token_logprobs_at(logits: torch.Tensor, params_rows, tokens: torch.Tensor, l
 class NativeFastPath:
     name = "native"
 
-    def __init__(self, model: torch.nn.Module, cache, device):
-        self.runner = ModelRunner(model, cache, FAST_OPS, device)
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner  # a runner with FAST_OPS over the engine's KV cache
 
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
         out = [Proposal([], []) for _ in batch]
