@@ -19,14 +19,14 @@ def matmul_partials(x: torch.Tensor, weight: torch.Tensor, segments: int) -> tor
     so fused or unfused multiply-add gives the same bits; one rounding per step.
     """
     k_dim = x.shape[-1]
-    xf = x.float()
+    xt = x.float().t().contiguous()  # [K, M]: column k of x is contiguous
     wt = weight.float().t().contiguous()  # [K, N]: row k is contiguous for the rank-1 update
     seg_len = -(-k_dim // segments)
-    out = torch.zeros(segments, xf.shape[0], wt.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(segments, xt.shape[1], wt.shape[1], dtype=torch.float32, device=x.device)
     for s in range(segments):
         acc = out[s]
         for k in range(s * seg_len, min((s + 1) * seg_len, k_dim)):
-            acc.addcmul_(xf[:, k:k + 1], wt[k:k + 1])
+            acc.addcmul_(xt[k].unsqueeze(1), wt[k:k + 1])
     return out
 
 
@@ -88,28 +88,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     heads = torch.arange(hq, device=q.device) // (hq // hkv)
     n_pad = -(-max(n_keys, 1) // block_kv) * block_kv
     pad = (0, 0, 0, 0, 0, n_pad - k.shape[1])
-    kf = torch.nn.functional.pad(k.float(), pad).index_select(2, heads)  # [B, L, Hq, D]
-    vf = torch.nn.functional.pad(v.float(), pad).index_select(2, heads)
+    # head-major, contiguous layouts so every rank-1 update below is a dense broadcast
+    kt = torch.nn.functional.pad(k.float(), pad).index_select(2, heads).permute(0, 2, 3, 1).contiguous()  # B,H,D,L
+    vf = torch.nn.functional.pad(v.float(), pad).index_select(2, heads).transpose(1, 2).contiguous()  # B,H,L,D
     # keys beyond a sequence's last query position may be stale cache contents: never read them
     row_max = positions.amax(dim=1)
-    vf = torch.where((torch.arange(n_pad, device=q.device)[None, :] <= row_max[:, None])[..., None, None], vf, 0.0)
-    qf = q.float()
+    vf = torch.where((torch.arange(n_pad, device=q.device)[None, :] <= row_max[:, None])[:, None, :, None], vf, 0.0)
+    qf = q.float().transpose(1, 2).contiguous()  # B,H,T,D
+    pos = positions[:, None, :, None]  # B,1,T,1
     scale = d ** -0.5 if scale is None else scale
 
-    scores = torch.zeros(bsz, tq, hq, n_pad, dtype=torch.float32, device=q.device)
-    kt = kf.permute(0, 2, 3, 1).unsqueeze(1)  # [B, 1, Hq, D, L]
+    scores = torch.zeros(bsz, hq, tq, n_pad, dtype=torch.float32, device=q.device)
     for j in range(d):
-        scores.addcmul_(qf[..., j:j + 1], kt[:, :, :, j])
+        scores.addcmul_(qf[..., j:j + 1], kt[:, :, j:j + 1, :])
     scores = scores * scale
 
-    m = torch.full((bsz, tq, hq), float("-inf"), device=q.device)
-    denom = torch.zeros(bsz, tq, hq, device=q.device)
-    acc = torch.zeros(bsz, tq, hq, d, device=q.device)
+    m = torch.full((bsz, hq, tq), float("-inf"), device=q.device)
+    denom = torch.zeros(bsz, hq, tq, device=q.device)
+    acc = torch.zeros(bsz, hq, tq, d, device=q.device)
     key_pos = torch.arange(n_pad, device=q.device)
     for start in range(0, n_pad, block_kv):
-        visible = (key_pos[start:start + block_kv] <= positions[..., None])[:, :, None, :]  # [B,T,1,Bk]
+        visible = key_pos[start:start + block_kv] <= pos  # [B, 1, T, Bk]
         s = torch.where(visible, scores[..., start:start + block_kv], float("-inf"))
-        any_visible = visible.any(-1)  # [B, T, 1]
+        any_visible = visible.any(-1)  # [B, 1, T]
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.where(torch.isinf(m), 0.0, em.exp(m - m_new))
         p = torch.where(visible, em.exp(s - m_new.unsqueeze(-1)), 0.0)
@@ -117,13 +118,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         pb = p.to(torch.bfloat16).float()
         pv = torch.zeros_like(acc)
         for j in range(block_kv):
-            pv.addcmul_(pb[..., j:j + 1], vf[:, None, start + j])
+            pv.addcmul_(pb[..., j:j + 1], vf[:, :, start + j:start + j + 1, :])
         new_acc = acc * alpha.unsqueeze(-1) + pv
         m = torch.where(any_visible, m_new, m)
         denom = torch.where(any_visible, new_denom, denom)
         acc = torch.where(any_visible.unsqueeze(-1), new_acc, acc)
     out = acc / torch.where(denom > 0, denom, 1.0).unsqueeze(-1)
-    out = out + 0.0  # canonical sign of zero
+    out = (out + 0.0).transpose(1, 2)  # + 0.0: canonical sign of zero; back to [B, T, H, D]
     return torch.where((positions >= 0)[..., None, None], out, 0.0).to(torch.bfloat16)
 
 
