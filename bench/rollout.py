@@ -1,0 +1,110 @@
+"""Rollout throughput of `off`, `verified` and `invariant` in one run, same model and workload.
+
+Prints JSON: generated tokens/s per mode and batch size, the verified/off and verified/invariant
+ratios, rollbacks per request and the fraction of proposed tokens that were recomputed.
+Models have random weights (shapes are what matter): tiny, qwen1.5b (Qwen2.5-1.5B shapes) or llama8b
+(Llama-3.1-8B shapes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from rollout_service import Engine, SamplingParams
+
+SHAPES = {
+    "tiny": dict(arch="qwen2", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 vocab_size=96),
+    "qwen1.5b": dict(arch="qwen2", hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+                     num_kv_heads=2, vocab_size=151936),
+    "llama8b": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                    num_kv_heads=8, vocab_size=128256),
+}
+
+
+def build_model(name: str, device: str):
+    from recipes.tiny_models import tiny_config
+    import transformers
+    shape = dict(SHAPES[name])
+    arch = shape.pop("arch")
+    cfg = tiny_config(arch, max_positions=8192, **shape)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[arch]
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def run(engine: Engine, prompts, mode: str, out_len: int, temperature: float) -> dict:
+    params = [SamplingParams(max_tokens=out_len, temperature=temperature, seed=i, determinism=mode)
+              for i in range(len(prompts))]
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    rollouts = engine.generate(prompts, params)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    generated = sum(len(r.token_ids) for r in rollouts)
+    proposed = sum(r.stats.proposed_tokens for r in rollouts)
+    return dict(mode=mode, seconds=round(elapsed, 3), tokens_per_s=round(generated / elapsed, 1),
+                rollbacks_per_request=round(sum(r.stats.rollbacks for r in rollouts) / len(rollouts), 3),
+                recomputed_fraction=round(sum(r.stats.recomputed_tokens for r in rollouts) / max(proposed, 1), 4))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", default="8,64", help="comma-separated batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--modes", default="off,verified,invariant")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args()
+    model = build_model(args.model, args.device)
+    vocab = model.config.vocab_size
+    results = []
+    for bs in (int(b) for b in args.batch.split(",")):
+        rng = random.Random(bs)
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(bs)]
+        tokens = bs * (args.prompt_len + args.output_len + args.window + 16)
+        engine = Engine(model, device=args.device, window=args.window, group=args.group, copy_model=False,
+                        kv_cache_tokens=tokens, max_num_seqs=bs, max_prefill_tokens=8192)
+        run(engine, prompts[:1], "verified", 4, args.temperature)  # warm-up: compile kernels
+        row = dict(batch=bs, modes={m: run(engine, prompts, m, args.output_len, args.temperature)
+                                    for m in args.modes.split(",")})
+        tps = {m: r["tokens_per_s"] for m, r in row["modes"].items()}
+        if "off" in tps and "verified" in tps:
+            row["verified_over_off"] = round(tps["verified"] / tps["off"], 3)
+        if "invariant" in tps and "verified" in tps:
+            row["verified_over_invariant"] = round(tps["verified"] / tps["invariant"], 3)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    doc = dict(model=args.model, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               prompt_len=args.prompt_len, output_len=args.output_len, window=args.window, group=args.group,
+               temperature=args.temperature, results=results)
+    print(json.dumps(doc, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

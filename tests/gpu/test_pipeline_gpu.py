@@ -1,0 +1,113 @@
+"""The CPU properties of the canonical forward, the engine audit and zero KL, on CUDA."""
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # collected on CPU machines only when -m gpu is asked for
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import kernels as K  # noqa: E402
+import trainer_patch  # noqa: E402
+from conftest import assert_bitwise_equal  # noqa: E402
+from recipes.tiny_models import tiny_model  # noqa: E402
+from rollout_service import Engine, SamplingParams  # noqa: E402
+from rollout_service.audit import run_audit  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def _model(arch="qwen2", **kw):
+    # wider than the CPU tiny model so that GPU GEMM shapes are realistic enough to show cuBLAS effects
+    return tiny_model(arch, seed=1, hidden_size=256, intermediate_size=768, num_heads=8, num_kv_heads=2,
+                      vocab_size=1024, **kw).to(CUDA)
+
+
+def test_triton_backend_is_used_on_cuda():
+    x = torch.randn(4, 64, device=CUDA).to(torch.bfloat16)
+    assert K.backend_for(x).__name__ == "kernels.triton"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_logprobs_alone_batched_and_incremental_are_identical(arch):
+    model = trainer_patch.patch_model(_model(arch))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 1024, (n,), generator=g) for n in (70, 9, 130, 33, 1 + 64)]
+    alone = [trainer_patch.token_logprobs(model, s[None].to(CUDA)) for s in seqs]
+    t = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), t, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    batch = trainer_patch.token_logprobs(model, ids.to(CUDA), mask.to(CUDA))
+    for i, s in enumerate(seqs):
+        assert_bitwise_equal(batch[i, :len(s) - 1], alone[i][0], f"seq {i}")
+    # whole sequence == rollout engine (chunked prefill + decode on paged KV)
+    engine = Engine(model, device="cuda", window=8, max_prefill_tokens=24)
+    prompt = seqs[0][:30].tolist()
+    r = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))[0]
+    train = trainer_patch.token_logprobs(model, torch.tensor([prompt + r.token_ids], device=CUDA))[0, 29:]
+    assert torch.equal(train.cpu(), torch.tensor(r.logprobs))
+
+
+def test_negative_control_unpatched_model_differs_across_batch_sizes():
+    model = _model("llama", max_positions=512)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1024, (256, 64), generator=g).to(CUDA)
+    with torch.no_grad():
+        alone = model(input_ids=ids[:1]).logits.float()
+        differing = sum(not torch.equal(model(input_ids=ids[:b]).logits[:1].float(), alone)
+                        for b in (8, 32, 128, 256))
+    assert differing > 0, "cuBLAS / SDPA happened to be batch-invariant for these shapes"
+    # cuBLAS itself on a Llama-3.1-8B shape (measurements.md: qkv 4096x6144 varies from M=8)
+    x = torch.randn(256, 4096, device=CUDA).to(torch.bfloat16)
+    w = torch.randn(6144, 4096, device=CUDA).to(torch.bfloat16)
+    ref = torch.matmul(x[:1], w.t())
+    assert any(not torch.equal(torch.matmul(x[:m], w.t())[:1], ref) for m in (8, 32, 128, 256))
+    # while the canonical matmul is invariant on the same shape
+    canon = K.matmul(x[:1], w)
+    assert all(torch.equal(K.matmul(x[:m], w)[:1], canon) for m in (8, 32, 128, 256))
+
+
+def test_engine_audit_on_cuda():
+    model = _model("qwen2")
+    make = lambda **kw: Engine(model, device="cuda", copy_model=False, **kw)  # noqa: E731
+    results = run_audit(make, 1024, max_tokens=16)
+    for r in results:
+        print(f"{r.test:7s} {r.mode:9s} {r.sampling:16s} distinct={r.max_distinct}")
+    assert all(r.deterministic for r in results if r.mode != "off")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_zero_kl_and_verified_equals_invariant_on_cuda(temperature):
+    model = _model("qwen3")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1024) for _ in range(rng.randint(5, 80))] for _ in range(16)]
+    engine = Engine(model, device="cuda", window=16, group=8)
+    out = {m: engine.generate(prompts, [SamplingParams(max_tokens=32, temperature=temperature, top_p=0.9, seed=i,
+                                                        determinism=m) for i in range(16)])
+           for m in ("verified", "invariant")}
+    t_eff = temperature or 1.0
+    for i, p in enumerate(prompts):
+        v = out["verified"][i]
+        assert (v.token_ids, v.logprobs) == (out["invariant"][i].token_ids, out["invariant"][i].logprobs)
+        train = trainer_patch.token_logprobs(model, torch.tensor([p + v.token_ids], device=CUDA),
+                                             temperature=t_eff)[0, len(p) - 1:]
+        assert torch.equal(train.cpu(), torch.tensor(v.logprobs))
+
+
+def test_sampler_is_batch_invariant_on_cuda():
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 32000, generator=g) * 3).to(CUDA)
+    args = lambda n: (torch.full((n,), 0.7, device=CUDA), torch.full((n,), 50, device=CUDA),  # noqa: E731
+                      torch.full((n,), 0.9, device=CUDA), torch.arange(n, device=CUDA) * 31,
+                      torch.arange(n, device=CUDA) + 100)
+    full = K.sample(logits, *args(64))
+    for i in (0, 17, 63):
+        one = K.sample(logits[i:i + 1], *[a[i:i + 1] for a in args(64)])
+        assert int(one) == int(full[i])
+    # the noise is the same bits as on CPU (integer hash + exact-math log)
+    assert torch.equal(K.gumbel_noise(torch.tensor([5]), torch.tensor([9]), 100),
+                       K.gumbel_noise(torch.tensor([5], device=CUDA), torch.tensor([9], device=CUDA), 100).cpu())
