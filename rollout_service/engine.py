@@ -189,13 +189,14 @@ class Engine:
         self._done.append((req.request_id, req.to_rollout()))
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
-        """Blocks for num_tokens slots of req, preempting the youngest other requests if needed."""
+        """Blocks for num_tokens slots of req, preempting younger requests if needed (so the oldest
+        request always progresses); False if req has to wait."""
         while True:
             try:
                 self.cache.ensure(req.block_ids, num_tokens)
                 return True
             except OutOfBlocks:
-                victims = [r for r in self.running if r is not req and r.block_ids]
+                victims = [r for r in self.running if r.arrival > req.arrival and r.block_ids]
                 if not victims:
                     return False
                 self._preempt(max(victims, key=lambda r: r.arrival))

@@ -1,0 +1,315 @@
+"""Benchmark the Triton canonical kernels against cuBLAS / SDPA / torch on one GPU; prints JSON.
+
+    python bench/kernels.py [--out FILE] [--quick] [--sweep]
+
+matmul: Llama-3.1-8B shapes x M in {1 .. 8192}; canonical TFLOP/s (launch table), cuBLAS
+(torch.matmul) TFLOP/s and their ratio. o and down are row-parallel in the canonical forward, so they
+are measured with the 8-segment tree too ("segments": 8). --sweep also times a grid of launch
+configurations per (shape, M) and reports the best (used to write the launch table in
+kernels/triton/matmul.py). attention: prefill 4k and decode batch 64 x 4k context vs
+scaled_dot_product_attention. rms_norm and log_softmax vs torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import kernels.triton as kt  # noqa: E402
+from kernels.triton import MMConfig  # noqa: E402
+
+SHAPES = [("qkv", 4096, 6144, 1), ("o", 4096, 4096, 1), ("o", 4096, 4096, 8), ("gate_up", 4096, 28672, 1),
+          ("down", 14336, 4096, 1), ("down", 14336, 4096, 8), ("lm_head", 4096, 128256, 1)]
+MS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+# Shorter trees (a smaller largest-TP degree) for comparison, at a few M.
+TREE_VARIANTS = [("o", 4096, 4096, 2), ("o", 4096, 4096, 4), ("down", 14336, 4096, 2), ("down", 14336, 4096, 4)]
+TREE_VARIANT_MS = [64, 512, 2048, 8192]
+
+
+_FLUSH = []
+
+
+def bench_ms(fn, rep=100, warmup=None):
+    """GPU time per call in ms with a cold L2 and no launch overhead: a CUDA graph of n x (flush L2,
+    fn) minus one of n x (flush L2), median of several replays. Falls back to triton's do_bench."""
+    del warmup
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(64 * 2 ** 20 // 4, dtype=torch.int32, device="cuda"))
+    buf = _FLUSH[0]
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    n = max(3, min(50, int(rep * 1e-3 / 4 / max(time.perf_counter() - t0, 1e-6))))
+    try:
+        graphs = []
+        for with_fn in (True, False):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(n):
+                    buf.zero_()
+                    if with_fn:
+                        fn()
+            graphs.append(g)
+    except Exception as exc:  # not capturable: host overhead included
+        print(f"# graph capture failed ({type(exc).__name__}); do_bench", file=sys.stderr)
+        import triton.testing
+        return float(triton.testing.do_bench(fn, rep=rep, return_mode="median"))
+    times = ([], [])
+    for _ in range(7):
+        for g, ts in zip(graphs, times):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+    med = [sorted(ts)[len(ts) // 2] for ts in times]
+    del graphs
+    return max(med[0] - med[1], 1e-6) / n
+
+
+def tflops(m, k, n, ms):
+    return 2.0 * m * k * n / (ms * 1e-3) / 1e12
+
+
+def candidates(m: int, segments: int):
+    """Sweep grid: launch configurations worth trying at this M (none changes the numbers)."""
+    C = MMConfig
+    if m <= 64:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        if segments == 1:
+            return [C(bm, bn, 4, st) for bn in (32, 64, 128) for st in (4, 6)]
+        out = [C(bm, bn, 4, st, seg_per_prog=s) for bn in (32, 64) for st in (4, 6) for s in (1, 2)]
+        return out + [C(bm, bn, 4, st, pairs=True) for bn in (32, 64) for st in (2, 3)]
+    if segments > 1:
+        return [C(128, 128, 8, 3, pairs=True), C(128, 128, 8, 3, pairs=True, hold=False),
+                C(64, 128, 4, 3, pairs=True), C(64, 128, 4, 2, pairs=True, ctas_per_sm=2),
+                C(128, 64, 4, 3, pairs=True), C(128, 64, 4, 2, pairs=True, ctas_per_sm=2),
+                C(64, 256, 8, 2, pairs=True, hold=False), C(64, 64, 4, 3, pairs=True),
+                C(128, 128, 8, 4, seg_per_prog=8, tma=True, flatten=False), C(64, 128, 4, 4, seg_per_prog=2)]
+    out = [C(128, 256, 8, 3, tma=True), C(128, 256, 8, 4, tma=True), C(128, 128, 8, 4, tma=True),
+           C(128, 128, 4, 4, tma=True)]
+    if m <= 512:
+        out += [C(64, 64, 4, 4), C(128, 64, 4, 4), C(128, 128, 4, 4)]
+    return out
+
+
+def cfg_dict(cfg: MMConfig):
+    return {"block_m": cfg.block_m, "block_n": cfg.block_n, "warps": cfg.warps, "stages": cfg.stages,
+            "seg_per_prog": cfg.seg_per_prog, "tma": cfg.tma, "flatten": cfg.flatten, "ctas_per_sm": cfg.ctas_per_sm,
+            "pairs": cfg.pairs, "hold": cfg.hold}
+
+
+def run_matmul(ms_list, sweep: bool, rep: int, shapes=None):
+    rows, sweep_rows = [], []
+    dev = "cuda"
+    plan = [(shape, ms_list) for shape in SHAPES]
+    if not sweep:
+        plan += [(shape, [m for m in TREE_VARIANT_MS if m in ms_list or len(ms_list) > 4]) for shape in TREE_VARIANTS]
+    for (name, k, n, segments), shape_ms in plan:
+        if shapes and f"{name}/{segments}" not in shapes:
+            continue
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        xmax = torch.randn(max(ms_list), k, device=dev, dtype=torch.bfloat16)
+        for m in shape_ms:
+            x = xmax[:m]
+            t_cublas = bench_ms(lambda: torch.matmul(x, w.t()), rep=rep)
+            cfg = kt.pick_config(m, n, k, segments)
+            t_can = bench_ms(lambda: kt.matmul_with_config(x, w, None, segments, torch.bfloat16, cfg), rep=rep)
+            row = {"shape": name, "K": k, "N": n, "M": m, "segments": segments,
+                   "canonical_tflops": round(tflops(m, k, n, t_can), 1),
+                   "cublas_tflops": round(tflops(m, k, n, t_cublas), 1),
+                   "ratio": round(t_cublas / t_can, 3), "config": cfg_dict(cfg)}
+            if sweep:
+                best = None
+                for c in candidates(m, segments):
+                    try:
+                        t = bench_ms(lambda: kt.matmul_with_config(x, w, None, segments, torch.bfloat16, c),
+                                     rep=max(10, rep // 4))
+                    except Exception as exc:  # a config that does not compile is just skipped
+                        print(f"# {name} M={m} {c}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, c)
+                if best is not None:
+                    sweep_rows.append({"shape": name, "M": m, "segments": segments, "best": cfg_dict(best[1]),
+                                       "best_ratio": round(t_cublas / best[0], 3),
+                                       "best_tflops": round(tflops(m, k, n, best[0]), 1)})
+                    print("# sweep", json.dumps(sweep_rows[-1]), file=sys.stderr, flush=True)
+            rows.append(row)
+            print("#", json.dumps(row), file=sys.stderr, flush=True)
+        del w, xmax
+        torch.cuda.empty_cache()
+    return rows, sweep_rows
+
+
+def summarize(rows):
+    out = {}
+    for r in rows:
+        key = f"{r['shape']}{'' if r['segments'] == 1 else '/tree' + str(r['segments'])}"
+        s = out.setdefault(key, {"min_ratio_M_ge_1024": None, "min_ratio_M_128_512": None, "min_ratio_M_le_64": None})
+        band = ("min_ratio_M_ge_1024" if r["M"] >= 1024 else "min_ratio_M_128_512" if r["M"] >= 128
+                else "min_ratio_M_le_64")
+        s[band] = r["ratio"] if s[band] is None else min(s[band], r["ratio"])
+    return out
+
+
+def _sdpa(q, k, v, causal):
+    """SDPA on [B, H, T, D], flash backend where it runs; returns (fn, backend used)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    groups = q.shape[1] // k.shape[1]
+    tries = [(SDPBackend.FLASH_ATTENTION, True), (SDPBackend.FLASH_ATTENTION, False),
+             (SDPBackend.EFFICIENT_ATTENTION, True)]
+    for backend, gqa in tries:
+        kk, vv = (k, v) if gqa else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
+
+        def fn(kk=kk, vv=vv, backend=backend, gqa=gqa):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, enable_gqa=gqa and groups > 1)
+        try:
+            fn()
+            return fn, f"{backend.name}{'+gqa' if gqa else '+repeated_kv'}"
+        except Exception:
+            continue
+    raise RuntimeError("no SDPA backend ran")
+
+
+def run_attention(rep: int):
+    dev, bf = "cuda", torch.bfloat16
+    res = {}
+    hq, hkv, d = 32, 8, 128
+    # prefill: 4096 tokens, causal
+    for bsz in (1, 4):
+        t = 4096
+        q = torch.randn(bsz, t, hq, d, device=dev, dtype=bf)
+        k = torch.randn(bsz, t, hkv, d, device=dev, dtype=bf)
+        v = torch.randn(bsz, t, hkv, d, device=dev, dtype=bf)
+        pos = torch.arange(t, device=dev).repeat(bsz, 1)
+        t_can = bench_ms(lambda: kt.attention(q, k, v, pos), rep=rep)
+        fn, backend = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True)
+        t_sdpa = bench_ms(fn, rep=rep)
+        flops = 4.0 * bsz * hq * d * t * t / 2
+        res[f"prefill_{bsz}x4096"] = {"canonical_ms": round(t_can, 4), "sdpa_ms": round(t_sdpa, 4),
+                                      "sdpa_backend": backend, "canonical_over_sdpa": round(t_can / t_sdpa, 3),
+                                      "canonical_tflops": round(flops / t_can / 1e9, 1),
+                                      "sdpa_tflops": round(flops / t_sdpa / 1e9, 1)}
+        del q, k, v
+    # decode: batch 64, one new token each, 4096 keys in cache
+    bsz, ctx = 64, 4096
+    q = torch.randn(bsz, 1, hq, d, device=dev, dtype=bf)
+    k = torch.randn(bsz, ctx, hkv, d, device=dev, dtype=bf)
+    v = torch.randn(bsz, ctx, hkv, d, device=dev, dtype=bf)
+    pos = torch.full((bsz, 1), ctx - 1, device=dev, dtype=torch.int64)
+    t_can = bench_ms(lambda: kt.attention(q, k, v, pos), rep=rep)
+    fn, backend = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False)
+    t_sdpa = bench_ms(fn, rep=rep)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    entry = {"canonical_ms": round(t_can, 4), "sdpa_ms": round(t_sdpa, 4), "sdpa_backend": backend,
+             "canonical_over_sdpa": round(t_can / t_sdpa, 3),
+             "canonical_GBps": round(kv_bytes / t_can / 1e6, 1), "sdpa_GBps": round(kv_bytes / t_sdpa / 1e6, 1)}
+    # same cache paged (16-token pages, shuffled)
+    bs = 16
+    nb = ctx // bs
+    perm = torch.randperm(bsz * nb, device=dev).reshape(bsz, nb).to(torch.int32)
+    kc = torch.empty(bsz * nb, bs, hkv, d, device=dev, dtype=bf)
+    vc = torch.empty_like(kc)
+    kc[perm.reshape(-1).long()] = k.reshape(bsz * nb, bs, hkv, d)
+    vc[perm.reshape(-1).long()] = v.reshape(bsz * nb, bs, hkv, d)
+    t_paged = bench_ms(lambda: kt.attention(q, kc, vc, pos, block_table=perm), rep=rep)
+    entry["canonical_paged16_ms"] = round(t_paged, 4)
+    entry["canonical_paged16_over_sdpa"] = round(t_paged / t_sdpa, 3)
+    res["decode_64x4096"] = entry
+    return res
+
+
+def run_norms(rep: int):
+    dev = "cuda"
+    out = {"rms_norm": [], "log_softmax": []}
+    n = 4096
+    w = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    for m in (1, 64, 1024, 8192):
+        x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        t_can = bench_ms(lambda: kt.rms_norm(x, w, 1e-5), rep=rep)
+        t_torch = bench_ms(lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-5), rep=rep)
+        out["rms_norm"].append({"M": m, "N": n, "canonical_ms": round(t_can, 4), "torch_ms": round(t_torch, 4),
+                                "ratio": round(t_torch / t_can, 3)})
+    v = 128256
+    for m in (1, 64, 1024, 8192):
+        x = torch.randn(m, v, device=dev, dtype=torch.float32)
+        t_can = bench_ms(lambda: kt.log_softmax(x), rep=rep)
+        t_torch = bench_ms(lambda: torch.log_softmax(x, dim=-1), rep=rep)
+        out["log_softmax"].append({"M": m, "V": v, "canonical_ms": round(t_can, 4), "torch_ms": round(t_torch, 4),
+                                   "ratio": round(t_torch / t_can, 3)})
+        del x
+    return out
+
+
+def run_host_overhead():
+    """Wall time per call of back-to-back small launches (host-bound: Python + Triton launch)."""
+    dev = "cuda"
+    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(6144, 4096, device=dev, dtype=torch.bfloat16)
+    wo = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    nw = torch.randn(4096, device=dev, dtype=torch.bfloat16)
+    calls = {"matmul_qkv_M1": lambda: kt.matmul(x, w), "matmul_o_tree8_M1": lambda: kt.matmul(x, wo, segments=8),
+             "rms_norm_M1": lambda: kt.rms_norm(x, nw, 1e-5), "cublas_qkv_M1": lambda: torch.matmul(x, w.t()),
+             "torch_rms_norm_M1": lambda: torch.nn.functional.rms_norm(x, (4096,), nw, 1e-5)}
+    out = {}
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        out[name + "_us_per_call"] = round((time.perf_counter() - t0) / 200 * 1e6, 1)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--quick", action="store_true", help="fewer M values and shorter timing")
+    ap.add_argument("--sweep", action="store_true", help="time a grid of launch configs per (shape, M)")
+    ap.add_argument("--only", choices=["matmul", "attention", "norms"], action="append")
+    ap.add_argument("--shapes", help="matmul shapes to run, e.g. o/8,down/8 (name/segments)")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    rep = 40 if args.quick else 100
+    ms_list = [1, 64, 512, 4096] if args.quick else MS
+    only = set(args.only or ["matmul", "attention", "norms"])
+    t0 = time.time()
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": __import__("triton").__version__}
+    if "matmul" in only:
+        rows, sweep_rows = run_matmul(ms_list, args.sweep, rep, args.shapes and args.shapes.split(","))
+        doc["matmul_summary"] = summarize(rows)
+        doc["matmul"] = rows
+        if args.sweep:
+            doc["sweep"] = sweep_rows
+    if "attention" in only:
+        doc["attention"] = run_attention(rep)
+    if "norms" in only:
+        doc.update(run_norms(rep))
+        doc["host_overhead"] = run_host_overhead()
+    doc["seconds"] = round(time.time() - t0, 1)
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Triton GPU versions of the canonical ops (same signatures as kernels.reference).
+
+Each op keeps the canonical numerics of DESIGN.md: a row's result depends only on its own inputs.
+The GPU results need not equal the CPU reference bit for bit; each must be invariant on its own.
+
+Importing this package raises ImportError when triton or a CUDA device is missing, so that
+kernels.backend_for falls back to the reference. TRITON_INTERPRET=1 lifts the device check (the
+Triton interpreter runs the kernels on CPU tensors, for debugging only).
+"""
+from __future__ import annotations
+
+import os
+
+try:
+    import triton  # noqa: F401
+    import triton.language  # noqa: F401
+except Exception as exc:  # a broken triton install must also mean "no GPU backend"
+    raise ImportError(f"kernels.triton needs triton: {exc}") from exc
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    raise ImportError("kernels.triton needs a CUDA device")
+
+from .attention import BLOCK_KV, attention  # noqa: E402
+from .elementwise import silu_mul  # noqa: E402
+from .matmul import BLOCK_K, MMConfig, matmul, matmul_partials, matmul_with_config, pick_config  # noqa: E402
+from .norm import rms_norm  # noqa: E402
+from .softmax import log_softmax  # noqa: E402
+
+__all__ = ["BLOCK_K", "BLOCK_KV", "MMConfig", "attention", "log_softmax", "matmul", "matmul_partials",
+           "matmul_with_config", "pick_config", "rms_norm", "silu_mul"]

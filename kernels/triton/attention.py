@@ -1,0 +1,131 @@
+"""Canonical causal GQA attention over contiguous or paged KV.
+
+For every query row, keys are visited in blocks of BLOCK_KV positions starting at position 0, with an
+fp32 online softmax in that order and P cast to bf16 before P @ V. Nothing else about the launch
+touches a row's numbers:
+- the rows of a program are (token, query head) pairs of one sequence and one KV head; how many there
+  are (a whole sequence, a prefill chunk, a verify window or one decode step) only picks the tile
+  height, and tensor-core results do not depend on tile shapes (see matmul.py);
+- the softmax denominator is also taken on the tensor cores (P @ e0, e0 = first unit column) instead
+  of a tree reduction whose order would follow the register layout of the tile;
+- blocks where a row sees no key (a longer neighbour row) leave its state exactly as it was;
+- paged and contiguous KV differ only in how a key's address is found.
+GPU and CPU results differ (exp2 instead of exp, bf16 P in the denominator); each is invariant.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# KV block visited per step, from position 0: part of the canonical order on GPU. It need not divide
+# the paged block size: each key's page is looked up on its own.
+BLOCK_KV = 64
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["T", "L", "BS"])
+def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, T, G, HKV, L, BS, qk_scale,
+                      sq_b, sq_t, sq_h, sk_page, sk_pos, sk_h, sv_page, sv_pos, sv_h,
+                      so_b, so_t, so_h, sp_b, sp_t, st_b,
+                      HAS_TABLE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    n_tiles = tl.cdiv(T * G, BLOCK_M)
+    tile = n_tiles - 1 - tl.program_id(0)  # causal: the longest rows first
+    bh = tl.program_id(1)
+    b = bh // HKV
+    kvh = bh % HKV
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = r < T * G
+    t = r // G
+    h = kvh * G + r % G
+    pos = tl.load(pos_ptr + b * sp_b + t * sp_t, mask=rmask, other=-1).to(tl.int32)
+    pmax = tl.max(pos, axis=0)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    if D == BLOCK_D:  # let the compiler see the full-width rows (vector loads)
+        dmask = tl.full([BLOCK_D], 1, dtype=tl.int1)
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * sq_b + t.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_acc = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    e0 = (tl.zeros([BLOCK_N, 16], dtype=tl.float32) + tl.where(tl.arange(0, 16) == 0, 1.0, 0.0)[None, :])
+    e0 = e0.to(tl.bfloat16)
+    n_blocks = (pmax + BLOCK_N) // BLOCK_N  # blocks up to the one holding the tile's last position
+    for blk in range(0, n_blocks):
+        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_ok = j <= pmax  # keys past every row's position may be stale: never read them
+        if HAS_TABLE:
+            page = tl.load(table_ptr + b64 * st_b + j // BS, mask=kv_ok, other=0).to(tl.int64)
+            slot = (j % BS).to(tl.int64)
+        else:
+            kv_ok = kv_ok & (j < L)
+            page = tl.zeros([BLOCK_N], dtype=tl.int64) + b64
+            slot = j.to(tl.int64)
+        kvmask = kv_ok[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + (page * sk_page + slot * sk_pos + kvh * sk_h)[:, None] + d[None, :],
+                    mask=kvmask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units
+        vis = j[None, :] <= pos[:, None]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # no visible key in this block: m_new == m_i, alpha == 1 and p == 0, so the state is unchanged
+        alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))
+        p = tl.where(vis, tl.math.exp2(s - m_new[:, None]), 0.0).to(tl.bfloat16)
+        v = tl.load(v_ptr + (page * sv_page + slot * sv_pos + kvh * sv_h)[:, None] + d[None, :],
+                    mask=kvmask, other=0.0)
+        l_acc = tl.dot(p, e0, l_acc * alpha[:, None])
+        acc = tl.dot(p, v, acc * alpha[:, None])
+        m_i = m_new
+    l = tl.sum(l_acc, axis=1)  # only column 0 is non-zero: exact
+    l = tl.where(l > 0, l, 1.0)
+    o = tl.math.div_rn(acc, tl.broadcast_to(l[:, None], (BLOCK_M, BLOCK_D)))
+    o = tl.where((pos >= 0)[:, None], o, 0.0) + 0.0  # + 0.0: one sign for zero
+    tl.store(out_ptr + b64 * so_b + t.to(tl.int64)[:, None] * so_t + h[:, None] * so_h + d[None, :],
+             o.to(tl.bfloat16), mask=rmask[:, None] & dmask[None, :])
+
+
+def _tile_config(rows: int):
+    """(BLOCK_M, warps, stages) by the number of query rows per (sequence, KV head)."""
+    if rows <= 16:
+        return 16, 4, 4
+    if rows <= 64:
+        return 64, 4, 3
+    return 128, 8, 2
+
+
+_FORCED_TILE = None  # tests: force (BLOCK_M, warps, stages) for every call
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              block_table: torch.Tensor | None = None, scale: float | None = None,
+              block_kv: int = 16) -> torch.Tensor:
+    """Same semantics as kernels.reference.attention; block_kv is ignored (BLOCK_KV on GPU)."""
+    del block_kv
+    bsz, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    out = torch.empty(bsz, tq, hq, d, dtype=torch.bfloat16, device=q.device)
+    block_m, warps, stages = _FORCED_TILE or _tile_config(tq * g)
+    if block_table is not None:
+        table, st_b, length, bs = block_table, block_table.stride(0), 0, k.shape[1]
+    else:
+        table, st_b, length, bs = positions, 0, k.shape[1], 1
+    grid = (triton.cdiv(tq * g, block_m), bsz * hkv)
+    _attention_kernel[grid](
+        q, k, v, positions, table, out, tq, g, hkv, length, bs, float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        positions.stride(0), positions.stride(1), st_b,
+        HAS_TABLE=block_table is not None, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_KV, num_warps=warps, num_stages=stages)
+    return out

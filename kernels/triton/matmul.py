@@ -1,0 +1,492 @@
+"""Canonical matmul: x @ weight.T with fp32 accumulation over K in one fixed order of BLOCK_K tiles.
+
+Per output element the K loop always runs k = 0, 64, 128, ... (within each segment, from the segment
+start), each tile folded in by one tensor-core dot into the fp32 accumulator. Tile shapes over M and
+N, warps, stages, TMA and persistence are free to change with the shape: measured on H100 they do not
+change the per-element reduction (notes/measurements.md), and tests/gpu checks that they don't.
+
+Row-parallel layers use `segments` = S: K is cut into S equal segments, each reduced from zero in
+tile order, and the S fp32 partials are added by the fixed tree ((p0+p1)+(p2+p3))+... . A program may
+reduce an aligned power-of-two group of segments itself; the group sums then go through the same tree
+in a small combine kernel. Since fp32 addition is commutative, a + b and b + a give the same bits,
+which lets the kernel keep few tiles alive.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Fixed K tile: part of the canonical order (one dot per 64 K-elements, in order).
+BLOCK_K = 64
+
+
+@dataclass(frozen=True)
+class MMConfig:
+    """Launch configuration; none of these fields changes the numbers (only BLOCK_K would)."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    seg_per_prog: int = 0  # segments one program reduces (power of two, <= 8); 0 = all of them
+    group_m: int = 8  # tile-order swizzle for L2 reuse
+    tma: bool = False  # persistent kernel with TMA loads (segment ends on BLOCK_K boundaries)
+    flatten: bool = True  # TMA kernel: one pipelined loop over (tile, segment)
+    ctas_per_sm: int = 1  # TMA kernel: persistent programs per SM
+    pairs: bool = False  # whole tree per tile, segments in pairs (TMA; segments in 2, 4, 8)
+    hold: bool = True  # pairs kernel: keep the left quarter-tree in registers (else L2 scratch)
+
+
+@triton.jit
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # grouped ordering: GROUP_M row tiles share the same run of column tiles (weight reuse in L2)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % width) % gsize)
+    pid_n = (pid % width) // gsize
+    return pid_m, pid_n
+
+
+@triton.jit
+def _segment_sum(x_ptr, w_ptr, offs_m, offs_n, seg, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] sum over K in [seg*seg_len, min((seg+1)*seg_len, K)), tile by tile."""
+    k_lo = seg * seg_len
+    k_hi = tl.minimum(k_lo + seg_len, K)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + rk)[None, :] * stride_xk
+    b_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_lo + rk)[None, :] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = (k + rk) < k_hi
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K * stride_xk
+        b_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_len,
+               stride_xm, stride_xk, stride_wn, stride_wk, stride_og, stride_om, stride_on,
+               NSEG: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """One output tile; program_id(1) = g reduces segments g*NSEG .. g*NSEG+NSEG-1 by the fixed tree."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # out-of-range rows/cols read a valid row instead (results discarded): no masks in the K loop
+    ld_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    ld_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    s0 = g * NSEG
+    if NSEG == 1:
+        acc = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    elif NSEG == 2:
+        acc = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        acc = acc + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 1, seg_len, K, stride_xm, stride_xk, stride_wn,
+                                 stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    elif NSEG == 4:
+        r1 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r1 = r1 + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 1, seg_len, K, stride_xm, stride_xk, stride_wn,
+                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r2 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 2, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r2 = r2 + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 3, seg_len, K, stride_xm, stride_xk, stride_wn,
+                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        acc = r1 + r2
+    else:
+        tl.static_assert(NSEG == 8)
+        # ((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7)) needs four live tiles at the last leaf; keep three in
+        # registers and park s6 in this program's own scratch tile.
+        r1 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r1 = r1 + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 1, seg_len, K, stride_xm, stride_xk, stride_wn,
+                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r2 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 2, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r2 = r2 + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 3, seg_len, K, stride_xm, stride_xk, stride_wn,
+                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r1 = r1 + r2
+        r2 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 4, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r2 = r2 + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 5, seg_len, K, stride_xm, stride_xk, stride_wn,
+                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        s6 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 6, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        tile = (pid + g * tl.num_programs(0)).to(tl.int64) * (BLOCK_M * BLOCK_N)
+        sc_ptrs = scratch_ptr + tile + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(sc_ptrs, s6)
+        acc = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 7, seg_len, K, stride_xm, stride_xk, stride_wn,
+                           stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        tl.debug_barrier()  # the store above may come from other threads of this program
+        acc = acc + tl.load(sc_ptrs)  # s7 + s6 == s6 + s7
+        acc = r1 + (r2 + acc)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    o_ptrs = (out_ptr + g.to(tl.int64) * stride_og + offs_m.to(tl.int64)[:, None] * stride_om
+              + offs_n[None, :] * stride_on)
+    if PARTIAL:
+        tl.store(o_ptrs, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + ld_n).to(tl.float32)[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tma_epilogue(v, bias_ptr, out_ptr, g, off_m, off_n, M, N, stride_og, stride_om, stride_on,
+                  PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    o_ptrs = (out_ptr + g.to(tl.int64) * stride_og + offs_m.to(tl.int64)[:, None] * stride_om
+              + offs_n[None, :] * stride_on)
+    if PARTIAL:
+        tl.store(o_ptrs, v, mask=mask)
+    else:
+        if HAS_BIAS:
+            v = v + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_tma_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_len, groups,
+                   stride_og, stride_om, stride_on,
+                   NSEG: tl.constexpr, LOG_NSEG: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr):
+    """Persistent, TMA loads. Work items are (output tile, group of NSEG segments); one loop runs over
+    (item, segment) so that the copy pipeline does not drain at segment ends. The group's tree is
+    built as segments finish: a left leaf waits in registers, higher left nodes in this program's
+    scratch slots (L2), so only two accumulator tiles are ever live."""
+    pid = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    my_items = tl.cdiv(num_tiles * groups - pid, NUM_PROGS)
+    seg_tiles = tl.cdiv(seg_len, BLOCK_K)
+    slot = (scratch_ptr + pid.to(tl.int64) * (LOG_NSEG * BLOCK_M * BLOCK_N)
+            + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+    left = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in tl.range(0, my_items * NSEG, flatten=FLATTEN):
+        item = pid + (i // NSEG) * NUM_PROGS
+        s = i % NSEG
+        g = item // num_tiles
+        pid_m, pid_n = _tile_ids(item % num_tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        k0 = (g * NSEG + s) * seg_len
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(seg_tiles):
+            a = x_desc.load([off_m, k0 + kk * BLOCK_K])
+            b = w_desc.load([off_n, k0 + kk * BLOCK_K])
+            acc = tl.dot(a, tl.trans(b), acc)
+        if NSEG == 1:
+            _tma_epilogue(acc, bias_ptr, out_ptr, g, off_m, off_n, M, N, stride_og, stride_om, stride_on,
+                          PARTIAL, HAS_BIAS, BLOCK_M, BLOCK_N)
+        else:
+            if s % 2 == 0:
+                left = acc
+            else:
+                v = left + acc  # level-1 node (left leaf + right leaf)
+                for L in tl.static_range(1, LOG_NSEG):
+                    low = (1 << L) - 1
+                    full = (s & low) == low  # v is a complete level-L node
+                    odd = ((s >> L) & 1) == 1  # ... and a right child: add its stored left sibling
+                    if full:
+                        tl.debug_barrier()  # slot written/read by other threads of this program
+                        if odd:
+                            v = tl.load(slot + (L - 1) * (BLOCK_M * BLOCK_N)) + v
+                        else:
+                            tl.store(slot + (L - 1) * (BLOCK_M * BLOCK_N), v)
+                if s == NSEG - 1:
+                    _tma_epilogue(v, bias_ptr, out_ptr, g, off_m, off_n, M, N, stride_og, stride_om, stride_on,
+                                  PARTIAL, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _pair_sum(x_desc, w_desc, off_m, off_n, k0, k1, seg_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """s(k0..) + s(k1..): two segments reduced side by side in one pipelined loop, then added."""
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(seg_tiles):
+        a0 = x_desc.load([off_m, k0 + kk * BLOCK_K])
+        b0 = w_desc.load([off_n, k0 + kk * BLOCK_K])
+        a1 = x_desc.load([off_m, k1 + kk * BLOCK_K])
+        b1 = w_desc.load([off_n, k1 + kk * BLOCK_K])
+        acc0 = tl.dot(a0, tl.trans(b0), acc0)
+        acc1 = tl.dot(a1, tl.trans(b1), acc1)
+    return acc0 + acc1
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_pairs_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_len,
+                     stride_om, stride_on, NSEG: tl.constexpr, HOLD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
+    """Whole segment tree (NSEG = 2, 4 or 8) per output tile, persistent, TMA loads. Segments go in
+    pairs through one loop with two accumulators; the pair sums (level-1 nodes) are combined with
+    static control flow: pair 0 waits in registers (HOLD) or in this program's L2 scratch slot,
+    pair 2 in the scratch slot, so at most three tiles are live."""
+    pid = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    seg_tiles = tl.cdiv(seg_len, BLOCK_K)
+    slot = (scratch_ptr + pid.to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
+            + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+    for tile in range(pid, num_tiles, NUM_PROGS):
+        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        v = _pair_sum(x_desc, w_desc, off_m, off_n, 0, seg_len, seg_tiles, BLOCK_M, BLOCK_N, BLOCK_K)
+        if NSEG >= 4:
+            if HOLD:
+                q0 = v
+            else:
+                tl.store(slot, v)
+            v = _pair_sum(x_desc, w_desc, off_m, off_n, 2 * seg_len, 3 * seg_len, seg_tiles,
+                          BLOCK_M, BLOCK_N, BLOCK_K)
+            if HOLD:
+                v = q0 + v
+            else:
+                tl.debug_barrier()
+                v = tl.load(slot) + v
+        if NSEG == 8:
+            if HOLD:
+                q0 = v
+            else:
+                tl.debug_barrier()
+                tl.store(slot, v)
+            v = _pair_sum(x_desc, w_desc, off_m, off_n, 4 * seg_len, 5 * seg_len, seg_tiles,
+                          BLOCK_M, BLOCK_N, BLOCK_K)
+            tl.store(slot + BLOCK_M * BLOCK_N, v)
+            v = _pair_sum(x_desc, w_desc, off_m, off_n, 6 * seg_len, 7 * seg_len, seg_tiles,
+                          BLOCK_M, BLOCK_N, BLOCK_K)
+            tl.debug_barrier()
+            v = tl.load(slot + BLOCK_M * BLOCK_N) + v
+            if HOLD:
+                v = q0 + v
+            else:
+                v = tl.load(slot) + v
+        _tma_epilogue(v, bias_ptr, out_ptr, pid * 0, off_m, off_n, M, N, 0, stride_om, stride_on,
+                      False, HAS_BIAS, BLOCK_M, BLOCK_N)
+        tl.debug_barrier()  # the next tile reuses the scratch slots
+
+
+@triton.jit
+def _part(p_ptr, i, stride_g, offs, mask):
+    return tl.load(p_ptr + i * stride_g + offs, mask=mask, other=0.0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _combine_kernel(p_ptr, bias_ptr, out_ptr, M, N, stride_g, stride_pm, stride_om,
+                    G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = tree(partials) (+ bias), cast: the upper levels of the segment tree."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    offs = row * stride_pm + cols
+    if G == 2:
+        acc = _part(p_ptr, 0, stride_g, offs, mask) + _part(p_ptr, 1, stride_g, offs, mask)
+    elif G == 4:
+        acc = ((_part(p_ptr, 0, stride_g, offs, mask) + _part(p_ptr, 1, stride_g, offs, mask))
+               + (_part(p_ptr, 2, stride_g, offs, mask) + _part(p_ptr, 3, stride_g, offs, mask)))
+    else:
+        tl.static_assert(G == 8)
+        acc = (((_part(p_ptr, 0, stride_g, offs, mask) + _part(p_ptr, 1, stride_g, offs, mask))
+                + (_part(p_ptr, 2, stride_g, offs, mask) + _part(p_ptr, 3, stride_g, offs, mask)))
+               + ((_part(p_ptr, 4, stride_g, offs, mask) + _part(p_ptr, 5, stride_g, offs, mask))
+                  + (_part(p_ptr, 6, stride_g, offs, mask) + _part(p_ptr, 7, stride_g, offs, mask))))
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    if not torch.cuda.is_available():  # Triton interpreter on CPU
+        return 4
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Hand-picked launch tables (H100, bf16, from bench/kernels.py --sweep). Each row: (max_M, config);
+# the first row with M <= max_M wins. Columns by N: <= 4096, <= 8192, wider. Small M streams the
+# weight (narrow tiles, deep pipelines, many programs); large M uses the persistent TMA kernel.
+C = MMConfig
+_PLAIN = [
+    (16, (C(16, 64, 4, 6), C(16, 64, 4, 6), C(16, 128, 4, 6))),
+    (32, (C(32, 32, 4, 6), C(32, 64, 4, 6), C(32, 64, 4, 6))),
+    (64, (C(64, 32, 4, 6), C(64, 32, 4, 6), C(64, 128, 4, 6))),
+    (128, (C(64, 64, 4, 4), C(64, 64, 4, 4), C(128, 128, 8, 3))),
+    (256, (C(128, 64, 4, 4), C(64, 64, 4, 4), C(128, 256, 8, 4, tma=True))),
+    (512, (C(128, 128, 4, 4), C(128, 256, 8, 4, tma=True), C(128, 256, 8, 4, tma=True))),
+    (1024, (C(128, 256, 8, 4, tma=True), C(128, 128, 4, 4, tma=True), C(128, 256, 8, 4, tma=True))),
+    (None, (C(128, 256, 8, 4, tma=True),) * 3),
+]
+# Segment tree (row-parallel layers). Small M: segment pairs spread over programs (parallelism for a
+# weight-streaming product; the fp32 partials are tiny). Larger M: the whole tree in one program,
+# segments in pairs (pairs kernel). Measured (H100): 0.85-1.0x cuBLAS at M <= 128, but only ~0.5x
+# (o_proj, K=4096) and ~0.65-0.75x (down_proj, K=14336) at M >= 512: each pair restarts the copy
+# pipeline and the tree keeps extra fp32 tiles, which a plain K loop does not (2 or 4 segments: 0.75-0.9x).
+_TREE = [
+    (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
+    (32, (C(32, 32, 4, 4, seg_per_prog=2),) * 3),
+    (64, (C(64, 32, 4, 4, seg_per_prog=2),) * 3),
+    (256, (C(64, 128, 4, 4, seg_per_prog=2),) * 3),
+    (None, (C(128, 128, 8, 3, pairs=True),) * 3),
+]
+_FP32_WIDE = C(128, 128, 8, 4, tma=True)  # a 128x256 fp32 epilogue needs more shared memory than there is
+del C
+
+
+def _lookup(table, m: int, n: int) -> MMConfig:
+    col = 0 if n <= 4096 else (1 if n <= 8192 else 2)
+    for max_m, cfgs in table:
+        if max_m is None or m <= max_m:
+            return cfgs[col]
+    return table[-1][1][col]
+
+
+def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtype = torch.bfloat16) -> MMConfig:
+    """Launch configuration for an [M, K] x [K, N] product (a function of the shape only)."""
+    cfg = _lookup(_TREE if segments > 1 else _PLAIN, M, N)
+    if cfg.pairs and segments > 4:  # three live tiles spill: park the left half-tree in L2 instead
+        cfg = dataclasses.replace(cfg, hold=False)
+    if out_dtype == torch.float32 and cfg.tma and cfg.block_n > 128:
+        cfg = _FP32_WIDE
+    return cfg
+
+
+def _tma_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x2.stride(1) == 1 and weight.stride(1) == 1 and x2.data_ptr() % 16 == 0
+            and weight.data_ptr() % 16 == 0 and (x2.stride(0) * 2) % 16 == 0 and (weight.stride(0) * 2) % 16 == 0)
+
+
+def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool = False):
+    """Fill out ([M, N], or [segments, M, N] fp32 partials when partial=True)."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    seg_len = triton.cdiv(K, segments)
+    nseg = 1 if partial else min(cfg.seg_per_prog or segments, segments, 8)
+    groups = segments // nseg
+    has_bias = bias is not None and not partial
+    tma_ok = _tma_ok(x2, weight) and (segments == 1 or seg_len % BLOCK_K == 0)
+    if cfg.pairs and tma_ok and not partial and segments in (2, 4, 8):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg.block_m, BLOCK_K])
+        w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [cfg.block_n, BLOCK_K])
+        tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        progs = min(tiles, _num_sms(out.device.index or 0) * cfg.ctas_per_sm)
+        scratch = torch.empty(progs * 2 * cfg.block_m * cfg.block_n, dtype=torch.float32, device=out.device)
+        _mm_pairs_kernel[(progs,)](
+            x_desc, w_desc, bias if has_bias else out, out, scratch, M, N, K, seg_len, out.stride(0), out.stride(1),
+            NSEG=segments, HOLD=cfg.hold, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m, NUM_PROGS=progs, num_warps=cfg.warps, num_stages=cfg.stages)
+        return out
+    if cfg.tma and tma_ok:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg.block_m, BLOCK_K])
+        w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [cfg.block_n, BLOCK_K])
+        items = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * groups
+        progs = min(items, _num_sms(out.device.index or 0) * cfg.ctas_per_sm)
+        target = out if partial or groups == 1 else torch.empty(groups, M, N, dtype=torch.float32,
+                                                                  device=out.device)
+        log_nseg = nseg.bit_length() - 1
+        scratch = (torch.empty(progs * log_nseg * cfg.block_m * cfg.block_n, dtype=torch.float32,
+                               device=out.device) if nseg >= 4 else target)
+        _mm_tma_kernel[(progs,)](
+            x_desc, w_desc, bias if has_bias else target, target, scratch, M, N, K, seg_len, groups,
+            target.stride(0) if target.dim() == 3 else 0, target.stride(-2), target.stride(-1),
+            NSEG=nseg, LOG_NSEG=log_nseg, PARTIAL=partial or groups > 1, HAS_BIAS=has_bias,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m, NUM_PROGS=progs,
+            FLATTEN=cfg.flatten, num_warps=cfg.warps, num_stages=cfg.stages)
+        if not partial and groups > 1:
+            _combine(target, bias, out)
+        return out
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    if partial:
+        target = out
+    elif groups == 1:
+        target = out
+    else:
+        target = torch.empty(groups, M, N, dtype=torch.float32, device=out.device)
+    scratch = (torch.empty(tiles * groups * cfg.block_m * cfg.block_n, dtype=torch.float32, device=out.device)
+               if nseg == 8 else target)
+    stride_og = target.stride(0) if target.dim() == 3 else 0
+    _mm_kernel[(tiles, groups)](
+        x2, weight, bias if has_bias else target, target, scratch, M, N, K, seg_len,
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
+        stride_og, target.stride(-2), target.stride(-1),
+        NSEG=nseg, PARTIAL=partial or groups > 1, HAS_BIAS=has_bias, EVEN_K=seg_len % BLOCK_K == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    if not partial and groups > 1:
+        _combine(target, bias, out)
+    return out
+
+
+def _combine(parts: torch.Tensor, bias, out: torch.Tensor) -> None:
+    groups, M, N = parts.shape
+    if groups not in (2, 4, 8):  # wider trees: exact pairwise fp32 adds level by level
+        while parts.shape[0] > 8:
+            parts = parts[0::2] + parts[1::2]
+        groups = parts.shape[0]
+        if groups == 1:
+            res = parts[0] if bias is None else parts[0] + bias.float()
+            out.copy_(res)
+            return
+    block = min(1024, triton.next_power_of_2(N))
+    _combine_kernel[(M, triton.cdiv(N, block))](
+        parts, bias if bias is not None else parts, out, M, N, parts.stride(0), parts.stride(1), out.stride(0),
+        G=groups, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+
+
+def _check_segments(segments: int) -> None:
+    if segments < 1 or segments & (segments - 1):
+        raise ValueError(f"segments must be a power of two, got {segments}")
+
+
+def matmul_with_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       segments: int = 1, out_dtype: torch.dtype = torch.bfloat16,
+                       config: MMConfig | None = None) -> torch.Tensor:
+    """matmul with a forced launch configuration (None = the table's); same numbers either way."""
+    _check_segments(segments)
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    cfg = config or pick_config(M, N, K, segments, out_dtype)
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    _launch(x2, weight, bias, out, segments, cfg)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           segments: int = 1, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x @ weight.T (+ bias): x [..., K] bf16, weight [N, K] bf16; see the module docstring."""
+    return matmul_with_config(x, weight, bias, segments, out_dtype, None)
+
+
+def matmul_partials(x: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
+    """fp32 [segments, M, N]: segment s reduced from zero in tile order (no tree, no bias)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    cfg = pick_config(M, N, K, segments, torch.float32)
+    out = torch.empty(segments, M, N, dtype=torch.float32, device=x.device)
+    _launch(x, weight, None, out, segments, cfg, partial=True)
+    return out

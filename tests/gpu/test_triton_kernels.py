@@ -1,0 +1,381 @@
+"""GPU: the Triton canonical kernels are batch-, position-, chunking- and layout-invariant, bit for bit.
+
+Run with `pytest -m gpu` on a machine with CUDA and triton. Bitwise comparisons go through integer
+views, so -0.0 vs +0.0 and NaN payloads count as differences.
+(Development only: TRITON_INTERPRET=1 runs the small cases on CPU through the Triton interpreter.)
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+BF = torch.bfloat16
+needs_cuda = pytest.mark.skipif(INTERPRET, reason="needs a real GPU (cuBLAS, Llama-sized shapes)")
+
+
+@pytest.fixture(scope="module")
+def kt():
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return pytest.importorskip("kernels.triton")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[t.dtype])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def randn(*shape, dtype=BF, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=gen(seed), device=DEV, dtype=torch.float32) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- matmul
+
+SMALL_BATCHES = list(range(1, 65))
+BIG_BATCHES = [96, 128, 200, 256, 384, 512, 1024, 2048]
+
+
+def _row_invariance(kt, k_dim, n_dim, segments, out_dtype, bias, batches, m_full):
+    x = randn(m_full, k_dim, seed=1)
+    w = randn(n_dim, k_dim, seed=2, scale=0.02)
+    b = randn(n_dim, seed=3) if bias else None
+    full = kt.matmul(x, w, b, segments=segments, out_dtype=out_dtype)
+    rng = random.Random(k_dim + n_dim + segments)
+    for m in batches:
+        if m > m_full:
+            continue
+        off = rng.randrange(0, m_full - m + 1)
+        part = kt.matmul(x[off:off + m], w, b, segments=segments, out_dtype=out_dtype)
+        assert same_bits(part, full[off:off + m]), f"M={m} offset={off} differs from the same rows in M={m_full}"
+
+
+@pytest.mark.parametrize("k_dim,n_dim,segments,out_dtype,bias", [
+    (512, 384, 1, BF, False),
+    (512, 384, 8, BF, True),
+    (320, 200, 2, torch.float32, True),  # ragged N and K tails
+])
+def test_matmul_row_invariance_small(kt, k_dim, n_dim, segments, out_dtype, bias):
+    batches = [1, 2, 3, 5, 8, 17, 33, 64] if INTERPRET else SMALL_BATCHES + BIG_BATCHES
+    _row_invariance(kt, k_dim, n_dim, segments, out_dtype, bias, batches, 80 if INTERPRET else 2048)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name,k_dim,n_dim,segments", [
+    ("qkv", 4096, 6144, 1), ("o", 4096, 4096, 8), ("gate_up", 4096, 28672, 1), ("down", 14336, 4096, 8),
+    ("down_plain", 14336, 4096, 1),
+])
+def test_matmul_row_invariance_llama(kt, name, k_dim, n_dim, segments):
+    """Rows of M = 1..64 and larger batches (every entry of the launch table) equal rows of M = 4096."""
+    _row_invariance(kt, k_dim, n_dim, segments, BF, False, SMALL_BATCHES + BIG_BATCHES + [4096], 4096)
+
+
+@needs_cuda
+def test_lm_head_logits_row_invariance(kt):
+    x = randn(512, 4096, seed=4)
+    w = randn(128256, 4096, seed=5, scale=0.02)
+    full = kt.matmul(x, w, out_dtype=torch.float32)
+    for m, off in [(1, 0), (1, 311), (7, 100), (64, 17), (300, 200)]:
+        assert same_bits(kt.matmul(x[off:off + m], w, out_dtype=torch.float32), full[off:off + m])
+
+
+def _configs(kt):
+    C = kt.MMConfig
+    out = [C(16, 32, 4, 3), C(32, 64, 4, 4), C(64, 64, 4, 4), C(64, 128, 4, 3), C(128, 128, 8, 3),
+           C(128, 256, 8, 3), C(128, 64, 4, 4, group_m=1)]
+    if not INTERPRET:
+        out += [C(128, 256, 8, 3, tma=True), C(128, 128, 4, 4, tma=True), C(64, 128, 4, 4, tma=True)]
+    return out
+
+
+@pytest.mark.parametrize("segments", [1, 8])
+def test_matmul_tile_configs_bitwise_identical(kt, segments):
+    """Tile shape, warps, stages, TMA/persistence and how the segment tree is split over programs
+    do not change a single bit (if a Triton or driver upgrade breaks this, the canonical order is gone)."""
+    m, k_dim, n_dim = (40, 512, 192) if INTERPRET else (300, 4096, 6144)
+    x = randn(m, k_dim, seed=6)
+    w = randn(n_dim, k_dim, seed=7, scale=0.02)
+    b = randn(n_dim, seed=8)
+    base = kt.matmul_with_config(x, w, b, segments, BF, kt.MMConfig(64, 64, 4, 2))
+    variants = _configs(kt)
+    if segments > 1:  # every split of the tree over programs, each on a different tile shape
+        variants = [kt.MMConfig(c.block_m, c.block_n, c.warps, c.stages, seg_per_prog=(1, 2, 4, 8)[i % 4],
+                                group_m=c.group_m) for i, c in enumerate(variants) if not c.tma]
+        variants += [kt.MMConfig(64, 64, 4, 2, seg_per_prog=s) for s in (1, 2, 4, 8)]
+        variants += [kt.MMConfig(128, 128, 8, 4, seg_per_prog=8, tma=True),
+                     kt.MMConfig(64, 128, 4, 4, seg_per_prog=4, tma=True, ctas_per_sm=2),
+                     kt.MMConfig(128, 128, 8, 3, seg_per_prog=2, tma=True, flatten=False),
+                     kt.MMConfig(128, 64, 4, 4, seg_per_prog=1, tma=True),
+                     kt.MMConfig(16, 64, 4, 3, seg_per_prog=8, tma=True),
+                     kt.MMConfig(128, 128, 8, 3, pairs=True),
+                     kt.MMConfig(64, 128, 4, 2, pairs=True, hold=False, ctas_per_sm=2),
+                     kt.MMConfig(16, 64, 4, 3, pairs=True)]
+    for v in variants:
+        out = kt.matmul_with_config(x, w, b, segments, BF, v)
+        assert same_bits(out, base), f"config {v} differs"
+
+
+def test_matmul_segment_tree_equals_combined_partials(kt):
+    m, k_dim, n_dim = (20, 512, 96) if INTERPRET else (100, 14336, 4096)
+    x = randn(m, k_dim, seed=9)
+    w = randn(n_dim, k_dim, seed=10, scale=0.02)
+    b = randn(n_dim, seed=11)
+    parts = kt.matmul_partials(x, w, 8)
+    assert parts.shape == (8, m, n_dim) and parts.dtype == torch.float32
+    p = list(parts.unbind(0))
+    tree = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+    want = tree + b.float()
+    assert same_bits(kt.matmul(x, w, b, segments=8, out_dtype=torch.float32), want)
+    if not INTERPRET:  # the interpreter truncates to bf16 instead of rounding
+        assert same_bits(kt.matmul(x, w, b, segments=8), want.to(BF))
+    # TP=2: rank r holds K half r (strided views); its 4 partials are segments 4r..4r+3 of TP=1
+    for r in (0, 1):
+        sl = slice(r * k_dim // 2, (r + 1) * k_dim // 2)
+        assert same_bits(kt.matmul_partials(x[:, sl], w[:, sl], 4), parts[4 * r:4 * r + 4])
+    # segment s of the partials is an ordinary plain matmul over its K slice
+    seg = k_dim // 8
+    for s in (0, 5):
+        plain = kt.matmul(x[:, s * seg:(s + 1) * seg].contiguous(), w[:, s * seg:(s + 1) * seg].contiguous(),
+                          out_dtype=torch.float32)
+        assert same_bits(plain, p[s])
+
+
+def test_matmul_close_to_reference(kt):
+    from kernels import reference as R
+    m, k_dim, n_dim = (6, 256, 64) if INTERPRET else (33, 512, 320)
+    x = randn(m, k_dim, seed=12)
+    w = randn(n_dim, k_dim, seed=13, scale=0.05)
+    b = randn(n_dim, seed=14)
+    for segments in (1, 8):
+        want = R.matmul(x, w, b, segments=segments, out_dtype=torch.float32)
+        got = kt.matmul(x, w, b, segments=segments, out_dtype=torch.float32)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        got16 = kt.matmul(x, w, b, segments=segments)
+        torch.testing.assert_close(got16.float(), want, rtol=1.6e-2, atol=1e-2)
+    parts = kt.matmul_partials(x, w, 4)
+    torch.testing.assert_close(parts, R.matmul_partials(x, w, 4), rtol=1e-4, atol=1e-4)
+    # 3-D input, non-contiguous weight view
+    x3 = randn(2, 3, k_dim, seed=15)
+    wt = randn(k_dim, n_dim, seed=16, scale=0.05).t()
+    torch.testing.assert_close(kt.matmul(x3, wt, out_dtype=torch.float32),
+                               (x3.float() @ wt.float().t()), rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+def test_matmul_close_to_cublas_llama(kt):
+    x = randn(256, 14336, seed=17)
+    w = randn(4096, 14336, seed=18, scale=0.02)
+    want = torch.nn.functional.linear(x.float(), w.float())
+    for segments in (1, 8):
+        torch.testing.assert_close(kt.matmul(x, w, segments=segments, out_dtype=torch.float32), want,
+                                   rtol=1e-3, atol=1e-3)
+
+
+@needs_cuda
+def test_negative_control_cublas_is_not_batch_invariant(kt):
+    """torch.matmul (cuBLAS) changes row 0 with the batch size on Llama-3.1-8B shapes; ours doesn't."""
+    differs = {}
+    for name, k_dim, n_dim in [("qkv", 4096, 6144), ("down", 14336, 4096)]:
+        x = randn(1024, k_dim, seed=19)
+        w = randn(n_dim, k_dim, seed=20, scale=0.02)
+        alone = torch.matmul(x[:1], w.t())
+        ours_alone = kt.matmul(x[:1], w, segments=8 if name == "down" else 1)
+        for m in (8, 16, 32, 64, 128, 256, 512, 1024):
+            if not same_bits(torch.matmul(x[:m], w.t())[:1], alone):
+                differs.setdefault(name, []).append(m)
+            assert same_bits(kt.matmul(x[:m], w, segments=8 if name == "down" else 1)[:1], ours_alone)
+    print("cuBLAS row 0 differs from M=1 at:", differs)
+    assert differs, "cuBLAS was batch-invariant on every shape: the negative control shows nothing"
+
+
+# ----------------------------------------------------------------------------------------------- norms
+
+@pytest.mark.parametrize("n", [128, 4096, 5120, 300])
+def test_rms_norm_invariance_and_closeness(kt, n):
+    from kernels import reference as R
+    m_full = 70 if INTERPRET else 1500
+    x = randn(m_full, n, seed=21, scale=3.0)
+    w = randn(n, seed=22)
+    full = kt.rms_norm(x, w, 1e-6)
+    rng = random.Random(n)
+    for m in ([1, 2, 7, 64] if INTERPRET else list(range(1, 65)) + [300, 1024]):
+        off = rng.randrange(0, m_full - m + 1)
+        assert same_bits(kt.rms_norm(x[off:off + m], w, 1e-6), full[off:off + m])
+    # 3-D [B, T, H, D] input as q/k norm uses
+    assert same_bits(kt.rms_norm(x[:64].reshape(4, 16, 1, n), w, 1e-6).reshape(64, n), full[:64])
+    want = R.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(full.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+    if not INTERPRET:  # the interpreter truncates to bf16 instead of rounding
+        assert (full == want).float().mean().item() > 0.95  # most elements agree exactly
+
+
+@pytest.mark.parametrize("v", [128256, 1000])
+def test_log_softmax_invariance_and_closeness(kt, v):
+    if INTERPRET and v > 5000:
+        pytest.skip("slow in the interpreter")
+    m_full = 300 if not INTERPRET else 9
+    x = randn(m_full, v, dtype=torch.float32, seed=23, scale=4.0)
+    x[3, ::7] = float("-inf")  # masked vocabulary
+    full = kt.log_softmax(x)
+    rng = random.Random(v)
+    for m in ([1, 2, 5] if INTERPRET else [1, 2, 3, 8, 31, 64, 65, 200]):
+        off = rng.randrange(0, m_full - m + 1)
+        assert same_bits(kt.log_softmax(x[off:off + m]), full[off:off + m])
+    want = torch.log_softmax(x.double(), dim=-1).float()
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(full))
+    torch.testing.assert_close(full[fin], want[fin], rtol=1e-5, atol=2e-5)
+
+
+def test_silu_mul_invariance_and_closeness(kt):
+    from kernels import reference as R
+    gu = randn(130, 2 * 3000, seed=24, scale=3.0)
+    gate, up = gu[:, :3000], gu[:, 3000:]  # views, as after a fused gate_up projection
+    full = kt.silu_mul(gate, up)
+    for m, off in [(1, 0), (1, 77), (13, 40), (64, 66)]:
+        assert same_bits(kt.silu_mul(gate[off:off + m], up[off:off + m]), full[off:off + m])
+        assert same_bits(kt.silu_mul(gate[off:off + m].contiguous(), up[off:off + m].contiguous()),
+                         full[off:off + m])
+    torch.testing.assert_close(full.float(), R.silu_mul(gate, up).float(), rtol=1.6e-2, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+def _attn_case(b, length, hq, hkv, d, seed):
+    q = randn(b, length, hq, d, seed=seed)
+    k = randn(b, length, hkv, d, seed=seed + 1)
+    v = randn(b, length, hkv, d, seed=seed + 2)
+    lengths = [length - 37 * i for i in range(b)]
+    pos = torch.full((b, length), -1, dtype=torch.int64, device=DEV)
+    for i, n in enumerate(lengths):
+        pos[i, :n] = torch.arange(n, device=DEV)
+    return q, k, v, pos, lengths
+
+
+def _stale(kv: torch.Tensor, upto: int) -> torch.Tensor:
+    """Contiguous cache holding positions 0..upto; everything later is garbage (NaN)."""
+    out = kv.clone()
+    out[:, upto + 1:] = float("nan")
+    return out
+
+
+def _paged(kv: torch.Tensor, block_size: int, seed: int):
+    """Scatter contiguous [B, L, H, D] into shuffled pages (+ NaN spare pages); returns cache, table."""
+    b, length, h, d = kv.shape
+    nb = -(-length // block_size)
+    total = b * nb + 5
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[: b * nb].reshape(b, nb)
+    cache = torch.full((total, block_size, h, d), float("nan"), dtype=kv.dtype, device=kv.device)
+    padded = torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, nb * block_size - length), value=float("nan"))
+    cache[perm.reshape(-1).to(kv.device)] = padded.reshape(b * nb, block_size, h, d)
+    return cache, perm.to(torch.int32).to(kv.device)
+
+
+ATTN_CASES = [(3, 200, 8, 2, 128), (2, 150, 4, 4, 64)] if not INTERPRET else [(2, 80, 4, 2, 32)]
+
+
+@pytest.mark.parametrize("b,length,hq,hkv,d", ATTN_CASES)
+def test_attention_whole_equals_decode_chunks_paged(kt, b, length, hq, hkv, d):
+    q, k, v, pos, lengths = _attn_case(b, length, hq, hkv, d, seed=30)
+    whole = kt.attention(q, k, v, pos)
+    assert (whole[1, lengths[1]:] == 0).all()  # padding rows
+    # token-by-token decode over a cache that holds only the past (the future is NaN garbage)
+    for t in range(length):
+        step = kt.attention(q[:, t:t + 1], _stale(k, t), _stale(v, t), pos[:, t:t + 1])
+        assert same_bits(step, whole[:, t:t + 1]), f"decode step t={t}"
+    # random chunking (prefill chunks / verify windows)
+    rng = random.Random(length)
+    start = 0
+    while start < length:
+        end = min(length, start + rng.choice([1, 3, 16, 17, 64, 65, 100]))
+        chunk = kt.attention(q[:, start:end], _stale(k, end - 1), _stale(v, end - 1), pos[:, start:end])
+        assert same_bits(chunk, whole[:, start:end]), f"chunk {start}:{end}"
+        start = end
+    # paged caches with shuffled block tables, block sizes below, at and above the KV block
+    for bs in (16, 64, 128):
+        kc, table = _paged(k, bs, seed=bs)
+        vc, _ = _paged(v, bs, seed=bs)
+        assert same_bits(kt.attention(q, kc, vc, pos, block_table=table), whole), f"paged bs={bs}"
+        t0, t1 = length // 3, length // 3 + 5
+        assert same_bits(kt.attention(q[:, t0:t1], kc, vc, pos[:, t0:t1], block_table=table), whole[:, t0:t1])
+    # each sequence alone equals its row in the batch; int32 positions too
+    for i in range(b):
+        alone = kt.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], pos[i:i + 1].to(torch.int32))
+        assert same_bits(alone, whole[i:i + 1])
+
+
+@pytest.mark.parametrize("b,length,hq,hkv,d", ATTN_CASES[:1])
+def test_attention_tile_configs_bitwise_identical(kt, b, length, hq, hkv, d):
+    import kernels.triton.attention as A
+    q, k, v, pos, _ = _attn_case(b, length, hq, hkv, d, seed=40)
+    base = kt.attention(q, k, v, pos)
+    try:
+        for tile in [(16, 4, 2), (64, 4, 3), (128, 8, 2), (128, 4, 2), (32, 4, 3)]:
+            A._FORCED_TILE = tile
+            assert same_bits(kt.attention(q, k, v, pos), base), f"tile {tile}"
+    finally:
+        A._FORCED_TILE = None
+
+
+@pytest.mark.parametrize("b,length,hq,hkv,d", ATTN_CASES)
+def test_attention_close_to_reference(kt, b, length, hq, hkv, d):
+    from kernels import reference as R
+    q, k, v, pos, _ = _attn_case(b, length, hq, hkv, d, seed=50)
+    got = kt.attention(q, k, v, pos, scale=0.1)
+    want = R.attention(q, k, v, pos, scale=0.1)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    if not INTERPRET:
+        kf = k.float().repeat_interleave(hq // hkv, dim=2)
+        vf = v.float().repeat_interleave(hq // hkv, dim=2)
+        s = torch.einsum("bthd,blhd->bhtl", q.float(), kf) * 0.1
+        vis = torch.arange(length, device=DEV)[None, None, None, :] <= pos[:, None, :, None]
+        p = torch.softmax(s.masked_fill(~vis, float("-inf")), -1).nan_to_num(0.0)
+        exact = torch.einsum("bhtl,blhd->bthd", p, vf)
+        torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2)
+
+
+# ----------------------------------------------------------------------------------- public dispatch
+
+@needs_cuda
+def test_public_ops_dispatch_to_triton_with_reference_grad(kt):
+    import kernels as K
+    x = randn(5, 256, seed=60)
+    assert K.backend_for(x) is kt
+    w = randn(128, 256, seed=61, scale=0.05).requires_grad_(True)
+    xg = x.clone().requires_grad_(True)
+    y = K.matmul(xg, w, row_parallel=True)
+    assert same_bits(y.detach(), kt.matmul(x, w.detach(), segments=K.TREE_SEGMENTS))
+    y.float().sum().backward()
+    assert xg.grad is not None and w.grad is not None
+    q, k, v, pos, _ = _attn_case(2, 40, 4, 2, 64, seed=62)
+    assert same_bits(K.attention(q, k, v, pos), kt.attention(q, k, v, pos))
+    logits = randn(3, 1000, dtype=torch.float32, seed=63)
+    assert same_bits(K.log_softmax(logits), kt.log_softmax(logits))
+
+
+@needs_cuda
+def test_reference_ops_are_invariant_on_cuda():
+    """The CPU oracle's own properties hold when it runs on CUDA tensors (torch elementwise ops)."""
+    from kernels import reference as R
+    x = randn(40, 96, seed=70)
+    w = randn(48, 96, seed=71)
+    full = R.matmul(x, w, segments=4)
+    assert same_bits(R.matmul(x[5:6], w, segments=4), full[5:6])
+    xn = randn(40, 256, seed=72)
+    wn = randn(256, seed=73)
+    assert same_bits(R.rms_norm(xn[9:12], wn, 1e-5), R.rms_norm(xn, wn, 1e-5)[9:12])
+    lg = randn(20, 3000, dtype=torch.float32, seed=74)
+    assert same_bits(R.log_softmax(lg[:3]), R.log_softmax(lg)[:3])
