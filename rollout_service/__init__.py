@@ -13,6 +13,7 @@ _EXPORTS = {
     "RolloutWorker": ".worker",
     "RolloutPool": ".pool",
     "RolloutClient": ".client",
+    "WeightSyncError": ".client",
 }
 
 

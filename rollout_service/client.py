@@ -1,0 +1,127 @@
+"""RolloutClient: what a training loop calls, from any driver or job in the Ray cluster."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import ray
+from ray.exceptions import RayTaskError
+
+from .params import Rollout, SamplingParams
+
+# Named actors are per namespace; a fixed one lets every job in the cluster find the pool.
+DEFAULT_NAMESPACE = "rollout_service"
+
+
+class WeightSyncError(RuntimeError):
+    """A worker did not end up with the weights the trainer sent (digest differs, or it failed)."""
+
+
+def ensure_ray() -> None:
+    if not ray.is_initialized():
+        ray.init()  # joins the cluster of RAY_ADDRESS / `ray start`, else starts a local one
+
+
+class RolloutClient:
+    """Handle on a RolloutPool found by name. Thread-safe; the sync and async calls can be mixed."""
+
+    def __init__(self, name: str = "rollout", namespace: str = DEFAULT_NAMESPACE, _handle=None):
+        ensure_ray()
+        self.name, self.namespace = name, namespace
+        if _handle is None:
+            try:
+                _handle = ray.get_actor(name, namespace=namespace)
+            except ValueError as e:
+                raise ValueError(f"no rollout pool named {name!r} in namespace {namespace!r}") from e
+        self._pool = _handle
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def submit(self, prompts: list[list[int]], params, request_ids: list[str] | None = None):
+        """Start generating; returns (ObjectRef of list[Rollout], request ids for cancel())."""
+        if isinstance(params, SamplingParams) or not isinstance(params, (list, tuple)):
+            params = [params] * len(prompts)  # a non-list, non-SamplingParams value fails per request
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        if request_ids is None:
+            request_ids = [uuid.uuid4().hex for _ in prompts]
+        elif len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids must be unique, one per prompt")
+        requests = [(str(key), _as_ids(p), sp) for key, p, sp in zip(request_ids, prompts, params)]
+        return self._pool.generate.remote(requests), list(request_ids)
+
+    def generate(self, prompts: list[list[int]], params, request_ids: list[str] | None = None,
+                 timeout: float | None = None) -> list[Rollout]:
+        """Rollouts in request order; a request that cannot be served comes back with
+        finish_reason "error" and a message, without failing the others."""
+        ref, keys = self.submit(prompts, params, request_ids)
+        try:
+            return ray.get(ref, timeout=timeout)
+        except BaseException:  # timeout or interrupt: don't leave the work running
+            self._pool.cancel.remote(keys)
+            raise
+
+    async def generate_async(self, prompts: list[list[int]], params,
+                             request_ids: list[str] | None = None) -> list[Rollout]:
+        ref, keys = self.submit(prompts, params, request_ids)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            self._pool.cancel.remote(keys)
+            raise
+
+    def cancel(self, request_ids: list[str] | str) -> int:
+        """Cancel requests; they finish with finish_reason "abort". Returns how many were running."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        return ray.get(self._pool.cancel.remote([str(k) for k in request_ids]))
+
+    # -- weights and status ----------------------------------------------------------------------
+
+    def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
+        """Load `state_dict` into every worker and return their common digest.
+
+        The tensors enter the object store once (every worker reads the same object). Raises
+        WeightMismatchError for names/shapes that do not fit (the pool keeps its old weights), and
+        WeightSyncError if any worker ends up with a digest other than the trainer's.
+        """
+        from .weights import WeightMismatchError, state_dict_digest
+
+        if expected_digest is None:
+            expected_digest = state_dict_digest(state_dict)
+        # One object for all workers. This driver owns it; the pool keeps the ref for restarts.
+        ref = ray.put(state_dict)
+        try:
+            return ray.get(self._pool.update_weights.remote([ref], expected_digest))
+        except RayTaskError as e:
+            if isinstance(e.cause, (WeightMismatchError, WeightSyncError)):
+                raise e.cause from None  # the pool's own message, without its remote traceback
+            raise
+
+    def weights_digest(self) -> str:
+        return ray.get(self._pool.weights_digest.remote())
+
+    def stats(self) -> dict:
+        """Request counts, requests in flight, the weights digest, and each worker's state."""
+        return ray.get(self._pool.stats.remote())
+
+    def shutdown(self) -> None:
+        """Stop the pool: every worker (releasing its CPUs/GPUs and placement group), then the pool
+        actor itself. Works from any driver, e.g. for a detached pool."""
+        from ray.exceptions import RayActorError
+
+        try:
+            ray.get(self._pool.shutdown.remote())
+        except RayActorError:
+            pass  # already gone
+        ray.kill(self._pool)
+
+    def workers(self) -> list:
+        """The current RolloutWorker actor handles, in slot order."""
+        return ray.get(self._pool.worker_handles.remote())
+
+
+def _as_ids(prompt):
+    if hasattr(prompt, "tolist"):  # tensors and arrays
+        prompt = prompt.tolist()
+    return list(prompt) if isinstance(prompt, tuple) else prompt

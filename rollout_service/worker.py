@@ -1,0 +1,243 @@
+"""RolloutWorker: a Ray actor that owns one Engine and serves many requests at once.
+
+Callers await `generate`; a background task feeds new requests to the engine and calls
+`engine.step()` while any are unfinished, so concurrent requests share the engine's batches.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+
+from .params import Rollout
+
+
+def error_rollout(prompt, message: str) -> Rollout:
+    prompt = list(prompt) if isinstance(prompt, (list, tuple)) else []
+    return Rollout(prompt_token_ids=prompt, finish_reason="error", error=message)
+
+
+def abort_rollout(prompt) -> Rollout:
+    prompt = list(prompt) if isinstance(prompt, (list, tuple)) else []
+    return Rollout(prompt_token_ids=prompt, finish_reason="abort")
+
+
+class EarlyCancels:
+    """Cancels that arrived before their request (Ray may deliver calls to an async actor out of
+    order). They expire after `ttl` seconds, so a cancel that raced a finishing request does not
+    hit a later request that reuses its id."""
+
+    def __init__(self, ttl: float = 10.0):
+        self.ttl = ttl
+        self._keys: dict[str, float] = {}
+
+    def add(self, key: str) -> None:
+        now = time.monotonic()
+        if len(self._keys) > 1024:
+            self._keys = {k: t for k, t in self._keys.items() if t > now}
+        self._keys[key] = now + self.ttl
+
+    def pop(self, key: str) -> bool:
+        deadline = self._keys.pop(key, None)
+        return deadline is not None and deadline > time.monotonic()
+
+
+@ray.remote
+class RolloutWorker:
+    """One engine behind an async actor.
+
+    Every engine call runs on one dedicated thread (the engine is not thread-safe), which keeps the
+    actor's event loop free to accept requests, aborts and weight updates while a step runs.
+    """
+
+    def __init__(self, model, engine_kwargs: dict | None = None):
+        from .engine import Engine
+
+        kwargs = dict(engine_kwargs or {})
+        kwargs.setdefault("copy_model", False)  # the model was deserialized for this actor alone
+        if "device" not in kwargs and ray.get_gpu_ids():
+            kwargs["device"] = "cuda"  # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPUs
+        self._engine = Engine(model, **kwargs)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._pending: list[tuple[str, list, object]] = []  # not yet handed to the engine
+        self._futures: dict[str, asyncio.Future] = {}
+        self._prompts: dict[str, list] = {}
+        self._rid_of: dict[str, int] = {}  # key -> engine request id, while in the engine
+        self._key_of: dict[int, str] = {}
+        self._to_abort: list[int] = []
+        self._aborted_rids: set[int] = set()
+        self._early_aborts = EarlyCancels()
+        self._updating = False
+        self._ticking = False
+        self._completed = 0
+        self._wake: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._update_lock: asyncio.Lock | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _start(self):
+        # asyncio objects must be made on the actor's event loop, which __init__ does not run on.
+        if self._wake is None:
+            self._wake, self._changed = asyncio.Event(), asyncio.Event()
+            self._update_lock = asyncio.Lock()
+        if self._loop_task is None or self._loop_task.done():  # (re)started by the next call
+            self._loop_task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def ready(self) -> dict:
+        self._start()
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "digest": await self._call(self._engine.weights_digest)}
+
+    async def liveness(self) -> None:
+        """Never returns: the pool keeps one call outstanding, which fails the moment this actor dies."""
+        await asyncio.get_running_loop().create_future()
+
+    async def load(self) -> dict:
+        return {"in_flight": len(self._futures), "completed": self._completed}
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def generate(self, key: str, prompt, params) -> Rollout:
+        self._start()
+        if self._early_aborts.pop(key):
+            return abort_rollout(prompt)
+        if key in self._futures:
+            return error_rollout(prompt, f"duplicate request id {key!r} on this worker")
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[key], self._prompts[key] = fut, prompt
+        self._pending.append((key, prompt, params))
+        self._wake.set()
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the caller cancelled this call (ray.cancel)
+            self._abort(key)
+            raise
+
+    async def abort(self, key: str) -> None:
+        self._start()
+        self._abort(key)
+
+    def _abort(self, key: str) -> None:
+        if key in self._rid_of:
+            self._to_abort.append(self._rid_of[key])
+            self._wake.set()
+        elif key in self._futures:  # still pending: never reached the engine
+            self._pending = [p for p in self._pending if p[0] != key]
+            self._resolve(key, abort_rollout(self._prompts[key]))
+        else:
+            self._early_aborts.add(key)
+
+    def _resolve(self, key: str, rollout: Rollout) -> None:
+        fut = self._futures.pop(key, None)
+        self._prompts.pop(key, None)
+        rid = self._rid_of.pop(key, None)
+        if rid is not None:
+            self._key_of.pop(rid, None)
+            self._aborted_rids.discard(rid)
+        if fut is not None and not fut.done():
+            self._completed += 1
+            fut.set_result(rollout)
+
+    async def _serve(self):
+        while True:
+            admit = [] if self._updating else self._pending
+            if not (admit or self._to_abort or self._rid_of):
+                self._changed.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if not self._updating:
+                self._pending = []
+            aborts, self._to_abort = self._to_abort, []
+            self._ticking = True
+            try:
+                added, finished, idle = await self._call(self._tick, admit, aborts)
+            except Exception as e:  # the engine failed: fail what it held rather than hang
+                rids = list(self._rid_of.values())
+                for key in list(self._rid_of):
+                    self._resolve(key, error_rollout(self._prompts.get(key), f"engine failure: {e!r}"))
+                for key, prompt, _ in admit:
+                    self._resolve(key, error_rollout(prompt, f"engine failure: {e!r}"))
+                try:  # and free what the engine still holds for them
+                    await self._call(self._abort_all, rids)
+                except Exception:
+                    pass
+                continue
+            finally:
+                self._ticking = False
+            for key, rid in added:
+                if isinstance(rid, Exception):
+                    self._resolve(key, error_rollout(self._prompts.get(key), f"{type(rid).__name__}: {rid}"))
+                    continue
+                self._rid_of[key], self._key_of[rid] = rid, key
+                if key not in self._futures:  # its caller went away while it was being added
+                    self._to_abort.append(rid)
+            self._aborted_rids.update(aborts)
+            for rid, rollout in finished:
+                key = self._key_of.get(rid)
+                if key is not None:
+                    self._resolve(key, rollout)
+            if idle:  # the engine holds nothing, so anything still tracked will never finish
+                for key in list(self._rid_of):
+                    rid = self._rid_of[key]
+                    self._resolve(key, abort_rollout(self._prompts.get(key)) if rid in self._aborted_rids
+                                  else error_rollout(self._prompts.get(key), "the engine dropped the request"))
+            self._changed.set()
+
+    def _abort_all(self, rids):
+        for rid in rids:
+            self._engine.abort(rid)
+
+    def _tick(self, admit, aborts):
+        """One engine round on the engine thread: admit, abort, step."""
+        added = []
+        for key, prompt, params in admit:
+            try:
+                added.append((key, self._engine.add_request(prompt, params)))
+            except Exception as e:  # InvalidRequestError and anything else this request cannot pass
+                added.append((key, e))
+        for rid in aborts:
+            self._engine.abort(rid)
+        finished = self._engine.step() if self._engine.has_unfinished() else []
+        return added, finished, not self._engine.has_unfinished()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def update_weights(self, state_dict) -> str:
+        """Load weights between requests: new requests wait, the ones in the engine finish first,
+        so no rollout mixes two weight versions."""
+        self._start()
+        async with self._update_lock:
+            self._updating = True
+            try:
+                while self._rid_of or self._ticking:
+                    self._changed.clear()
+                    await self._changed.wait()
+                return await self._call(self._engine.update_weights, state_dict)
+            finally:
+                self._updating = False
+                self._wake.set()
+
+    async def weights_digest(self) -> str:
+        return await self._call(self._engine.weights_digest)
+
+    async def state_dict(self) -> dict:
+        """A copy of the current weights (the pool's fallback when the sender's object is gone)."""
+        def copy():
+            return {k: v.detach().to("cpu", copy=True) for k, v in self._engine.model.state_dict().items()}
+        return await self._call(copy)
+
+    async def model_copy(self):
+        """The engine's model on CPU (the pool keeps it to restart workers after its sender exits)."""
+        def copy():
+            import copy as _copy
+            return _copy.deepcopy(self._engine.model).to("cpu")
+        return await self._call(copy)
