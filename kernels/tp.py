@@ -1,0 +1,218 @@
+"""Tensor parallelism that keeps the canonical numerics: a TP=k forward equals the TP=1 forward bit for bit.
+
+Sharding (Megatron style, k ranks):
+  * q/k/v and gate/up projections are split by output features (whole heads per rank), lm_head by vocab
+    rows (padded with zero rows to a multiple of k); their per-element reductions are untouched.
+  * o_proj and down_proj are split by input features K. The TP=1 canonical matmul sums K in
+    TREE_SEGMENTS (S) equal segments combined by the fixed tree ((p0+p1)+(p2+p3))+...; with k | S and
+    S | K, rank r's K-slice is exactly segments [r*S/k, (r+1)*S/k), an aligned subtree.
+  * embeddings, norms and rotary tables are replicated.
+
+Row-parallel reduction ("tree all-reduce"): each rank computes its subtree node (its S/k segment sums
+combined by the same tree, in fp32), the k nodes are all-gathered, and every rank combines them by the
+top levels of the same tree, then adds the bias and rounds once. That is the TP=1 tree node for node,
+and moves S/k times less data than gathering all S segment partials.
+
+Negative control: reduce="all_reduce" sums the same fp32 nodes with dist.all_reduce, whose association
+order is the library's (ring, chunked...). For k=2 that is a single commutative add, hence still exact;
+for k>=4 the order differs from the tree. reduce_dtype=torch.bfloat16 rounds each rank's result before
+the sum, as ordinary TP engines do, and differs at any k.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+import kernels as K
+
+from .forward import CANONICAL_OPS, OpSet, model_spec
+from .reference import exact_math as em
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output features
+ROW_PARALLEL = ("o_proj", "down_proj")  # split by input features (their bias is replicated)
+SUPPORTED_DEGREES = tuple(d for d in (1, 2, 4, 8, 16, 32, 64) if K.TREE_SEGMENTS % d == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TPShard:
+    """What a rank-local model is: rank `rank` of `world_size`, full vocab `vocab_size`."""
+    rank: int
+    world_size: int
+    vocab_size: int
+    padded_vocab: int
+
+
+def check_tp(model: torch.nn.Module, world_size: int) -> None:
+    """ValueError unless `model` can be split `world_size` ways with the TP=1 numbers kept."""
+    s = K.TREE_SEGMENTS
+    if not isinstance(world_size, int) or world_size < 1 or s % world_size:
+        raise ValueError(f"tensor-parallel degree must divide TREE_SEGMENTS={s} (one of {SUPPORTED_DEGREES}), "
+                         f"got {world_size!r}")
+    spec = model_spec(model)
+    inter = model.config.intermediate_size
+    problems = []
+    if spec.num_heads % world_size or spec.num_kv_heads % world_size:
+        problems.append(f"attention heads ({spec.num_heads}) and KV heads ({spec.num_kv_heads}) must be "
+                        f"divisible by {world_size}")
+    for name, k_dim in (("o_proj", spec.num_heads * spec.head_dim), ("down_proj", inter)):
+        if k_dim % s:  # unequal segments at TP=1 would not fall on rank boundaries
+            problems.append(f"{name} has K={k_dim}, not a multiple of TREE_SEGMENTS={s}")
+    if problems:
+        raise ValueError(f"cannot shard {spec.architecture} {world_size} ways: " + "; ".join(problems))
+
+
+def _shard_dim(name: str) -> int | None:
+    parts = name.split(".")
+    owner = parts[-2] if len(parts) >= 2 else ""
+    if owner == "lm_head" or owner in COLUMN_PARALLEL:
+        return 0
+    if owner in ROW_PARALLEL and parts[-1] == "weight":
+        return 1
+    return None
+
+
+def shard_tensor(name: str, t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s part of parameter `name` (a view, or `t` itself when replicated)."""
+    dim = _shard_dim(name)
+    if dim is None or world_size == 1:
+        return t
+    if name.split(".")[-2] == "lm_head" and t.shape[0] % world_size:
+        pad = world_size - t.shape[0] % world_size
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])  # zero rows: logits sliced off after gather
+    size = t.shape[dim] // world_size
+    return t.narrow(dim, rank * size, size)
+
+
+def shard_state_dict(state_dict: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s state dict from a full (TP=1) one, e.g. for a weight update."""
+    return {name: shard_tensor(name, t, rank, world_size).contiguous() for name, t in state_dict.items()}
+
+
+def shard_model(model: torch.nn.Module, rank: int, world_size: int) -> torch.nn.Module:
+    """A rank-local copy of an HF decoder whose config describes the local dims (heads, KV heads and
+    MLP width divided by world_size), so model_spec, KVCache and kernels.forward run on it unchanged."""
+    check_tp(model, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    spec = model_spec(model)
+    lm_head = model.lm_head.weight
+    tied = lm_head is model.model.embed_tokens.weight
+    memo = {}  # sharded parameters are put in the deepcopy memo, so the full ones are never copied
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if _shard_dim(name) is None or (tied and p is lm_head):
+            continue
+        local = shard_tensor(name, p.detach(), rank, world_size).clone()
+        memo[id(p)] = torch.nn.Parameter(local, requires_grad=False)
+    local_model = copy.deepcopy(model, memo)
+    if tied:  # the embedding stays whole; lm_head gets its own vocab shard
+        local_model.lm_head.weight = torch.nn.Parameter(
+            shard_tensor("lm_head.weight", lm_head.detach(), rank, world_size).clone(), requires_grad=False)
+    for mod in local_model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.out_features, mod.in_features = mod.weight.shape
+    cfg = local_model.config
+    cfg.head_dim = spec.head_dim  # Llama/Qwen2 would otherwise derive it from the local head count
+    cfg.num_attention_heads = spec.num_heads // world_size
+    cfg.num_key_value_heads = spec.num_kv_heads // world_size
+    cfg.intermediate_size = model.config.intermediate_size // world_size
+    cfg.tie_word_embeddings = False
+    padded = local_model.lm_head.weight.shape[0] * world_size
+    local_model.__dict__["_zerokl_tp"] = TPShard(rank, world_size, spec.vocab_size, padded)
+    return local_model
+
+
+def tp_shard_info(model: torch.nn.Module) -> TPShard | None:
+    return model.__dict__.get("_zerokl_tp")
+
+
+# one flat output buffer (NCCL's fast path); renamed all_gather_single in newer torch
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather(t: torch.Tensor, group, world_size: int) -> list[torch.Tensor]:
+    """[t of group rank 0, t of rank 1, ...]."""
+    t = t.contiguous()
+    out = torch.empty((world_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    _all_gather_flat(out, t, group=group)
+    return list(out.view(world_size, *t.shape).unbind(0))
+
+
+def _subtree(x2: torch.Tensor, w: torch.Tensor, segments: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """This rank's node of the segment tree: its `segments` segment sums combined by the fixed tree."""
+    return K.backend_for(x2).matmul(x2, w, None, segments=segments, out_dtype=out_dtype)
+
+
+def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group=None, *,
+                        reduce: str = "tree", reduce_dtype: torch.dtype = torch.float32,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Canonical x @ W.T (+ bias) with W's K split across `group`: x [..., K/k], weight [N, K/k] is this
+    rank's K-slice, bias [N] replicated. reduce="tree" equals kernels.matmul(row_parallel=True) on the
+    full K bit for bit; "all_reduce" is the negative control (see the module docstring)."""
+    k = dist.get_world_size(group) if dist.is_initialized() else 1
+    segments = K.TREE_SEGMENTS // k
+    x2 = x.reshape(-1, x.shape[-1])
+    if reduce == "tree":
+        if reduce_dtype != torch.float32:
+            raise ValueError("the tree reduction keeps fp32 partials (reduce_dtype=torch.float32)")
+        node = _subtree(x2, weight, segments, torch.float32)
+        out = em.tree_combine(_all_gather(node, group, k)) if k > 1 else node
+    elif reduce == "all_reduce":
+        out = _subtree(x2, weight, segments, reduce_dtype)
+        if k > 1:
+            dist.all_reduce(out, group=group)
+        out = out.float()
+    else:
+        raise ValueError(f"reduce must be 'tree' or 'all_reduce', got {reduce!r}")
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
+
+
+def tp_ops(base_ops: OpSet, group=None, *, vocab_size: int | None = None, reduce: str | None = None,
+           reduce_dtype: torch.dtype | None = None) -> OpSet:
+    """`base_ops` for a rank-local model (shard_model) in process group `group`.
+
+    Column-parallel linears and attention run locally on the rank's heads; row-parallel linears reduce
+    across the group; logits are the rank's vocab rows all-gathered (then cut to vocab_size).
+    CANONICAL_OPS get the exact tree reduction by default; other op sets (fast paths) a plain
+    all_reduce in their own dtype, with no guarantee.
+    """
+    canonical = base_ops.name == CANONICAL_OPS.name
+    reduce = reduce or ("tree" if canonical else "all_reduce")
+    if reduce not in ("tree", "all_reduce"):
+        raise ValueError(f"reduce must be 'tree' or 'all_reduce', got {reduce!r}")
+    if reduce == "tree" and not canonical:
+        raise ValueError("the tree reduction reproduces the canonical matmul; use it with CANONICAL_OPS")
+    if reduce == "tree" and reduce_dtype not in (None, torch.float32):
+        raise ValueError("the tree reduction keeps fp32 partials (reduce_dtype=torch.float32)")
+    k = dist.get_world_size(group) if dist.is_initialized() else 1
+
+    def linear(x, w, b=None, row_parallel=False):
+        if not row_parallel:
+            return base_ops.linear(x, w, b)
+        if canonical:
+            return row_parallel_matmul(x, w, b, group, reduce=reduce, reduce_dtype=reduce_dtype or torch.float32)
+        out = base_ops.linear(x, w, None, row_parallel=True)
+        if reduce_dtype is not None:
+            out = out.to(reduce_dtype)
+        if k > 1:
+            dist.all_reduce(out, group=group)
+        out = out.to(x.dtype)
+        return out if b is None else out + b
+
+    def logits(x, w):
+        local = base_ops.logits(x, w)
+        full = torch.cat(_all_gather(local, group, k), dim=-1) if k > 1 else local
+        if vocab_size is not None and full.shape[-1] != vocab_size:
+            full = full[..., :vocab_size].contiguous()
+        return full
+
+    name = f"{base_ops.name}-tp{k}" + ("" if reduce == "tree" or not canonical else "-all_reduce")
+    return dataclasses.replace(base_ops, name=name, linear=linear, logits=logits)
+
+
+__all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "SUPPORTED_DEGREES", "TPShard", "check_tp", "row_parallel_matmul",
+           "shard_model", "shard_state_dict", "shard_tensor", "tp_ops", "tp_shard_info"]

@@ -1,0 +1,258 @@
+"""GPU tensor parallelism: TP = 2 (and 4 where there are 4 GPUs) equals TP = 1 and the trainer bit for bit.
+
+Ranks are processes started with torch.multiprocessing (NCCL for tensors, gloo for the batch messages,
+NVLink multicast off). Rank 0 also computes the TP=1 references on its GPU. Printed figures (run with
+-s): tree all-gather-combine vs NCCL all_reduce for [M, 4096] fp32, and end-to-end rollout throughput
+of `verified` vs `off` at this TP degree (a small model: figures, not assertions).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import random
+import struct
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.gpu
+
+MODEL_KW = dict(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=4,
+                intermediate_size=1024)
+ENGINE_KW = dict(window=8, group=8, kv_cache_tokens=8192)
+SEQS = [[random.Random(i).randrange(1000) for _ in range(n)] for i, n in enumerate((37, 100, 5, 64))]
+PROMPTS = [[random.Random(10 + i).randrange(1000) for _ in range(n)] for i, n in enumerate((5, 23, 40))]
+PARAMS = [dict(max_tokens=24, temperature=t, seed=s, determinism=m)
+          for m in ("verified", "invariant") for t, s in ((0.0, None), (0.7, 11))]
+LAYER = (600, 4096, 512)  # M, K, N of the row-parallel layer check
+LAYER_ROWS = (1, 64, 600)  # row counts that pick different kernel configurations
+TIMING_ROWS = (1, 16, 256, 2048)
+
+
+def _bits(t):
+    t = t.detach().cpu().contiguous()
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
+
+
+def same_bits(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def _rollout_bits(r):
+    return r.finish_reason, tuple(r.token_ids), tuple(struct.pack("<f", x) for x in r.logprobs)
+
+
+def _requests():
+    from rollout_service import SamplingParams
+    params = [SamplingParams(**p) for p in PARAMS]
+    return [p for p in PROMPTS for _ in params], params * len(PROMPTS)
+
+
+def _verifier_logits(model, ops, device):
+    from kernels.forward import model_spec
+    from rollout_service.kv_cache import KVCache
+    from rollout_service.runner import Chunk, ModelRunner
+    cache = KVCache(model_spec(model), 64, 16, device)
+    chunks, start = [], 0
+    for s in SEQS:
+        n = -(-len(s) // 16)
+        chunks.append(Chunk(s, 0, list(range(start, start + n)), len(s)))
+        start += n
+    return [t.cpu() for t in ModelRunner(model, cache, ops, device).forward(chunks)]
+
+
+def _timed(fn, device, iters=50) -> float:
+    """Mean seconds per call."""
+    for _ in range(5):
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def _throughput(engine, reqs) -> float:
+    """Generated tokens per second of one generate call (after a warm-up call)."""
+    engine.generate(*reqs)
+    t0 = time.perf_counter()
+    out = engine.generate(*reqs)
+    return sum(len(r.token_ids) for r in out) / (time.perf_counter() - t0)
+
+
+def _references(model, device) -> dict:
+    """TP=1 on this GPU: engine rollouts, verifier logits, the trainer's log-probs, the layer."""
+    import kernels as K
+    import trainer_patch
+    from kernels.forward import CANONICAL_OPS
+    from rollout_service import Engine
+    ref = {}
+    engine = Engine(model, device=device, **ENGINE_KW)
+    ref["rollouts"] = engine.generate(*_requests())
+    del engine
+    ref["logits"] = _verifier_logits(model.to(device), CANONICAL_OPS, device)
+    train = copy.deepcopy(model).to(device)
+    ref["train_seq"] = [trainer_patch.token_logprobs(train, torch.tensor([s], device=device))[0].cpu()
+                        for s in SEQS]
+    ref["train_rollouts"] = []
+    prompts, params = _requests()
+    for prompt, p, r in zip(prompts, params, ref["rollouts"]):
+        ids = torch.tensor([prompt + r.token_ids], device=device)
+        lp = trainer_patch.token_logprobs(train, ids, temperature=p.temperature or 1.0)[0, len(prompt) - 1:]
+        ref["train_rollouts"].append(lp.cpu())
+    x, w, b = _layer_inputs(device)
+    ref["layer"] = {m: K.matmul(x[:m], w, b, row_parallel=True).cpu() for m in LAYER_ROWS}
+    ref["layer_fp32"] = {m: K.matmul(x[:m], w, row_parallel=True, out_dtype=torch.float32).cpu()
+                         for m in LAYER_ROWS}
+    return ref
+
+
+def _layer_inputs(device):
+    g = torch.Generator().manual_seed(0)
+    m, k, n = LAYER
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    return x.to(device), w.to(device), b.to(device)
+
+
+def _worker(rank, k, port, path, device_type="cuda", model_kw=None):
+    """One rank. device_type="cpu" runs the same steps with gloo (a development check of this file)."""
+    import kernels as K
+    from kernels.forward import CANONICAL_OPS
+    from kernels.reference import exact_math as em
+    from kernels.tp import _all_gather, row_parallel_matmul, shard_model, tp_ops
+    from recipes.tiny_models import tiny_model
+    from rollout_service import SamplingParams
+    from rollout_service.tp import TPEngine, TPFollower, init_tp_group
+
+    if device_type == "cuda":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    ctx = init_tp_group(rank, k, port, "nccl" if device_type == "cuda" else "gloo")
+    model = tiny_model("qwen2", seed=3, **(model_kw or MODEL_KW))  # seeded CPU init: same on every rank
+    vocab = model.config.vocab_size
+    out = {}
+    if rank == 0:
+        out["ref"] = _references(copy.deepcopy(model), device)
+
+    # the row-parallel layer: exact tree, and the plain all_reduce of the ranks' fp32 subtree nodes
+    x, w, b = _layer_inputs(device)
+    cols = slice(rank * x.shape[1] // k, (rank + 1) * x.shape[1] // k)
+    wl = w[:, cols].contiguous()
+    for key in ("layer_tree", "layer_tree_fp32", "layer_all_reduce_fp32", "node_is_subtree"):
+        out[key] = {}
+    for m in LAYER_ROWS:
+        xl = x[:m, cols].contiguous()
+        out["layer_tree"][m] = row_parallel_matmul(xl, wl, b, ctx.group).cpu()
+        out["layer_tree_fp32"][m] = row_parallel_matmul(xl, wl, None, ctx.group, out_dtype=torch.float32).cpu()
+        out["layer_all_reduce_fp32"][m] = row_parallel_matmul(xl, wl, None, ctx.group, reduce="all_reduce",
+                                                              out_dtype=torch.float32).cpu()
+        # the fused kernel's node for this rank's segments == the tree over its unfused segment partials
+        segs = K.TREE_SEGMENTS // k
+        node = K.backend_for(xl).matmul(xl, wl, None, segments=segs, out_dtype=torch.float32)
+        parts = list(K.backend_for(xl).matmul_partials(xl, wl, segs).unbind(0))
+        out["node_is_subtree"][m] = all(ctx.all_gather_object(same_bits(node, em.tree_combine(parts))))
+
+    # verifier forward on the shard: tree (exact) and bf16 all_reduce (what ordinary TP engines do)
+    local = shard_model(model, rank, k).to(device)
+    out["logits_tree"] = _verifier_logits(local, tp_ops(CANONICAL_OPS, ctx.group, vocab_size=vocab), device)
+    out["logits_bf16_all_reduce"] = _verifier_logits(local, tp_ops(
+        CANONICAL_OPS, ctx.group, vocab_size=vocab, reduce="all_reduce", reduce_dtype=torch.bfloat16), device)
+    del local
+
+    # collectives: tree all-gather-combine vs all_reduce of one [M, 4096] fp32 partial per rank
+    timings = []
+    for m in TIMING_ROWS:
+        t = torch.randn(m, 4096, device=device)
+        tree = _timed(lambda t=t: em.tree_combine(_all_gather(t, ctx.group, k)), device)
+        plain = _timed(lambda t=t: dist.all_reduce(t, group=ctx.group), device)  # in place: values only grow
+        timings.append((m, tree, plain))
+    out["timings"] = timings
+
+    # whole rollouts through the TP engine, then throughput of verified vs off
+    if rank == 0:
+        engine = TPEngine(model, ctx, device=device, **ENGINE_KW)
+        out["rollouts"] = engine.generate(*_requests())
+        bench = [[random.Random(100 + i).randrange(vocab) for _ in range(32)] for i in range(16)]
+        out["throughput"] = {
+            mode: _throughput(engine, (bench, [SamplingParams(max_tokens=64, temperature=0.7, seed=i,
+                                                              determinism=mode) for i in range(16)]))
+            for mode in ("verified", "off")}
+        engine.close()
+        torch.save(out, path)
+    else:
+        TPFollower(model, ctx, device=device, **ENGINE_KW).serve_forever()
+    dist.destroy_process_group()
+
+
+def run_group(k: int, path: str, device_type: str = "cuda", model_kw=None) -> dict:
+    from rollout_service.tp import free_port
+    mp.start_processes(_worker, args=(k, free_port(), path, device_type, model_kw), nprocs=k,
+                       start_method="spawn")
+    return torch.load(path, weights_only=False)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda k: f"tp{k}")
+def tp(request, tmp_path_factory):
+    k = request.param
+    if not torch.cuda.is_available() or torch.cuda.device_count() < k:
+        pytest.skip(f"needs {k} CUDA GPUs")
+    pytest.importorskip("kernels.triton")
+    return k, run_group(k, str(tmp_path_factory.mktemp(f"tp{k}") / "out.pt"))
+
+
+@pytest.mark.parametrize("m", LAYER_ROWS)
+def test_row_parallel_layer(tp, m):
+    k, out = tp
+    ref = out["ref"]
+    assert out["node_is_subtree"][m], f"TP={k} M={m}: fused subtree node != tree of the rank's segment partials"
+    assert same_bits(out["layer_tree"][m], ref["layer"][m]), f"TP={k} M={m}: tree all-reduce != TP=1 matmul"
+    assert same_bits(out["layer_tree_fp32"][m], ref["layer_fp32"][m])
+    same = same_bits(out["layer_all_reduce_fp32"][m], ref["layer_fp32"][m])
+    print(f"\nTP={k} M={m}: NCCL all_reduce of the fp32 subtree nodes {'equals' if same else 'differs from'} "
+          "the tree (at k=2 it is one commutative add)")
+
+
+def test_verifier_forward_equals_tp1_and_trainer(tp):
+    k, out = tp
+    ref = out["ref"]
+    import kernels as K
+    for i, (got, want, seq) in enumerate(zip(out["logits_tree"], ref["logits"], SEQS)):
+        assert same_bits(got, want), f"TP={k} sequence {i}: logits differ from TP=1"
+        logp = K.log_softmax(got[:-1]).gather(1, torch.tensor(seq[1:]).unsqueeze(1)).squeeze(1)
+        assert same_bits(logp, ref["train_seq"][i]), f"TP={k} sequence {i}: log-probs differ from the trainer"
+
+
+def test_bf16_all_reduce_negative_control(tp):
+    k, out = tp
+    differ = [not same_bits(a, b) for a, b in zip(out["logits_bf16_all_reduce"], out["ref"]["logits"])]
+    assert any(differ), f"TP={k}: a bf16 all_reduce gave the canonical logits"
+
+
+def test_rollouts_equal_tp1_and_trainer(tp):
+    k, out = tp
+    ref = out["ref"]
+    assert [_rollout_bits(r) for r in out["rollouts"]] == [_rollout_bits(r) for r in ref["rollouts"]]
+    for j, (r, train) in enumerate(zip(out["rollouts"], ref["train_rollouts"])):
+        assert r.ok, r.error
+        assert same_bits(torch.tensor(r.logprobs, dtype=torch.float32), train), f"TP={k} request {j}: KL != 0"
+
+
+def test_print_figures(tp):
+    k, out = tp
+    print(f"\nTP={k}, [M, 4096] fp32 per rank: tree all-gather + combine vs NCCL all_reduce (us)")
+    for m, tree, plain in out["timings"]:
+        print(f"  M={m:5d}  tree {tree * 1e6:9.1f}  all_reduce {plain * 1e6:9.1f}  ratio {tree / plain:5.2f}")
+    tput = out["throughput"]
+    print(f"TP={k} rollout throughput (tiny model, 16 x 64 tokens, T=0.7): verified {tput['verified']:.0f} tok/s, "
+          f"off {tput['off']:.0f} tok/s")

@@ -1,0 +1,235 @@
+"""Tensor parallelism: TP = 1, 2, 4 give the same bits as the unsharded trainer (CPU, gloo).
+
+One group of 4 processes runs every TP=4 and TP=2 case (TP=2 on ranks 0-1 in a subgroup); the TP=1
+references are computed here.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import struct
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import kernels as K
+import trainer_patch
+from kernels.forward import CANONICAL_OPS, model_spec
+from kernels.tp import check_tp, row_parallel_matmul, shard_model, tp_ops
+from recipes.tiny_models import tiny_model
+from rollout_service import Engine, SamplingParams
+from rollout_service.kv_cache import KVCache
+from rollout_service.runner import Chunk, ModelRunner
+from rollout_service.tp import TPContext, TPEngine, TPFollower, free_port, init_tp_group
+from rollout_service.weights import model_digest
+
+MODEL_KW = dict(num_heads=4, num_kv_heads=4, hidden_size=64, intermediate_size=128)
+ENGINE_KW = dict(window=4, group=4, kv_cache_tokens=512)
+SEQS = [[random.Random(i).randrange(96) for _ in range(n)] for i, n in enumerate((7, 12, 5))]
+PROMPTS = [[random.Random(10 + i).randrange(96) for _ in range(n)] for i, n in enumerate((5, 9))]
+PARAMS = [SamplingParams(max_tokens=8, temperature=t, seed=s, determinism=m)
+          for m in ("verified", "invariant") for t, s in ((0.0, None), (0.7, 11))]
+REQUESTS = ([p for p in PROMPTS for _ in PARAMS], PARAMS * len(PROMPTS))  # every prompt with every params
+UPDATED = (PROMPTS[:1] * 2, PARAMS[:2])  # requests after a weight update
+LAYER_SHAPE = (16, 512, 48)  # M, K, N of the row-parallel layer check
+
+
+def make_model(seed=3):
+    return tiny_model("qwen2", seed=seed, **MODEL_KW)
+
+
+def make_gqa_model():
+    """Llama with 2 query heads per KV head and a vocabulary that 4 does not divide (padded lm_head)."""
+    return tiny_model("llama", seed=5, num_heads=8, num_kv_heads=4, hidden_size=64, intermediate_size=128,
+                      vocab_size=90)
+
+
+def layer_inputs():
+    g = torch.Generator().manual_seed(0)
+    m, k, n = LAYER_SHAPE
+    return (torch.randn(m, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.05).bfloat16())
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def rollout_bits(r) -> tuple:
+    return r.finish_reason, tuple(r.token_ids), tuple(struct.pack("<f", x) for x in r.logprobs)
+
+
+def verifier_logits(model, ops) -> list[torch.Tensor]:
+    """Canonical logits for every position of SEQS, one batched forward over the paged cache."""
+    cache = KVCache(model_spec(model), 8, 16, "cpu")
+    chunks = [Chunk(s, 0, [i], len(s)) for i, s in enumerate(SEQS)]
+    return ModelRunner(model, cache, ops, "cpu").forward(chunks)
+
+
+def _run_group(model, model2, gqa, ctx: TPContext) -> dict:
+    """Everything one TP group computes; every rank runs it, rank 0's results are kept."""
+    k, rank = ctx.world_size, ctx.rank
+    out = {}
+    x, w = layer_inputs()
+    cols = slice(rank * x.shape[1] // k, (rank + 1) * x.shape[1] // k)
+    for reduce in ("tree", "all_reduce"):
+        out[f"layer_{reduce}"] = row_parallel_matmul(x[:, cols], w[:, cols].contiguous(), None, ctx.group,
+                                                     reduce=reduce, out_dtype=torch.float32)
+    local = shard_model(model, rank, k)
+    vocab = model.config.vocab_size
+    out["logits_tree"] = verifier_logits(local, tp_ops(CANONICAL_OPS, ctx.group, vocab_size=vocab))
+    out["logits_bf16_all_reduce"] = verifier_logits(local, tp_ops(
+        CANONICAL_OPS, ctx.group, vocab_size=vocab, reduce="all_reduce", reduce_dtype=torch.bfloat16))
+    out["logits_gqa"] = verifier_logits(shard_model(gqa, rank, k), tp_ops(CANONICAL_OPS, ctx.group, vocab_size=90))
+    if rank == 0:
+        engine = TPEngine(model, ctx, **ENGINE_KW)
+        assert engine.cache.k[0].shape[2] == MODEL_KW["num_kv_heads"] // k  # local heads only
+        out["rollouts"] = engine.generate(*REQUESTS)
+        out["digest"] = engine.update_weights(model2.state_dict())
+        out["rollouts_updated"] = engine.generate(*UPDATED)
+        engine.close()
+    else:
+        TPFollower(model, ctx, **ENGINE_KW).serve_forever()
+    return out
+
+
+def _worker(rank, world, port, model, model2, gqa, path):
+    torch.set_num_threads(1)
+    init_tp_group(rank, world, port)
+    tp2 = TPContext(dist.new_group([0, 1]))  # every rank takes part in creating a subgroup
+    results = {4: _run_group(model, model2, gqa, TPContext())}
+    if rank < 2:
+        results[2] = _run_group(model, model2, gqa, tp2)
+    if rank == 0:
+        torch.save(results, path)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return make_model(3), make_model(4), make_gqa_model()
+
+
+@pytest.fixture(scope="module")
+def tp(models, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "results.pt"
+    # fork: the children start with everything imported and the models in memory (spawning 4 fresh
+    # interpreters costs far more CPU than the test itself); spawn where fork does not exist
+    ray = sys.modules.get("ray")
+    forkable = "fork" in mp.get_all_start_methods() and not (ray is not None and ray.is_initialized())
+    method = "fork" if forkable else "spawn"
+    mp.start_processes(_worker, args=(4, free_port(), *models, str(path)), nprocs=4, start_method=method)
+    return torch.load(path, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def tp1(models):
+    """TP=1: the unsharded engine and verifier, and the trainer's log-probs."""
+    model, model2, _ = models
+    engine = Engine(model, **ENGINE_KW)
+    out = {"rollouts": engine.generate(*REQUESTS)}
+    engine.update_weights(model2.state_dict())
+    out["rollouts_updated"] = engine.generate(*UPDATED)
+    out["logits"] = verifier_logits(model, CANONICAL_OPS)
+    out["logits_tp_ops"] = verifier_logits(shard_model(model, 0, 1), tp_ops(CANONICAL_OPS))
+    out["logits_gqa"] = verifier_logits(models[2], CANONICAL_OPS)
+    x, w = layer_inputs()
+    out["layer"] = K.matmul(x, w, row_parallel=True, out_dtype=torch.float32)
+    return out
+
+
+def trainer_logprobs(model, seq, prompt_len=1, temperature=1.0):
+    train = copy.deepcopy(model)  # token_logprobs patches the model it is given
+    return trainer_patch.token_logprobs(train, torch.tensor([seq]), temperature=temperature)[0, prompt_len - 1:]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_row_parallel_tree_all_reduce_equals_tp1(tp, tp1, k):
+    assert same_bits(tp[k]["layer_tree"], tp1["layer"])
+
+
+def test_plain_all_reduce_negative_control(tp, tp1):
+    """Summing the ranks' fp32 subtree nodes with dist.all_reduce: at k=2 that is the tree's single root
+    add (commutative, so exact); at k=4 gloo's ring associates differently from the tree."""
+    assert same_bits(tp[2]["layer_all_reduce"], tp1["layer"])
+    assert not same_bits(tp[4]["layer_all_reduce"], tp1["layer"])
+    # bf16 partials summed by all_reduce (what ordinary TP engines do) change the model's logits
+    for k in (2, 4):
+        differ = [not same_bits(a, b) for a, b in zip(tp[k]["logits_bf16_all_reduce"], tp1["logits"])]
+        assert any(differ), f"TP={k}: bf16 all_reduce gave the canonical logits"
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_verifier_forward_equals_tp1_and_trainer(tp, tp1, models, k):
+    logits = tp1["logits_tp_ops"] if k == 1 else tp[k]["logits_tree"]
+    for i, (got, want, seq) in enumerate(zip(logits, tp1["logits"], SEQS)):
+        assert same_bits(got, want), f"TP={k} sequence {i}: logits differ"
+        logp = K.log_softmax(got[:-1]).gather(1, torch.tensor(seq[1:]).unsqueeze(1)).squeeze(1)
+        assert same_bits(logp, trainer_logprobs(models[0], seq)), f"TP={k} sequence {i}: log-probs differ"
+    if k > 1:  # GQA heads split across ranks, padded vocab shards
+        assert all(same_bits(a, b) for a, b in zip(tp[k]["logits_gqa"], tp1["logits_gqa"])), f"TP={k}: GQA model"
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_rollouts_equal_tp1_and_trainer(tp, tp1, models, k):
+    n = len(PARAMS)
+    for key in ("rollouts", "rollouts_updated"):
+        got, want = tp[k][key], tp1[key]
+        assert [rollout_bits(r) for r in got] == [rollout_bits(r) for r in want], f"TP={k} {key}"
+    for j, r in enumerate(tp[k]["rollouts"]):
+        assert r.ok and len(r.token_ids) == 8
+        assert (r.stats.verify_windows > 0) == (PARAMS[j % n].determinism == "verified")
+        prompt, p = PROMPTS[j // n], PARAMS[j % n]
+        train = trainer_logprobs(models[0], prompt + r.token_ids, len(prompt), p.temperature or 1.0)
+        assert same_bits(torch.tensor(r.logprobs, dtype=torch.float32), train), f"TP={k} request {j}: KL != 0"
+    assert tp[k]["digest"] == model_digest(models[1])
+
+
+def test_sharding_rules():
+    model = make_model()
+    with pytest.raises(ValueError, match="divide TREE_SEGMENTS"):
+        check_tp(model, 3)
+    with pytest.raises(ValueError, match="heads"):
+        check_tp(tiny_model("qwen2", num_heads=4, num_kv_heads=2), 4)
+    with pytest.raises(ValueError, match="down_proj has K=100"):
+        check_tp(tiny_model("qwen2", intermediate_size=100), 2)
+    local = shard_model(model, 1, 4)
+    spec = model_spec(local)
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (1, 1, 16)
+    attn = local.model.layers[0].self_attn
+    full = model.model.layers[0].self_attn
+    assert torch.equal(attn.q_proj.weight, full.q_proj.weight[16:32])
+    assert torch.equal(attn.o_proj.weight, full.o_proj.weight[:, 16:32])
+    assert local.lm_head.weight.shape == (24, 64) and local.model.embed_tokens.weight.shape == (96, 64)
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)  # the original is untouched
+    padded = shard_model(tiny_model("qwen2", vocab_size=90, **MODEL_KW), 3, 4).lm_head.weight
+    assert padded.shape == (23, 64) and not padded[-2:].any()  # 90 rows padded to 92 with zeros
+
+
+def test_ray_tp_group_equals_tp1(models, tp1):
+    """TP=2 as Ray actors in a placement group (gloo): same bits as TP=1, weight updates included."""
+    ray = pytest.importorskip("ray")
+    from rollout_service.tp import create_tp_group
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    group = None
+    try:
+        group = create_tp_group(models[0], 2, ENGINE_KW)  # {"CPU": 1} bundles, gloo
+        assert group.weights_digest() == model_digest(models[0])
+        got = group.generate(*REQUESTS)
+        assert [rollout_bits(r) for r in got] == [rollout_bits(r) for r in tp1["rollouts"]]
+        assert group.update_weights(models[1].state_dict()) == model_digest(models[1])
+        got = group.engine().generate(*UPDATED)
+        assert [rollout_bits(r) for r in got] == [rollout_bits(r) for r in tp1["rollouts_updated"]]
+    finally:
+        if group is not None:
+            group.shutdown()
+        if started:
+            ray.shutdown()
