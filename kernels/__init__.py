@@ -96,6 +96,17 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return with_reference_grad(impl, lambda a: torch.log_softmax(a, dim=-1), x)
 
 
+def scale_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """logits / temperature by true IEEE division (temperature: a number, or one per row).
+
+    The one place temperature is applied: on CUDA, `tensor / python_float` is computed as a multiply
+    by the reciprocal, which differs in the last bit from dividing by a tensor.
+    """
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    t = t.reshape(-1, *([1] * (logits.dim() - 1))) if t.numel() > 1 else t.reshape([1] * logits.dim())
+    return logits / t
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _check("gate", gate, dtype=torch.bfloat16)
     _check("up", up, dtype=torch.bfloat16)
@@ -139,4 +150,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
 
 
 __all__ = ["BLOCK_KV", "TREE_SEGMENTS", "add", "attention", "backend_for", "gumbel_noise", "log_softmax",
-           "matmul", "rms_norm", "rotary", "sample", "silu_mul"]
+           "matmul", "rms_norm", "rotary", "sample", "scale_logits", "silu_mul"]

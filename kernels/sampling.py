@@ -74,7 +74,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     logits = logits.float()
     temperature = temperature.to(logits.device, torch.float32).reshape(-1, 1)
     greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)
+    scaled = logits / torch.where(greedy, 1.0, temperature)  # tensor / tensor: true division (see scale_logits)
     needs_mask = bool(((top_k > 0) | (top_p < 1.0)).any())
     if needs_mask:
         mask = allowed_mask(scaled, top_k.to(logits.device), top_p.to(logits.device))

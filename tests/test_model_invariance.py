@@ -59,8 +59,7 @@ def test_logprobs_incremental_with_paged_kv_cache_equal_whole_pass(model, temper
             slots = table.long()[0, pos // bs] * bs + pos % bs
             kv = PagedKV(k_pools, v_pools, table, slots)
             hidden = forward_hidden(model, seq[None, start:stop], pos, kv=kv)
-            logits = compute_logits(model, hidden[0]) / temperature if temperature != 1.0 else \
-                compute_logits(model, hidden[0])
+            logits = K.scale_logits(compute_logits(model, hidden[0]), temperature)
             got.append(K.log_softmax(logits).gather(1, seq[start + 1:stop + 1, None])[:, 0])
     assert_bitwise_equal(torch.cat(got), whole, "incremental")
 

@@ -28,9 +28,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
             raise ValueError("attention_mask must be right-padded (1s then 0s per row)")
     if not is_patched(model):
         patch_model(model)
-    logits = model(input_ids=ids).logits[:, :-1]
-    if temperature != 1.0:
-        logits = logits / float(temperature)
+    logits = K.scale_logits(model(input_ids=ids).logits[:, :-1], float(temperature))
     logp = K.log_softmax(logits).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     if attention_mask is not None:
         logp = torch.where(mask[:, 1:], logp, 0.0)
