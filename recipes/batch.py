@@ -1,0 +1,72 @@
+"""Turn scored rollouts into padded training tensors, split over trainer ranks and mini-batches.
+
+Every rank must run the same number of forwards and backwards (FSDP's collectives pair up), so a
+rank with no rows in a micro-batch gets a one-row dummy whose loss mask is all zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens
+    logprobs: list[float]  # the rollout's log-prob of each generated token
+    advantage: float
+
+
+def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded tensors; [B, T-1] ones are aligned with token_logprobs (index t-1 = token t)."""
+    if not samples:
+        samples, dummy = [Sample([pad_id], [pad_id], [0.0], 0.0)], True
+    else:
+        dummy = False
+    width = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    n = len(samples)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros(n, width, dtype=torch.long)
+    loss_mask = torch.zeros(n, width - 1, dtype=torch.bool)
+    old = torch.zeros(n, width - 1, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, g = len(s.prompt_ids), len(s.token_ids)
+        ids[i, :p + g] = torch.tensor(s.prompt_ids + s.token_ids)
+        attn[i, :p + g] = 1
+        if not dummy:
+            loss_mask[i, p - 1:p - 1 + g] = True
+            old[i, p - 1:p - 1 + g] = torch.tensor(s.logprobs, dtype=torch.float32)
+    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "rollout_logprobs": old,
+            "advantages": adv}
+
+
+def _chunks(items: list, parts: int) -> list[list]:
+    """`parts` contiguous chunks of near-equal size (some may be empty)."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (i < extra)
+        out.append(items[start:stop])
+        start = stop
+    return out
+
+
+def split_for_ranks(samples: list[Sample], world: int, mini_batches: int, micro_batch_size: int = 0,
+                    pad_id: int = 0) -> tuple[list[list[list[dict]]], list[int]]:
+    """-> (per rank: per mini-batch: list of packed micro-batches, generated tokens per mini-batch).
+
+    Mini-batches are contiguous slices of `samples` (whole prompt groups when the caller orders them
+    so); within one, rows are dealt to ranks round-robin.
+    """
+    plans: list[list[list[dict]]] = [[] for _ in range(world)]
+    tokens = []
+    for mini in _chunks(samples, mini_batches):
+        tokens.append(sum(len(s.token_ids) for s in mini))
+        per_rank = [mini[r::world] for r in range(world)]
+        rows = max(len(p) for p in per_rank)
+        micros = max(1, -(-rows // micro_batch_size)) if micro_batch_size > 0 else 1
+        for r in range(world):
+            plans[r].append([pack(chunk, pad_id) for chunk in _chunks(per_rank[r], micros)])
+    return plans, tokens

@@ -1,0 +1,240 @@
+"""GRPO with deterministic rollouts and FSDP2 training; logs rollout-vs-train KL every step.
+
+    ray job submit --working-dir . -- python -m recipes.grpo --config recipes/configs/tiny.yaml
+    python -m recipes.grpo --config recipes/configs/tiny.yaml --determinism off   # the baseline
+    python -m recipes.grpo --resume RUN_OR_CHECKPOINT_DIR [key.sub=value ...]
+
+Each step: prompts from the task's dataset -> n seeded rollouts per prompt through RolloutClient ->
+rewards -> group-normalised advantages -> clipped policy-gradient update on the FSDP2 trainer ranks ->
+the new weights pushed to the rollout pool, digests checked.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import yaml
+
+from .batch import Sample, split_for_ranks
+from .checkpoint import checkpoint_dir, find_checkpoint, read_checkpoint, write_state
+from .config import apply_override, load_config, validate
+from .grpo_loss import group_advantages
+from .metrics import MetricsLogger, step_metrics
+from .models import initial_model
+from .rollouts import group_requests, prompt_indices, rollouts_digest
+from .task import build_task
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
+
+
+class WeightSyncMismatch(RuntimeError):
+    """The rollout pool does not hold the weights the trainer has."""
+
+
+def init_ray(address: str | None = None) -> bool:
+    """Join the cluster (under `ray job submit`, RAY_ADDRESS is set) or start a local Ray.
+    Returns True when this call started or joined Ray."""
+    import ray
+    if ray.is_initialized():
+        return False
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address or "auto")
+    else:
+        ray.init()  # a cluster from `ray start` on this machine if there is one, else a local one
+    return True
+
+
+def _run_dir(cfg: dict, ckpt: Path | None) -> Path:
+    if cfg.get("run_dir"):
+        path = Path(cfg["run_dir"]).expanduser().resolve()
+    elif ckpt is not None:
+        path = ckpt.parent.parent  # continue in the run the checkpoint belongs to
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name = f"{cfg['name']}-{cfg['rollout']['determinism']}-{stamp}-{uuid.uuid4().hex[:6]}"
+        path = Path(cfg["output_dir"]).expanduser().resolve() / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _starting_model(cfg: dict, task, resumed: bool) -> torch.nn.Module:
+    """The initial policy; a resumed run loads its checkpoint over it, so no warm-up then."""
+    from .warmup import answer_examples, supervised_warmup
+
+    model = initial_model(cfg, task.tokenizer)
+    warm = cfg.get("warmup", {})
+    if not resumed and warm.get("steps", 0) > 0:
+        model = supervised_warmup(model, answer_examples(task), warm["steps"], lr=warm.get("lr", 3e-3),
+                                  batch_size=warm.get("batch_size", 64), seed=cfg["seed"])
+    return model
+
+
+def _sync(trainer, pool_name: str, namespace: str) -> dict:
+    result = trainer.push_weights(pool_name, namespace)
+    if result["pool_digest"] != result["digest"]:
+        raise WeightSyncMismatch(f"rollout pool holds {result['pool_digest']}, trainer has {result['digest']}")
+    return result
+
+
+def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, scale: bool):
+    """Rewards [P, n] and the training samples with group-normalised advantages."""
+    rewards = torch.tensor([task.reward(ro.token_ids, rows[i // n]["answer"]) for i, ro in enumerate(rollouts)])
+    rewards = rewards.view(-1, n)
+    adv = group_advantages(rewards, scale=scale).view(-1).tolist()
+    samples = [Sample(list(prompts[i]), list(ro.token_ids), list(ro.logprobs), adv[i])
+               for i, ro in enumerate(rollouts)]
+    return rewards, samples
+
+
+def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> dict:
+    """Run (or continue) a GRPO job on an initialised Ray; returns {"run_dir", "records"}."""
+    from tqdm.auto import tqdm
+
+    from rollout_service import RolloutClient, RolloutPool
+    from rollout_service.client import DEFAULT_NAMESPACE
+
+    from .trainer import TrainerGroup
+
+    step0, cursor, ckpt, state = 0, 0, None, {}
+    if resume is not None:
+        ckpt = find_checkpoint(resume)
+        state, _ = read_checkpoint(ckpt)
+        step0, cursor = state["step"], state["cursor"]
+    rc, tc, trc = cfg["rollout"], cfg["trainer"], cfg["train"]
+    run_dir = _run_dir(cfg, ckpt)
+    run_name = f"{cfg['name']}-{rc['determinism']}"
+
+    t_start = time.perf_counter()
+    task = build_task(cfg)
+    model = _starting_model(cfg, task, resumed=ckpt is not None)
+    t_model = time.perf_counter()
+    pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
+    pool_name, namespace = rc.get("pool_name") or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
+    pool = trainer = logger = None
+    records = []
+    try:
+        pool = RolloutPool(model, num_workers=rc["num_workers"], name=pool_name, engine_kwargs=rc.get("engine"),
+                           resources_per_worker=rc.get("resources_per_worker"), namespace=namespace)
+        t_pool = time.perf_counter()
+        trainer = TrainerGroup(tc, model, rc["temperature"])
+        if ckpt is not None:
+            trainer.load(str(ckpt / "trainer"))
+        sync = _sync(trainer, pool_name, namespace)  # the pool starts from the trainer's exact weights
+        if state.get("digest") not in (None, sync["digest"]):
+            raise WeightSyncMismatch(f"checkpoint weights {sync['digest']} != recorded {state['digest']}")
+        client = RolloutClient(pool_name, namespace=namespace)
+        logger = MetricsLogger(run_dir, cfg, run_name)
+        t_ready = time.perf_counter()
+        _say(f"run directory {run_dir}; set up in {t_ready - t_start:.0f}s (task and model {t_model - t_start:.0f}s, "
+             f"rollout pool {t_pool - t_model:.0f}s, trainer ranks {t_ready - t_pool:.0f}s)")
+        bar = tqdm(total=trc["steps"], initial=step0, desc=run_name, disable=not progress, dynamic_ncols=True)
+        for step in range(step0 + 1, trc["steps"] + 1):
+            t_step = time.perf_counter()
+            indices = prompt_indices(cursor, trc["prompts_per_step"], len(task.dataset), cfg["seed"])
+            rows = [task.dataset[i] for i in indices]
+            prompts, params = group_requests([r["prompt_ids"] for r in rows], indices, step, rc, cfg["seed"],
+                                             task.stop_token_ids)
+            t0 = time.perf_counter()
+            rollouts = client.generate(prompts, params)
+            t1 = time.perf_counter()
+            failed = [ro for ro in rollouts if not ro.ok]
+            if failed:
+                raise RuntimeError(f"{len(failed)} rollouts failed, e.g. {failed[0].finish_reason}: {failed[0].error}")
+            rewards, samples = _score(task, rows, prompts, rollouts, rc["n"], tc["scale_advantages"])
+            plans, tokens = split_for_ranks(samples, tc["num_ranks"], tc["mini_batches"],
+                                            tc.get("micro_batch_size", 0), pad_id)
+            t2 = time.perf_counter()
+            results = trainer.train_step(plans, tokens)
+            t3 = time.perf_counter()
+            sync = _sync(trainer, pool_name, namespace)
+            cursor += trc["prompts_per_step"]
+
+            metrics = step_metrics(rollouts, rewards, results, sum(tokens),
+                                   {"rollout": t1 - t0, "train": t3 - t2, "sync": sync["seconds"]})
+            metrics.update({"data/cursor": cursor, "rollout/digest": rollouts_digest(rollouts),
+                            "weights/digest": sync["digest"]})
+            if trc.get("save_rollouts"):
+                _save_rollouts(run_dir, step, rollouts, rewards.view(-1).tolist())
+            every = trc.get("save_every", 0)
+            if step == trc["steps"] or (every and step % every == 0):
+                path = checkpoint_dir(run_dir, step)
+                trainer.save(str(path / "trainer"))
+                write_state(path, {"step": step, "cursor": cursor, "digest": sync["digest"]}, cfg)
+            metrics["perf/step_s"] = time.perf_counter() - t_step
+            logger.log(step, metrics)
+            records.append({"step": step, **metrics})
+            bar.update(1)
+            bar.write(f"step {step}/{trc['steps']}  reward {metrics['reward/mean']:.3f}  "
+                      f"kl {metrics['rollout_train/kl']:.3g}  max|Δ| {metrics['rollout_train/max_abs_logprob_diff']:.3g}  "
+                      f"mismatched {metrics['rollout_train/mismatched_tokens']}  {metrics['perf/step_s']:.1f}s")
+        bar.close()
+    finally:
+        if logger is not None:
+            logger.close()
+        if trainer is not None:
+            trainer.close()
+        if pool is not None:
+            pool.shutdown()
+    return {"run_dir": str(run_dir), "records": records}
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _save_rollouts(run_dir: Path, step: int, rollouts, rewards) -> None:
+    """<run_dir>/rollouts/step_N.jsonl; JSON floats round-trip exactly, so files compare bitwise."""
+    out = run_dir / "rollouts"
+    out.mkdir(exist_ok=True)
+    with open(out / f"step_{step:06d}.jsonl", "w") as f:
+        for ro, r in zip(rollouts, rewards):
+            f.write(json.dumps({"prompt": ro.prompt_token_ids, "tokens": ro.token_ids, "logprobs": ro.logprobs,
+                                "finish_reason": ro.finish_reason, "reward": r}) + "\n")
+
+
+def build_config(args) -> dict:
+    """Config from --config (or, when resuming without one, the checkpoint's), then the overrides."""
+    if args.config is None and args.resume is not None:
+        _, cfg = read_checkpoint(find_checkpoint(args.resume))
+        for item in args.overrides:
+            apply_override(cfg, item)
+    else:
+        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+    if args.determinism is not None:
+        cfg["rollout"]["determinism"] = args.determinism
+    if args.run_dir is not None:
+        cfg["run_dir"] = args.run_dir
+    validate(cfg)
+    return cfg
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m recipes.grpo", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG.name}, the tiny CPU run)")
+    ap.add_argument("--determinism", choices=("verified", "invariant", "off"), default=None,
+                    help="rollout mode; 'off' = fast path only, the baseline whose KL is not zero")
+    ap.add_argument("--resume", default=None, help="a run directory (its latest checkpoint) or a checkpoint")
+    ap.add_argument("--run-dir", default=None, help="where metrics and checkpoints go")
+    ap.add_argument("--ray-address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else local)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    args = ap.parse_intermixed_args(argv)
+    cfg = build_config(args)
+    init_ray(args.ray_address)
+    result = run(cfg, resume=args.resume, progress=not args.no_progress)
+    last = result["records"][-1] if result["records"] else {}
+    print(f"run directory: {result['run_dir']}")
+    if last:
+        print(f"final step {last['step']}: reward {last['reward/mean']:.3f}, "
+              f"rollout_train/kl {last['rollout_train/kl']}, max |Δ logprob| {last['rollout_train/max_abs_logprob_diff']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

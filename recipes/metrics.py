@@ -1,0 +1,127 @@
+"""Per-step metrics: rollout-vs-train log-prob agreement, and logging to wandb and a local JSONL.
+
+`rollout_train/kl` is the mean over generated tokens of (rollout log-prob - training log-prob), the
+k1 estimate of KL(rollout || train) from rollout samples; `rollout_train/kl_k3` is the k3 estimate
+mean(exp(r) - 1 - r) with r = train - rollout. Both are exactly 0.0 when every log-prob matches.
+"""
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+from pathlib import Path
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def logprob_agreement(rollout_lp: torch.Tensor, train_lp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Partial sums over the masked tokens of one batch; merge batches with `combine_agreement`."""
+    diff = (rollout_lp.detach().float() - train_lp.detach().float())[mask.bool()].double()
+    r = -diff
+    return {"tokens": int(diff.numel()), "sum_diff": float(diff.sum()), "sum_k3": float((torch.expm1(r) - r).sum()),
+            "max_abs": float(diff.abs().max()) if diff.numel() else 0.0, "mismatched": int((diff != 0).sum())}
+
+
+def combine_agreement(parts: list[dict]) -> dict:
+    tokens = sum(p["tokens"] for p in parts)
+    return {
+        "rollout_train/kl": sum(p["sum_diff"] for p in parts) / max(tokens, 1),
+        "rollout_train/kl_k3": sum(p["sum_k3"] for p in parts) / max(tokens, 1),
+        "rollout_train/max_abs_logprob_diff": max((p["max_abs"] for p in parts), default=0.0),
+        "rollout_train/mismatched_tokens": sum(p["mismatched"] for p in parts),
+        "rollout_train/tokens": tokens,
+    }
+
+
+def dvr_counters(rollouts) -> dict:
+    """Decode-verify-rollback counters summed over a step's rollouts (Rollout.stats)."""
+    keys = ("verify_windows", "rollbacks", "recomputed_tokens", "proposed_tokens", "accepted_tokens")
+    totals = {k: sum(getattr(ro.stats, k, 0) for ro in rollouts) for k in keys}
+    out = {f"dvr/{k}": v for k, v in totals.items()}
+    out["dvr/acceptance_rate"] = (totals["accepted_tokens"] / totals["proposed_tokens"]
+                                  if totals["proposed_tokens"] else float("nan"))
+    return out
+
+
+def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_tokens: int, times: dict) -> dict:
+    """Everything logged for one step. results: the trainer ranks' train_step dicts; times: seconds
+    of rollout, train and weight sync."""
+    gen_tokens = sum(len(ro.token_ids) for ro in rollouts)
+    return {
+        **combine_agreement([p for r in results for p in r["agreement"]]),
+        "reward/mean": float(rewards.mean()),
+        "reward/accuracy": float((rewards >= 1.0).float().mean()),
+        "reward/solved_groups": float((rewards.max(dim=1).values >= 1.0).float().mean()),
+        "response/length_mean": gen_tokens / len(rollouts),
+        "response/stop_fraction": sum(ro.finish_reason == "stop" for ro in rollouts) / len(rollouts),
+        **dvr_counters(rollouts),
+        "train/loss": sum(r["loss_sum"] for r in results) / max(loss_tokens, 1),
+        "train/clip_fraction": sum(r["clipped_tokens"] for r in results) / max(loss_tokens, 1),
+        "train/grad_norm": results[0]["grad_norm"][-1],
+        "perf/rollout_s": times["rollout"],
+        "perf/train_s": times["train"],
+        "perf/weight_sync_s": times["sync"],
+        "perf/rollout_tokens_per_s": gen_tokens / max(times["rollout"], 1e-9),
+        "perf/train_tokens_per_s": sum(r["tokens"] for r in results) / max(times["train"], 1e-9),
+    }
+
+
+def wandb_mode(configured: str | None = None) -> str:
+    """Explicit setting, else WANDB_MODE, else online only when an API key is available."""
+    if configured:
+        return configured
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        pass
+    return "offline"
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to <run_dir>/metrics.jsonl and logs the numbers to wandb."""
+
+    def __init__(self, run_dir: str | Path, cfg: dict, run_name: str):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self._wandb = None
+        mcfg = cfg.get("metrics", {})
+        if mcfg.get("wandb", True):
+            mode = wandb_mode(mcfg.get("wandb_mode"))
+            if mode != "disabled":
+                import wandb
+                self._wandb = wandb.init(project=mcfg.get("wandb_project", "zerokl"), name=run_name,
+                                         dir=str(self.run_dir), config=cfg, mode=mode)
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, allow_nan=True) + "\n")
+        if self._wandb is not None:
+            numbers = {k: v for k, v in metrics.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+            self._wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of <run_dir>/metrics.jsonl; a step logged twice (a resumed run) keeps the last."""
+    by_step: dict[int, dict] = {}
+    with open(Path(run_dir) / METRICS_FILE) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]

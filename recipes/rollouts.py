@@ -1,0 +1,62 @@
+"""Which prompts a step uses, the seeded group requests it sends, and a digest of what came back.
+
+Seeds and prompt order are pure functions of (run seed, step, prompt index, sample index), so a
+resumed run sends exactly the requests the uninterrupted run would have sent.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import random
+import struct
+
+from rollout_service.params import Rollout, SamplingParams
+
+
+def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit sampling seed for one rollout."""
+    key = f"grpo/{run_seed}/{step}/{prompt_index}/{sample_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2 ** 63 - 1)
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(size: int, run_seed: int, epoch: int) -> tuple[int, ...]:
+    order = list(range(size))
+    random.Random(f"order/{run_seed}/{epoch}").shuffle(order)
+    return tuple(order)
+
+
+def prompt_indices(cursor: int, count: int, size: int, run_seed: int) -> list[int]:
+    """Dataset indices of prompts cursor .. cursor+count-1 of the endless seeded epoch sequence."""
+    out = []
+    for pos in range(cursor, cursor + count):
+        epoch, offset = divmod(pos, size)
+        out.append(epoch_order(size, run_seed, epoch)[offset])
+    return out
+
+
+def group_requests(prompts: list[list[int]], indices: list[int], step: int, cfg: dict, run_seed: int,
+                   stop_token_ids: tuple[int, ...]) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n requests per prompt (prompt-major order), each with its own derived seed."""
+    r = cfg
+    all_prompts, all_params = [], []
+    for prompt, index in zip(prompts, indices):
+        for j in range(r["n"]):
+            all_prompts.append(list(prompt))
+            all_params.append(SamplingParams(
+                max_tokens=r["max_tokens"], temperature=r["temperature"], top_k=r["top_k"], top_p=r["top_p"],
+                seed=sample_seed(run_seed, step, index, j), stop_token_ids=tuple(stop_token_ids),
+                determinism=r["determinism"]))
+    return all_prompts, all_params
+
+
+def rollouts_digest(rollouts: list[Rollout]) -> str:
+    """sha256 over every rollout's prompt, tokens and the exact bits of its log-probs."""
+    h = hashlib.sha256()
+    for ro in rollouts:
+        h.update(struct.pack(f"<{len(ro.prompt_token_ids)}q", *ro.prompt_token_ids))
+        h.update(b"|")
+        h.update(struct.pack(f"<{len(ro.token_ids)}q", *ro.token_ids))
+        h.update(struct.pack(f"<{len(ro.logprobs)}d", *ro.logprobs))
+        h.update(str(ro.finish_reason).encode() + b";")
+    return h.hexdigest()

@@ -1,0 +1,53 @@
+"""A task: tokenizer, prompts (a `datasets.Dataset` with `prompt_ids` and `answer`) and reward."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import gsm8k, tiny_task
+
+
+@dataclass
+class Task:
+    name: str
+    tokenizer: object
+    dataset: object  # datasets.Dataset: prompt_ids (list[int]), answer (str)
+    reward_fn: Callable[[str, str], float]
+    stop_token_ids: tuple[int, ...]
+
+    def completion_text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def reward(self, token_ids: list[int], answer: str) -> float:
+        return float(self.reward_fn(self.completion_text(token_ids), answer))
+
+
+def build_task(cfg: dict, tokenizer=None) -> Task:
+    """cfg["task"]: {kind: tiny, max_operand, ops} or {kind: gsm8k, split, path, max_prompt_tokens}."""
+    spec = cfg["task"]
+    kind = spec.get("kind", "tiny")
+    if kind == "tiny":
+        tokenizer = tokenizer or tiny_task.build_tokenizer()
+        ds = tiny_task.build_dataset(spec.get("max_operand", 19), spec.get("ops", "+"), seed=cfg["seed"])
+        ds = ds.map(lambda row: {"prompt_ids": tokenizer.encode(row["prompt"])})
+        return Task("tiny", tokenizer, ds, tiny_task.reward, (tokenizer.eos_token_id,))
+    if kind == "gsm8k":
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(cfg["model"].get("tokenizer") or cfg["model"]["name"])
+        raw = gsm8k.load_gsm8k(spec.get("split", "train"), spec.get("path"))
+        ds = gsm8k.build_prompts(raw, tokenizer, spec.get("max_prompt_tokens"))
+        return Task("gsm8k", tokenizer, ds, gsm8k.reward, stop_ids(tokenizer, spec.get("stop_token_ids")))
+    raise ValueError(f"unknown task kind {kind!r}: use tiny or gsm8k")
+
+
+def stop_ids(tokenizer, extra=None) -> tuple[int, ...]:
+    """EOS plus chat end-of-turn tokens the tokenizer knows (e.g. <|im_end|>), plus `extra`."""
+    ids = set(extra or ())
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+            ids.add(tid)
+    return tuple(sorted(ids))

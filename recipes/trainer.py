@@ -1,0 +1,233 @@
+"""FSDP2 policy training on Ray: one actor per trainer rank, one torch.distributed process group.
+
+Each rank holds float32 master weights sharded with `fully_shard` (every decoder layer, then the
+root); forwards run on bf16 copies (MixedPrecisionPolicy) through the canonical forward installed by
+`trainer_patch.patch_model`, so its log-probs are the rollout engine's, bit for bit. Ray is imported
+only where used, so a TrainerRank also runs in plain torch.distributed processes.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+import warnings
+
+import torch
+
+from .grpo_loss import clipped_pg_loss
+from .metrics import logprob_agreement
+
+
+class TrainerRank:
+    """One rank. Created by TrainerGroup as a Ray actor; every method except `address` is collective."""
+
+    def __init__(self, rank: int, world_size: int, cfg: dict, temperature: float):
+        self.rank, self.world, self.cfg = rank, world_size, cfg
+        self.temperature = float(temperature) if temperature > 0 else 1.0
+        torch.set_num_threads(int(cfg.get("torch_threads") or 1))
+        # The patched root returns a view of the logits; nothing here modifies it in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        self.model = self.opt = None
+
+    def address(self) -> tuple[str, int]:
+        import ray
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int, model: torch.nn.Module) -> int:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from trainer_patch import patch_model
+
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+        if self.cfg.get("device", "cpu") == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
+            self.device, backend = torch.device("cuda", 0), "nccl"
+        else:
+            self.device, backend = torch.device("cpu"), "gloo"
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world)
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        model = model.to(self.device)
+        for p in model.parameters():  # float32 master weights; buffers (rotary tables) stay as given
+            p.data = p.data.float()
+        patch_model(model)
+        # cast_forward_inputs=False: the layers' forward context carries float32 rotary tables,
+        # which must not be rounded to bf16.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        model.train()
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg["lr"], betas=tuple(self.cfg["betas"]),
+                                     weight_decay=self.cfg["weight_decay"])
+        return sum(p.numel() for p in model.parameters())
+
+    # -- training --------------------------------------------------------------------------------
+
+    def _logprobs(self, mb: dict) -> torch.Tensor:
+        from trainer_patch import token_logprobs
+        return token_logprobs(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
+                              temperature=self.temperature)
+
+    def train_step(self, minibatches: list[list[dict]], tokens_per_mini: list[int]) -> dict:
+        """One optimizer step per mini-batch. Log-prob agreement is measured before any update."""
+        cfg, start = self.cfg, time.perf_counter()
+        agreement, pre = [], None
+        if len(minibatches) > 1 or cfg["old_logprobs"] == "recompute":
+            with torch.no_grad():
+                pre = [[self._logprobs(mb) for mb in micros] for micros in minibatches]
+            for micros, lps in zip(minibatches, pre):
+                agreement += [logprob_agreement(mb["rollout_logprobs"], lp.cpu(), mb["loss_mask"])
+                              for mb, lp in zip(micros, lps)]
+        loss_total = clipped_total = 0.0
+        grad_norms, seq_tokens = [], 0
+        for m, micros in enumerate(minibatches):
+            scale = self.world / max(tokens_per_mini[m], 1)  # FSDP averages gradients over ranks
+            for j, mb in enumerate(micros):
+                logp = self._logprobs(mb)
+                mask = mb["loss_mask"].to(self.device)
+                if pre is None:
+                    agreement.append(logprob_agreement(mb["rollout_logprobs"], logp.cpu(), mb["loss_mask"]))
+                if cfg["old_logprobs"] == "rollout":
+                    old = mb["rollout_logprobs"].to(self.device)
+                else:
+                    old = pre[m][j] if pre is not None else logp.detach()
+                loss_sum, clipped = clipped_pg_loss(logp, old, mb["advantages"].to(self.device), mask,
+                                                    cfg["clip_low"], cfg["clip_high"])
+                (loss_sum * scale).backward()
+                loss_total += loss_sum.item()
+                clipped_total += float(clipped)
+                seq_tokens += int(mb["attention_mask"].sum())
+            grad_norms.append(self._clip_grads())
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return {"agreement": agreement, "loss_sum": loss_total, "clipped_tokens": clipped_total,
+                "grad_norm": grad_norms, "tokens": seq_tokens, "seconds": time.perf_counter() - start}
+
+    def _clip_grads(self) -> float:
+        max_norm = self.cfg.get("max_grad_norm") or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return float(norm)
+
+    # -- weights and checkpoints -----------------------------------------------------------------
+
+    def full_state_dict(self) -> dict | None:
+        """bf16 full weights on rank 0 (None elsewhere): what the rollout workers load."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        return {k: v.to(torch.bfloat16) for k, v in sd.items()}
+
+    def push_weights(self, pool_name: str, namespace: str) -> dict | None:
+        """Gather the weights and, on rank 0, load them into the rollout pool; returns both digests."""
+        from rollout_service import RolloutClient
+        from rollout_service.weights import state_dict_digest
+
+        start = time.perf_counter()
+        sd = self.full_state_dict()
+        if sd is None:
+            return None
+        digest = state_dict_digest(sd)
+        pool_digest = RolloutClient(pool_name, namespace=namespace).update_weights(sd, expected_digest=digest)
+        return {"digest": digest, "pool_digest": pool_digest, "seconds": time.perf_counter() - start}
+
+    def save(self, path: str) -> None:
+        """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def close(self) -> None:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainerGroup:
+    """Driver-side handle: starts the ranks, forms the process group, fans calls out to all ranks."""
+
+    def __init__(self, cfg: dict, model: torch.nn.Module, temperature: float):
+        import ray
+        self.world = cfg["num_ranks"]
+        opts = {"num_cpus": 1, **(cfg.get("resources_per_rank") or {})}
+        self.placement = None
+        per_rank = [dict(opts) for _ in range(self.world)]
+        if cfg.get("device", "cpu") == "cuda":
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            opts.setdefault("num_gpus", 1)
+            # One node where possible: NCCL stays intra-node and checkpoints land on one disk.
+            bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"]}
+            self.placement = placement_group([bundle] * self.world, strategy=cfg.get("placement", "PACK"))
+            ray.get(self.placement.ready())
+            per_rank = [dict(opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement, placement_group_bundle_index=r)) for r in range(self.world)]
+        actor = ray.remote(TrainerRank)
+        self.ranks = [actor.options(**per_rank[r]).remote(r, self.world, cfg, temperature) for r in range(self.world)]
+        try:
+            addr, port = ray.get(self.ranks[0].address.remote())
+            model_ref = ray.put(model)
+            self.num_params = ray.get([a.setup.remote(addr, port, model_ref) for a in self.ranks])[0]
+        except BaseException:
+            self.kill()
+            raise
+
+    def _all(self, method: str, *args) -> list:
+        import ray
+        return ray.get([getattr(a, method).remote(*args) for a in self.ranks])
+
+    def train_step(self, plans: list[list[list[dict]]], tokens_per_mini: list[int]) -> list[dict]:
+        import ray
+        return ray.get([a.train_step.remote(plan, tokens_per_mini) for a, plan in zip(self.ranks, plans)])
+
+    def full_state_dict(self) -> dict:
+        return self._all("full_state_dict")[0]
+
+    def push_weights(self, pool_name: str, namespace: str) -> dict:
+        return self._all("push_weights", pool_name, namespace)[0]
+
+    def save(self, path: str) -> None:
+        self._all("save", path)
+
+    def load(self, path: str) -> None:
+        self._all("load", path)
+
+    def kill(self) -> None:
+        import ray
+        for a in self.ranks:
+            try:
+                ray.kill(a)
+            except Exception:  # already gone
+                pass
+        if self.placement is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(self.placement)
+            self.placement = None
+
+    def close(self) -> None:
+        import ray
+        try:
+            ray.get([a.close.remote() for a in self.ranks], timeout=60)
+        except Exception:  # a dead or hung rank: killed below either way
+            pass
+        self.kill()

@@ -1,0 +1,54 @@
+"""A short supervised warm-up so that a random tiny policy starts with some reward to improve on.
+
+It uses the model's ordinary (unpatched) forward in float32: speed matters here, not canonical
+numerics. The result is cast back to bf16 and becomes the run's starting weights.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def sft_batch(examples: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids and labels (-100 except on target tokens)."""
+    width = max(len(p) + len(t) for p, t in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    for i, (prompt, target) in enumerate(examples):
+        seq = prompt + target
+        ids[i, :len(seq)] = torch.tensor(seq)
+        labels[i, len(prompt):len(seq)] = torch.tensor(target)
+    return ids, labels
+
+
+def supervised_warmup(model: torch.nn.Module, examples: list[tuple[list[int], list[int]]], steps: int,
+                      lr: float = 3e-3, batch_size: int = 64, seed: int = 0) -> torch.nn.Module:
+    """`steps` AdamW steps on (prompt ids, target ids) pairs; returns a new bf16 model."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: extra threads only add contention
+    try:
+        return _train(model, examples, steps, lr, batch_size, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model, examples, steps, lr, batch_size, seed):
+    work = copy.deepcopy(model).float().train()
+    opt = torch.optim.AdamW(work.parameters(), lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        pick = torch.randint(0, len(examples), (batch_size,), generator=gen).tolist()
+        ids, labels = sft_batch([examples[i] for i in pick])
+        loss = work(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return work.to(torch.bfloat16).eval()
+
+
+def answer_examples(task) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids + stop token) for every prompt of the task."""
+    tok, stop = task.tokenizer, task.stop_token_ids[0]
+    return [(list(row["prompt_ids"]), tok.encode(row["answer"], add_special_tokens=False) + [stop])
+            for row in task.dataset]

@@ -1,0 +1,71 @@
+"""GSM8K: the local JSONL loader (through `datasets`), answer extraction and the exact-match reward,
+on the shared test split beside the checkout."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from recipes import gsm8k
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+needs_data = pytest.mark.skipif(not (DATA / "test.jsonl").is_file(), reason=f"no GSM8K JSONL at {DATA}")
+
+
+@needs_data
+def test_jsonl_loader_through_datasets():
+    import datasets
+
+    test = gsm8k.load_gsm8k("test", DATA)
+    assert isinstance(test, datasets.Dataset)
+    assert len(test) == 1319 and set(test.column_names) == {"question", "answer"}
+    same = gsm8k.load_gsm8k("test", DATA / "test.jsonl")  # a file path works too
+    assert same[0] == test[0]
+    with pytest.raises(FileNotFoundError):
+        gsm8k.load_gsm8k("validation", DATA)
+
+
+@needs_data
+def test_reward_on_the_test_split():
+    test = gsm8k.load_gsm8k("test", DATA)
+    golds = [gsm8k.gold_answer(a) for a in test["answer"]]
+    assert all(g is not None and gsm8k.normalize_number(g) == g for g in golds)
+    # The reference solution itself earns the reward; a wrong final number does not.
+    assert all(gsm8k.reward(a, g) == 1.0 for a, g in zip(test["answer"], golds))
+    wrong = [a.rsplit("####", 1)[0] + f"#### {int(g) + 1}" for a, g in zip(test["answer"][:200], golds[:200])]
+    assert all(gsm8k.reward(w, g) == 0.0 for w, g in zip(wrong, golds[:200]))
+    assert test[0]["answer"].endswith("#### 18") and golds[0] == "18"
+
+
+def test_answer_extraction_and_normalisation():
+    assert gsm8k.normalize_number("1,000") == "1000"
+    assert gsm8k.normalize_number("$18.00") == "18"
+    assert gsm8k.normalize_number("-0.50") == "-0.5"
+    assert gsm8k.normalize_number("abc") is None
+    assert gsm8k.extract_answer("5 + 3 = 8 so the answer is\n#### 8\nthen 9") == "8"  # the marker wins
+    assert gsm8k.extract_answer("The answer is \\boxed{1,234}.") == "1234"
+    assert gsm8k.extract_answer("She pays $12.50 in total.") == "12.5"
+    assert gsm8k.extract_answer("no number here") is None
+    assert gsm8k.reward("#### 72", "72") == 1.0
+    assert gsm8k.reward("#### 72.0", "72") == 1.0
+    assert gsm8k.reward("#### 7", "72") == 0.0
+    assert gsm8k.reward("", "72") == 0.0
+
+
+@needs_data
+def test_prompts_and_task_with_a_local_tokenizer():
+    from recipes.config import load_config
+    from recipes.task import build_task
+    from recipes.tiny_task import build_tokenizer
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "recipes" / "configs" / "gsm8k_qwen.yaml",
+                      ["task.split=test", f"task.path={DATA}", "task.max_prompt_tokens=100000"])
+    tok = build_tokenizer()  # no chat template: the plain "Question: ... Answer:" format
+    task = build_task(cfg, tokenizer=tok)
+    assert len(task.dataset) == 1319 and task.dataset[0]["answer"] == "18"
+    assert task.stop_token_ids == (tok.eos_token_id,)
+    question = gsm8k.load_gsm8k("test", DATA)[0]["question"]
+    expect = tok.encode(f"Question: {question.strip()}\n{gsm8k.INSTRUCTION}\nAnswer:", add_special_tokens=False)
+    assert task.dataset[0]["prompt_ids"] == expect  # no chat template: the plain question/answer format
+    assert task.reward(tok.encode("#### 18"), "18") == 1.0

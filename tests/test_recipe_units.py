@@ -1,0 +1,199 @@
+"""GRPO recipe pieces without Ray: config, tokenizer/task, seeds, advantages and loss, batches, metrics,
+plots, and the cluster-launcher config."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from recipes import tiny_task
+from recipes.batch import Sample, pack, split_for_ranks
+from recipes.config import load_config
+from recipes.grpo_loss import clipped_pg_loss, group_advantages
+from recipes.metrics import combine_agreement, logprob_agreement, read_metrics, wandb_mode
+from recipes.rollouts import group_requests, prompt_indices, rollouts_digest, sample_seed
+from rollout_service.params import Rollout
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "configs" / "tiny.yaml"
+
+
+def test_config_overrides_and_scientific_numbers():
+    cfg = load_config(TINY, ["trainer.lr=2e-3", "rollout.determinism=off", "train.steps=3", "new.key=[1, 2]"])
+    assert cfg["trainer"]["lr"] == 2e-3 and isinstance(cfg["trainer"]["lr"], float)
+    assert cfg["rollout"]["determinism"] == "off" and cfg["train"]["steps"] == 3 and cfg["new"]["key"] == [1, 2]
+    assert cfg["trainer"]["num_ranks"] == 2 and cfg["rollout"]["num_workers"] == 2
+    with pytest.raises(ValueError):
+        load_config(TINY, ["rollout.determinism=sometimes"])
+    with pytest.raises(ValueError):
+        load_config(TINY, ["rollout.n=1"])
+
+
+def test_gsm8k_config_parses():
+    cfg = load_config(REPO / "recipes" / "configs" / "gsm8k_qwen.yaml")
+    assert cfg["task"]["kind"] == "gsm8k" and cfg["trainer"]["device"] == "cuda"
+    assert isinstance(cfg["trainer"]["lr"], float)
+
+
+def test_tiny_tokenizer_is_a_real_fast_tokenizer(tmp_path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = tiny_task.build_tokenizer()
+    assert isinstance(tok, PreTrainedTokenizerFast)
+    ids = tok.encode("12+7=")
+    assert len(ids) == 5 and tok.decode(ids) == "12+7="
+    assert tok.decode(tok.encode("19") + [tok.eos_token_id], skip_special_tokens=True) == "19"
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again.encode("3+4=") == tok.encode("3+4=")
+
+
+def test_tiny_task_model_vocab_matches_and_reward_is_exact():
+    from recipes.models import initial_model
+    from recipes.task import build_task
+
+    cfg = load_config(TINY)
+    task = build_task(cfg)
+    model = initial_model(cfg, task.tokenizer)
+    assert model.config.vocab_size == len(task.tokenizer)
+    assert len(task.dataset) == 20 * 20 and set(task.dataset.column_names) >= {"prompt_ids", "answer"}
+    row = task.dataset[0]
+    a, b = task.tokenizer.decode(row["prompt_ids"]).rstrip("=").split("+")
+    right = task.tokenizer.encode(str(int(a) + int(b))) + [task.stop_token_ids[0]]
+    assert task.reward(right, row["answer"]) == 1.0
+    assert task.reward(task.tokenizer.encode(str(int(a) + int(b) + 1)), row["answer"]) == 0.0
+
+
+def test_seeds_and_prompt_order_are_pure_functions():
+    assert sample_seed(0, 1, 2, 3) == sample_seed(0, 1, 2, 3)
+    seeds = {sample_seed(s, st, p, j) for s in range(2) for st in range(3) for p in range(4) for j in range(4)}
+    assert len(seeds) == 2 * 3 * 4 * 4 and all(0 <= x < 2 ** 63 for x in seeds)
+    first = prompt_indices(0, 10, 10, run_seed=0)
+    assert sorted(first) == list(range(10))  # one epoch = a permutation
+    assert prompt_indices(5, 10, 10, 0)[:5] == first[5:]  # a cursor continues the same sequence
+    assert prompt_indices(10, 10, 10, 0) != first  # the next epoch is reshuffled
+
+
+def test_group_requests_one_seed_per_sample():
+    cfg = load_config(TINY)["rollout"]
+    prompts, params = group_requests([[3, 4], [5]], [7, 9], step=2, cfg=cfg, run_seed=0, stop_token_ids=(1,))
+    assert len(prompts) == 2 * cfg["n"] and prompts[0] == [3, 4] and prompts[cfg["n"]] == [5]
+    assert params[1].seed == sample_seed(0, 2, 7, 1) and params[cfg["n"]].seed == sample_seed(0, 2, 9, 0)
+    assert params[0].stop_token_ids == (1,) and params[0].determinism == cfg["determinism"]
+
+
+def test_group_advantages():
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
+    assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.equal(adv[1], torch.zeros(4))
+    centred = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), scale=False)
+    assert torch.allclose(centred, torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
+
+
+def test_clipped_loss_matches_the_ppo_surrogate():
+    logp = torch.tensor([[-1.0, -0.5], [-2.0, -0.1]], requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -0.1]])
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[True, True], [True, False]])
+    loss, clipped = clipped_pg_loss(logp, old, adv, mask, 0.2, 0.2)
+    ratio = torch.exp(logp.detach() - old)
+    # token (0,1): ratio e^0.5 > 1.2 with A > 0 -> clipped at 1.2; token (1,0): ratio e^-1 < 0.8 with A < 0 -> clipped
+    expect = -(1.0 * ratio[0, 0]) - 1.2 * 1.0 + 0.8 * 1.0
+    assert torch.allclose(loss, expect) and clipped.item() == 2
+    loss.backward()
+    assert logp.grad[0, 0] != 0 and logp.grad[0, 1] == 0 and logp.grad[1, 0] == 0 and logp.grad[1, 1] == 0
+
+
+def test_pack_aligns_with_token_logprobs():
+    from recipes.tiny_models import tiny_model
+    from trainer_patch import token_logprobs
+
+    model = tiny_model("qwen2", vocab_size=24, max_positions=64)
+    samples = [Sample([1, 2, 3], [4, 5], [0.0, 0.0], 0.5), Sample([6], [7, 8, 9], [0.0, 0.0, 0.0], -0.5)]
+    batch = pack(samples)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
+    assert batch["loss_mask"].tolist() == [[False, False, True, True], [True, True, True, False]]
+    lp = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+    for i, s in enumerate(samples):
+        alone = token_logprobs(model, torch.tensor([s.prompt_ids + s.token_ids]))[0, len(s.prompt_ids) - 1:]
+        assert torch.equal(lp[i][batch["loss_mask"][i]], alone)
+
+
+def test_split_for_ranks_keeps_collectives_paired():
+    samples = [Sample([1], [2] * (i + 1), [0.0] * (i + 1), 0.0) for i in range(5)]
+    plans, tokens = split_for_ranks(samples, world=2, mini_batches=1, micro_batch_size=2)
+    assert tokens == [15]
+    assert [len(p[0]) for p in plans] == [2, 2]  # same micro-batch count on both ranks
+    rows = sorted(int(mb["loss_mask"].sum()) for p in plans for mb in p[0])
+    assert sum(rows) == 15
+    plans, _ = split_for_ranks(samples[:1], world=2, mini_batches=1)
+    assert int(plans[1][0][0]["loss_mask"].sum()) == 0  # an empty rank runs a masked dummy row
+
+
+def test_agreement_metrics():
+    a = torch.tensor([[-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[True, True, False]])
+    zero = combine_agreement([logprob_agreement(a, a.clone(), mask)])
+    assert zero["rollout_train/kl"] == 0.0 and zero["rollout_train/kl_k3"] == 0.0
+    assert zero["rollout_train/max_abs_logprob_diff"] == 0.0 and zero["rollout_train/mismatched_tokens"] == 0
+    b = a + torch.tensor([[0.1, 0.0, 5.0]])
+    m = combine_agreement([logprob_agreement(a, b, mask), logprob_agreement(a, a, mask)])
+    assert m["rollout_train/tokens"] == 4 and m["rollout_train/mismatched_tokens"] == 1
+    assert m["rollout_train/kl"] == pytest.approx(-0.1 / 4, rel=1e-5)
+    assert m["rollout_train/max_abs_logprob_diff"] == pytest.approx(0.1, rel=1e-5)
+    assert m["rollout_train/kl_k3"] == pytest.approx((torch.tensor(0.1).exp() - 1 - 0.1).item() / 4, rel=1e-4)
+
+
+def test_rollouts_digest_sees_every_bit():
+    r = [Rollout([1, 2], [3], [-0.5], "stop")]
+    r2 = [Rollout([1, 2], [3], [-0.5000000000000001], "stop")]
+    assert rollouts_digest(r) == rollouts_digest(copy.deepcopy(r)) != rollouts_digest(r2)
+
+
+def test_wandb_mode(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode() == "disabled" and wandb_mode("offline") == "offline"
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", "/nonexistent")
+    monkeypatch.setenv("HOME", "/nonexistent")
+    assert wandb_mode() == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode() == "online"
+
+
+def test_plot_renders_png(tmp_path):
+    from recipes.plot import main as plot_main
+
+    for name, kl in (("run", 0.0), ("base", 1e-3)):
+        d = tmp_path / name
+        d.mkdir()
+        with open(d / "metrics.jsonl", "w") as f:
+            for step in range(1, 4):
+                f.write(json.dumps({"step": step, "rollout_train/kl": kl, "rollout_train/max_abs_logprob_diff": kl,
+                                    "reward/mean": 0.1 * step}) + "\n")
+    out = tmp_path / "curves.png"
+    plot_main([str(tmp_path / "run"), "--baseline", str(tmp_path / "base"), "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_ray_cluster_yaml_passes_ray_validation():
+    jsonschema = pytest.importorskip("jsonschema")
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((REPO / "ray_cluster.yaml").read_text())
+    cfg = prepare_config(copy.deepcopy(raw))
+    validate_config(cfg)
+    types = cfg["available_node_types"]
+    assert cfg["head_node_type"] in types
+    assert any(t.get("resources", {}).get("GPU", 0) >= 1 for t in types.values())
+    assert any("pip install" in c and "zerokl" in c for c in cfg["setup_commands"])
+    broken = copy.deepcopy(raw)
+    broken["available_node_types"]["gpu_worker"]["not_a_field"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(prepare_config(broken))
