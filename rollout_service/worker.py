@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from .params import Rollout
+from .weights import load_weights
 
 
 def error_rollout(prompt, message: str) -> Rollout:
@@ -54,13 +55,23 @@ class RolloutWorker:
     """
 
     def __init__(self, model, engine_kwargs: dict | None = None):
-        from .engine import Engine
+        from .engine import Engine, load_model
 
         kwargs = dict(engine_kwargs or {})
         kwargs.setdefault("copy_model", False)  # the model was deserialized for this actor alone
         if "device" not in kwargs and ray.get_gpu_ids():
             kwargs["device"] = "cuda"  # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPUs
-        self._engine = Engine(model, **kwargs)
+        tp = int(kwargs.pop("tensor_parallel_size", 1))
+        self._tp_group = None
+        if tp > 1:
+            # a TP group of rank actors in its own placement group; rank 0 holds the engine
+            from .tp import create_tp_group
+            self._tp_group = create_tp_group(model, tp, kwargs, use_gpu=kwargs.get("device", "cpu") != "cpu")
+            self._engine = self._tp_group.engine()
+            self._full_model = load_model(model, "cpu", copy_model=False)  # for state_dict / model_copy
+        else:
+            self._engine = Engine(model, **kwargs)
+            self._full_model = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._pending: list[tuple[str, list, object]] = []  # not yet handed to the engine
         self._futures: dict[str, asyncio.Future] = {}
@@ -221,7 +232,7 @@ class RolloutWorker:
                 while self._rid_of or self._ticking:
                     self._changed.clear()
                     await self._changed.wait()
-                return await self._call(self._engine.update_weights, state_dict)
+                return await self._call(self._update_weights, state_dict)
             finally:
                 self._updating = False
                 self._wake.set()
@@ -229,15 +240,24 @@ class RolloutWorker:
     async def weights_digest(self) -> str:
         return await self._call(self._engine.weights_digest)
 
+    def _model(self):
+        return self._engine.model if self._full_model is None else self._full_model
+
+    def _update_weights(self, state_dict) -> str:
+        digest = self._engine.update_weights(state_dict)
+        if self._full_model is not None:
+            load_weights(self._full_model, state_dict)
+        return digest
+
     async def state_dict(self) -> dict:
         """A copy of the current weights (the pool's fallback when the sender's object is gone)."""
         def copy():
-            return {k: v.detach().to("cpu", copy=True) for k, v in self._engine.model.state_dict().items()}
+            return {k: v.detach().to("cpu", copy=True) for k, v in self._model().state_dict().items()}
         return await self._call(copy)
 
     async def model_copy(self):
         """The engine's model on CPU (the pool keeps it to restart workers after its sender exits)."""
         def copy():
             import copy as _copy
-            return _copy.deepcopy(self._engine.model).to("cpu")
+            return _copy.deepcopy(self._model()).to("cpu")
         return await self._call(copy)

@@ -233,3 +233,29 @@ def test_ray_tp_group_equals_tp1(models, tp1):
             group.shutdown()
         if started:
             ray.shutdown()
+
+
+def test_rollout_pool_worker_as_tp_group_equals_tp1(models, tp1):
+    """A RolloutPool worker with tensor_parallel_size=2 (its ranks in a placement group) gives the
+    TP=1 bits, before and after a weight update through the client."""
+    ray = pytest.importorskip("ray")
+    from rollout_service import RolloutClient, RolloutPool
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    pool = None
+    try:
+        pool = RolloutPool(models[0], num_workers=1, name="rollout-tp",
+                           engine_kwargs={**ENGINE_KW, "tensor_parallel_size": 2},
+                           resources_per_worker={"num_cpus": 0.5})
+        client = RolloutClient("rollout-tp")
+        got = client.generate(*REQUESTS)
+        assert [rollout_bits(r) for r in got] == [rollout_bits(r) for r in tp1["rollouts"]]
+        assert client.update_weights(models[1].state_dict()) == model_digest(models[1])
+        got = client.generate(*UPDATED)
+        assert [rollout_bits(r) for r in got] == [rollout_bits(r) for r in tp1["rollouts_updated"]]
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        if started:
+            ray.shutdown()
