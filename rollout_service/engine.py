@@ -114,10 +114,9 @@ class Engine:
         self._admit()
         if self.running:
             prefill = [r for r in self.running if r.needs_prefill]
-            if prefill:
-                self._prefill(prefill)
-            else:
-                self._decode(list(self.running))
+            # decode when no prefill could run (blocks held by older requests): no step is ever idle
+            if not (prefill and self._prefill(prefill)):
+                self._decode([r for r in self.running if not r.needs_prefill])
             for req in [r for r in self.running if r.finish_reason]:
                 self.running.remove(req)
                 self._finish(req)
@@ -209,7 +208,7 @@ class Engine:
         self.running.remove(req)
         self.waiting.appendleft(req)
 
-    def _prefill(self, reqs: list[Request]) -> None:
+    def _prefill(self, reqs: list[Request]) -> bool:
         budget = self.max_prefill_tokens
         items = []
         for req in sorted(reqs, key=lambda r: r.arrival):
@@ -224,6 +223,7 @@ class Engine:
         items = [it for it in items if it[0] in self.running]  # a later reservation may preempt
         if items:
             self._canonical_pass([(req, [], final, take) for req, final, take in items])
+        return bool(items)
 
     def _decode(self, reqs: list[Request]) -> None:
         plans = []

@@ -196,3 +196,19 @@ def test_engine_loads_a_saved_checkpoint_and_updates_weights(tmp_path, model):
     from rollout_service.weights import state_dict_digest
     assert engine.update_weights(other.state_dict()) == state_dict_digest(other.state_dict())
     assert engine.generate(prompts, params)[0].token_ids == Engine(other).generate(prompts, params)[0].token_ids
+
+
+def test_no_livelock_when_a_young_prefill_cannot_get_blocks(model):
+    """Older decoding requests hold the pool; a younger one needing prefill must wait, not stall."""
+    engine = Engine(model, window=4, group=4, block_size=4, kv_cache_tokens=64)
+    old = [engine.add_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=24, temperature=0.0)) for _ in range(2)]
+    engine.step()  # prefill the old ones
+    # two young prompts admitted in the same step, only one of which fits next to the old ones
+    young = {engine.add_request(list(range(10 + i, 40 + i)), SamplingParams(max_tokens=4, temperature=0.0))
+             for i in range(2)}
+    done, steps = {}, 0
+    while engine.has_unfinished():
+        done.update(engine.step())
+        steps += 1
+        assert steps < 500, "engine made no progress"
+    assert set(done) == set(old) | young and all(r.ok for r in done.values())
