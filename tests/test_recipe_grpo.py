@@ -24,7 +24,7 @@ SHORT = ["train.steps=3", "train.prompts_per_step=8", "train.save_every=2", "tra
 def cluster():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -212,13 +212,20 @@ def test_sharding_rules():
     assert padded.shape == (23, 64) and not padded[-2:].any()  # 90 rows padded to 92 with zeros
 
 
-def test_ray_tp_group_equals_tp1(models, tp1):
-    """TP=2 as Ray actors in a placement group (gloo): same bits as TP=1, weight updates included."""
+@pytest.fixture(scope="module")
+def local_ray():
     ray = pytest.importorskip("ray")
-    from rollout_service.tp import create_tp_group
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def test_ray_tp_group_equals_tp1(models, tp1, local_ray):
+    """TP=2 as Ray actors in a placement group (gloo): same bits as TP=1, weight updates included."""
+    from rollout_service.tp import create_tp_group
     group = None
     try:
         group = create_tp_group(models[0], 2, ENGINE_KW)  # {"CPU": 1} bundles, gloo
@@ -231,18 +238,12 @@ def test_ray_tp_group_equals_tp1(models, tp1):
     finally:
         if group is not None:
             group.shutdown()
-        if started:
-            ray.shutdown()
 
 
-def test_rollout_pool_worker_as_tp_group_equals_tp1(models, tp1):
+def test_rollout_pool_worker_as_tp_group_equals_tp1(models, tp1, local_ray):
     """A RolloutPool worker with tensor_parallel_size=2 (its ranks in a placement group) gives the
     TP=1 bits, before and after a weight update through the client."""
-    ray = pytest.importorskip("ray")
     from rollout_service import RolloutClient, RolloutPool
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     pool = None
     try:
         pool = RolloutPool(models[0], num_workers=1, name="rollout-tp",
@@ -257,5 +258,3 @@ def test_rollout_pool_worker_as_tp_group_equals_tp1(models, tp1):
     finally:
         if pool is not None:
             pool.shutdown()
-        if started:
-            ray.shutdown()

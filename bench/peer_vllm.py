@@ -1,0 +1,197 @@
+"""Throughput of stock vLLM, vLLM's batch-invariant mode and our `verified` mode with the vLLM fast path.
+
+    python bench/peer_vllm.py [--model DIR] [--prompts 64] [--max-tokens 64] [--out FILE]
+
+Same checkpoint, prompts and sampling settings for every system; each system runs in its own
+subprocess (VLLM_BATCH_INVARIANT=1 must be set before vLLM starts). Without --model a tiny random
+Qwen2 is saved to a temp dir, which is what runs on CPU (`--prompts 8 --max-tokens 16` for a quick
+check). Prints (and with --out writes) one JSON object: generated tokens per second per system, plus
+the acceptance rate of vLLM's proposals in verified mode. Systems that cannot run (e.g. the
+batch-invariant mode where the backend lacks it) report their error instead of a number.
+
+Extra systems: `ours-invariant` (canonical decode only) and `ours-off` (vLLM proposals only,
+through our engine) via --systems.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
+ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off")
+TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
+
+
+def _workload(args, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+
+
+def _on_cpu() -> bool:
+    import torch
+    return not torch.cuda.is_available()
+
+
+def _vllm_options(args) -> dict:
+    opts = dict(max_model_len=args.prompt_len + args.max_tokens + 8)
+    if _on_cpu():
+        opts.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20)
+    else:
+        opts.update(gpu_memory_utilization=args.gpu_memory_utilization)
+    return opts
+
+
+def _run_vllm(args, prompts) -> dict:
+    """Stock vLLM with its own sampler (seeded per request); batch invariance comes from the env."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
+              distributed_executor_backend="uni", **_vllm_options(args))
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
+                             max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+              for i in range(len(prompts))]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs[:2], params[:2], use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return dict(seconds=elapsed, generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
+
+
+def _run_ours(args, prompts, mode) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from rollout_service import Engine, SamplingParams
+    device = "cpu" if _on_cpu() else "cuda"
+    engine = Engine(args.model, fast_path="vllm", window=args.window, group=args.group, device=device,
+                    max_model_len=args.prompt_len + args.max_tokens + 8,
+                    kv_cache_tokens=len(prompts) * (args.prompt_len + args.max_tokens + 32),
+                    max_num_seqs=len(prompts), fast_path_options=_vllm_options(args))
+    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
+    engine.generate(prompts[:2], params[:2])  # warm-up
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    bad = [o.error for o in outs if not o.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} rollouts failed: {bad[0]}")
+    proposed = sum(o.stats.proposed_tokens for o in outs)
+    res = dict(seconds=elapsed, generated_tokens=sum(len(o.token_ids) for o in outs))
+    if mode == "verified":
+        res.update(acceptance=sum(o.stats.accepted_tokens for o in outs) / max(proposed, 1),
+                   rollbacks=sum(o.stats.rollbacks for o in outs),
+                   verify_windows=sum(o.stats.verify_windows for o in outs))
+    return res
+
+
+def _worker(args) -> None:
+    import transformers
+    vocab = transformers.AutoConfig.from_pretrained(args.model).vocab_size
+    prompts = _workload(args, vocab)
+    system = args.worker
+    try:
+        if system in ("vllm", "vllm-batch-invariant"):
+            res = _run_vllm(args, prompts)
+        else:
+            res = _run_ours(args, prompts, system.split("-", 1)[1])
+        res["tokens_per_s"] = res["generated_tokens"] / res["seconds"]
+    except Exception as err:  # reported, not raised: the other systems still run
+        res = dict(error=f"{type(err).__name__}: {err}"[:500])
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def _child(args, system: str) -> dict:
+    env = dict(os.environ)
+    env.pop("VLLM_BATCH_INVARIANT", None)
+    if system == "vllm-batch-invariant":
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system] + args.passthrough
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - start
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out = json.loads(line[len("RESULT "):])
+            out["process_wall_s"] = round(wall, 1)
+            return out
+    tail = (proc.stderr + proc.stdout).strip().splitlines()[-3:]
+    return dict(error=f"exit {proc.returncode}: " + " | ".join(tail))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint dir (default: a tiny random Qwen2 in a temp dir)")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM KV cache on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                   help="vLLM's share of GPU memory (the verifier shares the GPU)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list of {ALL_SYSTEMS}")
+    p.add_argument("--timeout", type=int, default=3600)
+    p.add_argument("--out")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return _worker(args)
+
+    tmp = None
+    if not args.model:
+        from recipes.tiny_models import tiny_model
+        tmp = tempfile.TemporaryDirectory(prefix="peer-vllm-")
+        tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
+        args.model = tmp.name
+    args.passthrough = _strip(sys.argv[1:], ("--out", "--systems", "--model", "--timeout"))
+    args.passthrough += ["--model", args.model]
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(ALL_SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")
+    results = {s: _child(args, s) for s in systems}
+    import torch
+    report = dict(
+        benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(),
+        model=args.model if tmp is None else "tiny-qwen2 (random)",
+        workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                      temperature=args.temperature, top_p=args.top_p),
+        ours=dict(window=args.window, group=args.group), results=results)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+def _strip(argv: list[str], names) -> list[str]:
+    """argv without the given options (both `--opt value` and `--opt=value`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in names:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    main()

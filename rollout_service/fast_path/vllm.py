@@ -1,0 +1,288 @@
+"""vLLM as a fast path, through its public offline API only.
+
+An in-process `vllm.LLM` on the same checkpoint proposes windows of `max_tokens=W` tokens. vLLM runs
+greedy (temperature 0) from its own point of view; a V1 logits processor (`LLM(logits_processors=...)`)
+applies our seeded Gumbel rule (kernels.sample) to vLLM's logits and leaves only the chosen id finite,
+so vLLM's argmax picks exactly the token our rule picks. The finite entry holds
+log_softmax(logits / T) at that token, which vLLM returns as the token's log-prob
+(`logprobs_mode="processed_logits"`). Per-request seed, temperature, top-k, top-p and the absolute
+position of the first proposed token travel in `SamplingParams.extra_args`.
+
+Rollback needs no state: the next window resubmits prompt + committed tokens and prefix caching
+reuses the KV. Weights reach vLLM through `worker_extension_cls` + `LLM.collective_rpc`.
+
+`import vllm` happens only when a VLLMFastPath is built (or the processor class is first looked up),
+so `import rollout_service` works without vLLM installed.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from .base import DraftRequest, Proposal
+
+EXTRA_ARGS_KEY = "zerokl"
+WORKER_EXTENSION = f"{__name__}.VLLMWorkerExtension"
+PROCESSOR_FQCN = f"{__name__}:GumbelLogitsProcessor"
+
+# Worker-side capture of what the processor saw (audits and tests); lives in the worker process.
+_CAPTURE: dict[str, Any] = {"on": False, "records": []}
+
+
+def _sample_rule(logits, temperature, top_k, top_p, seeds, positions):
+    from kernels.sampling import sample
+    return sample(logits, temperature, top_k, top_p, seeds, positions)
+
+
+def _row_params(cfg: dict, num_output: int) -> tuple[float, int, float, int, int]:
+    return (float(cfg["temperature"]), int(cfg["top_k"]), float(cfg["top_p"]), int(cfg["seed"]),
+            int(cfg["position"]) + num_output)
+
+
+def _build_processor_class():
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+    class GumbelLogitsProcessor(LogitsProcessor):
+        """Applies the seeded Gumbel rule to rows whose SamplingParams.extra_args carry our params;
+        other rows pass through untouched."""
+
+        @staticmethod
+        def rule(logits, temperature, top_k, top_p, seeds, positions):
+            return _sample_rule(logits, temperature, top_k, top_p, seeds, positions)
+
+        @classmethod
+        def validate_params(cls, sampling_params):
+            cfg = (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY)
+            if cfg is None:
+                return
+            missing = {"seed", "temperature", "top_k", "top_p", "position"} - set(cfg)
+            if missing:
+                raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] lacks {sorted(missing)}")
+            if sampling_params.temperature != 0:
+                raise ValueError("the seeded Gumbel processor needs vLLM temperature=0")
+
+        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+            self.rows: dict[int, tuple[dict, list[int]]] = {}
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update: BatchUpdate | None) -> None:
+            if batch_update is None:
+                return
+            for index in batch_update.removed:
+                self.rows.pop(index, None)
+            for index, params, _prompt_ids, output_ids in batch_update.added:
+                cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY)
+                if cfg is None:
+                    self.rows.pop(index, None)
+                else:
+                    self.rows[index] = (cfg, output_ids)
+            for a, b, direction in batch_update.moved:
+                entry_a, entry_b = self.rows.pop(a, None), self.rows.pop(b, None)
+                if entry_a is not None:
+                    self.rows[b] = entry_a
+                if direction == MoveDirectionality.SWAP and entry_b is not None:
+                    self.rows[a] = entry_b
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if not self.rows:
+                return logits
+            index = sorted(i for i in self.rows if i < logits.shape[0])
+            if not index:
+                return logits
+            params = [_row_params(self.rows[i][0], len(self.rows[i][1])) for i in index]
+            temp, top_k, top_p, seeds, positions = (list(c) for c in zip(*params))
+            rows = logits[index].float()
+            dev = rows.device
+            temperature = torch.tensor(temp, dtype=torch.float32, device=dev)
+            tokens = self.rule(rows, temperature, torch.tensor(top_k, device=dev),
+                               torch.tensor(top_p, device=dev),
+                               torch.tensor(seeds, dtype=torch.int64, device=dev),
+                               torch.tensor(positions, dtype=torch.int64, device=dev))
+            scale = torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
+            logprobs = torch.log_softmax(rows / scale, dim=-1).gather(1, tokens.unsqueeze(1))
+            out = torch.full_like(rows, float("-inf")).scatter_(1, tokens.unsqueeze(1), logprobs)
+            logits.index_copy_(0, torch.tensor(index, device=dev), out.to(logits.dtype))
+            if _CAPTURE["on"]:
+                for k in range(len(index)):
+                    _CAPTURE["records"].append(dict(
+                        temperature=temp[k], top_k=top_k[k], top_p=top_p[k], seed=seeds[k],
+                        position=positions[k], logits=rows[k].tolist(),
+                        token=int(tokens[k]), logprob=float(logprobs[k])))
+            return logits
+
+    GumbelLogitsProcessor.__module__ = __name__
+    GumbelLogitsProcessor.__qualname__ = "GumbelLogitsProcessor"
+    return GumbelLogitsProcessor
+
+
+def __getattr__(name: str):
+    # The processor subclasses vLLM's LogitsProcessor, so it is built on first use (this also serves
+    # vLLM's "module:Class" lookup and pickling by reference in spawned workers).
+    if name == "GumbelLogitsProcessor":
+        cls = _build_processor_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class VLLMWorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); reached with `LLM.collective_rpc`."""
+
+    def zerokl_stage_weights(self, named_tensors=None, path: str | None = None) -> int:
+        """Tensors by reference (in-process engine) or a safetensors file (worker processes)."""
+        if path is not None:
+            from safetensors.torch import load_file
+            named_tensors = list(load_file(path).items())
+        staged = self.__dict__.setdefault("_zerokl_staged", [])
+        staged.extend(named_tensors)
+        return len(staged)
+
+    def zerokl_commit_weights(self) -> int:
+        """Loads the staged (checkpoint-format) weights with vLLM's in-place reload."""
+        staged = self.__dict__.pop("_zerokl_staged", [])
+        self.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+        return len(staged)
+
+    def zerokl_capture(self, on: bool) -> list[dict]:
+        records, _CAPTURE["records"] = _CAPTURE["records"], []
+        _CAPTURE["on"] = bool(on)
+        return records
+
+
+def _on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+class VLLMFastPath:
+    """FastPath on an in-process vllm.LLM built from the verifier's checkpoint.
+
+    model: a checkpoint directory / hub id, or a Hugging Face model object (saved to a temp dir).
+    Options go to vllm.LLM; defaults here: dtype bfloat16, prefix caching on, no tokenizer; on CPU
+    eager mode, block_size 32 and a 1 GiB KV cache; on GPU gpu_memory_utilization=0.4 (the verifier
+    shares the GPU) unless gpu_memory_utilization or kv_cache_memory_bytes is given.
+    `in_process=True` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
+    before the first LLM, uniprocess executor); vLLM's CPU worker then makes torch.set_num_threads a
+    no-op process-wide. `logits_processor`: the processor class (or "module:Class"); the default
+    applies kernels.sample. `capture()` records what the processor saw (all LLMs of the process).
+    """
+
+    name = "vllm"
+
+    def __init__(self, model, *, max_model_len: int | None = None, dtype: str = "bfloat16",
+                 in_process: bool = True, logits_processor=None, seed: int = 0,
+                 weight_chunk_bytes: int = 1 << 29, **llm_options):
+        self._tmpdir = None
+        if isinstance(model, (str, os.PathLike)):
+            path = str(model)
+        else:
+            self._tmpdir = tempfile.mkdtemp(prefix="zerokl-vllm-")
+            model.save_pretrained(self._tmpdir)
+            path = self._tmpdir
+        if in_process:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            llm_options.setdefault("distributed_executor_backend", "uni")
+        self.in_process = (os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+                           and llm_options.get("distributed_executor_backend") == "uni")
+        sized = {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(llm_options)
+        if _on_cpu():
+            llm_options.setdefault("enforce_eager", True)
+            llm_options.setdefault("block_size", 32)  # CPU default 128: prefix reuse is per full block
+            if not sized:  # vLLM's CPU default (0.9 of the NUMA node's RAM) rarely fits next to us
+                llm_options["kv_cache_memory_bytes"] = 1 << 30
+        elif not sized:  # the verifier shares the GPU
+            llm_options["gpu_memory_utilization"] = 0.4
+        from vllm import LLM
+        self.weight_chunk_bytes = weight_chunk_bytes
+        self.processor = logits_processor or PROCESSOR_FQCN
+        self.llm = LLM(model=path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                       skip_tokenizer_init=True, enable_prefix_caching=True,
+                       logits_processors=[self.processor], logprobs_mode="processed_logits",
+                       worker_extension_cls=WORKER_EXTENSION, **llm_options)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+
+    # -- FastPath protocol --------------------------------------------------------------------
+    def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        from vllm import SamplingParams as VSamplingParams
+        prompts, params, slots = [], [], []
+        proposals = [Proposal([], []) for _ in batch]
+        for i, r in enumerate(batch):
+            n = min(r.num_tokens, self.max_model_len - len(r.token_ids))
+            if n <= 0:
+                continue
+            p = r.params
+            cfg = dict(seed=p.effective_seed, temperature=float(p.temperature), top_k=int(p.top_k),
+                       top_p=float(p.top_p), position=len(r.token_ids))
+            prompts.append({"prompt_token_ids": list(r.token_ids)})
+            params.append(VSamplingParams(
+                temperature=0.0, max_tokens=n, logprobs=0, ignore_eos=True, detokenize=False,
+                stop_token_ids=list(p.stop_token_ids) or None, extra_args={EXTRA_ARGS_KEY: cfg}))
+            slots.append(i)
+        if not prompts:
+            return proposals
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        for i, out in zip(slots, outputs):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(tokens)]
+            proposals[i] = Proposal(tokens, logprobs)
+        return proposals
+
+    def release(self, request_id: int) -> None:
+        """Nothing to free: vLLM's prefix cache keeps (and evicts) the KV of resubmitted prefixes."""
+
+    def update_weights(self, state_dict) -> None:
+        """Load a Hugging Face-named state dict into vLLM's model (vLLM's in-place reload, through
+        the worker extension) and drop the prefix-cache KV computed with the old weights."""
+        items = state_dict.items() if hasattr(state_dict, "items") else state_dict
+        named = []
+        for name, tensor in items:
+            t = tensor.detach()
+            if hasattr(t, "full_tensor"):  # DTensor from FSDP2
+                t = t.full_tensor()
+            named.append((name, t))
+        if self.in_process:
+            self.llm.collective_rpc("zerokl_stage_weights", args=(named,))
+        else:  # collective_rpc is for control messages: pass files, in chunks
+            self._stage_through_files(named)
+        self.llm.collective_rpc("zerokl_commit_weights")
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def _stage_through_files(self, named) -> None:
+        from safetensors.torch import save_file
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(prefix="zerokl-weights-", dir=shm) as tmp:
+            chunk, size, k = {}, 0, 0
+            for i, (name, t) in enumerate(named):
+                chunk[name] = t.to("cpu", copy=True).contiguous()
+                size += t.numel() * t.element_size()
+                if size >= self.weight_chunk_bytes or i == len(named) - 1:
+                    path = os.path.join(tmp, f"{k}.safetensors")
+                    save_file(chunk, path)
+                    self.llm.collective_rpc("zerokl_stage_weights", kwargs={"path": path})
+                    os.remove(path)
+                    chunk, size, k = {}, 0, k + 1
+
+    # -- extras ---------------------------------------------------------------------------------
+    def capture(self, on: bool = True) -> list[dict]:
+        """Switch recording of (params, position, logits row, chosen token, log-prob) per processed
+        row on or off; returns the records kept since the previous call (first worker)."""
+        records = self.llm.collective_rpc("zerokl_capture", args=(on,))[0]
+        for r in records:  # kept as floats in the worker (plain data crosses processes)
+            r["logits"] = torch.tensor(r["logits"], dtype=torch.float32)
+        return records
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        del llm
+        gc.collect()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
