@@ -288,7 +288,7 @@ class Engine:
             canon_lp = logps[offset:offset + n + 1].tolist()
             offset += n + 1
             j = next((i for i in range(n) if canon[i] != props[i]), n)
-            if req.num_generated > 0 and req.params.determinism == "verified" and not req.needs_prefill:
+            if take is None and req.params.determinism == "verified":  # a decode-time verify window
                 req.stats.verify_windows += 1
                 req.stats.proposed_tokens += n
                 req.stats.accepted_tokens += j
