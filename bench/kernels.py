@@ -94,7 +94,10 @@ def candidates(m: int, segments: int):
                 C(64, 128, 4, 3, pairs=True), C(64, 128, 4, 2, pairs=True, ctas_per_sm=2),
                 C(128, 64, 4, 3, pairs=True), C(128, 64, 4, 2, pairs=True, ctas_per_sm=2),
                 C(64, 256, 8, 2, pairs=True, hold=False), C(64, 64, 4, 3, pairs=True),
-                C(128, 128, 8, 4, seg_per_prog=8, tma=True, flatten=False), C(64, 128, 4, 4, seg_per_prog=2)]
+                C(128, 128, 8, 4, seg_per_prog=8, tma=True, flatten=False), C(64, 128, 4, 4, seg_per_prog=2)] + [
+                C(bm, bn, w, st, seg_per_prog=8, tma=True, hold_node=h, ctas_per_sm=c)
+                for bm, bn, w, c in ((128, 128, 8, 1), (128, 64, 4, 2), (128, 64, 8, 1), (64, 128, 4, 2))
+                for st in (3, 4) for h in (False, True)]
     out = [C(128, 256, 8, 3, tma=True), C(128, 256, 8, 4, tma=True), C(128, 128, 8, 4, tma=True),
            C(128, 128, 4, 4, tma=True)]
     if m <= 512:
@@ -105,7 +108,7 @@ def candidates(m: int, segments: int):
 def cfg_dict(cfg: MMConfig):
     return {"block_m": cfg.block_m, "block_n": cfg.block_n, "warps": cfg.warps, "stages": cfg.stages,
             "seg_per_prog": cfg.seg_per_prog, "tma": cfg.tma, "flatten": cfg.flatten, "ctas_per_sm": cfg.ctas_per_sm,
-            "pairs": cfg.pairs, "hold": cfg.hold}
+            "pairs": cfg.pairs, "hold": cfg.hold, "hold_node": cfg.hold_node}
 
 
 def run_matmul(ms_list, sweep: bool, rep: int, shapes=None):
@@ -283,11 +286,14 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time a grid of launch configs per (shape, M)")
     ap.add_argument("--only", choices=["matmul", "attention", "norms"], action="append")
     ap.add_argument("--shapes", help="matmul shapes to run, e.g. o/8,down/8 (name/segments)")
+    ap.add_argument("--ms", help="matmul M values, e.g. 512,2048,8192")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     rep = 40 if args.quick else 100
     ms_list = [1, 64, 512, 4096] if args.quick else MS
+    if args.ms:
+        ms_list = [int(m) for m in args.ms.split(",")]
     only = set(args.only or ["matmul", "attention", "norms"])
     t0 = time.time()
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -87,7 +87,11 @@ def main():
         tokens = bs * (args.prompt_len + args.output_len + args.window + 16)
         engine = Engine(model, device=args.device, window=args.window, group=args.group, copy_model=False,
                         kv_cache_tokens=tokens, max_num_seqs=bs, max_prefill_tokens=8192)
-        run(engine, prompts[:1], "verified", 4, args.temperature)  # warm-up: compile kernels
+        t0 = time.perf_counter()
+        graphs = engine.capture_graphs()  # CUDA: every decode / verify shape, before timing
+        for m in args.modes.split(","):  # warm-up: compile kernels, fill allocator pools
+            run(engine, prompts, m, 2 * args.window, args.temperature)
+        print(f"# batch {bs}: {graphs} graphs captured, warm-up {time.perf_counter() - t0:.1f}s", flush=True)
         row = dict(batch=bs, modes={m: run(engine, prompts, m, args.output_len, args.temperature)
                                     for m in args.modes.split(",")})
         tps = {m: r["tokens_per_s"] for m, r in row["modes"].items()}

@@ -92,13 +92,23 @@ class RopeTable:
         angles = [[p * f for f in self.inv_freq] for p in range(start, stop)]
         cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64)
         sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64)
-        self.cos = torch.cat([self.cos, (cos.float() * self.scaling)])
-        self.sin = torch.cat([self.sin, (sin.float() * self.scaling)])
+        dev = self.cos.device
+        self.cos = torch.cat([self.cos, (cos.float() * self.scaling).to(dev)])
+        self.sin = torch.cat([self.sin, (sin.float() * self.scaling).to(dev)])
+
+    def reserve(self, num_positions: int, device: torch.device | str | None = None) -> None:
+        """Precompute positions [0, num_positions) (on `device`): CUDA-graph captures skip the growth check."""
+        if num_positions > self.cos.shape[0]:
+            self._grow(num_positions)
+        if device is not None:
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max().item()) + 1 if positions.numel() else 0
-        if need > self.cos.shape[0]:
-            self._grow(need)
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing:  # the check needs a host sync; a captured forward relies on reserve()
+            need = int(positions.max().item()) + 1 if positions.numel() else 0
+            if need > self.cos.shape[0]:
+                self._grow(need)
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         idx = positions.clamp_min(0)
@@ -120,14 +130,14 @@ class PagedKV:
     k_pools: list[torch.Tensor]
     v_pools: list[torch.Tensor]
     block_table: torch.Tensor  # [B, max_blocks] int
-    slot_mapping: torch.Tensor  # [B, T] flat slot per token; -1 = padding
+    slot_mapping: torch.Tensor  # [B, T] flat slot per token (padding tokens: a scratch slot nobody reads)
 
     def write_and_get(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        # fixed shapes, no host sync: a forward over this cache can be captured in a CUDA graph
         kp, vp = self.k_pools[layer_idx], self.v_pools[layer_idx]
         slots = self.slot_mapping.reshape(-1)
-        valid = slots >= 0
-        kp.view(-1, *kp.shape[2:])[slots[valid]] = k.reshape(-1, *k.shape[2:])[valid].to(kp.dtype)
-        vp.view(-1, *vp.shape[2:])[slots[valid]] = v.reshape(-1, *v.shape[2:])[valid].to(vp.dtype)
+        kp.view(-1, *kp.shape[2:]).index_copy_(0, slots, k.reshape(-1, *k.shape[2:]).to(kp.dtype))
+        vp.view(-1, *vp.shape[2:]).index_copy_(0, slots, v.reshape(-1, *v.shape[2:]).to(vp.dtype))
         return kp, vp, self.block_table
 
 

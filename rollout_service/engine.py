@@ -25,6 +25,7 @@ from .fast_path.native import NativeFastPath, sample_rows, token_logprobs_at
 from .fast_path.native_ops import FAST_OPS
 from .kv_cache import KVCache, OutOfBlocks
 from .params import InvalidRequestError, Rollout, SamplingParams
+from .cuda_graphs import GraphedModelRunner
 from .request import Request
 from .runner import Chunk, ModelRunner
 from .weights import load_weights, model_digest
@@ -51,7 +52,8 @@ class Engine:
     def __init__(self, model, fast_path: str | FastPath = "native", window: int = 32, group: int = 8,
                  device: str = "cpu", *, block_size: int = 16, kv_cache_tokens: int = 65536,
                  max_num_seqs: int = 256, max_prefill_tokens: int = 4096, max_model_len: int | None = None,
-                 copy_model: bool = True, fast_path_options: dict | None = None, runner_factory=None):
+                 copy_model: bool = True, fast_path_options: dict | None = None, runner_factory=None,
+                 cuda_graphs: bool = True):
         if window < 1 or group < 1:
             raise ValueError(f"window and group must be >= 1, got window={window} group={group}")
         self.device = torch.device(device)
@@ -62,17 +64,28 @@ class Engine:
         self.max_model_len = max_model_len or self.spec.max_positions
         self.cache = KVCache(self.spec, -(-kv_cache_tokens // block_size), block_size, self.device)
         # runner_factory(model, cache, ops, device) -> runner: how a forward is executed (e.g. tensor parallel)
-        self._runner_factory = runner_factory or ModelRunner
-        self.verifier = self._runner_factory(self.model, self.cache, CANONICAL_OPS, self.device)
+        self._runner_factory = runner_factory
+        self._cuda_graphs = cuda_graphs and runner_factory is None and self.device.type == "cuda"
+        # verifier graphs: one-token steps of every running request, verify windows G at a time
+        self.verifier = self._make_runner(CANONICAL_OPS, {1: max_num_seqs, window + 1: group})
         self.fast_path = self._make_fast_path(fast_path, fast_path_options or {})
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._done: list[tuple[int, Rollout]] = []
 
+    def _make_runner(self, ops, graph_shapes: dict[int, int]):
+        """A runner for `ops`; on CUDA it replays graphs (graph_shapes: tokens per chunk -> max batch)."""
+        if self._runner_factory is not None:
+            return self._runner_factory(self.model, self.cache, ops, self.device)
+        if self._cuda_graphs:
+            return GraphedModelRunner(self.model, self.cache, ops, self.device, max_batch=graph_shapes,
+                                      max_model_len=self.max_model_len)
+        return ModelRunner(self.model, self.cache, ops, self.device)
+
     def _make_fast_path(self, fast_path, options) -> FastPath:
         if fast_path == "native":
-            return NativeFastPath(self._runner_factory(self.model, self.cache, FAST_OPS, self.device))
+            return NativeFastPath(self._make_runner(FAST_OPS, {1: self.max_num_seqs}))
         if fast_path == "vllm":
             from .fast_path.vllm import VLLMFastPath
             return VLLMFastPath(self.model, **options)
@@ -155,6 +168,11 @@ class Engine:
         digest = load_weights(self.model, state_dict)
         self.fast_path.update_weights(state_dict)
         return digest
+
+    def capture_graphs(self) -> int:
+        """Capture all decode / verify-window CUDA graphs now rather than on first use (CUDA only)."""
+        runners = (self.verifier, getattr(self.fast_path, "runner", None))
+        return sum(r.capture_all() for r in runners if isinstance(r, GraphedModelRunner))
 
     def weights_digest(self) -> str:
         return model_digest(self.model)

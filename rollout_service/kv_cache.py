@@ -18,11 +18,13 @@ class KVCache:
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, device: torch.device | str):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # one extra block that is never handed out: padding tokens of a batch write their K/V there
+        shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(spec.num_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.scratch_slot = num_blocks * block_size
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @property

@@ -22,14 +22,12 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: KVCache, ops: OpSet, device: torch.device):
         self.model, self.cache, self.ops, self.device = model, cache, ops, torch.device(device)
 
-    @torch.inference_mode()
-    def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
-        """float32 logits [num_logits, V] for each chunk."""
-        bsz, t_max = len(chunks), max(len(c.token_ids) for c in chunks)
-        max_blocks = max(len(c.block_ids) for c in chunks)
+    def host_inputs(self, chunks: list[Chunk], bsz: int, t_max: int, width: int):
+        """CPU ids, positions, block table and slot mapping for chunks padded to [bsz, t_max]
+        (padding: position -1, K/V to the cache's scratch slot)."""
         ids = torch.zeros(bsz, t_max, dtype=torch.long)
         pos = torch.full((bsz, t_max), -1, dtype=torch.long)
-        table = torch.zeros(bsz, max_blocks, dtype=torch.int32)
+        table = torch.zeros(bsz, width, dtype=torch.int32)
         for i, c in enumerate(chunks):
             n = len(c.token_ids)
             ids[i, :n] = torch.tensor(c.token_ids)
@@ -38,14 +36,27 @@ class ModelRunner:
         bs = self.cache.block_size
         safe = pos.clamp_min(0)
         slots = table.long().gather(1, safe // bs) * bs + safe % bs
-        slots = torch.where(pos >= 0, slots, -1)
-        ids, pos, table, slots = (t.to(self.device) for t in (ids, pos, table, slots))
+        slots = torch.where(pos >= 0, slots, self.cache.scratch_slot)
+        return ids, pos, table, slots
+
+    @staticmethod
+    def logit_rows(chunks: list[Chunk], t_max: int) -> torch.Tensor:
+        """Flat row index of every wanted logit: the last num_logits tokens of each chunk."""
+        return torch.cat([torch.arange(len(c.token_ids) - c.num_logits, len(c.token_ids)) + i * t_max
+                          for i, c in enumerate(chunks)])
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """float32 logits [num_logits, V] for each chunk."""
+        bsz, t_max = len(chunks), max(len(c.token_ids) for c in chunks)
+        width = max(len(c.block_ids) for c in chunks)
+        inputs = self.host_inputs(chunks, bsz, t_max, width)
+        ids, pos, table, slots = (t.to(self.device) for t in inputs)
         kv = PagedKV(self.cache.k, self.cache.v, table, slots)
         hidden = forward_hidden(self.model, ids, pos, ops=self.ops, kv=kv)
         sizes = [c.num_logits for c in chunks]
         if not sum(sizes):  # a prefill chunk that ends mid-prompt: KV only
             return [hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32) for _ in chunks]
-        rows = torch.cat([torch.arange(len(c.token_ids) - c.num_logits, len(c.token_ids)) + i * t_max
-                          for i, c in enumerate(chunks)]).to(self.device)
+        rows = self.logit_rows(chunks, t_max).to(self.device)
         logits = compute_logits(self.model, hidden.reshape(bsz * t_max, -1)[rows], self.ops)
         return list(logits.split(sizes))

@@ -22,7 +22,20 @@ def _rms_norm(x, w, eps):
 
 
 def _attention(q, k, v, positions, block_table=None, scale=None):
-    """Masked SDPA over the gathered paged cache (GPU: flash / split-KV decode kernels)."""
+    """CUDA: split-KV decode kernel over the paged cache (one token per sequence), else the canonical
+    kernel; both are free of host syncs, so decode steps can be CUDA-graphed. CPU: masked SDPA."""
+    if q.is_cuda:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if block_table is not None and q.shape[1] == 1:
+            from .decode_attention import decode_attention
+            return decode_attention(q, k, v, positions, block_table, scale)
+        import kernels
+        return kernels.attention(q, k, v, positions, block_table=block_table, scale=scale)
+    return _sdpa_attention(q, k, v, positions, block_table, scale)
+
+
+def _sdpa_attention(q, k, v, positions, block_table=None, scale=None):
+    """Masked SDPA over the gathered paged cache."""
     n_keys = int(positions.max().item()) + 1
     if block_table is not None:
         nb = -(-n_keys // k.shape[1])

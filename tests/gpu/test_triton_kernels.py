@@ -116,6 +116,8 @@ def test_matmul_tile_configs_bitwise_identical(kt, segments):
                                 group_m=c.group_m) for i, c in enumerate(variants) if not c.tma]
         variants += [kt.MMConfig(64, 64, 4, 2, seg_per_prog=s) for s in (1, 2, 4, 8)]
         variants += [kt.MMConfig(128, 128, 8, 4, seg_per_prog=8, tma=True),
+                     kt.MMConfig(128, 128, 8, 3, seg_per_prog=8, tma=True, hold_node=True),
+                     kt.MMConfig(128, 64, 4, 4, seg_per_prog=4, tma=True, hold_node=True),
                      kt.MMConfig(64, 128, 4, 4, seg_per_prog=4, tma=True, ctas_per_sm=2),
                      kt.MMConfig(128, 128, 8, 3, seg_per_prog=2, tma=True, flatten=False),
                      kt.MMConfig(128, 64, 4, 4, seg_per_prog=1, tma=True),
