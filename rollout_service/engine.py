@@ -296,14 +296,16 @@ class Engine:
         all_logits = torch.cat(rows)
         tokens = sample_rows(all_logits, params, positions) if all_logits.shape[0] else None
         logps = token_logprobs_at(all_logits, params, tokens, K.log_softmax) if tokens is not None else None
+        tokens = tokens.tolist() if tokens is not None else None  # one device-to-host copy per pass
+        logps = logps.tolist() if logps is not None else None
         offset = 0
         for (req, props, final, take), chunk in zip(items, chunks):
             if not final:
                 req.num_cached += len(chunk.token_ids)
                 continue
             n = len(props)
-            canon = tokens[offset:offset + n + 1].tolist()
-            canon_lp = logps[offset:offset + n + 1].tolist()
+            canon = tokens[offset:offset + n + 1]
+            canon_lp = logps[offset:offset + n + 1]
             offset += n + 1
             j = next((i for i in range(n) if canon[i] != props[i]), n)
             if take is None and req.params.determinism == "verified":  # a decode-time verify window

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.forward import OpSet, PagedKV, compute_logits, forward_hidden
@@ -25,19 +26,19 @@ class ModelRunner:
     def host_inputs(self, chunks: list[Chunk], bsz: int, t_max: int, width: int):
         """CPU ids, positions, block table and slot mapping for chunks padded to [bsz, t_max]
         (padding: position -1, K/V to the cache's scratch slot)."""
-        ids = torch.zeros(bsz, t_max, dtype=torch.long)
-        pos = torch.full((bsz, t_max), -1, dtype=torch.long)
-        table = torch.zeros(bsz, width, dtype=torch.int32)
-        for i, c in enumerate(chunks):
+        ids = np.zeros((bsz, t_max), dtype=np.int64)
+        pos = np.full((bsz, t_max), -1, dtype=np.int64)
+        table = np.zeros((bsz, width), dtype=np.int32)
+        for i, c in enumerate(chunks):  # numpy row writes: cheap per chunk (this runs every decode step)
             n = len(c.token_ids)
-            ids[i, :n] = torch.tensor(c.token_ids)
-            pos[i, :n] = torch.arange(c.start_pos, c.start_pos + n)
-            table[i, :len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.int32)
+            ids[i, :n] = c.token_ids
+            pos[i, :n] = np.arange(c.start_pos, c.start_pos + n)
+            table[i, :len(c.block_ids)] = c.block_ids
         bs = self.cache.block_size
-        safe = pos.clamp_min(0)
-        slots = table.long().gather(1, safe // bs) * bs + safe % bs
-        slots = torch.where(pos >= 0, slots, self.cache.scratch_slot)
-        return ids, pos, table, slots
+        safe = np.maximum(pos, 0)
+        slots = np.take_along_axis(table, safe // bs, axis=1).astype(np.int64) * bs + safe % bs
+        slots = np.where(pos >= 0, slots, self.cache.scratch_slot)
+        return tuple(torch.from_numpy(a) for a in (ids, pos, table, slots))
 
     @staticmethod
     def logit_rows(chunks: list[Chunk], t_max: int) -> torch.Tensor:

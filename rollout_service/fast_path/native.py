@@ -14,15 +14,15 @@ from .base import DraftRequest, Proposal
 
 
 def sample_rows(logits: torch.Tensor, params_rows, positions: list[int]) -> torch.Tensor:
-    """kernels.sample for rows with per-row SamplingParams."""
-    dev = logits.device
+    """kernels.sample for rows with per-row SamplingParams (parameters built on the host, where
+    sample's argument checks then run without a device sync)."""
     return sample(
         logits,
-        torch.tensor([p.temperature for p in params_rows], dtype=torch.float32, device=dev),
-        torch.tensor([p.top_k for p in params_rows], device=dev),
-        torch.tensor([p.top_p for p in params_rows], dtype=torch.float32, device=dev),
-        torch.tensor([p.effective_seed for p in params_rows], dtype=torch.int64, device=dev),
-        torch.tensor(positions, device=dev))
+        torch.tensor([p.temperature for p in params_rows], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params_rows]),
+        torch.tensor([p.top_p for p in params_rows], dtype=torch.float32),
+        torch.tensor([p.effective_seed for p in params_rows], dtype=torch.int64),
+        torch.tensor(positions))
 
 
 def token_logprobs_at(logits: torch.Tensor, params_rows, tokens: torch.Tensor, log_softmax) -> torch.Tensor:
@@ -43,11 +43,11 @@ class NativeFastPath:
             live = [i for i, r in enumerate(batch) if r.num_tokens > step]
             chunks, params, positions = [], [], []
             for i in live:
-                r = batch[i]
-                seq = r.token_ids + out[i].token_ids
-                chunks.append(Chunk([seq[-1]], len(seq) - 1, r.block_ids, 1))
+                r, drafted = batch[i], out[i].token_ids
+                length = len(r.token_ids) + len(drafted)
+                chunks.append(Chunk([drafted[-1] if drafted else r.token_ids[-1]], length - 1, r.block_ids, 1))
                 params.append(r.params)
-                positions.append(len(seq))
+                positions.append(length)
             logits = torch.cat(self.runner.forward(chunks))
             tokens = sample_rows(logits, params, positions)
             logps = token_logprobs_at(logits, params, tokens, lambda x: torch.log_softmax(x, dim=-1))

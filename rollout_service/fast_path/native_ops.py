@@ -1,9 +1,15 @@
-"""Ordinary (non-canonical) torch ops for the native fast path: whatever is fastest on the device."""
+"""Ordinary (non-canonical) ops for the native fast path: whatever is fastest on the device.
+
+On CUDA the GEMMs are cuBLAS and decode attention is split-KV (their reduction order follows the
+batch); the elementwise ops reuse the canonical kernels, which are as fast as torch's and keep the
+fast path's numbers close to the verifier's (fewer rejected proposals).
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+import kernels as K
 from kernels.forward import OpSet
 from kernels.reference.ops import gather_kv
 
@@ -13,10 +19,14 @@ def _linear(x, w, b=None, row_parallel=False):
 
 
 def _logits(x, w):
+    if x.is_cuda:  # fp32 out of the GEMM, like the verifier's logits (rounding them to bf16 flips picks)
+        return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).reshape(*x.shape[:-1], -1)
     return F.linear(x, w).float()
 
 
 def _rms_norm(x, w, eps):
+    if x.is_cuda:  # elementwise ops: the canonical kernels (same formula as the verifier, and fast)
+        return K.rms_norm(x, w, eps)
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -29,8 +39,7 @@ def _attention(q, k, v, positions, block_table=None, scale=None):
         if block_table is not None and q.shape[1] == 1:
             from .decode_attention import decode_attention
             return decode_attention(q, k, v, positions, block_table, scale)
-        import kernels
-        return kernels.attention(q, k, v, positions, block_table=block_table, scale=scale)
+        return K.attention(q, k, v, positions, block_table=block_table, scale=scale)
     return _sdpa_attention(q, k, v, positions, block_table, scale)
 
 
@@ -49,14 +58,20 @@ def _sdpa_attention(q, k, v, positions, block_table=None, scale=None):
 
 
 def _silu_mul(gate, up):
+    if gate.is_cuda:
+        return K.silu_mul(gate, up)
     return F.silu(gate) * up
 
 
 def _add(a, b):
+    if a.is_cuda:
+        return K.add(a, b)
     return a + b
 
 
 def _rotary(x, cos, sin):
+    if x.is_cuda:
+        return K.rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     c, s = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
