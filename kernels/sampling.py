@@ -36,7 +36,17 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    triton_ops = _triton_sampling(seeds)
+    if triton_ops is not None:
+        return triton_ops.gumbel_noise(seeds, positions, vocab_size)
     return -em.log(-em.log(hash_uniform(seeds, positions, vocab_size)))
+
+
+def _triton_sampling(t: torch.Tensor):
+    """kernels.triton.sampling for CUDA tensors when Triton is installed, else None."""
+    from . import backend_for
+    backend = backend_for(t)
+    return getattr(backend, "sampling", None)
 
 
 def _first_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -76,8 +86,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)  # tensor / tensor: true division (see scale_logits)
     needs_mask = bool(((top_k > 0) | (top_p < 1.0)).any())
+    mask = allowed_mask(scaled, top_k.to(logits.device), top_p.to(logits.device)) if needs_mask else None
+    triton_ops = _triton_sampling(logits)
+    if triton_ops is not None:  # one fused pass: scale, mask, noise, first argmax
+        return triton_ops.gumbel_argmax(logits, temperature.reshape(-1), seeds.to(logits.device),
+                                        positions.to(logits.device), mask)
     if needs_mask:
-        mask = allowed_mask(scaled, top_k.to(logits.device), top_p.to(logits.device))
         scaled = torch.where(mask, scaled, float("-inf"))
     noisy = scaled + gumbel_noise(seeds.to(logits.device), positions.to(logits.device), logits.shape[-1])
     return torch.where(greedy.reshape(-1), _first_argmax(scaled), _first_argmax(noisy))

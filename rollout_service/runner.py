@@ -43,8 +43,8 @@ class ModelRunner:
     @staticmethod
     def logit_rows(chunks: list[Chunk], t_max: int) -> torch.Tensor:
         """Flat row index of every wanted logit: the last num_logits tokens of each chunk."""
-        return torch.cat([torch.arange(len(c.token_ids) - c.num_logits, len(c.token_ids)) + i * t_max
-                          for i, c in enumerate(chunks)])
+        return torch.from_numpy(np.concatenate([np.arange(len(c.token_ids) - c.num_logits, len(c.token_ids)) + i * t_max
+                                                for i, c in enumerate(chunks)]))
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
