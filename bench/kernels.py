@@ -95,9 +95,9 @@ def candidates(m: int, segments: int):
                 C(128, 64, 4, 3, pairs=True), C(128, 64, 4, 2, pairs=True, ctas_per_sm=2),
                 C(64, 256, 8, 2, pairs=True, hold=False), C(64, 64, 4, 3, pairs=True),
                 C(128, 128, 8, 4, seg_per_prog=8, tma=True, flatten=False), C(64, 128, 4, 4, seg_per_prog=2)] + [
-                C(bm, bn, w, st, seg_per_prog=8, tma=True, hold_node=h, ctas_per_sm=c)
+                C(bm, bn, w, st, seg_per_prog=8, tma=True, ctas_per_sm=c)
                 for bm, bn, w, c in ((128, 128, 8, 1), (128, 64, 4, 2), (128, 64, 8, 1), (64, 128, 4, 2))
-                for st in (3, 4) for h in (False, True)]
+                for st in (3, 4)]
     out = [C(128, 256, 8, 3, tma=True), C(128, 256, 8, 4, tma=True), C(128, 128, 8, 4, tma=True),
            C(128, 128, 4, 4, tma=True)]
     if m <= 512:
@@ -108,7 +108,7 @@ def candidates(m: int, segments: int):
 def cfg_dict(cfg: MMConfig):
     return {"block_m": cfg.block_m, "block_n": cfg.block_n, "warps": cfg.warps, "stages": cfg.stages,
             "seg_per_prog": cfg.seg_per_prog, "tma": cfg.tma, "flatten": cfg.flatten, "ctas_per_sm": cfg.ctas_per_sm,
-            "pairs": cfg.pairs, "hold": cfg.hold, "hold_node": cfg.hold_node}
+            "pairs": cfg.pairs, "hold": cfg.hold}
 
 
 def run_matmul(ms_list, sweep: bool, rep: int, shapes=None):

@@ -114,12 +114,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (elementwise, hence canonical and differentiable as written)."""
-    return reference.rotary(x, cos, sin)
+    """Rotate-half RoPE, elementwise in fp32 (canonical by construction); x [B, T, H, D] bf16."""
+    return with_reference_grad(backend_for(x).rotary, reference.rotary, x, cos, sin)
 
 
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return reference.add(a, b)
+    """bf16(float(a) + float(b)): the residual add."""
+    return with_reference_grad(backend_for(a).add, reference.add, a, b)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,

@@ -24,11 +24,11 @@ if not INTERPRET and not torch.cuda.is_available():
     raise ImportError("kernels.triton needs a CUDA device")
 
 from .attention import BLOCK_KV, attention  # noqa: E402
-from .elementwise import silu_mul  # noqa: E402
+from .elementwise import add, rotary, silu_mul  # noqa: E402
 from .matmul import BLOCK_K, MMConfig, matmul, matmul_partials, matmul_with_config, pick_config  # noqa: E402
 from .norm import rms_norm  # noqa: E402
 from .softmax import log_softmax  # noqa: E402
 from . import sampling  # noqa: E402  (fused Gumbel-max sampling; kernels.sampling dispatches to it)
 
-__all__ = ["BLOCK_K", "BLOCK_KV", "MMConfig", "attention", "log_softmax", "matmul", "matmul_partials",
-           "matmul_with_config", "pick_config", "rms_norm", "sampling", "silu_mul"]
+__all__ = ["BLOCK_K", "BLOCK_KV", "MMConfig", "add", "attention", "log_softmax", "matmul", "matmul_partials",
+           "matmul_with_config", "pick_config", "rms_norm", "rotary", "sampling", "silu_mul"]

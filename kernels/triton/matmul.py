@@ -39,7 +39,6 @@ class MMConfig:
     ctas_per_sm: int = 1  # TMA kernel: persistent programs per SM
     pairs: bool = False  # whole tree per tile, segments in pairs (TMA; segments in 2, 4, 8)
     hold: bool = True  # pairs kernel: keep the left quarter-tree in registers (else L2 scratch)
-    hold_node: bool = False  # TMA kernel, 4/8 segments: left level-1 node in registers, level 2 via L2
 
 
 @triton.jit
@@ -172,7 +171,7 @@ def _mm_tma_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_
                    stride_og, stride_om, stride_on,
                    NSEG: tl.constexpr, LOG_NSEG: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr, HOLD: tl.constexpr):
+                   NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr):
     """Persistent, TMA loads. Work items are (output tile, group of NSEG segments); one loop runs over
     (item, segment) so that the copy pipeline does not drain at segment ends. The group's tree is
     built as segments finish: a left leaf waits in registers, higher left nodes in this program's
@@ -184,7 +183,6 @@ def _mm_tma_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_
     slot = (scratch_ptr + pid.to(tl.int64) * (LOG_NSEG * BLOCK_M * BLOCK_N)
             + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
     left = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    node = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in tl.range(0, my_items * NSEG, flatten=FLATTEN):
         item = pid + (i // NSEG) * NUM_PROGS
         s = i % NSEG
@@ -204,23 +202,6 @@ def _mm_tma_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_
         else:
             if s % 2 == 0:
                 left = acc
-            elif HOLD and NSEG <= 8:
-                # left level-1 node in registers (three live tiles); only level 2 of an 8-tree via L2
-                v = left + acc
-                q = s // 2
-                if q % 2 == 0:
-                    node = v
-                else:
-                    v = node + v
-                    if NSEG == 8 and q == 1:
-                        tl.store(slot, v)
-                    if NSEG == 8 and q == 3:
-                        tl.debug_barrier()
-                        v = tl.load(slot) + v
-                    if s == NSEG - 1:
-                        _tma_epilogue(v, bias_ptr, out_ptr, g, off_m, off_n, M, N, stride_og, stride_om,
-                                      stride_on, PARTIAL, HAS_BIAS, BLOCK_M, BLOCK_N)
-                        tl.debug_barrier()  # the next item reuses the slot
             else:
                 v = left + acc  # level-1 node (left leaf + right leaf)
                 for L in tl.static_range(1, LOG_NSEG):
@@ -433,8 +414,7 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
             target.stride(0) if target.dim() == 3 else 0, target.stride(-2), target.stride(-1),
             NSEG=nseg, LOG_NSEG=log_nseg, PARTIAL=partial or groups > 1, HAS_BIAS=has_bias,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m, NUM_PROGS=progs,
-            FLATTEN=cfg.flatten, HOLD=cfg.hold_node, num_warps=cfg.warps,
-            num_stages=cfg.stages)
+            FLATTEN=cfg.flatten, num_warps=cfg.warps, num_stages=cfg.stages)
         if not partial and groups > 1:
             _combine(target, bias, out)
         return out
