@@ -51,6 +51,7 @@ def main():
     ap.add_argument("--context", type=int, default=768)
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--profile", help="also write per-kernel CUDA times (eager forwards) to this text file")
     args = ap.parse_args()
     model = build_model(args.model, "cuda")
     bsz, ctx, w = args.batch, args.context, args.window
@@ -88,6 +89,32 @@ def main():
     graph, _, _ = verifier._graphs[verifier.shape_for(decode)]
     out["canonical_graph_replay_gpu_ms"] = gpu_ms(graph.replay)
     print(json.dumps(out, indent=1))
+    if args.profile:
+        write_profile(args.profile, engine, decode, window)
+
+
+def write_profile(path: str, engine: Engine, decode, window) -> None:
+    """Kernel tables of the eager forwards (graph replays hide their kernels from the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels.forward import CANONICAL_OPS
+    from rollout_service.fast_path.native_ops import FAST_OPS
+    from rollout_service.runner import ModelRunner
+
+    parts = {"verify window (canonical)": (CANONICAL_OPS, window), "decode step (canonical)": (CANONICAL_OPS, decode),
+             "decode step (fast)": (FAST_OPS, decode)}
+    with open(path, "w") as f:
+        for name, (ops, chunks) in parts.items():
+            runner = ModelRunner(engine.model, engine.cache, ops, engine.device)
+            runner.forward(chunks)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    runner.forward(chunks)
+                torch.cuda.synchronize()
+            f.write(f"== {name}, 3 forwards ==\n")
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+            f.write("\n\n")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import kernels.triton as kt  # noqa: E402
 from kernels.triton import MMConfig  # noqa: E402
 
+# (name, K, N, segments): Llama-3.1-8B projections; QWEN_SHAPES: Qwen2.5-1.5B (`--model qwen1.5b`)
 SHAPES = [("qkv", 4096, 6144, 1), ("o", 4096, 4096, 1), ("o", 4096, 4096, 8), ("gate_up", 4096, 28672, 1),
           ("down", 14336, 4096, 1), ("down", 14336, 4096, 8), ("lm_head", 4096, 128256, 1)]
+QWEN_SHAPES = [("qkv", 1536, 2048, 1), ("o", 1536, 1536, 8), ("gate_up", 1536, 17920, 1), ("down", 8960, 1536, 8),
+               ("lm_head", 1536, 151936, 1)]
 MS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 # Shorter trees (a smaller largest-TP degree) for comparison, at a few M.
 TREE_VARIANTS = [("o", 4096, 4096, 2), ("o", 4096, 4096, 4), ("down", 14336, 4096, 2), ("down", 14336, 4096, 4)]
@@ -111,11 +114,11 @@ def cfg_dict(cfg: MMConfig):
             "pairs": cfg.pairs, "hold": cfg.hold}
 
 
-def run_matmul(ms_list, sweep: bool, rep: int, shapes=None):
+def run_matmul(ms_list, sweep: bool, rep: int, shapes=None, model: str = "llama8b"):
     rows, sweep_rows = [], []
     dev = "cuda"
-    plan = [(shape, ms_list) for shape in SHAPES]
-    if not sweep:
+    plan = [(shape, ms_list) for shape in (QWEN_SHAPES if model == "qwen1.5b" else SHAPES)]
+    if not sweep and model == "llama8b":
         plan += [(shape, [m for m in TREE_VARIANT_MS if m in ms_list or len(ms_list) > 4]) for shape in TREE_VARIANTS]
     for (name, k, n, segments), shape_ms in plan:
         if shapes and f"{name}/{segments}" not in shapes:
@@ -286,6 +289,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time a grid of launch configs per (shape, M)")
     ap.add_argument("--only", choices=["matmul", "attention", "norms"], action="append")
     ap.add_argument("--shapes", help="matmul shapes to run, e.g. o/8,down/8 (name/segments)")
+    ap.add_argument("--model", default="llama8b", choices=["llama8b", "qwen1.5b"], help="matmul shapes")
     ap.add_argument("--ms", help="matmul M values, e.g. 512,2048,8192")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -299,7 +303,7 @@ def main():
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__}
     if "matmul" in only:
-        rows, sweep_rows = run_matmul(ms_list, args.sweep, rep, args.shapes and args.shapes.split(","))
+        rows, sweep_rows = run_matmul(ms_list, args.sweep, rep, args.shapes and args.shapes.split(","), args.model)
         doc["matmul_summary"] = summarize(rows)
         doc["matmul"] = rows
         if args.sweep:

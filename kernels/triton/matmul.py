@@ -220,16 +220,28 @@ def _mm_tma_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_
 
 
 @triton.jit
-def _pair_sum(x_desc, w_desc, off_m, off_n, k0, k1, seg_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """s(k0..) + s(k1..): two segments reduced side by side in one pipelined loop, then added."""
+def _seg_tile(desc, off, seg, seg_len, kk, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SEG3D: tl.constexpr):
+    """[ROWS, BLOCK_K] tile kk of segment seg. SEG3D: the descriptor views the operand as
+    [segments, rows, seg_len], so a segment's last partial tile is zero-filled by TMA (like the
+    masked loads of _segment_sum) instead of reading into the next segment."""
+    if SEG3D:
+        t = desc.load([seg, off, kk * BLOCK_K]).reshape(ROWS, BLOCK_K)
+    else:
+        t = desc.load([off, seg * seg_len + kk * BLOCK_K])
+    return t
+
+
+@triton.jit
+def _pair_sum(x_desc, w_desc, off_m, off_n, s0, seg_len, seg_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, SEG3D: tl.constexpr):
+    """s(s0) + s(s0 + 1): two segments reduced side by side in one pipelined loop, then added."""
     acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(seg_tiles):
-        a0 = x_desc.load([off_m, k0 + kk * BLOCK_K])
-        b0 = w_desc.load([off_n, k0 + kk * BLOCK_K])
-        a1 = x_desc.load([off_m, k1 + kk * BLOCK_K])
-        b1 = w_desc.load([off_n, k1 + kk * BLOCK_K])
+        a0 = _seg_tile(x_desc, off_m, s0, seg_len, kk, BLOCK_M, BLOCK_K, SEG3D)
+        b0 = _seg_tile(w_desc, off_n, s0, seg_len, kk, BLOCK_N, BLOCK_K, SEG3D)
+        a1 = _seg_tile(x_desc, off_m, s0 + 1, seg_len, kk, BLOCK_M, BLOCK_K, SEG3D)
+        b1 = _seg_tile(w_desc, off_n, s0 + 1, seg_len, kk, BLOCK_N, BLOCK_K, SEG3D)
         acc0 = tl.dot(a0, tl.trans(b0), acc0)
         acc1 = tl.dot(a1, tl.trans(b1), acc1)
     return acc0 + acc1
@@ -239,7 +251,7 @@ def _pair_sum(x_desc, w_desc, off_m, off_n, k0, k1, seg_tiles, BLOCK_M: tl.const
 def _mm_pairs_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_len,
                      stride_om, stride_on, NSEG: tl.constexpr, HOLD: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
+                     GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, SEG3D: tl.constexpr):
     """Whole segment tree (NSEG = 2, 4 or 8) per output tile, persistent, TMA loads. Segments go in
     pairs through one loop with two accumulators; the pair sums (level-1 nodes) are combined with
     static control flow: pair 0 waits in registers (HOLD) or in this program's L2 scratch slot,
@@ -253,14 +265,14 @@ def _mm_pairs_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, se
         pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        v = _pair_sum(x_desc, w_desc, off_m, off_n, 0, seg_len, seg_tiles, BLOCK_M, BLOCK_N, BLOCK_K)
+        v = _pair_sum(x_desc, w_desc, off_m, off_n, 0, seg_len, seg_tiles, BLOCK_M, BLOCK_N, BLOCK_K, SEG3D)
         if NSEG >= 4:
             if HOLD:
                 q0 = v
             else:
                 tl.store(slot, v)
-            v = _pair_sum(x_desc, w_desc, off_m, off_n, 2 * seg_len, 3 * seg_len, seg_tiles,
-                          BLOCK_M, BLOCK_N, BLOCK_K)
+            v = _pair_sum(x_desc, w_desc, off_m, off_n, 2, seg_len, seg_tiles,
+                          BLOCK_M, BLOCK_N, BLOCK_K, SEG3D)
             if HOLD:
                 v = q0 + v
             else:
@@ -272,11 +284,11 @@ def _mm_pairs_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, se
             else:
                 tl.debug_barrier()
                 tl.store(slot, v)
-            v = _pair_sum(x_desc, w_desc, off_m, off_n, 4 * seg_len, 5 * seg_len, seg_tiles,
-                          BLOCK_M, BLOCK_N, BLOCK_K)
+            v = _pair_sum(x_desc, w_desc, off_m, off_n, 4, seg_len, seg_tiles,
+                          BLOCK_M, BLOCK_N, BLOCK_K, SEG3D)
             tl.store(slot + BLOCK_M * BLOCK_N, v)
-            v = _pair_sum(x_desc, w_desc, off_m, off_n, 6 * seg_len, 7 * seg_len, seg_tiles,
-                          BLOCK_M, BLOCK_N, BLOCK_K)
+            v = _pair_sum(x_desc, w_desc, off_m, off_n, 6, seg_len, seg_tiles,
+                          BLOCK_M, BLOCK_N, BLOCK_K, SEG3D)
             tl.debug_barrier()
             v = tl.load(slot + BLOCK_M * BLOCK_N) + v
             if HOLD:
@@ -386,17 +398,26 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
     groups = segments // nseg
     has_bias = bias is not None and not partial
     tma_ok = _tma_ok(x2, weight) and (segments == 1 or seg_len % BLOCK_K == 0)
-    if cfg.pairs and tma_ok and not partial and segments in (2, 4, 8):
+    # segments that end mid-tile (e.g. K = 8960 in 8 segments): 3-D descriptors zero-fill the tail
+    seg3d = (not tma_ok and segments > 1 and _tma_ok(x2, weight) and K == segments * seg_len
+             and (seg_len * 2) % 16 == 0)
+    if cfg.pairs and (tma_ok or seg3d) and not partial and segments in (2, 4, 8):
         from triton.tools.tensor_descriptor import TensorDescriptor
-        x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg.block_m, BLOCK_K])
-        w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [cfg.block_n, BLOCK_K])
+
+        def desc(t, rows, block_rows):
+            if seg3d:
+                return TensorDescriptor(t, [segments, rows, seg_len], [seg_len, t.stride(0), 1],
+                                        [1, block_rows, BLOCK_K])
+            return TensorDescriptor(t, [rows, K], [t.stride(0), 1], [block_rows, BLOCK_K])
+        x_desc, w_desc = desc(x2, M, cfg.block_m), desc(weight, N, cfg.block_n)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         progs = min(tiles, _num_sms(out.device.index or 0) * cfg.ctas_per_sm)
         scratch = torch.empty(progs * 2 * cfg.block_m * cfg.block_n, dtype=torch.float32, device=out.device)
         _mm_pairs_kernel[(progs,)](
             x_desc, w_desc, bias if has_bias else out, out, scratch, M, N, K, seg_len, out.stride(0), out.stride(1),
             NSEG=segments, HOLD=cfg.hold, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m, NUM_PROGS=progs, num_warps=cfg.warps, num_stages=cfg.stages)
+            BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m, NUM_PROGS=progs, SEG3D=seg3d, num_warps=cfg.warps,
+            num_stages=cfg.stages)
         return out
     if cfg.tma and tma_ok:
         from triton.tools.tensor_descriptor import TensorDescriptor

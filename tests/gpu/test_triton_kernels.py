@@ -76,7 +76,7 @@ def test_matmul_row_invariance_small(kt, k_dim, n_dim, segments, out_dtype, bias
 @needs_cuda
 @pytest.mark.parametrize("name,k_dim,n_dim,segments", [
     ("qkv", 4096, 6144, 1), ("o", 4096, 4096, 8), ("gate_up", 4096, 28672, 1), ("down", 14336, 4096, 8),
-    ("down_plain", 14336, 4096, 1),
+    ("down_plain", 14336, 4096, 1), ("qwen_down", 8960, 1536, 8),  # Qwen2.5-1.5B: segments end mid-tile
 ])
 def test_matmul_row_invariance_llama(kt, name, k_dim, n_dim, segments):
     """Rows of M = 1..64 and larger batches (every entry of the launch table) equal rows of M = 4096."""
@@ -101,11 +101,12 @@ def _configs(kt):
     return out
 
 
-@pytest.mark.parametrize("segments", [1, 8])
-def test_matmul_tile_configs_bitwise_identical(kt, segments):
+@pytest.mark.parametrize("segments,k_dim", [(1, 4096), (8, 4096), (8, 8960)])
+def test_matmul_tile_configs_bitwise_identical(kt, segments, k_dim):
     """Tile shape, warps, stages, TMA/persistence and how the segment tree is split over programs
-    do not change a single bit (if a Triton or driver upgrade breaks this, the canonical order is gone)."""
-    m, k_dim, n_dim = (40, 512, 192) if INTERPRET else (300, 4096, 6144)
+    do not change a single bit (if a Triton or driver upgrade breaks this, the canonical order is gone).
+    K = 8960 in 8 segments ends each segment mid-tile (masked loads vs TMA zero-fill)."""
+    m, k_dim, n_dim = (40, 512, 192) if INTERPRET else (300, k_dim, 6144)
     x = randn(m, k_dim, seed=6)
     w = randn(n_dim, k_dim, seed=7, scale=0.02)
     b = randn(n_dim, seed=8)
