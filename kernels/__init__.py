@@ -102,7 +102,7 @@ def scale_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
     The one place temperature is applied: on CUDA, `tensor / python_float` is computed as a multiply
     by the reciprocal, which differs in the last bit from dividing by a tensor.
     """
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    t = torch.as_tensor(temperature, dtype=torch.float32).to(logits.device, non_blocking=True)
     t = t.reshape(-1, *([1] * (logits.dim() - 1))) if t.numel() > 1 else t.reshape([1] * logits.dim())
     return logits / t
 

@@ -82,18 +82,23 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     off), top_p (1.0 = off), seed and absolute position of the token being sampled."""
     _check_sample_args(logits, temperature, top_k, top_p, seeds, positions)
     logits = logits.float()
-    temperature = temperature.to(logits.device, torch.float32).reshape(-1, 1)
+    dev = logits.device
+
+    def to_dev(t, dtype=None):  # host arguments: an async copy, no device sync
+        return t.to(dev, dtype, non_blocking=True)
+    temperature = to_dev(temperature, torch.float32).reshape(-1, 1)
     greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)  # tensor / tensor: true division (see scale_logits)
     needs_mask = bool(((top_k > 0) | (top_p < 1.0)).any())
-    mask = allowed_mask(scaled, top_k.to(logits.device), top_p.to(logits.device)) if needs_mask else None
     triton_ops = _triton_sampling(logits)
+    scaled = None
+    if needs_mask or triton_ops is None:
+        scaled = logits / torch.where(greedy, 1.0, temperature)  # tensor / tensor: true division (see scale_logits)
+    mask = allowed_mask(scaled, to_dev(top_k), to_dev(top_p)) if needs_mask else None
     if triton_ops is not None:  # one fused pass: scale, mask, noise, first argmax
-        return triton_ops.gumbel_argmax(logits, temperature.reshape(-1), seeds.to(logits.device),
-                                        positions.to(logits.device), mask)
+        return triton_ops.gumbel_argmax(logits, temperature.reshape(-1), to_dev(seeds), to_dev(positions), mask)
     if needs_mask:
         scaled = torch.where(mask, scaled, float("-inf"))
-    noisy = scaled + gumbel_noise(seeds.to(logits.device), positions.to(logits.device), logits.shape[-1])
+    noisy = scaled + gumbel_noise(to_dev(seeds), to_dev(positions), logits.shape[-1])
     return torch.where(greedy.reshape(-1), _first_argmax(scaled), _first_argmax(noisy))
 
 

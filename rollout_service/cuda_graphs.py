@@ -47,16 +47,18 @@ class GraphedModelRunner(ModelRunner):
         return len(self._graphs)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+    def forward(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         shape = self.shape_for(chunks)
-        if shape is None or max(len(c.block_ids) for c in chunks) > self.width:
-            return super().forward(chunks)
+        if shape is None or max(len(c.block_ids) for c in chunks) > self.width or (token_ids is not None
+                                                                                   and shape[1] != 1):
+            return super().forward(chunks, token_ids)
         graph, static, logits = self._graphs.get(shape) or self._capture(*shape)
         for dst, src in zip(static, self.host_inputs(chunks, *shape, self.width)):
             dst.copy_(src, non_blocking=True)
+        self._feed(static[0], token_ids)
         graph.replay()
         sizes = [c.num_logits for c in chunks]
-        rows = self.logit_rows(chunks, shape[1]).to(self.device)
+        rows = self.logit_rows(chunks, shape[1]).to(self.device, non_blocking=True)
         return list(logits[rows].split(sizes))  # a copy: the next replay overwrites `logits`
 
     def _run(self, ids, pos, table, slots) -> torch.Tensor:

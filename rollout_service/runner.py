@@ -13,7 +13,7 @@ from .kv_cache import KVCache
 
 @dataclass
 class Chunk:
-    token_ids: list[int]  # tokens fed this pass (their KV is written)
+    token_ids: list[int]  # tokens fed this pass (their KV is written); see forward's token_ids
     start_pos: int  # absolute position of token_ids[0]
     block_ids: list[int]
     num_logits: int  # logits wanted for the last num_logits tokens
@@ -41,23 +41,35 @@ class ModelRunner:
         return tuple(torch.from_numpy(a) for a in (ids, pos, table, slots))
 
     @staticmethod
+    def _feed(ids: torch.Tensor, token_ids: torch.Tensor | None) -> None:
+        if token_ids is not None:
+            if ids.shape[1] != 1 or token_ids.numel() > ids.shape[0]:
+                raise ValueError("device token_ids are for one-token chunks, one id per chunk")
+            ids[:token_ids.numel(), 0].copy_(token_ids)
+
+    @staticmethod
     def logit_rows(chunks: list[Chunk], t_max: int) -> torch.Tensor:
         """Flat row index of every wanted logit: the last num_logits tokens of each chunk."""
         return torch.from_numpy(np.concatenate([np.arange(len(c.token_ids) - c.num_logits, len(c.token_ids)) + i * t_max
                                                 for i, c in enumerate(chunks)]))
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
-        """float32 logits [num_logits, V] for each chunk."""
+    def forward(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """float32 logits [num_logits, V] for each chunk.
+
+        token_ids: optional device tensor [len(chunks)] of one-token chunks' ids, used instead of
+        the chunks' own (placeholders then): decode steps feed sampled tokens without a host sync.
+        """
         bsz, t_max = len(chunks), max(len(c.token_ids) for c in chunks)
         width = max(len(c.block_ids) for c in chunks)
         inputs = self.host_inputs(chunks, bsz, t_max, width)
-        ids, pos, table, slots = (t.to(self.device) for t in inputs)
+        ids, pos, table, slots = (t.to(self.device, non_blocking=True) for t in inputs)
+        self._feed(ids, token_ids)
         kv = PagedKV(self.cache.k, self.cache.v, table, slots)
         hidden = forward_hidden(self.model, ids, pos, ops=self.ops, kv=kv)
         sizes = [c.num_logits for c in chunks]
         if not sum(sizes):  # a prefill chunk that ends mid-prompt: KV only
             return [hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32) for _ in chunks]
-        rows = self.logit_rows(chunks, t_max).to(self.device)
+        rows = self.logit_rows(chunks, t_max).to(self.device, non_blocking=True)
         logits = compute_logits(self.model, hidden.reshape(bsz * t_max, -1)[rows], self.ops)
         return list(logits.split(sizes))

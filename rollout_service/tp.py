@@ -102,7 +102,9 @@ class TPModelRunner:
                                  device)
         self.model, self.cache, self.ops, self.device = model, cache, self.inner.ops, self.inner.device
 
-    def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+    def forward(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        if token_ids is not None:  # followers get host chunks: materialise the fed ids
+            chunks = [dataclasses.replace(c, token_ids=[t]) for c, t in zip(chunks, token_ids.tolist())]
         self.ctx.send(("forward", self.tag, chunks))
         return self.inner.forward(chunks)
 

@@ -212,3 +212,33 @@ def test_no_livelock_when_a_young_prefill_cannot_get_blocks(model):
         steps += 1
         assert steps < 500, "engine made no progress"
     assert set(done) == set(old) | young and all(r.ok for r in done.values())
+
+
+def test_native_proposals_equal_host_fed_steps(model):
+    """The fast path feeds sampled tokens back on the device (no per-step readback); its proposals
+    equal stepping the same runner with host token ids, live sets shrinking as requests run out."""
+    from rollout_service.fast_path.base import DraftRequest
+    from rollout_service.fast_path.native import sample_rows
+    from rollout_service.runner import Chunk
+    engine = Engine(model, window=6, group=4, copy_model=False)
+    prompts = _prompts(4, seed=3)
+    params = [SamplingParams(max_tokens=8, temperature=t, seed=11 + i) for i, t in enumerate((0.0, 0.7, 1.0, 1.3))]
+    counts = [6, 2, 5, 1]
+    blocks = []
+    for p in prompts:  # prompts' KV from a canonical prefill, then drafts on top
+        ids: list[int] = []
+        engine.cache.ensure(ids, len(p) + 8)
+        blocks.append(ids)
+    engine.verifier.forward([Chunk(p, 0, b, 0) for p, b in zip(prompts, blocks)])
+    drafts = [DraftRequest(i, list(p), params[i], counts[i], blocks[i], len(p)) for i, p in enumerate(prompts)]
+    got = engine.fast_path.propose(drafts)
+    runner = engine.fast_path.runner
+    want = [list(p) for p in prompts]
+    for step in range(max(counts)):
+        live = [i for i in range(4) if counts[i] > step]
+        logits = torch.cat(runner.forward([Chunk([want[i][-1]], len(want[i]) - 1, blocks[i], 1) for i in live]))
+        toks = sample_rows(logits, [params[i] for i in live], [len(want[i]) for i in live]).tolist()
+        for i, t in zip(live, toks):
+            want[i].append(t)
+    assert [g.token_ids for g in got] == [w[len(p):] for w, p in zip(want, prompts)]
+    assert [len(g.logprobs) for g in got] == counts

@@ -38,22 +38,32 @@ class NativeFastPath:
         self.runner = runner  # a runner with FAST_OPS over the engine's KV cache
 
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
-        out = [Proposal([], []) for _ in batch]
-        for step in range(max((r.num_tokens for r in batch), default=0)):
+        """Up to r.num_tokens tokens per request. Sampled tokens stay on the device and feed the next
+        step directly, so the host queues steps ahead of the GPU; one readback at the end."""
+        if not batch:
+            return []
+        dev = self.runner.device
+        lengths = [len(r.token_ids) for r in batch]
+        last = torch.tensor([r.token_ids[-1] for r in batch]).to(dev, non_blocking=True)  # fed token per request
+        steps = []  # (live request indices, sampled tokens, their log-probs) per step
+        for step in range(max(r.num_tokens for r in batch)):
             live = [i for i, r in enumerate(batch) if r.num_tokens > step]
-            chunks, params, positions = [], [], []
-            for i in live:
-                r, drafted = batch[i], out[i].token_ids
-                length = len(r.token_ids) + len(drafted)
-                chunks.append(Chunk([drafted[-1] if drafted else r.token_ids[-1]], length - 1, r.block_ids, 1))
-                params.append(r.params)
-                positions.append(length)
-            logits = torch.cat(self.runner.forward(chunks))
-            tokens = sample_rows(logits, params, positions)
+            chunks = [Chunk([0], lengths[i] + step - 1, batch[i].block_ids, 1) for i in live]  # ids: `feed`
+            index = None if len(live) == len(batch) else torch.tensor(live).to(dev, non_blocking=True)
+            feed = last if index is None else last[index]
+            logits = torch.cat(self.runner.forward(chunks, token_ids=feed))
+            params = [batch[i].params for i in live]
+            tokens = sample_rows(logits, params, [lengths[i] + step for i in live])
             logps = token_logprobs_at(logits, params, tokens, lambda x: torch.log_softmax(x, dim=-1))
-            for i, tok, lp in zip(live, tokens.tolist(), logps.tolist()):
-                out[i].token_ids.append(tok)
-                out[i].logprobs.append(lp)
+            last = tokens if index is None else last.index_copy(0, index, tokens)
+            steps.append((live, tokens, logps))
+        out = [Proposal([], []) for _ in batch]
+        all_tokens = torch.cat([t for _, t, _ in steps]).tolist()
+        all_logps = torch.cat([lp for _, _, lp in steps]).tolist()
+        flat = (i for live, _, _ in steps for i in live)
+        for i, tok, lp in zip(flat, all_tokens, all_logps):
+            out[i].token_ids.append(tok)
+            out[i].logprobs.append(lp)
         return out
 
     def release(self, request_id: int) -> None:
