@@ -4,7 +4,7 @@
 
 Parts: the fast path's graphed forward, the verifier's graphed one-token forward, the verifier's
 graphed verify window (group x (window + 1) tokens), sampling, log-probs, and one whole native
-fast-path step (host work included) for comparison with their sum.
+fast-path step and a whole proposal window per step (host work included) for comparison with their sum.
 """
 from __future__ import annotations
 
@@ -84,6 +84,8 @@ def main():
                                                                 lambda x: torch.log_softmax(x, dim=-1)))
     drafts = [DraftRequest(i, tokens[i], params[i], 1, blocks[i], ctx // 2) for i in range(bsz)]
     out["native_step_wall_ms"] = wall_ms(lambda: engine.fast_path.propose(drafts))
+    drafts = [DraftRequest(i, tokens[i], params[i], w, blocks[i], ctx // 2) for i in range(bsz)]
+    out["native_window_wall_ms_per_step"] = round(wall_ms(lambda: engine.fast_path.propose(drafts), reps=5) / w, 3)
     graph, _, _ = fast._graphs[fast.shape_for(decode)]
     out["fast_graph_replay_gpu_ms"] = gpu_ms(graph.replay)
     graph, _, _ = verifier._graphs[verifier.shape_for(decode)]
