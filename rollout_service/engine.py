@@ -49,7 +49,7 @@ def load_model(model, device, copy_model: bool = True) -> torch.nn.Module:
 
 
 class Engine:
-    def __init__(self, model, fast_path: str | FastPath = "native", window: int = 32, group: int = 8,
+    def __init__(self, model, fast_path: str | FastPath = "native", window: int = 16, group: int = 64,
                  device: str = "cpu", *, block_size: int = 16, kv_cache_tokens: int = 65536,
                  max_num_seqs: int = 256, max_prefill_tokens: int = 4096, max_model_len: int | None = None,
                  copy_model: bool = True, fast_path_options: dict | None = None, runner_factory=None,

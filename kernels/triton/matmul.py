@@ -355,6 +355,8 @@ _PLAIN = [
 # segments in pairs (pairs kernel). Measured (H100): 0.85-1.0x cuBLAS at M <= 128, but only ~0.5x
 # (o_proj, K=4096) and ~0.65-0.75x (down_proj, K=14336) at M >= 512: each pair restarts the copy
 # pipeline and the tree keeps extra fp32 tiles, which a plain K loop does not (2 or 4 segments: 0.75-0.9x).
+# Segments that end mid-tile (Qwen2.5-1.5B down: K = 8960, 1120 per segment) also take the pairs
+# kernel through 3-D descriptors: 0.55x at M = 1088, where masked pointer loads gave 0.13x.
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
     (32, (C(32, 32, 4, 4, seg_per_prog=2),) * 3),
