@@ -79,6 +79,16 @@ def _segment_sum(x_ptr, w_ptr, offs_m, offs_n, seg, seg_len, K, stride_xm, strid
     return acc
 
 
+@triton.jit
+def _segment_pair(x_ptr, w_ptr, offs_m, offs_n, seg, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """s(seg) + s(seg + 1): a level-1 node of the tree."""
+    acc = _segment_sum(x_ptr, w_ptr, offs_m, offs_n, seg, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    return acc + _segment_sum(x_ptr, w_ptr, offs_m, offs_n, seg + 1, seg_len, K, stride_xm, stride_xk, stride_wn,
+                              stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_len,
                stride_xm, stride_xk, stride_wn, stride_wk, stride_og, stride_om, stride_on,
@@ -98,37 +108,23 @@ def _mm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_len,
         acc = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     elif NSEG == 2:
-        acc = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        acc = acc + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 1, seg_len, K, stride_xm, stride_xk, stride_wn,
-                                 stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        acc = _segment_pair(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     elif NSEG == 4:
-        r1 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        r1 = r1 + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 1, seg_len, K, stride_xm, stride_xk, stride_wn,
-                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        r2 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 2, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        r2 = r2 + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 3, seg_len, K, stride_xm, stride_xk, stride_wn,
-                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        acc = r1 + r2
+        acc = (_segment_pair(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+               + _segment_pair(x_ptr, w_ptr, ld_m, ld_n, s0 + 2, seg_len, K, stride_xm, stride_xk, stride_wn,
+                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K))
     else:
         tl.static_assert(NSEG == 8)
         # ((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7)) needs four live tiles at the last leaf; keep three in
         # registers and park s6 in this program's own scratch tile.
-        r1 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        r1 = r1 + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 1, seg_len, K, stride_xm, stride_xk, stride_wn,
-                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        r2 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 2, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        r2 = r2 + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 3, seg_len, K, stride_xm, stride_xk, stride_wn,
-                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        r1 = r1 + r2
-        r2 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 4, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        r2 = r2 + _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 5, seg_len, K, stride_xm, stride_xk, stride_wn,
-                               stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r1 = _segment_pair(x_ptr, w_ptr, ld_m, ld_n, s0, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r1 = r1 + _segment_pair(x_ptr, w_ptr, ld_m, ld_n, s0 + 2, seg_len, K, stride_xm, stride_xk, stride_wn,
+                                stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        r2 = _segment_pair(x_ptr, w_ptr, ld_m, ld_n, s0 + 4, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         s6 = _segment_sum(x_ptr, w_ptr, ld_m, ld_n, s0 + 6, seg_len, K, stride_xm, stride_xk, stride_wn, stride_wk,
                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         tile = (pid + g * tl.num_programs(0)).to(tl.int64) * (BLOCK_M * BLOCK_N)
