@@ -135,20 +135,14 @@ def _mm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_len,
         tl.debug_barrier()  # the store above may come from other threads of this program
         acc = acc + tl.load(sc_ptrs)  # s7 + s6 == s6 + s7
         acc = r1 + (r2 + acc)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    o_ptrs = (out_ptr + g.to(tl.int64) * stride_og + offs_m.to(tl.int64)[:, None] * stride_om
-              + offs_n[None, :] * stride_on)
-    if PARTIAL:
-        tl.store(o_ptrs, acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + ld_n).to(tl.float32)[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, bias_ptr, out_ptr, g, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_og, stride_om, stride_on,
+                PARTIAL, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _tma_epilogue(v, bias_ptr, out_ptr, g, off_m, off_n, M, N, stride_og, stride_om, stride_on,
-                  PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _store_tile(v, bias_ptr, out_ptr, g, off_m, off_n, M, N, stride_og, stride_om, stride_on,
+                PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Masked store of an fp32 tile: raw (partials) or + bias and cast to the output dtype."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -193,7 +187,7 @@ def _mm_tma_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_
             b = w_desc.load([off_n, k0 + kk * BLOCK_K])
             acc = tl.dot(a, tl.trans(b), acc)
         if NSEG == 1:
-            _tma_epilogue(acc, bias_ptr, out_ptr, g, off_m, off_n, M, N, stride_og, stride_om, stride_on,
+            _store_tile(acc, bias_ptr, out_ptr, g, off_m, off_n, M, N, stride_og, stride_om, stride_on,
                           PARTIAL, HAS_BIAS, BLOCK_M, BLOCK_N)
         else:
             if s % 2 == 0:
@@ -211,7 +205,7 @@ def _mm_tma_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, seg_
                         else:
                             tl.store(slot + (L - 1) * (BLOCK_M * BLOCK_N), v)
                 if s == NSEG - 1:
-                    _tma_epilogue(v, bias_ptr, out_ptr, g, off_m, off_n, M, N, stride_og, stride_om, stride_on,
+                    _store_tile(v, bias_ptr, out_ptr, g, off_m, off_n, M, N, stride_og, stride_om, stride_on,
                                   PARTIAL, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
@@ -291,7 +285,7 @@ def _mm_pairs_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, K, se
                 v = q0 + v
             else:
                 v = tl.load(slot) + v
-        _tma_epilogue(v, bias_ptr, out_ptr, pid * 0, off_m, off_n, M, N, 0, stride_om, stride_on,
+        _store_tile(v, bias_ptr, out_ptr, pid * 0, off_m, off_n, M, N, 0, stride_om, stride_on,
                       False, HAS_BIAS, BLOCK_M, BLOCK_N)
         tl.debug_barrier()  # the next tile reuses the scratch slots
 
