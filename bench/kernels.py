@@ -93,7 +93,10 @@ def candidates(m: int, segments: int):
         out = [C(bm, bn, 4, st, seg_per_prog=s) for bn in (32, 64) for st in (4, 6) for s in (1, 2)]
         return out + [C(bm, bn, 4, st, pairs=True) for bn in (32, 64) for st in (2, 3)]
     if segments > 1:
-        return [C(128, 128, 8, 3, pairs=True), C(128, 128, 8, 3, pairs=True, hold=False),
+        return [C(128, 128, 8, 4, gluon=True), C(128, 128, 8, 5, gluon=True), C(128, 64, 4, 4, gluon=True),
+                C(64, 128, 4, 6, gluon=True), C(128, 128, 8, 5, gluon=True, seg_per_prog=4),
+                C(64, 128, 4, 6, gluon=True, seg_per_prog=4), C(128, 128, 8, 5, gluon=True, seg_per_prog=2),
+                C(64, 128, 4, 6, gluon=True, seg_per_prog=2), C(128, 128, 8, 3, pairs=True), C(128, 128, 8, 3, pairs=True, hold=False),
                 C(64, 128, 4, 3, pairs=True), C(64, 128, 4, 2, pairs=True, ctas_per_sm=2),
                 C(128, 64, 4, 3, pairs=True), C(128, 64, 4, 2, pairs=True, ctas_per_sm=2),
                 C(64, 256, 8, 2, pairs=True, hold=False), C(64, 64, 4, 3, pairs=True),
@@ -111,7 +114,7 @@ def candidates(m: int, segments: int):
 def cfg_dict(cfg: MMConfig):
     return {"block_m": cfg.block_m, "block_n": cfg.block_n, "warps": cfg.warps, "stages": cfg.stages,
             "seg_per_prog": cfg.seg_per_prog, "tma": cfg.tma, "flatten": cfg.flatten, "ctas_per_sm": cfg.ctas_per_sm,
-            "pairs": cfg.pairs, "hold": cfg.hold}
+            "pairs": cfg.pairs, "hold": cfg.hold, "gluon": cfg.gluon}
 
 
 def run_matmul(ms_list, sweep: bool, rep: int, shapes=None, model: str = "llama8b"):

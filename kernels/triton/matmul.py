@@ -39,6 +39,7 @@ class MMConfig:
     ctas_per_sm: int = 1  # TMA kernel: persistent programs per SM
     pairs: bool = False  # whole tree per tile, segments in pairs (TMA; segments in 2, 4, 8)
     hold: bool = True  # pairs kernel: keep the left quarter-tree in registers (else L2 scratch)
+    gluon: bool = False  # Hopper: the Gluon tree kernel (tree_sm90.py; seg_per_prog splits tiles); else pairs
 
 
 @triton.jit
@@ -341,18 +342,25 @@ _PLAIN = [
     (None, (C(128, 256, 8, 4, tma=True),) * 3),
 ]
 # Segment tree (row-parallel layers). Small M: segment pairs spread over programs (parallelism for a
-# weight-streaming product; the fp32 partials are tiny). Larger M: the whole tree in one program,
-# segments in pairs (pairs kernel). Measured (H100): 0.85-1.0x cuBLAS at M <= 128, but only ~0.5x
-# (o_proj, K=4096) and ~0.65-0.75x (down_proj, K=14336) at M >= 512: each pair restarts the copy
-# pipeline and the tree keeps extra fp32 tiles, which a plain K loop does not (2 or 4 segments: 0.75-0.9x).
-# Segments that end mid-tile (Qwen2.5-1.5B down: K = 8960, 1120 per segment) also take the pairs
-# kernel through 3-D descriptors: 0.55x at M = 1088, where masked pointer loads gave 0.13x.
+# weight-streaming product; the fp32 partials are tiny). From M = 128 on Hopper: the Gluon kernel
+# (tree_sm90.py), whose copy stream never drains and whose tree nodes wait in shared memory; where
+# output tiles fill the last wave badly, each tile's segments are split over 2 or 4 programs (see
+# _gluon_split). Measured (H100, vs cuBLAS): o 0.83 / 0.82 / 0.72 / 0.55 / 0.50 / 0.63 and down
+# 1.01 / 0.86 / 0.81 / 0.57 / 0.61 / 0.79 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Without Gluon (not
+# Hopper, or segments that end mid-tile as Qwen2.5-1.5B's down, K = 8960) the pairs kernel runs instead.
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
     (32, (C(32, 32, 4, 4, seg_per_prog=2),) * 3),
     (64, (C(64, 32, 4, 4, seg_per_prog=2),) * 3),
+    (128, (C(64, 128, 4, 6, gluon=True, seg_per_prog=4),) * 3),
+    (256, (C(64, 128, 4, 6, gluon=True),) * 3),
+    (None, (C(128, 128, 8, 5, gluon=True),) * 3),
+]
+# Without Gluon (and for 2-segment trees, where it measured 0.59-0.66 against 0.80-0.86 for the pairs
+# kernel at M >= 512, or short segments at small M: Qwen2.5-1.5B's o, K = 1536).
+_TREE_NO_GLUON = [
     (256, (C(64, 128, 4, 4, seg_per_prog=2),) * 3),
-    (None, (C(128, 128, 8, 3, pairs=True),) * 3),
+    (None, (C(128, 128, 8, 3, pairs=True, hold=False),) * 3),
 ]
 _FP32_WIDE = C(128, 128, 8, 4, tma=True)  # a 128x256 fp32 epilogue needs more shared memory than there is
 del C
@@ -366,14 +374,31 @@ def _lookup(table, m: int, n: int) -> MMConfig:
     return table[-1][1][col]
 
 
+@functools.lru_cache(maxsize=4096)  # called per product: keep the dispatch off the host's critical path
 def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtype = torch.bfloat16) -> MMConfig:
     """Launch configuration for an [M, K] x [K, N] product (a function of the shape only)."""
     cfg = _lookup(_TREE if segments > 1 else _PLAIN, M, N)
-    if cfg.pairs and segments > 4:  # three live tiles spill: park the left half-tree in L2 instead
-        cfg = dataclasses.replace(cfg, hold=False)
+    if cfg.gluon and (segments == 2 or K % (segments * BLOCK_K) or (M <= 256 and K // segments < 4 * BLOCK_K)):
+        cfg = _lookup(_TREE_NO_GLUON, M, N)
+    if cfg.gluon and not cfg.seg_per_prog and M > 256:
+        cfg = dataclasses.replace(cfg, seg_per_prog=segments // _gluon_split(M, N, cfg, segments))
     if out_dtype == torch.float32 and cfg.tma and cfg.block_n > 128:
         cfg = _FP32_WIDE
     return cfg
+
+
+def _gluon_split(M: int, N: int, cfg: MMConfig, segments: int) -> int:
+    """Programs per output tile (1, 2 or 4): more only where it fills the last wave of SMs much better
+    (each split costs an fp32 partial round trip). E.g. 160 tiles on 132 SMs: 61% -> 81% -> 97%."""
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    sms = _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+
+    def fill(items):
+        return items / (triton.cdiv(items, sms) * sms)
+    split = 1
+    while split < min(4, segments) and fill(tiles * split * 2) > fill(tiles * split) + 0.12:
+        split *= 2
+    return split
 
 
 def _tma_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -381,8 +406,29 @@ def _tma_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.data_ptr() % 16 == 0 and (x2.stride(0) * 2) % 16 == 0 and (weight.stride(0) * 2) % 16 == 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _tree_sm90():
+    """The Gluon tree kernel module, or None where this Triton has no Gluon."""
+    try:
+        from . import tree_sm90
+    except ImportError:
+        return None
+    return tree_sm90
+
+
 def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool = False):
     """Fill out ([M, N], or [segments, M, N] fp32 partials when partial=True)."""
+    if cfg.gluon:
+        sm90 = _tree_sm90() if segments > 1 and not partial else None
+        if sm90 is not None and sm90.supported(x2, weight, segments):
+            split = segments // min(cfg.seg_per_prog or segments, segments)  # work items per output tile
+            args = (segments, cfg.block_m, cfg.block_n, cfg.warps, cfg.stages, cfg.group_m)
+            if split == 1:
+                return sm90.launch(x2, weight, bias, out, *args)
+            parts = torch.empty(split, x2.shape[0], weight.shape[0], dtype=torch.float32, device=out.device)
+            _combine(sm90.launch(x2, weight, None, parts, *args, split=split), bias, out)
+            return out
+        cfg = _lookup(_TREE_NO_GLUON, x2.shape[0], weight.shape[0])  # not Hopper, or segments end mid-tile
     M, K = x2.shape
     N = weight.shape[0]
     seg_len = triton.cdiv(K, segments)

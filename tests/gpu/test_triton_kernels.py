@@ -6,6 +6,7 @@ views, so -0.0 vs +0.0 and NaN payloads count as differences.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import random
 
@@ -124,9 +125,28 @@ def test_matmul_tile_configs_bitwise_identical(kt, segments, k_dim):
                      kt.MMConfig(128, 128, 8, 3, pairs=True),
                      kt.MMConfig(64, 128, 4, 2, pairs=True, hold=False, ctas_per_sm=2),
                      kt.MMConfig(16, 64, 4, 3, pairs=True)]
+        if not INTERPRET:  # the Hopper Gluon kernel (elsewhere, and for K = 8960, its pairs fallback)
+            variants += [kt.MMConfig(128, 128, 8, 4, gluon=True), kt.MMConfig(128, 64, 4, 5, gluon=True),
+                         kt.MMConfig(64, 128, 4, 6, gluon=True, group_m=1),
+                         kt.MMConfig(128, 128, 8, 5, gluon=True, seg_per_prog=4),  # tiles split in halves
+                         kt.MMConfig(64, 128, 4, 6, gluon=True, seg_per_prog=2)]  # ... and in quarters
     for v in variants:
         out = kt.matmul_with_config(x, w, b, segments, BF, v)
         assert same_bits(out, base), f"config {v} differs"
+
+
+@needs_cuda
+def test_gluon_tree_kernel_runs_on_hopper(kt):
+    """On an H100/H200 the launch table's tree entries for M >= 512 really take the Gluon kernel
+    (so the bit-equality tests above exercise it, not its fallback)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon tree kernel is for sm90")
+    mm = importlib.import_module("kernels.triton.matmul")  # (kernels.triton.matmul is the function)
+    sm90 = mm._tree_sm90()
+    assert sm90 is not None, "this Triton has no Gluon"
+    x, w = randn(1024, 4096, seed=11), randn(4096, 4096, seed=12, scale=0.02)
+    assert kt.pick_config(1024, 4096, 4096, 8).gluon and sm90.supported(x, w, 8)
+    assert not sm90.supported(randn(64, 8960, seed=13), randn(1536, 8960, seed=14), 8)  # ends mid-tile
 
 
 def test_matmul_segment_tree_equals_combined_partials(kt):

@@ -1,0 +1,224 @@
+"""Segment-tree matmul for Hopper (sm90), written in Gluon: one copy stream, nodes in shared memory.
+
+Same numbers as the Triton tree kernels in matmul.py (each segment reduced from zero, one 64-wide
+K tile per wgmma group, in order; segment sums added by the fixed tree). What Gluon adds is control
+that Triton's pipeliner does not give:
+
+- the TMA loads of a program run as one stream over all its (tile, K tile) pairs, STAGES - 2 ahead,
+  so neither a segment end nor a tile end drains the copy pipeline;
+- a finished segment's accumulator is combined into the tree right away: a pending left leaf stays
+  in registers, a pending level-1 node in a shared-memory slot and a pending level-2 node in this
+  program's L2 scratch tile. An 8-leaf tree needs four live fp32 tiles at its last leaf, more than
+  the register file holds at 128 x 128; this way only two are registers.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_K = 64
+_BK = gl.constexpr(BLOCK_K)  # the kernels' view of it
+
+
+@gluon.constexpr_function
+def _mma_layout(block_m, block_n, num_warps):
+    warps = [4, 1]
+    while warps[0] * warps[1] != num_warps:
+        if block_m > 16 * warps[0]:
+            warps[0] *= 2
+        else:
+            warps[1] *= 2
+    reps_n = triton.cdiv(num_warps, triton.cdiv(block_m, 16))
+    max_n = max(block_n // reps_n, 8)
+    n = 256
+    while n > max_n or block_n % n != 0:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _issue_load(j, stream, total, x_desc, w_desc, bars, a_bufs, b_bufs, STAGES: gl.constexpr):
+    """TMA loads of this program's j-th K tile (at stream) into ring slot j % STAGES (none past the end)."""
+    _, kt, off_m, off_n, k0 = stream
+    pred = j < total
+    slot = j % STAGES
+    bar = bars.index(slot)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + kt) * _BK], bar, a_bufs.index(slot), pred)
+    tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + kt) * _BK], bar, b_bufs.index(slot), pred)
+
+
+@gluon.jit
+def _item_coords(item, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(row, column, first K tile) of a work item: output tile item % num_tiles, K part item // num_tiles.
+    Tiles go in grouped order (as _tile_ids in matmul.py) for weight reuse in L2."""
+    tile = item % num_tiles
+    width = GROUP_M * num_pid_n
+    first_m = (tile // width) * GROUP_M
+    gsize = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % width) % gsize
+    pid_n = (tile % width) // gsize
+    return pid_m * BLOCK_M, pid_n * BLOCK_N, (item // num_tiles) * kt_per_item
+
+
+@gluon.jit
+def _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """The load stream's next position (item index, K tile, row, column, first K tile); divisions only
+    when it crosses into the next item."""
+    t, kt, off_m, off_n, k0 = stream
+    kt += 1
+    if kt == kt_per_item:
+        kt = 0
+        t += 1
+        off_m, off_n, k0 = _item_coords(pid + t * num_progs, num_tiles, num_pid_m, num_pid_n, kt_per_item,
+                                        BLOCK_M, BLOCK_N, GROUP_M)
+    return t, kt, off_m, off_n, k0
+
+
+@gluon.jit
+def _segment(acc, cons, prod, stream, total, kt_per_item, seg_tiles, pid, num_progs, num_tiles, num_pid_m, num_pid_n,
+             x_desc, w_desc, bars, a_bufs, b_bufs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """Reduce one segment from zero into acc (async wgmma, one in flight) while the loads run ahead."""
+    for kk in range(seg_tiles):
+        _issue_load(prod, stream, total, x_desc, w_desc, bars, a_bufs, b_bufs, STAGES)
+        stream = _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
+                          GROUP_M)
+        prod += 1
+        slot = cons % STAGES
+        mbarrier.wait(bars.index(slot), (cons // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
+                            is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        cons += 1
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    return acc, cons, prod, stream
+
+
+@gluon.jit(do_not_specialize=["M"])
+def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om,
+                       NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Tree over NSEG (2, 4 or 8) segment sums of x @ w.T, persistent over work items.
+    SPLIT = 1: an item is an output tile; out = the root (+ bias), cast.
+    SPLIT = 2: an item is half of a tile's segments; out[h] = that half's subtree in fp32 (the caller adds
+    the two: the root; more items than tiles evens out the last wave at mid-sized M)."""
+    K = x_desc.shape[1]
+    LOCAL: gl.constexpr = NSEG // SPLIT  # segments per item
+    pid = gl.program_id(0)
+    num_progs = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    my_items = gl.cdiv(num_tiles * SPLIT - pid, num_progs)
+    kt_per_item = K // _BK // SPLIT
+    seg_tiles = kt_per_item // LOCAL
+    total = my_items * kt_per_item
+
+    layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    # pending level-1 node; written and read back by the same threads in the same layout (no barrier)
+    node_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N],
+                                          gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    # pending level-2 node (8 segments): this program's own L2 tile, same-thread store/load
+    l2_node = scratch_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :]
+
+    prod = 0
+    cons = 0
+    off_m, off_n, k0 = _item_coords(pid, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N, GROUP_M)
+    stream = (0, 0, off_m, off_n, k0)
+    for _i in gl.static_range(STAGES - 2):
+        _issue_load(prod, stream, total, x_desc, w_desc, bars, a_bufs, b_bufs, STAGES)
+        stream = _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
+                          GROUP_M)
+        prod += 1
+
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
+    for t in range(my_items):
+        item = pid + t * num_progs
+        off_m, off_n, _k0 = _item_coords(item, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N,
+                                       GROUP_M)
+        for s in gl.static_range(LOCAL):
+            acc, cons, prod, stream = _segment(acc, cons, prod, stream, total, kt_per_item, seg_tiles, pid,
+                                               num_progs, num_tiles, num_pid_m, num_pid_n, x_desc, w_desc, bars,
+                                               a_bufs, b_bufs, BLOCK_M, BLOCK_N, GROUP_M, STAGES)
+            # s is static: the tree's bookkeeping is straight-line code
+            if s % 2 == 0:
+                if s % 4 == 2:
+                    node_smem.store(v)  # v = the level-1 node on the left
+                if s == 4:
+                    gl.store(l2_node, v)  # v = the level-2 node on the left
+                v = acc
+            else:
+                v = v + acc  # level-1 node
+                if s % 4 == 3:
+                    v = node_smem.load(layout) + v  # level-2 node
+                if s == 7:
+                    v = gl.load(l2_node) + v  # level-3 node: the root
+        offs_m = off_m + rows
+        offs_n = off_n + cols
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                v = v + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
+            gl.store(o_ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            gl.store(o_ptrs + (item // num_tiles).to(gl.int64) * stride_og, v, mask=mask)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def supported(x2: torch.Tensor, weight: torch.Tensor, segments: int) -> bool:
+    """Hopper, bf16, segments in (2, 4, 8) ending on BLOCK_K boundaries, TMA-aligned operands."""
+    K = x2.shape[1]
+    return (x2.is_cuda and _is_sm90(x2.device.index or 0) and x2.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and segments in (2, 4, 8) and K % (segments * BLOCK_K) == 0
+            and x2.stride(1) == 1 and weight.stride(1) == 1 and x2.data_ptr() % 16 == 0
+            and weight.data_ptr() % 16 == 0 and (x2.stride(0) * 2) % 16 == 0 and (weight.stride(0) * 2) % 16 == 0)
+
+
+def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segments: int, block_m: int,
+           block_n: int, warps: int, stages: int, group_m: int = 8, split: int = 1) -> torch.Tensor:
+    """split = 1: fill out [M, N] with the tree product (+ bias). split = 2: fill out [2, M, N] (fp32)
+    with the two half-trees, for the caller to add. The caller checks `supported` first."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], gl.bfloat16)
+    x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [block_m, BLOCK_K], x_layout)
+    w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K], w_layout)
+    items = triton.cdiv(M, block_m) * triton.cdiv(N, block_n) * split
+    progs = min(items, _num_sms(out.device.index or 0))
+    scratch = (torch.empty(progs * block_m * block_n, dtype=torch.float32, device=out.device)
+               if segments // split == 8 else out)
+    tree_matmul_kernel[(progs,)](
+        x_desc, w_desc, bias if bias is not None else out, out, scratch, M, N,
+        out.stride(0) if split > 1 else 0, out.stride(-2),
+        NSEG=segments, SPLIT=split, HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP_M=group_m, STAGES=stages, num_warps=warps)
+    return out
