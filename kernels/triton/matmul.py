@@ -9,7 +9,8 @@ Row-parallel layers use `segments` = S: K is cut into S equal segments, each red
 tile order, and the S fp32 partials are added by the fixed tree ((p0+p1)+(p2+p3))+... . A program may
 reduce an aligned power-of-two group of segments itself; the group sums then go through the same tree
 in a small combine kernel. Since fp32 addition is commutative, a + b and b + a give the same bits,
-which lets the kernel keep few tiles alive.
+which lets the kernel keep few tiles alive. On Hopper the tree runs in the Gluon kernel of
+tree_sm90.py, which keeps the same per-element order.
 """
 from __future__ import annotations
 
