@@ -40,7 +40,7 @@ class MMConfig:
     ctas_per_sm: int = 1  # TMA kernel: persistent programs per SM
     pairs: bool = False  # whole tree per tile, segments in pairs (TMA; segments in 2, 4, 8)
     hold: bool = True  # pairs kernel: keep the left quarter-tree in registers (else L2 scratch)
-    gluon: bool = False  # Hopper: the Gluon tree kernel (tree_sm90.py; seg_per_prog splits tiles); else pairs
+    gluon: bool = False  # Hopper: the Gluon tree kernel (tree_sm90.py; seg_per_prog splits tiles)
 
 
 @triton.jit
@@ -347,8 +347,8 @@ _PLAIN = [
 # (tree_sm90.py), whose copy stream never drains and whose tree nodes wait in shared memory; where
 # output tiles fill the last wave badly, each tile's segments are split over 2 or 4 programs (see
 # _gluon_split). Measured (H100, vs cuBLAS): o 0.83 / 0.82 / 0.72 / 0.55 / 0.50 / 0.63 and down
-# 1.01 / 0.86 / 0.81 / 0.57 / 0.61 / 0.79 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Without Gluon (not
-# Hopper, or segments that end mid-tile as Qwen2.5-1.5B's down, K = 8960) the pairs kernel runs instead.
+# 1.01 / 0.86 / 0.81 / 0.57 / 0.61 / 0.79 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not
+# Hopper, segments that end mid-tile as Qwen2.5-1.5B's down, K = 8960, ...) _TREE_NO_GLUON applies.
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
     (32, (C(32, 32, 4, 4, seg_per_prog=2),) * 3),
@@ -429,7 +429,7 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
             parts = torch.empty(split, x2.shape[0], weight.shape[0], dtype=torch.float32, device=out.device)
             _combine(sm90.launch(x2, weight, None, parts, *args, split=split), bias, out)
             return out
-        cfg = _lookup(_TREE_NO_GLUON, x2.shape[0], weight.shape[0])  # not Hopper, or segments end mid-tile
+        cfg = _lookup(_TREE_NO_GLUON, x2.shape[0], weight.shape[0])  # not Hopper, or operands not TMA-aligned
     M, K = x2.shape
     N = weight.shape[0]
     seg_len = triton.cdiv(K, segments)

@@ -137,7 +137,7 @@ def test_matmul_tile_configs_bitwise_identical(kt, segments, k_dim):
 
 @needs_cuda
 def test_gluon_tree_kernel_runs_on_hopper(kt):
-    """On an H100/H200 the launch table's tree entries for M >= 512 really take the Gluon kernel
+    """On an H100/H200 the launch table's tree entries for M >= 128 really take the Gluon kernel
     (so the bit-equality tests above exercise it, not its fallback)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon tree kernel is for sm90")
