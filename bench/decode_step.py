@@ -4,7 +4,8 @@
 
 Parts: the fast path's graphed forward, the verifier's graphed one-token forward, the verifier's
 graphed verify window (group x (window + 1) tokens), sampling, log-probs, and one whole native
-fast-path step and a whole proposal window per step (host work included) for comparison with their sum.
+fast-path step and a whole proposal window per step (host work included) for comparison with their sum,
+and a window of canonical steps (how `invariant` decodes) per step.
 """
 from __future__ import annotations
 
@@ -51,12 +52,13 @@ def main():
     ap.add_argument("--context", type=int, default=768)
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, help="block-table width (default: context + window + 32)")
     ap.add_argument("--profile", help="also write per-kernel CUDA times (eager forwards) to this text file")
     args = ap.parse_args()
     model = build_model(args.model, "cuda")
     bsz, ctx, w = args.batch, args.context, args.window
     engine = Engine(model, device="cuda", window=w, group=args.group, copy_model=False, max_num_seqs=bsz,
-                    kv_cache_tokens=bsz * (ctx + w + 32), max_model_len=ctx + w + 32)
+                    kv_cache_tokens=bsz * (ctx + w + 32), max_model_len=args.max_model_len or ctx + w + 32)
     rng = random.Random(0)
     vocab = model.config.vocab_size
     blocks = []
@@ -86,6 +88,8 @@ def main():
     out["native_step_wall_ms"] = wall_ms(lambda: engine.fast_path.propose(drafts))
     drafts = [DraftRequest(i, tokens[i], params[i], w, blocks[i], ctx // 2) for i in range(bsz)]
     out["native_window_wall_ms_per_step"] = round(wall_ms(lambda: engine.fast_path.propose(drafts), reps=5) / w, 3)
+    out["canonical_window_wall_ms_per_step"] = round(wall_ms(lambda: engine.canonical_decoder.propose(drafts),
+                                                             reps=5) / w, 3)
     graph, _, _ = fast._graphs[fast.shape_for(decode)]
     out["fast_graph_replay_gpu_ms"] = gpu_ms(graph.replay)
     graph, _, _ = verifier._graphs[verifier.shape_for(decode)]

@@ -74,7 +74,8 @@ def _run_ours(args, prompts, mode) -> dict:
     engine = Engine(args.model, fast_path="vllm", window=args.window, group=args.group, device=device,
                     max_model_len=args.prompt_len + args.max_tokens + 8,
                     kv_cache_tokens=len(prompts) * (args.prompt_len + args.max_tokens + 32),
-                    max_num_seqs=len(prompts), fast_path_options=_vllm_options(args))
+                    max_num_seqs=len(prompts), fast_path_options=_vllm_options(args),
+                    verified_decode=args.verified_decode)
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
     engine.generate(prompts[:2], params[:2])  # warm-up
@@ -137,6 +138,8 @@ def main():
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
+    p.add_argument("--verified-decode", default="auto", choices=["auto", "dvr", "canonical"],
+                   help="how our verified requests decode (dvr: always propose with vLLM and verify)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM KV cache on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4,

@@ -1,7 +1,10 @@
 """Rollout throughput of `off`, `verified` and `invariant` in one run, same model and workload.
 
-Prints JSON: generated tokens/s per mode and batch size, the verified/off and verified/invariant
-ratios, rollbacks per request and the fraction of proposed tokens that were recomputed.
+`verified` runs under the engine's default decode policy (auto: DVR or canonical steps, whichever it
+measures faster); `verified-dvr` forces propose-and-verify on every step.
+Prints JSON: generated tokens/s per mode and batch size, the verified/off, verified/invariant and
+dvr/off ratios, rollbacks per request, the fraction of proposed tokens that were recomputed, verify
+windows per request and the auto policy's measured rates.
 Models have random weights (shapes are what matter): tiny, qwen1.5b (Qwen2.5-1.5B shapes) or llama8b
 (Llama-3.1-8B shapes).
 """
@@ -15,6 +18,7 @@ import time
 import torch
 
 from rollout_service import Engine, SamplingParams
+from rollout_service.decode_policy import DecodePolicy
 
 SHAPES = {
     "tiny": dict(arch="qwen2", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -49,12 +53,20 @@ def build_model(name: str, device: str):
 
 
 def run(engine: Engine, prompts, mode: str, out_len: int, temperature: float) -> dict:
-    params = [SamplingParams(max_tokens=out_len, temperature=temperature, seed=i, determinism=mode)
+    """mode: off | verified | invariant, or verified-dvr (verified with DVR on every step)."""
+    determinism, _, forced = mode.partition("-")
+    params = [SamplingParams(max_tokens=out_len, temperature=temperature, seed=i, determinism=determinism)
               for i in range(len(prompts))]
+    policy = engine.decode_policy
+    if forced:
+        engine.decode_policy = DecodePolicy(forced)
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    rollouts = engine.generate(prompts, params)
+    try:
+        rollouts = engine.generate(prompts, params)
+    finally:
+        engine.decode_policy = policy
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -62,7 +74,8 @@ def run(engine: Engine, prompts, mode: str, out_len: int, temperature: float) ->
     proposed = sum(r.stats.proposed_tokens for r in rollouts)
     return dict(mode=mode, seconds=round(elapsed, 3), tokens_per_s=round(generated / elapsed, 1),
                 rollbacks_per_request=round(sum(r.stats.rollbacks for r in rollouts) / len(rollouts), 3),
-                recomputed_fraction=round(sum(r.stats.recomputed_tokens for r in rollouts) / max(proposed, 1), 4))
+                recomputed_fraction=round(sum(r.stats.recomputed_tokens for r in rollouts) / max(proposed, 1), 4),
+                verify_windows_per_request=round(sum(r.stats.verify_windows for r in rollouts) / len(rollouts), 2))
 
 
 def main():
@@ -75,7 +88,7 @@ def main():
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--modes", default="off,verified,invariant")
+    ap.add_argument("--modes", default="off,verified,verified-dvr,invariant")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     model = build_model(args.model, args.device)
@@ -99,6 +112,9 @@ def main():
             row["verified_over_off"] = round(tps["verified"] / tps["off"], 3)
         if "invariant" in tps and "verified" in tps:
             row["verified_over_invariant"] = round(tps["verified"] / tps["invariant"], 3)
+        if "off" in tps and "verified-dvr" in tps:
+            row["dvr_over_off"] = round(tps["verified-dvr"] / tps["off"], 3)
+        row["auto_policy_tokens_per_s"] = engine.decode_policy.rates()
         results.append(row)
         print(json.dumps(row), flush=True)
     doc = dict(model=args.model, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

@@ -21,7 +21,7 @@ def audit(args) -> int:
 
     model = load_model(_load(args.model), args.device)
     make = lambda **kw: Engine(model, fast_path=args.fast_path, device=args.device,  # noqa: E731
-                               copy_model=False, **kw)
+                               copy_model=False, verified_decode=args.verified_decode, **kw)
     results = run_audit(make, model.config.vocab_size, tests=args.tests.split(","), modes=args.modes.split(","),
                         max_tokens=args.max_tokens, progress=True)
     Console().print(format_table(results))
@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     a.add_argument("--model", default="tiny:qwen2", help="local HF checkpoint dir, or tiny:{llama,qwen2,qwen3}")
     a.add_argument("--fast-path", default="native", choices=["native", "vllm"])
     a.add_argument("--device", default="cpu")
+    a.add_argument("--verified-decode", default="auto", choices=["auto", "dvr", "canonical"],
+                   help="how verified requests decode (dvr: always propose and verify)")
     a.add_argument("--tests", default="single,mixed,prefix")
     a.add_argument("--modes", default="verified,invariant,off")
     a.add_argument("--max-tokens", type=int, default=12)

@@ -1,10 +1,12 @@
 """The rollout engine: continuous batching with decode-verify-rollback (DVR).
 
-Per step the engine either prefills (canonically, chunked under a token budget) or decodes:
-  * `verified`: the fast path proposes up to W tokens; the verifier replays the windows of G requests
-    in one canonical forward, commits the matching prefix plus its own next token, and its KV
-    overwrites the fast path's (same paged cache), which rolls the fast path back.
-  * `invariant`: a verify window with no proposals: one canonical token per step.
+Per step the engine either prefills (canonically, chunked under a token budget) or decodes up to W
+tokens per request:
+  * `verified`, decoded by DVR: the fast path proposes up to W tokens; the verifier replays the
+    windows of G requests in one canonical forward, commits the matching prefix plus its own next
+    token, and its KV overwrites the fast path's (same paged cache), which rolls the fast path back.
+  * `invariant` (and `verified` when the decode policy finds it cheaper than DVR): W one-token steps
+    of the canonical forward, committed as they are.
   * `off`: the fast path's tokens and log-probs are committed as they are.
 Outputs are a pure function of (weights, prompt, params, seed) for verified and invariant requests.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from collections import deque
 from pathlib import Path
 
@@ -20,7 +23,8 @@ import torch
 import kernels as K
 from kernels.forward import CANONICAL_OPS, model_spec
 
-from .fast_path.base import DraftRequest, FastPath
+from .decode_policy import DecodePolicy
+from .fast_path.base import DraftRequest, FastPath, Proposal
 from .fast_path.native import NativeFastPath, sample_rows, token_logprobs_at
 from .fast_path.native_ops import FAST_OPS
 from .kv_cache import KVCache, OutOfBlocks
@@ -53,13 +57,14 @@ class Engine:
                  device: str = "cpu", *, block_size: int = 16, kv_cache_tokens: int = 65536,
                  max_num_seqs: int = 256, max_prefill_tokens: int = 4096, max_model_len: int | None = None,
                  copy_model: bool = True, fast_path_options: dict | None = None, runner_factory=None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, verified_decode: str = "auto"):
         if window < 1 or group < 1:
             raise ValueError(f"window and group must be >= 1, got window={window} group={group}")
         self.device = torch.device(device)
         self.model = load_model(model, self.device, copy_model)
         self.spec = model_spec(self.model)
         self.window, self.group = window, group
+        self.decode_policy = DecodePolicy(verified_decode)  # "auto" | "dvr" | "canonical"
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.max_model_len = max_model_len or self.spec.max_positions
         self.cache = KVCache(self.spec, -(-kv_cache_tokens // block_size), block_size, self.device)
@@ -69,6 +74,7 @@ class Engine:
         # verifier graphs: one-token steps of every running request, verify windows G at a time
         self.verifier = self._make_runner(CANONICAL_OPS, {1: max_num_seqs, window + 1: group})
         self.fast_path = self._make_fast_path(fast_path, fast_path_options or {})
+        self.canonical_decoder = NativeFastPath(self.verifier, log_softmax=K.log_softmax)
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -244,38 +250,44 @@ class Engine:
         return bool(items)
 
     def _decode(self, reqs: list[Request]) -> None:
-        plans = []
+        num_verified = sum(r.params.determinism == "verified" for r in reqs)
+        strategy = self.decode_policy.choose(num_verified) if num_verified else None
+        start, before = time.perf_counter(), sum(len(r.tokens) for r in reqs)
+        plans = []  # (request, tokens to decode, verified by DVR?)
         for req in sorted(reqs, key=lambda r: r.arrival):
             if req not in self.running:
                 continue  # preempted while reserving for an earlier request
             room = min(req.remaining, self.max_model_len - len(req.tokens))
-            mode = req.params.determinism
-            n = 0 if mode == "invariant" else min(self.window, room - (mode == "verified"))
+            dvr = req.params.determinism == "verified" and strategy == "dvr"
+            n = min(self.window, room - dvr)  # DVR leaves room for the verifier's own next token
             if self._reserve(req, len(req.tokens) + max(n, 1)):
-                plans.append((req, n))
-        plans = [(r, n) for r, n in plans if r in self.running]
-        drafts = [(r, n) for r, n in plans if n > 0]
-        proposals = {}
-        if drafts:
-            outs = self.fast_path.propose([DraftRequest(r.request_id, list(r.tokens), r.params, n, r.block_ids,
-                                                        len(r.prompt)) for r, n in drafts])
-            proposals = {r.request_id: p for (r, _), p in zip(drafts, outs)}
-        canonical = []
-        for req, n in plans:
-            prop = proposals.get(req.request_id)
-            if req.params.determinism == "off":
-                k = len(prop.token_ids)
-                req.num_cached = len(req.tokens) - 1 + k
+                plans.append((req, n, dvr))
+        plans = [p for p in plans if p[0] in self.running]
+        fast = [(r, n) for r, n, dvr in plans if n > 0 and (dvr or r.params.determinism == "off")]
+        proposals = self._propose(self.fast_path, fast)
+        proposals.update(self._propose(self.canonical_decoder, [(r, n) for r, n, dvr in plans
+                                                                if not dvr and r.params.determinism != "off"]))
+        windows = []
+        for req, n, dvr in plans:
+            prop = proposals.get(req.request_id, Proposal([], []))
+            if dvr:
+                windows.append((req, prop.token_ids, True, None))
+            else:  # off proposals and canonical steps are committed as they are
+                req.num_cached = len(req.tokens) - 1 + len(prop.token_ids)
                 req.commit(prop.token_ids, prop.logprobs, self.max_model_len)
-            else:
-                canonical.append((req, prop.token_ids if prop else [], True, None))
-        # verify windows go G at a time (grouped verification); single-token invariant steps all at once
-        windows = [it for it in canonical if it[0].params.determinism == "verified"]
-        steps = [it for it in canonical if it[0].params.determinism == "invariant"]
-        for start in range(0, len(windows), self.group):
-            self._canonical_pass(windows[start:start + self.group])
-        if steps:
-            self._canonical_pass(steps)
+        for first in range(0, len(windows), self.group):  # grouped verification: G windows per pass
+            self._canonical_pass(windows[first:first + self.group])
+        if strategy is not None:
+            committed = sum(len(r.tokens) for r in reqs) - before
+            self.decode_policy.record(num_verified, strategy, committed, time.perf_counter() - start)
+
+    @staticmethod
+    def _propose(decoder, items) -> dict[int, Proposal]:
+        if not items:
+            return {}
+        outs = decoder.propose([DraftRequest(r.request_id, list(r.tokens), r.params, n, r.block_ids, len(r.prompt))
+                                for r, n in items])
+        return {r.request_id: p for (r, _), p in zip(items, outs)}
 
     def _canonical_pass(self, items) -> None:
         """One canonical forward over G requests: items are (req, proposals, final, prefill_take).

@@ -1,4 +1,6 @@
 """Rollout engine: determinism audit, zero KL against the trainer, verifier guarantees, batching, errors."""
+import dataclasses
+import itertools
 import random
 
 import pytest
@@ -7,6 +9,7 @@ import torch
 import trainer_patch
 from rollout_service import Engine, InvalidRequestError, SamplingParams
 from rollout_service.audit import run_audit
+from rollout_service.decode_policy import STRATEGIES, DecodePolicy
 from recipes.tiny_models import tiny_model
 
 
@@ -92,7 +95,7 @@ def test_verifier_guarantees_output_with_a_corrupting_fast_path(model, fraction)
     prompts = _prompts(5, seed=2)
     params = [SamplingParams(max_tokens=16, temperature=0.8, seed=7 + i) for i in range(5)]
     clean = Engine(model, window=5, group=2).generate(prompts, params)
-    engine = Engine(model, window=5, group=2)
+    engine = Engine(model, window=5, group=2, verified_decode="dvr")
     engine.fast_path = CorruptingFastPath(engine.fast_path, fraction, 96)
     bad = engine.generate(prompts, params)
     for c, b in zip(clean, bad):
@@ -109,7 +112,7 @@ def test_mixed_modes_in_one_batch_and_off_pays_no_verification(model):
     prompts = _prompts(6, seed=3)
     modes = ["verified", "invariant", "off"] * 2
     params = [SamplingParams(max_tokens=10, temperature=0.7, seed=i, determinism=m) for i, m in enumerate(modes)]
-    engine = Engine(model, window=4, group=3)
+    engine = Engine(model, window=4, group=3, verified_decode="dvr")
     mixed = engine.generate(prompts, params)
     for i, (p, prm) in enumerate(zip(prompts, params)):
         alone = engine.generate([p], [prm])[0]
@@ -242,3 +245,60 @@ def test_native_proposals_equal_host_fed_steps(model):
             want[i].append(t)
     assert [g.token_ids for g in got] == [w[len(p):] for w, p in zip(want, prompts)]
     assert [len(g.logprobs) for g in got] == counts
+
+
+class AlternatingPolicy(DecodePolicy):
+    """Switches verified requests between DVR and canonical steps every decode step."""
+
+    def __init__(self):
+        super().__init__("auto")
+        self._next = itertools.cycle(STRATEGIES)
+
+    def choose(self, batch):
+        return next(self._next)
+
+
+def test_verified_decode_strategies_commit_the_same_bits(model):
+    """DVR (with a fast path that corrupts half its proposals), canonical steps, the measuring `auto`
+    policy, a policy that switches strategy every step, and `invariant` all commit the same tokens and
+    log-probs; the corrupted proposals do reach `off`."""
+    prompts = _prompts(7, seed=5)
+    params = [SamplingParams(max_tokens=15, temperature=0.9, seed=30 + i) for i in range(len(prompts))]
+    out = {}
+    for name in ("dvr", "canonical", "auto", "alternating"):
+        engine = Engine(model, window=4, group=3, verified_decode="auto" if name == "alternating" else name)
+        engine.fast_path = CorruptingFastPath(engine.fast_path, 0.5, 96, seed=1)
+        if name == "alternating":
+            engine.decode_policy = AlternatingPolicy()
+        out[name] = engine.generate(prompts, params)
+    out["invariant"] = engine.generate(prompts, [dataclasses.replace(p, determinism="invariant") for p in params])
+    bits = {name: [(r.token_ids, r.logprobs, r.finish_reason) for r in rs] for name, rs in out.items()}
+    assert all(b == bits["dvr"] for b in bits.values()), {n: b == bits["dvr"] for n, b in bits.items()}
+    assert sum(r.stats.rollbacks for r in out["dvr"]) > 0 and sum(r.stats.rollbacks for r in out["alternating"]) > 0
+    assert all(r.stats.verify_windows == 0 for r in out["canonical"] + out["invariant"])
+    off = engine.generate(prompts, [dataclasses.replace(p, determinism="off") for p in params])
+    assert [r.token_ids for r in off] != [t for t, _, _ in bits["dvr"]]
+
+
+def test_decode_policy_keeps_the_faster_strategy_and_retries_the_other():
+    policy = DecodePolicy("auto", retry_every=4, explore=2)
+    with pytest.raises(ValueError, match="verified_decode"):
+        DecodePolicy("sometimes")
+    assert DecodePolicy("dvr").choose(64) == "dvr" and DecodePolicy("canonical").choose(64) == "canonical"
+    # explore: each strategy runs until it has 2 timed steps; the first step of each is not timed
+    seen = []
+    for _ in range(6):
+        s = policy.choose(60)
+        seen.append(s)
+        policy.record(60, s, tokens=64 * 8, seconds=1.0 if s == "dvr" else 0.5)  # canonical: 2x faster
+    assert seen == ["dvr"] * 3 + ["canonical"] * 3
+    assert policy.rates() == {"canonical@64": 1024.0, "dvr@64": 512.0}
+    choices = [policy.choose(64) for _ in range(8)]  # bucket 64 holds 33..64
+    assert choices.count("canonical") == 6 and choices.count("dvr") == 2  # a retry every 4th choice
+    assert policy.choose(100) == "dvr"  # other batch sizes are measured on their own
+    # a rate is tokens over time: a DVR step that rolled back early (few tokens) counts for little
+    policy.record(64, "dvr", tokens=8, seconds=0.01)
+    assert policy.choose(64) == "canonical"
+    for _ in range(6):  # DVR gets faster (e.g. contexts grew) and takes over
+        policy.record(64, "dvr", tokens=64 * 8, seconds=0.1)
+    assert policy.choose(64) == "dvr"

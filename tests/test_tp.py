@@ -27,7 +27,7 @@ from rollout_service.tp import TPContext, TPEngine, TPFollower, free_port, init_
 from rollout_service.weights import model_digest
 
 MODEL_KW = dict(num_heads=4, num_kv_heads=4, hidden_size=64, intermediate_size=128)
-ENGINE_KW = dict(window=4, group=4, kv_cache_tokens=512)
+ENGINE_KW = dict(window=4, group=4, kv_cache_tokens=512, verified_decode="dvr")
 SEQS = [[random.Random(i).randrange(96) for _ in range(n)] for i, n in enumerate((7, 12, 5))]
 PROMPTS = [[random.Random(10 + i).randrange(96) for _ in range(n)] for i, n in enumerate((5, 9))]
 PARAMS = [SamplingParams(max_tokens=8, temperature=t, seed=s, determinism=m)

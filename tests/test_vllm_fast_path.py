@@ -50,7 +50,7 @@ def model():
 @pytest.fixture(scope="module")
 def engine(model):
     """The module's one Engine(fast_path="vllm"); its fast path (one vllm.LLM) is shared below."""
-    return Engine(model, fast_path="vllm", window=6, group=4, fast_path_options=FP_OPTIONS)
+    return Engine(model, fast_path="vllm", window=6, group=4, verified_decode="dvr", fast_path_options=FP_OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def _acceptance(rollouts):
 
 @pytest.fixture(scope="module")
 def native_engine(model):
-    return Engine(model, fast_path="native", window=6, group=4)
+    return Engine(model, fast_path="native", window=6, group=4, verified_decode="dvr")
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "T=0.7,top_p=0.9", "T=1,top_k=5"])
@@ -167,7 +167,7 @@ def test_fast_path_independence_and_zero_kl(engine, native_engine, model, sampli
 def test_acceptance_rate_drops_with_a_wrong_rule_but_output_does_not_change(engine, fast_paths, model, rule):
     prompts = _prompts(6, seed=12)
     params = [SamplingParams(max_tokens=10, seed=70 + i, temperature=1.0) for i in range(len(prompts))]
-    probe = Engine(model, fast_path=fast_paths(rule), window=6, group=4, copy_model=False)
+    probe = Engine(model, fast_path=fast_paths(rule), window=6, group=4, verified_decode="dvr", copy_model=False)
     got = probe.generate(prompts, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in engine.generate(prompts, params)]
     rate = _acceptance(got)
@@ -178,7 +178,7 @@ def test_acceptance_rate_drops_with_a_wrong_rule_but_output_does_not_change(engi
 def test_determinism_audit_with_the_vllm_fast_path(engine, model):
     """One distinct output per prompt across batch sizes, compositions, arrival orders, windows, groups,
     prefill chunks and preemption, with vLLM proposing (vLLM alone, `off`, is not batch invariant)."""
-    make = lambda **kw: Engine(model, fast_path=engine.fast_path, copy_model=False, **kw)  # noqa: E731
+    make = lambda **kw: Engine(model, fast_path=engine.fast_path, copy_model=False, verified_decode="dvr", **kw)  # noqa: E731
     results = run_audit(make, VOCAB, modes=("verified",), max_tokens=8)
     assert {r.test for r in results} == {"single", "mixed", "prefix"} and len(results) == 6
     bad = [(r.test, r.sampling, r.max_distinct) for r in results if not r.deterministic]
@@ -194,7 +194,7 @@ def test_weight_update_matches_a_fresh_vllm_on_the_new_weights(engine, model):
     fresh = VLLMFastPath(new, **FP_OPTIONS)
     try:
         want = fresh.propose(drafts)
-        fresh_engine = Engine(new, fast_path=fresh, window=6, group=4)
+        fresh_engine = Engine(new, fast_path=fresh, window=6, group=4, verified_decode="dvr")
         want_off = fresh_engine.generate(prompts[:4], off)
         want_verified = fresh_engine.generate(prompts[:4], [SamplingParams(max_tokens=10, seed=1) for _ in range(4)])
         engine.update_weights(new.state_dict())

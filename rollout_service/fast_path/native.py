@@ -32,10 +32,13 @@ def token_logprobs_at(logits: torch.Tensor, params_rows, tokens: torch.Tensor, l
 
 
 class NativeFastPath:
+    """Windowed decoding over a runner. With FAST_OPS it is the fast path; over the verifier's runner
+    (canonical ops, canonical log_softmax) its tokens and log-probs are the canonical ones."""
     name = "native"
 
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner  # a runner with FAST_OPS over the engine's KV cache
+    def __init__(self, runner: ModelRunner, log_softmax=None):
+        self.runner = runner  # a runner over the engine's KV cache
+        self.log_softmax = log_softmax or (lambda x: torch.log_softmax(x, dim=-1))
 
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
         """Up to r.num_tokens tokens per request. Sampled tokens stay on the device and feed the next
@@ -54,7 +57,7 @@ class NativeFastPath:
             logits = torch.cat(self.runner.forward(chunks, token_ids=feed))
             params = [batch[i].params for i in live]
             tokens = sample_rows(logits, params, [lengths[i] + step for i in live])
-            logps = token_logprobs_at(logits, params, tokens, lambda x: torch.log_softmax(x, dim=-1))
+            logps = token_logprobs_at(logits, params, tokens, self.log_softmax)
             last = tokens if index is None else last.index_copy(0, index, tokens)
             steps.append((live, tokens, logps))
         out = [Proposal([], []) for _ in batch]

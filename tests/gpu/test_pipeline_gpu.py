@@ -85,7 +85,7 @@ def test_zero_kl_and_verified_equals_invariant_on_cuda(temperature):
     model = _model("qwen3")
     rng = random.Random(0)
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(5, 80))] for _ in range(16)]
-    engine = Engine(model, device="cuda", window=16, group=8)
+    engine = Engine(model, device="cuda", window=16, group=8, verified_decode="dvr")
     out = {m: engine.generate(prompts, [SamplingParams(max_tokens=32, temperature=temperature, top_p=0.9, seed=i,
                                                         determinism=m) for i in range(16)])
            for m in ("verified", "invariant")}

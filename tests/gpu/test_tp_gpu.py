@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 MODEL_KW = dict(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=4,
                 intermediate_size=1024)
-ENGINE_KW = dict(window=8, group=8, kv_cache_tokens=8192)
+ENGINE_KW = dict(window=8, group=8, kv_cache_tokens=8192, verified_decode="dvr")
 SEQS = [[random.Random(i).randrange(1000) for _ in range(n)] for i, n in enumerate((37, 100, 5, 64))]
 PROMPTS = [[random.Random(10 + i).randrange(1000) for _ in range(n)] for i, n in enumerate((5, 23, 40))]
 PARAMS = [dict(max_tokens=24, temperature=t, seed=s, determinism=m)

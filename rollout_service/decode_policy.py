@@ -1,0 +1,60 @@
+"""How `verified` requests decode: propose-and-verify (DVR) or canonical steps.
+
+Both commit the same tokens and log-probs (the canonical ones), so the choice changes speed only.
+DVR pays a verify window per W proposals plus the rejected tails; canonical steps pay the canonical
+kernels on every step. Which is cheaper depends on the model, the device and the batch size (the
+canonical kernels are close to cuBLAS at decode-sized M), so `auto` measures both per batch-size
+bucket and keeps the faster one, trying the other again now and then as contexts grow.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+VERIFIED_DECODE = ("auto", "dvr", "canonical")
+STRATEGIES = ("dvr", "canonical")
+
+
+class DecodePolicy:
+    def __init__(self, mode: str = "auto", retry_every: int = 16, decay: float = 0.75, explore: int = 2):
+        if mode not in VERIFIED_DECODE:
+            raise ValueError(f"verified_decode must be one of {VERIFIED_DECODE}, got {mode!r}")
+        self.mode, self.retry_every, self.decay, self.explore = mode, retry_every, decay, explore
+        # (bucket, strategy) -> decayed sums of committed tokens and seconds: their ratio is a rate
+        # that a step with an early rollback (few tokens) cannot swing the way a mean of rates would
+        self._tokens: dict[tuple[int, str], float] = {}
+        self._seconds: dict[tuple[int, str], float] = {}
+        self._samples: Counter = Counter()  # (bucket, strategy) -> decode steps seen
+        self._choices: Counter = Counter()  # bucket -> choices made after exploring
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(batch - 1, 0).bit_length()  # next power of two
+
+    def choose(self, batch: int) -> str:
+        if self.mode != "auto":
+            return self.mode
+        b = self.bucket(batch)
+        for strategy in STRATEGIES:  # explore: each strategy until it has `explore` timed steps
+            if self._samples[(b, strategy)] <= self.explore:
+                return strategy
+        self._choices[b] += 1
+        best, other = sorted(STRATEGIES, key=lambda s: -self._rate((b, s)))
+        return other if self._choices[b] % self.retry_every == 0 else best
+
+    def record(self, batch: int, strategy: str, tokens: int, seconds: float) -> None:
+        """A decode step of `batch` verified requests under `strategy` committed `tokens` in `seconds`."""
+        if self.mode != "auto" or seconds <= 0:
+            return
+        key = (self.bucket(batch), strategy)
+        self._samples[key] += 1
+        if self._samples[key] == 1:
+            return  # a strategy's first step at a size pays kernel compiles and graph captures
+        self._tokens[key] = self.decay * self._tokens.get(key, 0.0) + tokens
+        self._seconds[key] = self.decay * self._seconds.get(key, 0.0) + seconds
+
+    def _rate(self, key) -> float:
+        return self._tokens[key] / self._seconds[key]
+
+    def rates(self) -> dict[str, float]:
+        """Measured committed tokens/s, keyed 'strategy@bucket' (for logs and benchmarks)."""
+        return {f"{s}@{b}": round(self._rate((b, s)), 1) for b, s in sorted(self._tokens)}
