@@ -4,7 +4,9 @@ Not canonical: the key range of a sequence is cut into SPLIT-key pieces reduced 
 and merged by their log-sum-exp, which is fast for long contexts and small batches but makes the
 numbers depend on the split. The verifier never uses it. The number of splits follows the block
 table's width, not the sequences' lengths, so no host sync is needed and the launch can be captured
-in a CUDA graph; pieces past a sequence's length exit at once.
+in a CUDA graph; pieces past a sequence's length return at once, and the merge reads only the pieces
+a sequence has (a table sized for max_model_len would otherwise cost a full-width partials write and
+read per layer).
 """
 from __future__ import annotations
 
@@ -25,14 +27,16 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, o_ptr, lse_ptr, G, 
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
+    n_keys = tl.load(pos_ptr + b * sp_b).to(tl.int32) + 1  # keys 0..position (padding rows: none)
+    start = split * SPLIT
+    if start >= n_keys:
+        return  # a piece past the sequence's end: the merge does not read it
     kvh = bh % HKV
     r = tl.arange(0, BLOCK_H)
     h = kvh * G + r
     hmask = r < G
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    n_keys = tl.load(pos_ptr + b * sp_b).to(tl.int32) + 1  # keys 0..position (padding rows: none)
-    start = split * SPLIT
     end = tl.minimum(start + SPLIT, n_keys)
     q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :], mask=hmask[:, None] & dmask[None, :],
                 other=0.0)
@@ -66,13 +70,14 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, o_ptr, lse_ptr, G, 
 
 
 @triton.jit
-def _merge_kernel(o_ptr, lse_ptr, out_ptr, HQ, NSPLIT, so_b, so_h, so_s, sl_b, sl_h, sout_b, sout_h,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_kernel(o_ptr, lse_ptr, pos_ptr, out_ptr, HQ, NSPLIT, so_b, so_h, so_s, sl_b, sl_h, sp_b, sout_b,
+                  sout_h, SPLIT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     idx = tl.program_id(0)
     b = (idx // HQ).to(tl.int64)
     h = idx % HQ
     s = tl.arange(0, BLOCK_S)
-    smask = s < NSPLIT
+    n_keys = tl.load(pos_ptr + b * sp_b).to(tl.int32) + 1
+    smask = (s < NSPLIT) & (s * SPLIT < n_keys)  # the pieces that hold keys
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     lse = tl.load(lse_ptr + b * sl_b + h * sl_h + s, mask=smask, other=float("-inf"))
@@ -108,7 +113,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         SPLIT=SPLIT, D=dim, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(g)), BLOCK_N=BLOCK_N,
         num_warps=4, num_stages=2)
     _merge_kernel[(bsz * hq,)](
-        part, lse, out, hq, nsplit, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(2), D=dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(nsplit)),
-        num_warps=4)
+        part, lse, positions, out, hq, nsplit, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+        lse.stride(1), positions.stride(0), out.stride(0), out.stride(2), SPLIT=SPLIT, D=dim, BLOCK_D=block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(nsplit)), num_warps=4)
     return out
