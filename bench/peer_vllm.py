@@ -24,6 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rollout_service.decode_policy import VERIFIED_DECODE  # noqa: E402
 
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
 ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off")
@@ -138,7 +139,7 @@ def main():
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--verified-decode", default="auto", choices=["auto", "dvr", "canonical"],
+    p.add_argument("--verified-decode", default="auto", choices=VERIFIED_DECODE,
                    help="how our verified requests decode (dvr: always propose with vLLM and verify)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM KV cache on CPU")

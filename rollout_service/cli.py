@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from .decode_policy import VERIFIED_DECODE
+
 
 def _load(model: str):
     if model.startswith("tiny:"):
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     a.add_argument("--model", default="tiny:qwen2", help="local HF checkpoint dir, or tiny:{llama,qwen2,qwen3}")
     a.add_argument("--fast-path", default="native", choices=["native", "vllm"])
     a.add_argument("--device", default="cpu")
-    a.add_argument("--verified-decode", default="auto", choices=["auto", "dvr", "canonical"],
+    a.add_argument("--verified-decode", default="auto", choices=VERIFIED_DECODE,
                    help="how verified requests decode (dvr: always propose and verify)")
     a.add_argument("--tests", default="single,mixed,prefix")
     a.add_argument("--modes", default="verified,invariant,off")
