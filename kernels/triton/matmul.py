@@ -344,10 +344,10 @@ _PLAIN = [
 ]
 # Segment tree (row-parallel layers). Small M: segment pairs spread over programs (parallelism for a
 # weight-streaming product; the fp32 partials are tiny). From M = 128 on Hopper: the Gluon kernel
-# (tree_sm90.py), whose copy stream never drains and whose tree nodes wait in shared memory; where
+# (tree_sm90.py: a loader warp whose copy stream never drains, tree nodes held in registers); where
 # output tiles fill the last wave badly, each tile's segments are split over 2 or 4 programs (see
-# _gluon_split). Measured (H100, vs cuBLAS): o 0.83 / 0.82 / 0.72 / 0.55 / 0.50 / 0.63 and down
-# 1.01 / 0.86 / 0.81 / 0.57 / 0.61 / 0.79 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not
+# _gluon_split). Measured (H100, vs cuBLAS): o 0.85 / 0.84 / 0.78 / 0.55 / 0.53 / 0.68 and down
+# 1.03 / 0.87 / 0.83 / 0.61 / 0.65 / 0.83 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not
 # Hopper, segments that end mid-tile as Qwen2.5-1.5B's down, K = 8960, ...) _TREE_NO_GLUON applies.
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),

@@ -1,15 +1,16 @@
-"""Segment-tree matmul for Hopper (sm90), written in Gluon: one copy stream, nodes in shared memory.
+"""Segment-tree matmul for Hopper (sm90), written in Gluon: a loader warp, MMA warps, nodes held close.
 
 Same numbers as the Triton tree kernels in matmul.py (each segment reduced from zero, one 64-wide
 K tile per wgmma group, in order; segment sums added by the fixed tree). What Gluon adds is control
 that Triton's pipeliner does not give:
 
-- the TMA loads of a program run as one stream over all its (tile, K tile) pairs, STAGES - 2 ahead,
-  so neither a segment end nor a tile end drains the copy pipeline;
-- a finished segment's accumulator is combined into the tree right away: a pending left leaf stays
-  in registers, a pending level-1 node in a shared-memory slot and a pending level-2 node in this
-  program's L2 scratch tile. An 8-leaf tree needs four live fp32 tiles at its last leaf, more than
-  the register file holds at 128 x 128; this way only two are registers.
+- warp specialisation: one loader warp runs the program's TMA loads as one stream over all its
+  (tile, K tile) pairs, as far ahead as the ring has free slots, so neither a segment end nor a tile
+  end (where the MMA warps fold the tree and store) stops the copies;
+- a finished segment's accumulator is folded into the tree right away. An 8-leaf tree has four
+  pending fp32 tiles at its last leaf, more than the register file holds at 128 x 128: the left leaf
+  and level-1 node stay in registers (the node moves to padded shared memory for segment 7 only) and
+  the level-2 node waits in this program's L2 scratch tile, so at most three tiles are registers.
 """
 from __future__ import annotations
 
@@ -43,15 +44,14 @@ def _mma_layout(block_m, block_n, num_warps):
 
 
 @gluon.jit
-def _issue_load(j, stream, total, x_desc, w_desc, bars, a_bufs, b_bufs, STAGES: gl.constexpr):
-    """TMA loads of this program's j-th K tile (at stream) into ring slot j % STAGES (none past the end)."""
+def _issue_load(j, stream, x_desc, w_desc, bars, a_bufs, b_bufs, STAGES: gl.constexpr):
+    """TMA loads of this program's j-th K tile (at stream) into ring slot j % STAGES."""
     _, kt, off_m, off_n, k0 = stream
-    pred = j < total
     slot = j % STAGES
     bar = bars.index(slot)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + kt) * _BK], bar, a_bufs.index(slot), pred)
-    tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + kt) * _BK], bar, b_bufs.index(slot), pred)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + kt) * _BK], bar, a_bufs.index(slot))
+    tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + kt) * _BK], bar, b_bufs.index(slot))
 
 
 @gluon.jit
@@ -84,23 +84,92 @@ def _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_
 
 
 @gluon.jit
-def _segment(acc, cons, prod, stream, total, kt_per_item, seg_tiles, pid, num_progs, num_tiles, num_pid_m, num_pid_n,
-             x_desc, w_desc, bars, a_bufs, b_bufs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """Reduce one segment from zero into acc (async wgmma, one in flight) while the loads run ahead."""
-    for kk in range(seg_tiles):
-        _issue_load(prod, stream, total, x_desc, w_desc, bars, a_bufs, b_bufs, STAGES)
+def _load_partition(x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item, num_tiles,
+                    num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """Loader warp: the program's whole copy stream, as far ahead as the ring has free slots (a slot is
+    free once the MMA that read it has finished: `empty`)."""
+    off_m, off_n, k0 = _item_coords(pid, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N, GROUP_M)
+    stream = (0, 0, off_m, off_n, k0)
+    for j in range(total):
+        mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+        _issue_load(j, stream, x_desc, w_desc, ready, a_bufs, b_bufs, STAGES)
         stream = _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
                           GROUP_M)
-        prod += 1
-        slot = cons % STAGES
-        mbarrier.wait(bars.index(slot), (cons // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
-                            is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(acc, ))
-        cons += 1
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    return acc, cons, prod, stream
+
+
+@gluon.jit
+def _mma_partition(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, ready, empty,
+                   a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n,
+                   NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """MMA warps: each work item's segments, reduced from zero (one async wgmma group in flight) and
+    folded into the tree, then stored. A slot goes back to the loader once the MMA reading it is done."""
+    LOCAL: gl.constexpr = NSEG // SPLIT  # segments per item
+    seg_tiles = kt_per_item // LOCAL
+    layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
+    node_smem = a_bufs  # placeholder where no level-1 node has to leave registers
+    if LOCAL == 8:
+        # padded rows: the MMA layout's 8-row stores would otherwise hit the same banks
+        node_smem = gl.allocate_shared_memory(
+            gl.float32, [BLOCK_M, BLOCK_N], gl.PaddedSharedLayout.with_identity_for([[BLOCK_N, 4]], [BLOCK_M, BLOCK_N],
+                                                                                    [1, 0]))
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+
+    cons = 0
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
+    for t in range(my_items):
+        item = pid + t * num_progs
+        off_m, off_n, _k0 = _item_coords(item, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N,
+                                       GROUP_M)
+        for s in gl.static_range(LOCAL):
+            for kk in range(seg_tiles):
+                slot = cons % STAGES
+                mbarrier.wait(ready.index(slot), (cons // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                # the previous K tile's MMA has finished reading its slot
+                mbarrier.arrive(empty.index((cons + STAGES - 1) % STAGES), pred=kk > 0)
+                cons += 1
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(empty.index((cons + STAGES - 1) % STAGES))
+            # Fold segment s's sum into the tree (s is static: straight-line code). The pending left leaf v0
+            # and level-1 node n1 wait in registers, except during segment 7, where n1 waits in shared memory;
+            # the level-2 node waits in L2. Nothing is carried over to the next item.
+            if s % 2 == 0:
+                if s == 6:
+                    node_smem.store(n1)
+                v0 = acc
+                root = acc
+            else:
+                l1 = v0 + acc
+                root = l1
+                if s % 4 == 1:
+                    n1 = l1
+                else:
+                    if s == 7:
+                        l2 = node_smem.load(layout) + l1
+                    else:
+                        l2 = n1 + l1
+                    root = l2
+                    if LOCAL == 8 and s == 3:  # the level-2 node waits in this program's L2 scratch tile
+                        gl.store(scratch_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N
+                                 + cols[None, :], l2)
+                    if s == 7:
+                        root = gl.load(scratch_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N
+                                       + cols[None, :]) + l2
+        offs_m = off_m + rows
+        offs_n = off_n + cols
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                root = root + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
+            gl.store(o_ptrs, root.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            gl.store(o_ptrs + (item // num_tiles).to(gl.int64) * stride_og, root, mask=mask)
 
 
 @gluon.jit(do_not_specialize=["M"])
@@ -110,9 +179,9 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, str
     """Tree over NSEG (2, 4 or 8) segment sums of x @ w.T, persistent over work items.
     SPLIT = 1: an item is an output tile; out = the root (+ bias), cast.
     SPLIT = 2: an item is half of a tile's segments; out[h] = that half's subtree in fp32 (the caller adds
-    the two: the root; more items than tiles evens out the last wave at mid-sized M)."""
+    the two: the root; more items than tiles evens out the last wave at mid-sized M).
+    num_warps MMA warps (the default partition) and one loader warp."""
     K = x_desc.shape[1]
-    LOCAL: gl.constexpr = NSEG // SPLIT  # segments per item
     pid = gl.program_id(0)
     num_progs = gl.num_programs(0)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -120,67 +189,25 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, str
     num_tiles = num_pid_m * num_pid_n
     my_items = gl.cdiv(num_tiles * SPLIT - pid, num_progs)
     kt_per_item = K // _BK // SPLIT
-    seg_tiles = kt_per_item // LOCAL
     total = my_items * kt_per_item
 
-    layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    # pending level-1 node; written and read back by the same threads in the same layout (no barrier)
-    node_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N],
-                                          gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    # pending level-2 node (8 segments): this program's own L2 tile, same-thread store/load
-    l2_node = scratch_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :]
-
-    prod = 0
-    cons = 0
-    off_m, off_n, k0 = _item_coords(pid, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N, GROUP_M)
-    stream = (0, 0, off_m, off_n, k0)
-    for _i in gl.static_range(STAGES - 2):
-        _issue_load(prod, stream, total, x_desc, w_desc, bars, a_bufs, b_bufs, STAGES)
-        stream = _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
-                          GROUP_M)
-        prod += 1
-
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
-    for t in range(my_items):
-        item = pid + t * num_progs
-        off_m, off_n, _k0 = _item_coords(item, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N,
-                                       GROUP_M)
-        for s in gl.static_range(LOCAL):
-            acc, cons, prod, stream = _segment(acc, cons, prod, stream, total, kt_per_item, seg_tiles, pid,
-                                               num_progs, num_tiles, num_pid_m, num_pid_n, x_desc, w_desc, bars,
-                                               a_bufs, b_bufs, BLOCK_M, BLOCK_N, GROUP_M, STAGES)
-            # s is static: the tree's bookkeeping is straight-line code
-            if s % 2 == 0:
-                if s % 4 == 2:
-                    node_smem.store(v)  # v = the level-1 node on the left
-                if s == 4:
-                    gl.store(l2_node, v)  # v = the level-2 node on the left
-                v = acc
-            else:
-                v = v + acc  # level-1 node
-                if s % 4 == 3:
-                    v = node_smem.load(layout) + v  # level-2 node
-                if s == 7:
-                    v = gl.load(l2_node) + v  # level-3 node: the root
-        offs_m = off_m + rows
-        offs_n = off_n + cols
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
-        if SPLIT == 1:
-            if HAS_BIAS:
-                v = v + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
-            gl.store(o_ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            gl.store(o_ptrs + (item // num_tiles).to(gl.int64) * stride_og, v, mask=mask)
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mma_partition, (x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, ready, empty,
+                          a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, NSEG,
+                          SPLIT, HAS_BIAS, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+        (_load_partition, (x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item,
+                           num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+    ], [1], [24])
     for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,11 +241,13 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
     w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K], w_layout)
     items = triton.cdiv(M, block_m) * triton.cdiv(N, block_n) * split
     progs = min(items, _num_sms(out.device.index or 0))
+    # the launch must fit (warps + a loader warpgroup) x 32 threads in the register file; the loader
+    # then hands its share to the MMA warps (setmaxnreg)
+    maxnreg = 65536 // ((warps + 4) * 32) // 8 * 8
     scratch = (torch.empty(progs * block_m * block_n, dtype=torch.float32, device=out.device)
                if segments // split == 8 else out)
     tree_matmul_kernel[(progs,)](
-        x_desc, w_desc, bias if bias is not None else out, out, scratch, M, N,
-        out.stride(0) if split > 1 else 0, out.stride(-2),
-        NSEG=segments, SPLIT=split, HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        GROUP_M=group_m, STAGES=stages, num_warps=warps)
+        x_desc, w_desc, bias if bias is not None else out, out, scratch, M, N, out.stride(0) if split > 1 else 0,
+        out.stride(-2), NSEG=segments, SPLIT=split, HAS_BIAS=bias is not None and split == 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=group_m, STAGES=stages, num_warps=warps, maxnreg=maxnreg)
     return out
