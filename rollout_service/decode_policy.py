@@ -4,7 +4,9 @@ Both commit the same tokens and log-probs (the canonical ones), so the choice ch
 DVR pays a verify window per W proposals plus the rejected tails; canonical steps pay the canonical
 kernels on every step. Which is cheaper depends on the model, the device and the batch size (the
 canonical kernels are close to cuBLAS at decode-sized M), so `auto` measures both per batch-size
-bucket and keeps the faster one, trying the other again now and then as contexts grow.
+bucket and keeps the faster one, trying the other again now and then as contexts grow. Each retry
+that leaves the leader in place doubles the wait before the next (up to `max_backoff` times
+`retry_every`), so a clear winner pays for few retries; a change of leader starts over.
 """
 from __future__ import annotations
 
@@ -15,16 +17,20 @@ STRATEGIES = ("dvr", "canonical")
 
 
 class DecodePolicy:
-    def __init__(self, mode: str = "auto", retry_every: int = 16, decay: float = 0.75, explore: int = 2):
+    def __init__(self, mode: str = "auto", retry_every: int = 16, decay: float = 0.75, explore: int = 2,
+                 max_backoff: int = 8):
         if mode not in VERIFIED_DECODE:
             raise ValueError(f"verified_decode must be one of {VERIFIED_DECODE}, got {mode!r}")
         self.mode, self.retry_every, self.decay, self.explore = mode, retry_every, decay, explore
+        self.max_backoff = max_backoff
         # (bucket, strategy) -> decayed sums of committed tokens and seconds: their ratio is a rate
         # that a step with an early rollback (few tokens) cannot swing the way a mean of rates would
         self._tokens: dict[tuple[int, str], float] = {}
         self._seconds: dict[tuple[int, str], float] = {}
         self._samples: Counter = Counter()  # (bucket, strategy) -> decode steps seen
-        self._choices: Counter = Counter()  # bucket -> choices made after exploring
+        self._since_retry: Counter = Counter()  # bucket -> choices since the last retry
+        self._interval: dict[int, int] = {}  # bucket -> choices between retries now
+        self._leader: dict[int, str] = {}  # bucket -> the faster strategy at the last choice
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -37,9 +43,15 @@ class DecodePolicy:
         for strategy in STRATEGIES:  # explore: each strategy until it has `explore` timed steps
             if self._samples[(b, strategy)] <= self.explore:
                 return strategy
-        self._choices[b] += 1
         best, other = sorted(STRATEGIES, key=lambda s: -self._rate((b, s)))
-        return other if self._choices[b] % self.retry_every == 0 else best
+        if self._leader.get(b) != best:  # first choice here, or the other strategy took the lead
+            self._leader[b], self._interval[b], self._since_retry[b] = best, self.retry_every, 0
+        self._since_retry[b] += 1
+        if self._since_retry[b] < self._interval[b]:
+            return best
+        self._since_retry[b] = 0
+        self._interval[b] = min(2 * self._interval[b], self.max_backoff * self.retry_every)
+        return other
 
     def record(self, batch: int, strategy: str, tokens: int, seconds: float) -> None:
         """A decode step of `batch` verified requests under `strategy` committed `tokens` in `seconds`."""

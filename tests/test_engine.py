@@ -293,12 +293,14 @@ def test_decode_policy_keeps_the_faster_strategy_and_retries_the_other():
         policy.record(60, s, tokens=64 * 8, seconds=1.0 if s == "dvr" else 0.5)  # canonical: 2x faster
     assert seen == ["dvr"] * 3 + ["canonical"] * 3
     assert policy.rates() == {"canonical@64": 1024.0, "dvr@64": 512.0}
-    choices = [policy.choose(64) for _ in range(8)]  # bucket 64 holds 33..64
-    assert choices.count("canonical") == 6 and choices.count("dvr") == 2  # a retry every 4th choice
+    choices = [policy.choose(64) for _ in range(28)]  # bucket 64 holds 33..64
+    # DVR is retried after 4 choices, then 8, then 16: each retry that keeps the leader doubles the wait
+    assert [i + 1 for i, c in enumerate(choices) if c == "dvr"] == [4, 12, 28]
     assert policy.choose(100) == "dvr"  # other batch sizes are measured on their own
     # a rate is tokens over time: a DVR step that rolled back early (few tokens) counts for little
     policy.record(64, "dvr", tokens=8, seconds=0.01)
     assert policy.choose(64) == "canonical"
     for _ in range(6):  # DVR gets faster (e.g. contexts grew) and takes over
         policy.record(64, "dvr", tokens=64 * 8, seconds=0.1)
-    assert policy.choose(64) == "dvr"
+    # a new leader: canonical steps are retried every 4th choice again
+    assert [policy.choose(64) for _ in range(4)] == ["dvr"] * 3 + ["canonical"]
