@@ -99,8 +99,15 @@ def _load_partition(x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs
 
 
 @gluon.jit
-def _mma_partition(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, ready, empty,
-                   a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n,
+def _l2_node(scratch_ptr, pid, rows, cols, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This program's L2 scratch tile, where a pending level-2 node waits (built where it is used: held
+    across the MMA loops, 64-bit pointers would cost a tile's worth of registers)."""
+    return scratch_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :]
+
+
+@gluon.jit
+def _mma_partition(bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, ready, empty, a_bufs, b_bufs,
+                   pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n,
                    NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """MMA warps: each work item's segments, reduced from zero (one async wgmma group in flight) and
@@ -154,12 +161,10 @@ def _mma_partition(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, stride_
                     else:
                         l2 = n1 + l1
                     root = l2
-                    if LOCAL == 8 and s == 3:  # the level-2 node waits in this program's L2 scratch tile
-                        gl.store(scratch_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N
-                                 + cols[None, :], l2)
+                    if LOCAL == 8 and s == 3:
+                        gl.store(_l2_node(scratch_ptr, pid, rows, cols, BLOCK_M, BLOCK_N), l2)
                     if s == 7:
-                        root = gl.load(scratch_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N
-                                       + cols[None, :]) + l2
+                        root = gl.load(_l2_node(scratch_ptr, pid, rows, cols, BLOCK_M, BLOCK_N)) + l2
         offs_m = off_m + rows
         offs_n = off_n + cols
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -199,8 +204,8 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, str
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_mma_partition, (x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, ready, empty,
-                          a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, NSEG,
+        (_mma_partition, (bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, ready, empty, a_bufs, b_bufs,
+                          pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, NSEG,
                           SPLIT, HAS_BIAS, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
         (_load_partition, (x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item,
                            num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
