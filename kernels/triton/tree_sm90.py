@@ -7,10 +7,12 @@ that Triton's pipeliner does not give:
 - warp specialisation: one loader warp runs the program's TMA loads as one stream over all its
   (tile, K tile) pairs, as far ahead as the ring has free slots, so neither a segment end nor a tile
   end (where the MMA warps fold the tree and store) stops the copies;
-- a finished segment's accumulator is folded into the tree right away. An 8-leaf tree has four
-  pending fp32 tiles at its last leaf, more than the register file holds at 128 x 128: the left leaf
-  and level-1 node stay in registers (the node moves to padded shared memory for segment 7 only) and
-  the level-2 node waits in this program's L2 scratch tile, so at most three tiles are registers.
+- a finished segment's accumulator is folded into the tree right away, while the next segment's
+  first wgmma runs (the fold does not drain the tensor cores). An 8-leaf tree has four pending fp32
+  tiles at its last leaf, and the next accumulator makes five, more than the register file holds at
+  128 x 128: the left leaf stays in registers, the level-1 node too except beside a pending leaf
+  (then in padded shared memory), and the level-2 node waits in this program's L2 scratch tile, so
+  at most three tiles are registers.
 """
 from __future__ import annotations
 
@@ -105,13 +107,44 @@ def _l2_node(scratch_ptr, pid, rows, cols, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
     return scratch_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :]
 
 
+@gluon.constexpr_function
+def _continues(s, local):
+    """Whether segment s + 1 of the same item exists (its first wgmma then starts before s is folded)."""
+    return 0 <= s < local - 1
+
+
+@gluon.jit
+def _issue(acc, cons, ready, a_bufs, b_bufs, use_acc, STAGES: gl.constexpr):
+    """Start the wgmma of the program's K tile number cons (async) once its ring slot is loaded."""
+    slot = cons % STAGES
+    mbarrier.wait(ready.index(slot), (cons // STAGES) & 1)
+    return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+
+
+@gluon.jit
+def _start(cons, ready, a_bufs, b_bufs, layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           STAGES: gl.constexpr):
+    """_issue for a segment's first K tile: a fresh accumulator (the zeros are made here, where they
+    are used: made once before the loops, they would hold a tile's worth of registers throughout)."""
+    zeros = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
+    return _issue(zeros, cons, ready, a_bufs, b_bufs, False, STAGES)
+
+
+@gluon.jit
+def _release(empty, cons, STAGES: gl.constexpr, pred=True):
+    """K tile cons - 1's wgmma has finished: its ring slot goes back to the loader."""
+    mbarrier.arrive(empty.index((cons + STAGES - 1) % STAGES), pred=pred)
+
+
 @gluon.jit
 def _mma_partition(bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, ready, empty, a_bufs, b_bufs,
                    pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n,
                    NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """MMA warps: each work item's segments, reduced from zero (one async wgmma group in flight) and
-    folded into the tree, then stored. A slot goes back to the loader once the MMA reading it is done."""
+    folded into the tree, then stored. A slot goes back to the loader once the MMA reading it is done.
+    The next segment's first wgmma starts before a finished segment is folded, so the tensor cores
+    work through the fold."""
     LOCAL: gl.constexpr = NSEG // SPLIT  # segments per item
     seg_tiles = kt_per_item // LOCAL
     layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
@@ -131,22 +164,26 @@ def _mma_partition(bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, r
         off_m, off_n, _k0 = _item_coords(item, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N,
                                        GROUP_M)
         for s in gl.static_range(LOCAL):
-            for kk in range(seg_tiles):
-                slot = cons % STAGES
-                mbarrier.wait(ready.index(slot), (cons // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
-                                    is_async=True)
+            # segment s's first wgmma was started before segment s - 1's fold, except for an item's first
+            for kk in range(1 if _continues(s - 1, LOCAL) else 0, seg_tiles):
+                acc = _issue(acc, cons, ready, a_bufs, b_bufs, kk > 0, STAGES)
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
-                # the previous K tile's MMA has finished reading its slot
-                mbarrier.arrive(empty.index((cons + STAGES - 1) % STAGES), pred=kk > 0)
+                _release(empty, cons, STAGES, kk > 0)
                 cons += 1
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(empty.index((cons + STAGES - 1) % STAGES))
-            # Fold segment s's sum into the tree (s is static: straight-line code). The pending left leaf v0
-            # and level-1 node n1 wait in registers, except during segment 7, where n1 waits in shared memory;
-            # the level-2 node waits in L2. Nothing is carried over to the next item.
+            if _continues(s, LOCAL):
+                nxt = _start(cons, ready, a_bufs, b_bufs, layout, BLOCK_M, BLOCK_N, STAGES)
+                acc, nxt = warpgroup_mma_wait(1, deps=(acc, nxt))
+                _release(empty, cons, STAGES)
+                cons += 1
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                _release(empty, cons, STAGES)
+            # Fold segment s's sum into the tree (s is static: straight-line code), beside the next
+            # segment's accumulator. The pending left leaf v0 waits in registers; the level-1 node n1 too,
+            # except beside a pending leaf in an 8-leaf tree (segments 2-3 and 6-7), where it waits in shared
+            # memory; the level-2 node waits in L2. Nothing is carried over to the next item.
             if s % 2 == 0:
-                if s == 6:
+                if LOCAL == 8 and s % 4 == 2:
                     node_smem.store(n1)
                 v0 = acc
                 root = acc
@@ -156,7 +193,7 @@ def _mma_partition(bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, r
                 if s % 4 == 1:
                     n1 = l1
                 else:
-                    if s == 7:
+                    if LOCAL == 8:
                         l2 = node_smem.load(layout) + l1
                     else:
                         l2 = n1 + l1
@@ -165,6 +202,8 @@ def _mma_partition(bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, r
                         gl.store(_l2_node(scratch_ptr, pid, rows, cols, BLOCK_M, BLOCK_N), l2)
                     if s == 7:
                         root = gl.load(_l2_node(scratch_ptr, pid, rows, cols, BLOCK_M, BLOCK_N)) + l2
+            if _continues(s, LOCAL):
+                acc = nxt
         offs_m = off_m + rows
         offs_n = off_n + cols
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
