@@ -6,7 +6,9 @@ kernels on every step. Which is cheaper depends on the model, the device and the
 canonical kernels are close to cuBLAS at decode-sized M), so `auto` measures both per batch-size
 bucket and keeps the faster one, trying the other again now and then as contexts grow. Each retry
 that leaves the leader in place doubles the wait before the next (up to `max_backoff` times
-`retry_every`), so a clear winner pays for few retries; a change of leader starts over.
+`retry_every`), so a clear winner pays for few retries; a change of leader starts over. A new bucket
+next to a measured one starts with that bucket's leader and runs the other strategy only at its
+retries: the batch sizes met while requests are admitted or finish then cost no full exploration each.
 """
 from __future__ import annotations
 
@@ -40,10 +42,17 @@ class DecodePolicy:
         if self.mode != "auto":
             return self.mode
         b = self.bucket(batch)
-        for strategy in STRATEGIES:  # explore: each strategy until it has `explore` timed steps
-            if self._samples[(b, strategy)] <= self.explore:
-                return strategy
-        best, other = sorted(STRATEGIES, key=lambda s: -self._rate((b, s)))
+        explored = [s for s in STRATEGIES if self._samples[(b, s)] > self.explore]
+        if len(explored) < 2:
+            lead = self._nearest_leader(b)
+            if lead is None:  # nothing measured nearby: each strategy until it has `explore` timed steps
+                return next(s for s in STRATEGIES if s not in explored)
+            if not explored:
+                return lead
+            # the neighbour's leader leads here too until the other strategy, run at retries, beats it
+            best, other = explored[0], next(s for s in STRATEGIES if s not in explored)
+        else:
+            best, other = sorted(STRATEGIES, key=lambda s: -self._rate((b, s)))
         if self._leader.get(b) != best:  # first choice here, or the other strategy took the lead
             self._leader[b], self._interval[b], self._since_retry[b] = best, self.retry_every, 0
         self._since_retry[b] += 1
@@ -52,6 +61,15 @@ class DecodePolicy:
         self._since_retry[b] = 0
         self._interval[b] = min(2 * self._interval[b], self.max_backoff * self.retry_every)
         return other
+
+    def _nearest_leader(self, b: int) -> str | None:
+        """The faster strategy in the nearest other bucket (the larger on a tie) where both are measured."""
+        measured = {k for k, _ in self._tokens
+                    if k != b and all(self._samples[(k, s)] > self.explore for s in STRATEGIES)}
+        if not measured:
+            return None
+        near = min(measured, key=lambda k: (abs(k.bit_length() - b.bit_length()), -k))
+        return max(STRATEGIES, key=lambda s: self._rate((near, s)))
 
     def record(self, batch: int, strategy: str, tokens: int, seconds: float) -> None:
         """A decode step of `batch` verified requests under `strategy` committed `tokens` in `seconds`."""

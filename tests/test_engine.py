@@ -296,7 +296,6 @@ def test_decode_policy_keeps_the_faster_strategy_and_retries_the_other():
     choices = [policy.choose(64) for _ in range(28)]  # bucket 64 holds 33..64
     # DVR is retried after 4 choices, then 8, then 16: each retry that keeps the leader doubles the wait
     assert [i + 1 for i, c in enumerate(choices) if c == "dvr"] == [4, 12, 28]
-    assert policy.choose(100) == "dvr"  # other batch sizes are measured on their own
     # a rate is tokens over time: a DVR step that rolled back early (few tokens) counts for little
     policy.record(64, "dvr", tokens=8, seconds=0.01)
     assert policy.choose(64) == "canonical"
@@ -304,3 +303,12 @@ def test_decode_policy_keeps_the_faster_strategy_and_retries_the_other():
         policy.record(64, "dvr", tokens=64 * 8, seconds=0.1)
     # a new leader: canonical steps are retried every 4th choice again
     assert [policy.choose(64) for _ in range(4)] == ["dvr"] * 3 + ["canonical"]
+    # a new bucket next to a measured one starts with its leader (DVR by now) and runs canonical steps
+    # only at its retries, not through a full exploration of its own
+    seen = []
+    for _ in range(7):  # bucket 128 holds 65..128
+        s = policy.choose(100)
+        seen.append(s)
+        policy.record(100, s, tokens=64 * 8, seconds=0.1 if s == "dvr" else 0.5)
+    assert seen == ["dvr"] * 6 + ["canonical"]
+    assert "canonical@128" not in policy.rates()  # its first step paid the compiles: not timed yet
