@@ -3,7 +3,7 @@
 Per output element the K loop always runs k = 0, 64, 128, ... (within each segment, from the segment
 start), each tile folded in by one tensor-core dot into the fp32 accumulator. Tile shapes over M and
 N, warps, stages, TMA and persistence are free to change with the shape: measured on H100 they do not
-change the per-element reduction (notes/measurements.md), and tests/gpu checks that they don't.
+change the per-element reduction, and tests/gpu checks that they don't.
 
 Row-parallel layers use `segments` = S: K is cut into S equal segments, each reduced from zero in
 tile order, and the S fp32 partials are added by the fixed tree ((p0+p1)+(p2+p3))+... . A program may
@@ -346,8 +346,8 @@ _PLAIN = [
 # weight-streaming product; the fp32 partials are tiny). From M = 128 on Hopper: the Gluon kernel
 # (tree_sm90.py: a loader warp whose copy stream never drains, tree nodes held in registers); where
 # output tiles fill the last wave badly, each tile's segments are split over 2 or 4 programs (see
-# _gluon_split). Measured (H100, vs cuBLAS): o 0.85 / 0.84 / 0.78 / 0.55 / 0.53 / 0.68 and down
-# 1.03 / 0.87 / 0.83 / 0.61 / 0.65 / 0.83 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not
+# _gluon_split). Measured (H100, vs cuBLAS): o 0.84 / 0.83 / 0.78 / 0.55 / 0.54 / 0.68 and down
+# 1.02 / 0.86 / 0.83 / 0.63 / 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not
 # Hopper, segments that end mid-tile as Qwen2.5-1.5B's down, K = 8960, ...) _TREE_NO_GLUON applies.
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),

@@ -8,11 +8,10 @@ that Triton's pipeliner does not give:
   (tile, K tile) pairs, as far ahead as the ring has free slots, so neither a segment end nor a tile
   end (where the MMA warps fold the tree and store) stops the copies;
 - a finished segment's accumulator is folded into the tree right away, while the next segment's
-  first wgmma runs (the fold does not drain the tensor cores). An 8-leaf tree has four pending fp32
-  tiles at its last leaf, and the next accumulator makes five, more than the register file holds at
-  128 x 128: the left leaf stays in registers, the level-1 node too except beside a pending leaf
-  (then in padded shared memory), and the level-2 node waits in this program's L2 scratch tile, so
-  at most three tiles are registers.
+  first wgmma runs (the fold does not drain the tensor cores). At 128 x 128 the register file holds
+  three fp32 tiles: the next accumulator, the finished one and one pending node. So the left leaf
+  stays in registers; the level-1 node too, except beside a pending leaf of an 8-leaf tree (then in
+  padded shared memory); the level-2 node waits in this program's L2 scratch tile.
 """
 from __future__ import annotations
 
