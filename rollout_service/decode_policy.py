@@ -23,6 +23,8 @@ class DecodePolicy:
                  max_backoff: int = 8):
         if mode not in VERIFIED_DECODE:
             raise ValueError(f"verified_decode must be one of {VERIFIED_DECODE}, got {mode!r}")
+        if explore < 1:  # a strategy's first step is not timed: a rate needs at least one more
+            raise ValueError(f"explore must be >= 1 timed steps, got {explore}")
         self.mode, self.retry_every, self.decay, self.explore = mode, retry_every, decay, explore
         self.max_backoff = max_backoff
         # (bucket, strategy) -> decayed sums of committed tokens and seconds: their ratio is a rate
@@ -49,7 +51,7 @@ class DecodePolicy:
                 return next(s for s in STRATEGIES if s not in explored)
             if not explored:
                 return lead
-            # the neighbour's leader leads here too until the other strategy, run at retries, beats it
+            # the strategy measured here leads until the other one, run at retries, beats it
             best, other = explored[0], next(s for s in STRATEGIES if s not in explored)
         else:
             best, other = sorted(STRATEGIES, key=lambda s: -self._rate((b, s)))

@@ -284,6 +284,8 @@ def test_decode_policy_keeps_the_faster_strategy_and_retries_the_other():
     policy = DecodePolicy("auto", retry_every=4, explore=2)
     with pytest.raises(ValueError, match="verified_decode"):
         DecodePolicy("sometimes")
+    with pytest.raises(ValueError, match="explore"):
+        DecodePolicy("auto", explore=0)
     assert DecodePolicy("dvr").choose(64) == "dvr" and DecodePolicy("canonical").choose(64) == "canonical"
     # explore: each strategy runs until it has 2 timed steps; the first step of each is not timed
     seen = []
