@@ -9,28 +9,32 @@ that leaves the leader in place doubles the wait before the next (up to `max_bac
 `retry_every`), so a clear winner pays for few retries; a change of leader starts over. A new bucket
 next to a measured one starts with that bucket's leader and runs the other strategy only at its
 retries: the batch sizes met while requests are admitted or finish then cost no full exploration each.
+
+A rate is committed tokens over seconds across a strategy's last `history` timed steps at a bucket,
+leaving out steps that took more than `outlier` times the typical (lower median) step: a one-off stall
+(a compile, a graph capture, an allocator grow, a collection pause) would otherwise hand the lead to
+the slower strategy until the next retry.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 VERIFIED_DECODE = ("auto", "dvr", "canonical")
 STRATEGIES = ("dvr", "canonical")
 
 
 class DecodePolicy:
-    def __init__(self, mode: str = "auto", retry_every: int = 16, decay: float = 0.75, explore: int = 2,
-                 max_backoff: int = 8):
+    def __init__(self, mode: str = "auto", retry_every: int = 16, explore: int = 2, max_backoff: int = 8,
+                 history: int = 8, outlier: float = 3.0):
         if mode not in VERIFIED_DECODE:
             raise ValueError(f"verified_decode must be one of {VERIFIED_DECODE}, got {mode!r}")
         if explore < 1:  # a strategy's first step is not timed: a rate needs at least one more
             raise ValueError(f"explore must be >= 1 timed steps, got {explore}")
-        self.mode, self.retry_every, self.decay, self.explore = mode, retry_every, decay, explore
-        self.max_backoff = max_backoff
-        # (bucket, strategy) -> decayed sums of committed tokens and seconds: their ratio is a rate
-        # that a step with an early rollback (few tokens) cannot swing the way a mean of rates would
-        self._tokens: dict[tuple[int, str], float] = {}
-        self._seconds: dict[tuple[int, str], float] = {}
+        self.mode, self.retry_every, self.explore, self.max_backoff = mode, retry_every, explore, max_backoff
+        self.history, self.outlier = history, outlier
+        # (bucket, strategy) -> recent timed steps as (committed tokens, seconds): a ratio of sums, which
+        # a step with an early rollback (few tokens) cannot swing the way a mean of rates would
+        self._steps: dict[tuple[int, str], deque] = {}
         self._samples: Counter = Counter()  # (bucket, strategy) -> decode steps seen
         self._since_retry: Counter = Counter()  # bucket -> choices since the last retry
         self._interval: dict[int, int] = {}  # bucket -> choices between retries now
@@ -66,7 +70,7 @@ class DecodePolicy:
 
     def _nearest_leader(self, b: int) -> str | None:
         """The faster strategy in the nearest other bucket (the larger on a tie) where both are measured."""
-        measured = {k for k, _ in self._tokens
+        measured = {k for k, _ in self._steps
                     if k != b and all(self._samples[(k, s)] > self.explore for s in STRATEGIES)}
         if not measured:
             return None
@@ -81,12 +85,14 @@ class DecodePolicy:
         self._samples[key] += 1
         if self._samples[key] == 1:
             return  # a strategy's first step at a size pays kernel compiles and graph captures
-        self._tokens[key] = self.decay * self._tokens.get(key, 0.0) + tokens
-        self._seconds[key] = self.decay * self._seconds.get(key, 0.0) + seconds
+        self._steps.setdefault(key, deque(maxlen=self.history)).append((tokens, seconds))
 
     def _rate(self, key) -> float:
-        return self._tokens[key] / self._seconds[key]
+        steps = self._steps[key]
+        typical = sorted(s for _, s in steps)[(len(steps) - 1) // 2]  # lower median: two steps give the faster
+        kept = [(t, s) for t, s in steps if s <= self.outlier * typical]
+        return sum(t for t, _ in kept) / sum(s for _, s in kept)
 
     def rates(self) -> dict[str, float]:
         """Measured committed tokens/s, keyed 'strategy@bucket' (for logs and benchmarks)."""
-        return {f"{s}@{b}": round(self._rate((b, s)), 1) for b, s in sorted(self._tokens)}
+        return {f"{s}@{b}": round(self._rate((b, s)), 1) for b, s in sorted(self._steps)}

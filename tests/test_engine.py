@@ -314,3 +314,20 @@ def test_decode_policy_keeps_the_faster_strategy_and_retries_the_other():
         policy.record(100, s, tokens=64 * 8, seconds=0.1 if s == "dvr" else 0.5)
     assert seen == ["dvr"] * 6 + ["canonical"]
     assert "canonical@128" not in policy.rates()  # its first step paid the compiles: not timed yet
+
+
+def test_decode_policy_leaves_out_a_stalled_step():
+    # canonical is 2x faster, but one of its two timed exploration steps stalls (10x, e.g. a compile):
+    # counted, that stall alone makes DVR look faster until the first retry
+    policy = DecodePolicy("auto", retry_every=16, explore=2)
+    stalls = iter([False, True, False])
+    for _ in range(6):
+        s = policy.choose(64)
+        slow = s == "canonical" and next(stalls)
+        policy.record(64, s, tokens=512, seconds=1.0 if s == "dvr" else 5.0 if slow else 0.5)
+    assert policy.rates() == {"canonical@64": 1024.0, "dvr@64": 512.0}
+    assert [policy.choose(64) for _ in range(8)] == ["canonical"] * 8
+    # a lasting slowdown is not an outlier: once it is the typical step it counts, and DVR leads
+    for _ in range(4):
+        policy.record(64, "canonical", tokens=512, seconds=5.0)
+    assert policy.choose(64) == "dvr"
