@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import kernels as K
 from rollout_service import Engine, SamplingParams
 from rollout_service.decode_policy import DecodePolicy
 
@@ -30,11 +31,14 @@ SHAPES = {
 }
 
 
-def build_model(name: str, device: str):
+def build_model(name: str, device: str, num_layers: int | None = None):
+    """A randomly initialised bf16 model of shape `name` (num_layers: fewer layers, same layer shape)."""
     from recipes.tiny_models import tiny_config
     import transformers
     shape = dict(SHAPES[name])
     arch = shape.pop("arch")
+    if num_layers:
+        shape["num_layers"] = num_layers
     cfg = tiny_config(arch, max_positions=8192, **shape)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[arch]
     torch.manual_seed(0)
@@ -89,8 +93,12 @@ def main():
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--modes", default="off,verified,verified-dvr,invariant")
+    ap.add_argument("--tree-segments", type=int, default=None,
+                    help=f"row-parallel tree width, one of {K.TREE_WIDTHS} (default: {K.TREE_SEGMENTS_ENV} or 8)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
+    if args.tree_segments is not None:
+        K.set_tree_segments(args.tree_segments)
     model = build_model(args.model, args.device)
     vocab = model.config.vocab_size
     results = []
@@ -119,7 +127,7 @@ def main():
         print(json.dumps(row), flush=True)
     doc = dict(model=args.model, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                prompt_len=args.prompt_len, output_len=args.output_len, window=args.window, group=args.group,
-               temperature=args.temperature, results=results)
+               temperature=args.temperature, tree_segments=K.tree_segments(), results=results)
     print(json.dumps(doc, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -7,19 +7,53 @@ Ops are differentiable: canonical forward, ordinary backward (kernels.backward).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from . import reference
-from .backward import (attention_ref, linear_ref, rms_norm_ref, silu_mul_ref, with_reference_grad)
+from .backward import attention_ref, linear_with_grad, rms_norm_ref, silu_mul_ref, with_reference_grad
 from .sampling import gumbel_noise, sample
 
 __version__ = "0.1.0"
 
-# Segments of the row-parallel segment tree: the largest tensor-parallel degree supported.
-TREE_SEGMENTS = 8
 # Size of the KV blocks attention visits, from position 0.
 BLOCK_KV = 16
+# Segments of the row-parallel segment tree: the largest tensor-parallel degree whose forward equals
+# this one. Fewer are faster (1: no tree, the plain canonical matmul) and allow fewer TP degrees.
+TREE_WIDTHS = (1, 2, 4, 8)
+TREE_SEGMENTS_ENV = "ZEROKL_TREE_SEGMENTS"
+
+
+def _valid_tree_segments(value, source: str) -> int:
+    try:
+        segments = int(value)
+    except (TypeError, ValueError):
+        segments = None
+    if segments not in TREE_WIDTHS or isinstance(value, (bool, float)):
+        raise ValueError(f"{source} must be one of {TREE_WIDTHS} (the largest TP degree to reproduce), got {value!r}")
+    return segments
+
+
+_tree_segments = _valid_tree_segments(os.environ.get(TREE_SEGMENTS_ENV, "8"), TREE_SEGMENTS_ENV)
+
+
+def tree_segments() -> int:
+    """Segments of the row-parallel tree in this process: ZEROKL_TREE_SEGMENTS (default 8), or the
+    last set_tree_segments(). Trainer and rollout processes must agree (canonical_signature)."""
+    return _tree_segments
+
+
+def set_tree_segments(segments: int) -> None:
+    """Change the row-parallel tree for this process; do it before building engines or patching
+    models (captured CUDA graphs keep the kernels they were captured with)."""
+    global _tree_segments
+    _tree_segments = _valid_tree_segments(segments, "tree_segments")
+
+
+def canonical_signature() -> dict:
+    """What fixes the canonical numbers besides the weights: equal signatures give equal log-probs."""
+    return {"kernels": __version__, "tree_segments": _tree_segments, "block_kv": BLOCK_KV}
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,20 +95,18 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            row_parallel: bool = False, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Canonical x @ weight.T (+ bias); bf16 inputs, fp32 accumulation in a fixed K order.
 
-    row_parallel=True uses the segment tree over K (TREE_SEGMENTS segments), so any TP degree that
-    divides TREE_SEGMENTS reproduces it exactly.
+    row_parallel=True uses the segment tree over K (tree_segments() segments), so any TP degree that
+    divides tree_segments() reproduces it exactly.
     """
     _check("x", x, dtype=torch.bfloat16)
     _check("weight", weight, dims=2, dtype=torch.bfloat16)
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has K={x.shape[-1]} but weight is {tuple(weight.shape)} ([N, K])")
     _same_device(x, weight, bias)
-    segments = TREE_SEGMENTS if row_parallel else 1
+    segments = _tree_segments if row_parallel else 1
     impl = backend_for(x).matmul
-    inputs = (x, weight) if bias is None else (x, weight, bias)
-    return with_reference_grad(
-        lambda *t: impl(*t[:2], t[2] if len(t) > 2 else None, segments=segments, out_dtype=out_dtype),
-        lambda *t: linear_ref(*t[:2], t[2] if len(t) > 2 else None, out_dtype=out_dtype), *inputs)
+    return linear_with_grad(lambda x_, w_, b_: impl(x_, w_, b_, segments=segments, out_dtype=out_dtype),
+                            x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -150,5 +182,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     return with_reference_grad(fwd, lambda q_, k_, v_: attention_ref(q_, k_, v_, positions, scale), q, k, v)
 
 
-__all__ = ["BLOCK_KV", "TREE_SEGMENTS", "add", "attention", "backend_for", "gumbel_noise", "log_softmax",
-           "matmul", "rms_norm", "rotary", "sample", "scale_logits", "silu_mul"]
+__all__ = ["BLOCK_KV", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "attention", "backend_for", "canonical_signature",
+           "gumbel_noise", "log_softmax", "matmul", "rms_norm", "rotary", "sample", "scale_logits",
+           "set_tree_segments", "silu_mul", "tree_segments"]

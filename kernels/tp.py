@@ -4,7 +4,7 @@ Sharding (Megatron style, k ranks):
   * q/k/v and gate/up projections are split by output features (whole heads per rank), lm_head by vocab
     rows (padded with zero rows to a multiple of k); their per-element reductions are untouched.
   * o_proj and down_proj are split by input features K. The TP=1 canonical matmul sums K in
-    TREE_SEGMENTS (S) equal segments combined by the fixed tree ((p0+p1)+(p2+p3))+...; with k | S and
+    S = tree_segments() equal segments combined by the fixed tree ((p0+p1)+(p2+p3))+...; with k | S and
     S | K, rank r's K-slice is exactly segments [r*S/k, (r+1)*S/k), an aligned subtree.
   * embeddings, norms and rotary tables are replicated.
 
@@ -33,7 +33,11 @@ from .reference import exact_math as em
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output features
 ROW_PARALLEL = ("o_proj", "down_proj")  # split by input features (their bias is replicated)
-SUPPORTED_DEGREES = tuple(d for d in (1, 2, 4, 8, 16, 32, 64) if K.TREE_SEGMENTS % d == 0)
+
+
+def supported_degrees() -> tuple[int, ...]:
+    """TP degrees that reproduce this process's TP=1 forward: the divisors of tree_segments()."""
+    return tuple(d for d in K.TREE_WIDTHS if K.tree_segments() % d == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +51,10 @@ class TPShard:
 
 def check_tp(model: torch.nn.Module, world_size: int) -> None:
     """ValueError unless `model` can be split `world_size` ways with the TP=1 numbers kept."""
-    s = K.TREE_SEGMENTS
+    s = K.tree_segments()
     if not isinstance(world_size, int) or world_size < 1 or s % world_size:
-        raise ValueError(f"tensor-parallel degree must divide TREE_SEGMENTS={s} (one of {SUPPORTED_DEGREES}), "
-                         f"got {world_size!r}")
+        raise ValueError(f"tensor-parallel degree must divide tree_segments()={s} (one of {supported_degrees()}; "
+                         f"set {K.TREE_SEGMENTS_ENV} for more), got {world_size!r}")
     spec = model_spec(model)
     inter = model.config.intermediate_size
     problems = []
@@ -59,7 +63,7 @@ def check_tp(model: torch.nn.Module, world_size: int) -> None:
                         f"divisible by {world_size}")
     for name, k_dim in (("o_proj", spec.num_heads * spec.head_dim), ("down_proj", inter)):
         if k_dim % s:  # unequal segments at TP=1 would not fall on rank boundaries
-            problems.append(f"{name} has K={k_dim}, not a multiple of TREE_SEGMENTS={s}")
+            problems.append(f"{name} has K={k_dim}, not a multiple of tree_segments()={s}")
     if problems:
         raise ValueError(f"cannot shard {spec.architecture} {world_size} ways: " + "; ".join(problems))
 
@@ -152,7 +156,7 @@ def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     rank's K-slice, bias [N] replicated. reduce="tree" equals kernels.matmul(row_parallel=True) on the
     full K bit for bit; "all_reduce" is the negative control (see the module docstring)."""
     k = dist.get_world_size(group) if dist.is_initialized() else 1
-    segments = K.TREE_SEGMENTS // k
+    segments = K.tree_segments() // k
     x2 = x.reshape(-1, x.shape[-1])
     if reduce == "tree":
         if reduce_dtype != torch.float32:
@@ -214,5 +218,5 @@ def tp_ops(base_ops: OpSet, group=None, *, vocab_size: int | None = None, reduce
     return dataclasses.replace(base_ops, name=name, linear=linear, logits=logits)
 
 
-__all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "SUPPORTED_DEGREES", "TPShard", "check_tp", "row_parallel_matmul",
+__all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "TPShard", "check_tp", "row_parallel_matmul", "supported_degrees",
            "shard_model", "shard_state_dict", "shard_tensor", "tp_ops", "tp_shard_info"]

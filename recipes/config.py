@@ -7,12 +7,17 @@ from pathlib import Path
 
 import yaml
 
+from kernels import TREE_WIDTHS
+
 DEFAULTS: dict = {
     "name": "grpo",
     "seed": 0,
     "output_dir": "~/zerokl-runs",  # absolute by default: `ray job submit` runs in a temporary copy
     "run_dir": None,  # default: <output_dir>/<name>-<time>
     "task": {"kind": "tiny"},
+    # Row-parallel segment tree width (1, 2, 4 or 8: the largest TP degree that reproduces the trainer);
+    # null = ZEROKL_TREE_SEGMENTS or 8. Given to every rollout worker and trainer rank.
+    "canonical": {"tree_segments": None},
     "model": {"source": "tiny"},
     "warmup": {"steps": 0},
     "rollout": {
@@ -112,6 +117,9 @@ def validate(cfg: dict) -> None:
         raise ValueError("rollout.n must be >= 2: group-normalised advantages need several samples per prompt")
     if t["old_logprobs"] not in ("rollout", "recompute"):
         raise ValueError(f"trainer.old_logprobs must be rollout or recompute, got {t['old_logprobs']!r}")
+    width = cfg["canonical"]["tree_segments"]
+    if width is not None and (width not in TREE_WIDTHS or isinstance(width, bool)):
+        raise ValueError(f"canonical.tree_segments must be one of {TREE_WIDTHS} or null, got {width!r}")
     if t["num_ranks"] < 1 or t["mini_batches"] < 1:
         raise ValueError("trainer.num_ranks and trainer.mini_batches must be >= 1")
     if tr["prompts_per_step"] % t["mini_batches"]:

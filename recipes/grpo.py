@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import yaml
 
+import kernels as K
+
 from .batch import Sample, split_for_ranks
 from .checkpoint import checkpoint_dir, find_checkpoint, read_checkpoint, write_state
 from .config import apply_override, load_config, validate
@@ -34,6 +36,23 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
 class WeightSyncMismatch(RuntimeError):
     """The rollout pool does not hold the weights the trainer has."""
+
+
+def _with_tree_width(options: dict | None, segments: int) -> dict:
+    """Ray actor options that also set this run's tree width in the actor's process (runtime_env
+    env_vars: merged with the job's runtime env, and inherited by the actors it starts)."""
+    options = dict(options or {})
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), K.TREE_SEGMENTS_ENV: str(segments)}
+    options["runtime_env"] = runtime_env
+    return options
+
+
+def _check_canonical(pool_info: dict, trainer_canonical: dict) -> None:
+    if pool_info["canonical"] != trainer_canonical:
+        from rollout_service import CanonicalMismatchError
+        raise CanonicalMismatchError(f"rollout workers run {pool_info['canonical']}, the trainer {trainer_canonical}: "
+                                     "their log-probs would differ")
 
 
 def init_ray(address: str | None = None) -> bool:
@@ -107,6 +126,8 @@ def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> d
         state, _ = read_checkpoint(ckpt)
         step0, cursor = state["step"], state["cursor"]
     rc, tc, trc = cfg["rollout"], cfg["trainer"], cfg["train"]
+    K.set_tree_segments(cfg["canonical"]["tree_segments"] or K.tree_segments())
+    cfg["canonical"]["tree_segments"] = K.tree_segments()  # the run records the width it ran with
     run_dir = _run_dir(cfg, ckpt)
     run_name = f"{cfg['name']}-{rc['determinism']}"
 
@@ -119,10 +140,14 @@ def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> d
     pool = trainer = logger = None
     records = []
     try:
+        width = cfg["canonical"]["tree_segments"]
         pool = RolloutPool(model, num_workers=rc["num_workers"], name=pool_name, engine_kwargs=rc.get("engine"),
-                           resources_per_worker=rc.get("resources_per_worker"), namespace=namespace)
+                           resources_per_worker=_with_tree_width(rc.get("resources_per_worker"), width),
+                           namespace=namespace)
         t_pool = time.perf_counter()
-        trainer = TrainerGroup(tc, model, rc["temperature"])
+        trainer = TrainerGroup(dict(tc, resources_per_rank=_with_tree_width(tc.get("resources_per_rank"), width)),
+                               model, rc["temperature"])
+        _check_canonical(pool.info, trainer.canonical)
         if ckpt is not None:
             trainer.load(str(ckpt / "trainer"))
         sync = _sync(trainer, pool_name, namespace)  # the pool starts from the trainer's exact weights

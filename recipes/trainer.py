@@ -15,6 +15,8 @@ import warnings
 
 import torch
 
+import kernels as K
+
 from .grpo_loss import clipped_pg_loss
 from .metrics import logprob_agreement
 
@@ -36,7 +38,7 @@ class TrainerRank:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int, model: torch.nn.Module) -> int:
+    def setup(self, master_addr: str, master_port: int, model: torch.nn.Module) -> dict:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -66,7 +68,7 @@ class TrainerRank:
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg["lr"], betas=tuple(self.cfg["betas"]),
                                      weight_decay=self.cfg["weight_decay"])
-        return sum(p.numel() for p in model.parameters())
+        return {"num_params": sum(p.numel() for p in model.parameters()), "canonical": K.canonical_signature()}
 
     # -- training --------------------------------------------------------------------------------
 
@@ -168,6 +170,8 @@ class TrainerGroup:
 
     def __init__(self, cfg: dict, model: torch.nn.Module, temperature: float):
         import ray
+
+        from rollout_service.client import CanonicalMismatchError
         self.world = cfg["num_ranks"]
         opts = {"num_cpus": 1, **(cfg.get("resources_per_rank") or {})}
         self.placement = None
@@ -187,7 +191,11 @@ class TrainerGroup:
         try:
             addr, port = ray.get(self.ranks[0].address.remote())
             model_ref = ray.put(model)
-            self.num_params = ray.get([a.setup.remote(addr, port, model_ref) for a in self.ranks])[0]
+            infos = ray.get([a.setup.remote(addr, port, model_ref) for a in self.ranks])
+            self.num_params, self.canonical = infos[0]["num_params"], infos[0]["canonical"]
+            if any(info["canonical"] != self.canonical for info in infos):
+                raise CanonicalMismatchError(f"trainer ranks run different canonical forwards: "
+                                             f"{[info['canonical'] for info in infos]}")
         except BaseException:
             self.kill()
             raise

@@ -14,6 +14,7 @@ _EXPORTS = {
     "RolloutPool": ".pool",
     "RolloutClient": ".client",
     "WeightSyncError": ".client",
+    "CanonicalMismatchError": ".client",
 }
 
 

@@ -17,6 +17,11 @@ class WeightSyncError(RuntimeError):
     """A worker did not end up with the weights the trainer sent (digest differs, or it failed)."""
 
 
+class CanonicalMismatchError(RuntimeError):
+    """Processes that must compute the same log-probs run different canonical forwards
+    (kernels.canonical_signature differs, e.g. another ZEROKL_TREE_SEGMENTS)."""
+
+
 def ensure_ray() -> None:
     if not ray.is_initialized():
         ray.init()  # joins the cluster of RAY_ADDRESS / `ray start`, else starts a local one

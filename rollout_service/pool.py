@@ -14,7 +14,7 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .client import DEFAULT_NAMESPACE, RolloutClient, WeightSyncError, ensure_ray
+from .client import DEFAULT_NAMESPACE, CanonicalMismatchError, RolloutClient, WeightSyncError, ensure_ray
 from .worker import EarlyCancels, RolloutWorker, abort_rollout, error_rollout
 
 # Concurrent calls an async actor accepts; requests beyond the engine's batch wait inside it.
@@ -54,6 +54,7 @@ class _PoolActor:
         self._model = None  # model path, or an ObjectRef of the model
         self._weights_ref = None  # last weights pushed, kept so that restarted workers load them too
         self._digest = None
+        self._canonical = None  # kernels.canonical_signature() of every worker
         self._version = 0
         self._in_flight = 0
         self._active: dict[str, _Slot | None] = {}
@@ -85,6 +86,10 @@ class _PoolActor:
             await self.shutdown()
             raise WeightSyncError(f"workers loaded the same model with different digests: {digests}")
         self._digest = digests.pop()
+        self._canonical = infos[0]["canonical"]
+        if any(info["canonical"] != self._canonical for info in infos):
+            await self.shutdown()
+            raise CanonicalMismatchError(f"workers run different canonical forwards: {[i['canonical'] for i in infos]}")
         if detached and isinstance(self._model, ray.ObjectRef):
             # The creating driver owns the model object and may exit before this pool does; a copy
             # returned by a worker is owned by this actor, so restarts can always read it.
@@ -92,7 +97,7 @@ class _PoolActor:
         for slot in self._slots:
             await self._set_state(slot, "ready")
             self._watch(slot)
-        return {"digest": self._digest, "workers": [s.info for s in self._slots]}
+        return {"digest": self._digest, "canonical": self._canonical, "workers": [s.info for s in self._slots]}
 
     async def _spawn(self, slot: _Slot):
         if self._closed:
@@ -146,6 +151,9 @@ class _PoolActor:
             try:
                 actor = await self._spawn(slot)
                 slot.info = await actor.ready.remote()
+                if slot.info["canonical"] != self._canonical:
+                    raise CanonicalMismatchError(f"restarted worker {slot.index} runs {slot.info['canonical']}, "
+                                                 f"the pool {self._canonical}")
                 while True:  # load the current weights; again if they change meanwhile
                     version, expected = self._version, self._digest
                     digest = await self._load_current(actor, slot)

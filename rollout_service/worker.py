@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
+import kernels as K
+
 from .params import Rollout
 from .weights import load_weights
 
@@ -102,7 +104,7 @@ class RolloutWorker:
     async def ready(self) -> dict:
         self._start()
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "digest": await self._call(self._engine.weights_digest)}
+                "digest": await self._call(self._engine.weights_digest), "canonical": K.canonical_signature()}
 
     async def liveness(self) -> None:
         """Never returns: the pool keeps one call outstanding, which fails the moment this actor dies."""

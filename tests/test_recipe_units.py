@@ -31,6 +31,11 @@ def test_config_overrides_and_scientific_numbers():
         load_config(TINY, ["rollout.determinism=sometimes"])
     with pytest.raises(ValueError):
         load_config(TINY, ["rollout.n=1"])
+    assert cfg["canonical"]["tree_segments"] is None  # the process's width (ZEROKL_TREE_SEGMENTS or 8)
+    assert load_config(TINY, ["canonical.tree_segments=4"])["canonical"]["tree_segments"] == 4
+    for bad in ("3", "true", "eight"):
+        with pytest.raises(ValueError, match="canonical.tree_segments"):
+            load_config(TINY, [f"canonical.tree_segments={bad}"])
 
 
 def test_gsm8k_config_parses():

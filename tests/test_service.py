@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kernels as K
 import service_shared as shared
 from service_shared import ENGINE_KWARGS, POOL_NAME, assert_same
 
@@ -22,8 +23,8 @@ ray = pytest.importorskip("ray")
 from ray.exceptions import RayActorError  # noqa: E402
 
 from recipes.tiny_models import tiny_model  # noqa: E402
-from rollout_service import (Engine, InvalidRequestError, RolloutClient, RolloutPool,  # noqa: E402
-                             SamplingParams, WeightMismatchError)
+from rollout_service import (CanonicalMismatchError, Engine, InvalidRequestError, RolloutClient,  # noqa: E402
+                             RolloutPool, SamplingParams, WeightMismatchError)
 from rollout_service.weights import model_digest, state_dict_digest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -273,6 +274,29 @@ def test_update_weights_digest_restart_and_other_driver(service, reqs):
     sd = shared.model().state_dict()
     assert client.update_weights(sd) == state_dict_digest(sd) == model_digest(shared.model())
     assert [ray.get(w.weights_digest.remote()) for w in client.workers()] == [state_dict_digest(sd)] * 2
+
+
+def test_tree_width_reaches_the_workers_and_is_checked(service, reqs):
+    from recipes.grpo import _check_canonical, _with_tree_width
+    pool = RolloutPool(shared.model(), num_workers=1, name="rollout-width-2", engine_kwargs=ENGINE_KWARGS,
+                       resources_per_worker=_with_tree_width({"num_cpus": 1}, 2))
+    try:
+        assert pool.info["canonical"]["tree_segments"] == 2 != K.tree_segments()
+        got = pool.generate(*reqs)
+        with pytest.raises(CanonicalMismatchError, match="log-probs would differ"):
+            _check_canonical(pool.info, K.canonical_signature())  # a trainer at the default width
+    finally:
+        pool.shutdown()
+    before = K.tree_segments()
+    K.set_tree_segments(2)
+    try:
+        want = Engine(shared.model(), **ENGINE_KWARGS).generate(*reqs)
+        _check_canonical(pool.info, K.canonical_signature())
+    finally:
+        K.set_tree_segments(before)
+    # (this model's K is too short for the width to change its bf16 outputs: tests/test_tp.py shows
+    # widths round differently; here the point is that the worker runs the width it was given)
+    assert_same(got, want, "a width-2 worker vs a width-2 engine here")
 
 
 def test_shutdown_releases_workers(pool1):

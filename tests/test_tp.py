@@ -6,9 +6,12 @@ references are computed here.
 from __future__ import annotations
 
 import copy
+import os
 import random
 import struct
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ import torch.multiprocessing as mp
 import kernels as K
 import trainer_patch
 from kernels.forward import CANONICAL_OPS, model_spec
-from kernels.tp import check_tp, row_parallel_matmul, shard_model, tp_ops
+from kernels.tp import check_tp, row_parallel_matmul, shard_model, supported_degrees, tp_ops
 from recipes.tiny_models import tiny_model
 from rollout_service import Engine, SamplingParams
 from rollout_service.kv_cache import KVCache
@@ -35,6 +38,7 @@ PARAMS = [SamplingParams(max_tokens=8, temperature=t, seed=s, determinism=m)
 REQUESTS = ([p for p in PROMPTS for _ in PARAMS], PARAMS * len(PROMPTS))  # every prompt with every params
 UPDATED = (PROMPTS[:1] * 2, PARAMS[:2])  # requests after a weight update
 LAYER_SHAPE = (16, 512, 48)  # M, K, N of the row-parallel layer check
+REPO = Path(__file__).resolve().parents[1]
 
 
 def make_model(seed=3):
@@ -193,7 +197,7 @@ def test_rollouts_equal_tp1_and_trainer(tp, tp1, models, k):
 
 def test_sharding_rules():
     model = make_model()
-    with pytest.raises(ValueError, match="divide TREE_SEGMENTS"):
+    with pytest.raises(ValueError, match="divide tree_segments"):
         check_tp(model, 3)
     with pytest.raises(ValueError, match="heads"):
         check_tp(tiny_model("qwen2", num_heads=4, num_kv_heads=2), 4)
@@ -211,6 +215,50 @@ def test_sharding_rules():
     padded = shard_model(tiny_model("qwen2", vocab_size=90, **MODEL_KW), 3, 4).lm_head.weight
     assert padded.shape == (23, 64) and not padded[-2:].any()  # 90 rows padded to 92 with zeros
 
+
+
+@pytest.fixture
+def tree_width():
+    """Set this process's tree width for one test, and put the default back after it."""
+    before = K.tree_segments()
+    yield K.set_tree_segments
+    K.set_tree_segments(before)
+
+
+def test_tree_width_sets_the_supported_tp_degrees(tree_width):
+    x = (torch.randn(16, 512, generator=torch.Generator().manual_seed(5))).to(torch.bfloat16)
+    w = (torch.randn(48, 512, generator=torch.Generator().manual_seed(6))).to(torch.bfloat16)
+    tree = lambda: K.matmul(x, w, row_parallel=True, out_dtype=torch.float32)  # noqa: E731
+    wide = tree()
+    tree_width(4)
+    assert K.canonical_signature()["tree_segments"] == 4 and supported_degrees() == (1, 2, 4)
+    four = tree()
+    # TP=2 at width 4: each rank's 2-segment subtree on its K half, then the top of the tree
+    halves = [K.backend_for(x).matmul(x[:, h * 256:(h + 1) * 256], w[:, h * 256:(h + 1) * 256], None, segments=2,
+                                      out_dtype=torch.float32) for h in (0, 1)]
+    assert torch.equal(halves[0] + halves[1], four)
+    check_tp(make_model(), 4)
+    tree_width(1)  # no tree: row-parallel layers are the plain canonical matmul, TP=1 only
+    plain = tree()
+    assert torch.equal(plain, K.matmul(x, w, out_dtype=torch.float32))
+    with pytest.raises(ValueError, match="divide tree_segments"):
+        check_tp(make_model(), 2)
+    # the width is part of the numbers: the widths give different rounding (the test above can fail)
+    assert not torch.equal(wide, four) and not torch.equal(four, plain) and not torch.equal(wide, plain)
+    for bad in (3, 16, 0, "8x", 2.0, True):
+        with pytest.raises(ValueError, match="tree_segments must be one of"):
+            tree_width(bad)
+    assert K.tree_segments() == 1  # a refused value changes nothing
+
+
+def test_tree_width_from_the_environment():
+    code = "import kernels as K; print(K.tree_segments())"
+    env = dict(os.environ, **{K.TREE_SEGMENTS_ENV: "2"})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr
+    env[K.TREE_SEGMENTS_ENV] = "6"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
+    assert out.returncode != 0 and "ZEROKL_TREE_SEGMENTS must be one of (1, 2, 4, 8)" in out.stderr
 
 @pytest.fixture(scope="module")
 def local_ray():

@@ -158,7 +158,7 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None):
         out["layer_all_reduce_fp32"][m] = row_parallel_matmul(xl, wl, None, ctx.group, reduce="all_reduce",
                                                               out_dtype=torch.float32).cpu()
         # the fused kernel's node for this rank's segments == the tree over its unfused segment partials
-        segs = K.TREE_SEGMENTS // k
+        segs = K.tree_segments() // k
         node = K.backend_for(xl).matmul(xl, wl, None, segments=segs, out_dtype=torch.float32)
         parts = list(K.backend_for(xl).matmul_partials(xl, wl, segs).unbind(0))
         out["node_is_subtree"][m] = all(ctx.all_gather_object(same_bits(node, em.tree_combine(parts))))

@@ -378,7 +378,7 @@ def test_public_ops_dispatch_to_triton_with_reference_grad(kt):
     w = randn(128, 256, seed=61, scale=0.05).requires_grad_(True)
     xg = x.clone().requires_grad_(True)
     y = K.matmul(xg, w, row_parallel=True)
-    assert same_bits(y.detach(), kt.matmul(x, w.detach(), segments=K.TREE_SEGMENTS))
+    assert same_bits(y.detach(), kt.matmul(x, w.detach(), segments=K.tree_segments()))
     y.float().sum().backward()
     assert xg.grad is not None and w.grad is not None
     q, k, v, pos, _ = _attn_case(2, 40, 4, 2, 64, seed=62)
