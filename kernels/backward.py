@@ -1,7 +1,9 @@
 """Canonical forward, ordinary backward.
 
 Only the forward numbers must match the rollout engine; gradients come from the standard formula of
-each op (evaluated at the same inputs), which is what the unpatched model would compute.
+each op (evaluated at the same inputs), computed the way the unpatched bf16 model computes them:
+linear layers by bf16 GEMMs (cuBLAS on CUDA), attention by scaled_dot_product_attention's backward
+(flash on CUDA), the elementwise ops by autograd through their plain-torch formulas.
 """
 from __future__ import annotations
 
@@ -35,8 +37,31 @@ def with_reference_grad(canonical: Callable, reference: Callable, *inputs: torch
     return canonical(*inputs)
 
 
-def linear_ref(x, weight, bias=None, out_dtype=torch.bfloat16):
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(out_dtype)
+class _CanonicalLinear(torch.autograd.Function):
+    """Canonical x @ weight.T (+ bias); F.linear's backward in the inputs' dtype (no forward recompute)."""
+
+    @staticmethod
+    def forward(ctx, canonical: Callable, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return canonical(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        g = grad_out.to(x.dtype)
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_x = g @ weight if ctx.needs_input_grad[1] else None
+        grad_w = g2.T @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[2] else None
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return None, grad_x, grad_w, grad_b
+
+
+def linear_with_grad(canonical: Callable, x, weight, bias=None):
+    """canonical(x, weight, bias), differentiable by the ordinary linear backward when grad is needed."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _CanonicalLinear.apply(canonical, x, weight, bias)
+    return canonical(x, weight, bias)
 
 
 def rms_norm_ref(x, weight, eps):
@@ -50,12 +75,16 @@ def silu_mul_ref(gate, up):
 
 
 def attention_ref(q, k, v, positions, scale):
-    """Causal attention over contiguous KV (training shapes) with torch's own math."""
+    """Causal GQA attention over contiguous KV (training shapes) by scaled_dot_product_attention, for
+    its backward. q [B, T, Hq, D]; query (b, t) sees keys 0..positions[b, t]."""
     groups = q.shape[2] // k.shape[2]
-    kf = k.float().repeat_interleave(groups, dim=2)
-    vf = v.float().repeat_interleave(groups, dim=2)
-    scores = torch.einsum("bthd,blhd->bhtl", q.float(), kf) * scale
-    key_pos = torch.arange(k.shape[1], device=q.device)
-    visible = key_pos[None, None, None, :] <= positions[:, None, :, None]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhtl,blhd->bthd", probs, vf).to(torch.bfloat16)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(groups, dim=2),
+                                              v.repeat_interleave(groups, dim=2)))
+    t_q, t_k = q.shape[1], k.shape[1]
+    key_pos = torch.arange(t_k, device=q.device)
+    if t_q == t_k and bool((positions == key_pos[:t_q]).all()):  # a whole sequence from 0: the causal kernel
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:  # padding rows (negative positions) see key 0 only: no empty softmax (their gradient is zero)
+        visible = (key_pos[None, None, :] <= positions[:, :, None].clamp_min(0))[:, None]
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=visible, scale=scale)
+    return out.transpose(1, 2)

@@ -34,6 +34,41 @@ def test_backward_gives_finite_gradients_close_to_unpatched(arch):
         assert rel < 0.1, f"{name}: relative gradient error {rel:.3f}"
 
 
+def _attention_fp32(q, k, v, positions, scale):
+    """Causal GQA attention in fp32 einsums: the gradient oracle."""
+    g = q.shape[2] // k.shape[2]
+    kf, vf = k.float().repeat_interleave(g, dim=2), v.float().repeat_interleave(g, dim=2)
+    scores = torch.einsum("bthd,blhd->bhtl", q.float(), kf) * scale
+    visible = torch.arange(k.shape[1])[None, None, None, :] <= positions.clamp_min(0)[:, None, :, None]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("bhtl,blhd->bthd", probs, vf)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_op_gradients_are_the_ordinary_ones(padded):
+    import kernels as K
+    gen = torch.Generator().manual_seed(1)
+    # linear: F.linear's backward on the same bf16 inputs (bias included)
+    x, w, b = (torch.randn(*s, generator=gen).to(torch.bfloat16).requires_grad_() for s in ((2, 5, 64), (48, 64), (48,)))
+    g = torch.randn(2, 5, 48, generator=gen)
+    want = torch.autograd.grad(torch.nn.functional.linear(x, w, b), (x, w, b), g.to(torch.bfloat16))
+    got = torch.autograd.grad(K.matmul(x, w, b, row_parallel=True, out_dtype=torch.float32), (x, w, b), g)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype and torch.allclose(a.float(), e.float(), rtol=2e-2, atol=2e-2)
+    # attention: close to fp32 autograd; with padding rows (negative positions) still finite
+    q, k, v = (torch.randn(2, 12, h, 16, generator=gen).to(torch.bfloat16).requires_grad_() for h in (4, 2, 2))
+    pos = torch.arange(12).repeat(2, 1)
+    if padded:
+        pos[1, 9:] = -1
+    g = torch.randn(2, 12, 4, 16, generator=gen)
+    g[pos < 0] = 0  # nothing downstream uses a padding row
+    got = torch.autograd.grad(K.attention(q, k, v, pos), (q, k, v), g.to(torch.bfloat16))
+    want = torch.autograd.grad(_attention_fp32(q, k, v, pos, 0.25), (q, k, v), g)
+    for a, e in zip(got, want):
+        assert torch.isfinite(a).all()
+        assert (a.float() - e).norm() / e.norm() < 2e-2
+
+
 def test_unsupported_model_raises_clear_error():
     import transformers
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
