@@ -71,7 +71,27 @@ def rms_norm_ref(x, weight, eps):
 
 
 def silu_mul_ref(gate, up):
-    return (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+    """The unpatched MLP's act_fn(gate) * up, in the inputs' dtype."""
+    return F.silu(gate) * up
+
+
+class _CanonicalAdd(torch.autograd.Function):
+    """Canonical a + b; the gradient passes to both unchanged (nothing to recompute)."""
+
+    @staticmethod
+    def forward(ctx, canonical: Callable, a, b):
+        ctx.dtypes = a.dtype, b.dtype
+        return canonical(a, b)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return None, grad_out.to(ctx.dtypes[0]), grad_out.to(ctx.dtypes[1])
+
+
+def add_with_grad(canonical: Callable, a, b):
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _CanonicalAdd.apply(canonical, a, b)
+    return canonical(a, b)
 
 
 def attention_ref(q, k, v, positions, scale):

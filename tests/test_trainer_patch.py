@@ -55,6 +55,13 @@ def test_op_gradients_are_the_ordinary_ones(padded):
     got = torch.autograd.grad(K.matmul(x, w, b, row_parallel=True, out_dtype=torch.float32), (x, w, b), g)
     for a, e in zip(got, want):
         assert a.dtype == e.dtype and torch.allclose(a.float(), e.float(), rtol=2e-2, atol=2e-2)
+    # the MLP's silu(gate) * up and the residual add: autograd through the same ops in bf16
+    gate, up = (torch.randn(3, 40, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    g = torch.randn(3, 40, generator=gen).to(torch.bfloat16)
+    for op, ref in ((K.silu_mul, lambda a, b: torch.nn.functional.silu(a) * b), (K.add, torch.add)):
+        got = torch.autograd.grad(op(gate, up), (gate, up), g)
+        want = torch.autograd.grad(ref(gate, up), (gate, up), g)
+        assert all(torch.equal(a, e) for a, e in zip(got, want))
     # attention: close to fp32 autograd; with padding rows (negative positions) still finite
     q, k, v = (torch.randn(2, 12, h, 16, generator=gen).to(torch.bfloat16).requires_grad_() for h in (4, 2, 2))
     pos = torch.arange(12).repeat(2, 1)
