@@ -23,6 +23,15 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = ""):
                              f"max |diff| {diff.max().item():.3e}")
 
 
+@pytest.fixture
+def tree_width():
+    """kernels.set_tree_segments for one test; the process's width comes back after it."""
+    import kernels as K
+    before = K.tree_segments()
+    yield K.set_tree_segments
+    K.set_tree_segments(before)
+
+
 @pytest.fixture(scope="session")
 def device():
     return torch.device("cuda" if os.environ.get("ZEROKL_TEST_DEVICE") == "cuda" else "cpu")

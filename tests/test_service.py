@@ -276,7 +276,7 @@ def test_update_weights_digest_restart_and_other_driver(service, reqs):
     assert [ray.get(w.weights_digest.remote()) for w in client.workers()] == [state_dict_digest(sd)] * 2
 
 
-def test_tree_width_reaches_the_workers_and_is_checked(service, reqs):
+def test_tree_width_reaches_the_workers_and_is_checked(service, reqs, tree_width):
     from recipes.grpo import _check_canonical, _with_tree_width
     pool = RolloutPool(shared.model(), num_workers=1, name="rollout-width-2", engine_kwargs=ENGINE_KWARGS,
                        resources_per_worker=_with_tree_width({"num_cpus": 1}, 2))
@@ -287,13 +287,9 @@ def test_tree_width_reaches_the_workers_and_is_checked(service, reqs):
             _check_canonical(pool.info, K.canonical_signature())  # a trainer at the default width
     finally:
         pool.shutdown()
-    before = K.tree_segments()
-    K.set_tree_segments(2)
-    try:
-        want = Engine(shared.model(), **ENGINE_KWARGS).generate(*reqs)
-        _check_canonical(pool.info, K.canonical_signature())
-    finally:
-        K.set_tree_segments(before)
+    tree_width(2)
+    want = Engine(shared.model(), **ENGINE_KWARGS).generate(*reqs)
+    _check_canonical(pool.info, K.canonical_signature())
     # (this model's K is too short for the width to change its bf16 outputs: tests/test_tp.py shows
     # widths round differently; here the point is that the worker runs the width it was given)
     assert_same(got, want, "a width-2 worker vs a width-2 engine here")

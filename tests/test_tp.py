@@ -217,14 +217,6 @@ def test_sharding_rules():
 
 
 
-@pytest.fixture
-def tree_width():
-    """Set this process's tree width for one test, and put the default back after it."""
-    before = K.tree_segments()
-    yield K.set_tree_segments
-    K.set_tree_segments(before)
-
-
 def test_tree_width_sets_the_supported_tp_degrees(tree_width):
     x = (torch.randn(16, 512, generator=torch.Generator().manual_seed(5))).to(torch.bfloat16)
     w = (torch.randn(48, 512, generator=torch.Generator().manual_seed(6))).to(torch.bfloat16)

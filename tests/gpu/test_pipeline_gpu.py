@@ -81,16 +81,8 @@ def test_engine_audit_on_cuda():
 
 
 @pytest.mark.parametrize("temperature,width", [(0.0, 8), (0.7, 8), (0.7, 4), (0.7, 1)])
-def test_zero_kl_and_verified_equals_invariant_on_cuda(temperature, width):
-    before = K.tree_segments()
-    K.set_tree_segments(width)  # the trainer and the engine below share this process's tree width
-    try:
-        _check_zero_kl(temperature)
-    finally:
-        K.set_tree_segments(before)
-
-
-def _check_zero_kl(temperature):
+def test_zero_kl_and_verified_equals_invariant_on_cuda(temperature, width, tree_width):
+    tree_width(width)  # the trainer and the engine below share this process's tree width
     model = _model("qwen3")
     rng = random.Random(0)
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(5, 80))] for _ in range(16)]
