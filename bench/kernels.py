@@ -106,7 +106,10 @@ def candidates(m: int, segments: int):
                 for bm, bn, w, c in ((128, 128, 8, 1), (128, 64, 4, 2), (128, 64, 8, 1), (64, 128, 4, 2))
                 for st in (3, 4)]
     out = [C(128, 256, 8, 3, tma=True), C(128, 256, 8, 4, tma=True), C(128, 128, 8, 4, tma=True),
-           C(128, 128, 4, 4, tma=True)]
+           C(128, 128, 4, 4, tma=True), C(128, 128, 4, 5, gluon=True, tma_store=True),
+           C(128, 128, 8, 5, gluon=True, tma_store=True), C(64, 128, 4, 6, gluon=True, tma_store=True)]
+    if m > 256:
+        out += [C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=g) for g in (8, 16)]
     if m <= 512:
         out += [C(64, 64, 4, 4), C(128, 64, 4, 4), C(128, 128, 4, 4)]
     return out
@@ -115,7 +118,8 @@ def candidates(m: int, segments: int):
 def cfg_dict(cfg: MMConfig):
     return {"block_m": cfg.block_m, "block_n": cfg.block_n, "warps": cfg.warps, "stages": cfg.stages,
             "seg_per_prog": cfg.seg_per_prog, "tma": cfg.tma, "flatten": cfg.flatten, "ctas_per_sm": cfg.ctas_per_sm,
-            "pairs": cfg.pairs, "hold": cfg.hold, "gluon": cfg.gluon}
+            "pairs": cfg.pairs, "hold": cfg.hold, "gluon": cfg.gluon, "tma_store": cfg.tma_store,
+            "group_m": cfg.group_m}
 
 
 def run_matmul(ms_list, sweep: bool, rep: int, shapes=None, model: str = "llama8b"):

@@ -40,7 +40,8 @@ class MMConfig:
     ctas_per_sm: int = 1  # TMA kernel: persistent programs per SM
     pairs: bool = False  # whole tree per tile, segments in pairs (TMA; segments in 2, 4, 8)
     hold: bool = True  # pairs kernel: keep the left quarter-tree in registers (else L2 scratch)
-    gluon: bool = False  # Hopper: the Gluon tree kernel (tree_sm90.py; seg_per_prog splits tiles)
+    gluon: bool = False  # Hopper: the Gluon kernel (tree_sm90.py; seg_per_prog splits tiles)
+    tma_store: bool = False  # Gluon kernel: epilogue through shared memory and a TMA store
 
 
 @triton.jit
@@ -330,12 +331,28 @@ def _num_sms(index: int) -> int:
 
 # Hand-picked launch tables (H100, bf16, from bench/kernels.py --sweep). Each row: (max_M, config);
 # the first row with M <= max_M wins. Columns by N: <= 4096, <= 8192, wider. Small M streams the
-# weight (narrow tiles, deep pipelines, many programs); large M uses the persistent TMA kernel.
+# weight (narrow tiles, deep pipelines, many programs); from M = 128 on Hopper the Gluon kernel
+# (tree_sm90.py with one segment: a loader warp, the epilogue through a TMA store) does most shapes.
+# Measured vs cuBLAS (Llama-3.1-8B shapes, M = 128 / 256 / 512 / 1024 / 2048 / 4096 / 8192):
+# qkv 0.85 / 0.84 / 0.84 / 0.95 / 1.02 / 0.98 / 1.08, o 0.79 / 0.91 / 0.91 / 0.99 / 0.99 / 1.02 / 0.90,
+# down 0.89 / 0.95 / 0.94 / 0.95 / 0.96 / 1.11 / 1.00, gate_up 1.02 / 0.98 / 0.91 / 1.06 / 1.00 / 1.07 / 1.08.
 C = MMConfig
+_G64 = C(64, 128, 4, 6, gluon=True, tma_store=True)
+_G128 = C(128, 128, 4, 5, gluon=True, tma_store=True)
+_G256 = C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=16)
 _PLAIN = [
     (16, (C(16, 64, 4, 6), C(16, 64, 4, 6), C(16, 128, 4, 6))),
     (32, (C(32, 32, 4, 6), C(32, 64, 4, 6), C(32, 64, 4, 6))),
     (64, (C(64, 32, 4, 6), C(64, 32, 4, 6), C(64, 128, 4, 6))),
+    (128, (_G64, _G64, C(128, 128, 8, 3))),
+    (256, (_G64, _G128, C(128, 256, 8, 4, tma=True))),
+    (512, (_G128, C(128, 256, 8, 4, tma=True), _G128)),
+    (1024, (C(128, 256, 8, 4, tma=True), _G128, C(128, 256, 8, 4, tma=True))),
+    (None, (_G256,) * 3),
+]
+# Plain products where a Gluon entry cannot run (not Hopper, K not a multiple of BLOCK_K, operands
+# not TMA-aligned) or writes fp32 (a 128 x 256 fp32 tile does not fit beside the copy ring).
+_PLAIN_NO_GLUON = [
     (128, (C(64, 64, 4, 4), C(64, 64, 4, 4), C(128, 128, 8, 3))),
     (256, (C(128, 64, 4, 4), C(64, 64, 4, 4), C(128, 256, 8, 4, tma=True))),
     (512, (C(128, 128, 4, 4), C(128, 256, 8, 4, tma=True), C(128, 256, 8, 4, tma=True))),
@@ -363,8 +380,11 @@ _TREE_NO_GLUON = [
     (256, (C(64, 128, 4, 4, seg_per_prog=2),) * 3),
     (None, (C(128, 128, 8, 3, pairs=True, hold=False),) * 3),
 ]
+# A plain product whose tiles would leave most SMs idle in their last wave (e.g. N = 2048 at M = 1024:
+# 64 tiles of 128 x 256) takes the first of these that fills the machine (see _wave_fill).
+_SMALLER_TILES = (_G128, _G64)
 _FP32_WIDE = C(128, 128, 8, 4, tma=True)  # a 128x256 fp32 epilogue needs more shared memory than there is
-del C
+del C, _G64, _G128, _G256
 
 
 def _lookup(table, m: int, n: int) -> MMConfig:
@@ -379,8 +399,11 @@ def _lookup(table, m: int, n: int) -> MMConfig:
 def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtype = torch.bfloat16) -> MMConfig:
     """Launch configuration for an [M, K] x [K, N] product (a function of the shape only)."""
     cfg = _lookup(_TREE if segments > 1 else _PLAIN, M, N)
-    if cfg.gluon and (segments == 2 or K % (segments * BLOCK_K) or (M <= 256 and K // segments < 4 * BLOCK_K)):
-        cfg = _lookup(_TREE_NO_GLUON, M, N)
+    if segments == 1 and M > 64 and _wave_fill(M, N, cfg) < 0.6:
+        cfg = next((c for c in _SMALLER_TILES if _wave_fill(M, N, c) >= 0.8), cfg)
+    if cfg.gluon and (segments == 2 or K % (segments * BLOCK_K) or (M <= 256 and K // segments < 4 * BLOCK_K)
+                      or (segments == 1 and out_dtype != torch.bfloat16)):
+        cfg = _lookup(_TREE_NO_GLUON if segments > 1 else _PLAIN_NO_GLUON, M, N)
     if cfg.gluon and not cfg.seg_per_prog and M > 256:
         cfg = dataclasses.replace(cfg, seg_per_prog=segments // _gluon_split(M, N, cfg, segments))
     if out_dtype == torch.float32 and cfg.tma and cfg.block_n > 128:
@@ -388,16 +411,18 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
     return cfg
 
 
+def _wave_fill(M: int, N: int, cfg: MMConfig, split: int = 1) -> float:
+    """Share of the SM slots that the work items keep busy over their waves (1.0: the last wave is full)."""
+    items = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * split
+    sms = _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+    return items / (triton.cdiv(items, sms) * sms)
+
+
 def _gluon_split(M: int, N: int, cfg: MMConfig, segments: int) -> int:
     """Programs per output tile (1, 2 or 4): more only where it fills the last wave of SMs much better
     (each split costs an fp32 partial round trip). E.g. 160 tiles on 132 SMs: 61% -> 81% -> 97%."""
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    sms = _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
-
-    def fill(items):
-        return items / (triton.cdiv(items, sms) * sms)
     split = 1
-    while split < min(4, segments) and fill(tiles * split * 2) > fill(tiles * split) + 0.12:
+    while split < min(4, segments) and _wave_fill(M, N, cfg, split * 2) > _wave_fill(M, N, cfg, split) + 0.12:
         split *= 2
     return split
 
@@ -420,16 +445,17 @@ def _tree_sm90():
 def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool = False):
     """Fill out ([M, N], or [segments, M, N] fp32 partials when partial=True)."""
     if cfg.gluon:
-        sm90 = _tree_sm90() if segments > 1 and not partial else None
+        sm90 = _tree_sm90() if not partial else None
         if sm90 is not None and sm90.supported(x2, weight, segments):
             split = segments // min(cfg.seg_per_prog or segments, segments)  # work items per output tile
             args = (segments, cfg.block_m, cfg.block_n, cfg.warps, cfg.stages, cfg.group_m)
             if split == 1:
-                return sm90.launch(x2, weight, bias, out, *args)
+                return sm90.launch(x2, weight, bias, out, *args, tma_store=cfg.tma_store)
             parts = torch.empty(split, x2.shape[0], weight.shape[0], dtype=torch.float32, device=out.device)
             _combine(sm90.launch(x2, weight, None, parts, *args, split=split), bias, out)
             return out
-        cfg = _lookup(_TREE_NO_GLUON, x2.shape[0], weight.shape[0])  # not Hopper, or operands not TMA-aligned
+        # not Hopper, or operands not TMA-aligned
+        cfg = _lookup(_TREE_NO_GLUON if segments > 1 else _PLAIN_NO_GLUON, x2.shape[0], weight.shape[0])
     M, K = x2.shape
     N = weight.shape[0]
     seg_len = triton.cdiv(K, segments)

@@ -1,4 +1,5 @@
 """Segment-tree matmul for Hopper (sm90), written in Gluon: a loader warp, MMA warps, nodes held close.
+With one segment it is the plain canonical matmul (no tree), warp-specialised the same way.
 
 Same numbers as the Triton tree kernels in matmul.py (each segment reduced from zero, one 64-wide
 K tile per wgmma group, in order; segment sums added by the fixed tree). What Gluon adds is control
@@ -21,7 +22,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_K = 64
@@ -136,10 +138,10 @@ def _release(empty, cons, STAGES: gl.constexpr, pred=True):
 
 
 @gluon.jit
-def _mma_partition(bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, ready, empty, a_bufs, b_bufs,
-                   pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n,
-                   NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _mma_partition(bias_ptr, out_ptr, out_desc, c_smem, scratch_ptr, M, N, stride_og, stride_om, ready, empty,
+                   a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n,
+                   NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """MMA warps: each work item's segments, reduced from zero (one async wgmma group in flight) and
     folded into the tree, then stored. A slot goes back to the loader once the MMA reading it is done.
     The next segment's first wgmma starts before a finished segment is folded, so the tensor cores
@@ -205,22 +207,35 @@ def _mma_partition(bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, r
                 acc = nxt
         offs_m = off_m + rows
         offs_n = off_n + cols
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
         if SPLIT == 1:
             if HAS_BIAS:
                 root = root + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
-            gl.store(o_ptrs, root.to(out_ptr.dtype.element_ty), mask=mask)
+            if TMA_STORE:
+                # through shared memory; the copy engine clips the tile at M and N. Wait only for the
+                # previous tile's copy (it reads c_smem), so the store overlaps the next tile's wgmmas.
+                tma.store_wait(0)
+                c_smem.store(root.to(out_desc.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_smem)
+            else:
+                mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+                o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
+                gl.store(o_ptrs, root.to(out_ptr.dtype.element_ty), mask=mask)
         else:
+            mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+            o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
             gl.store(o_ptrs + (item // num_tiles).to(gl.int64) * stride_og, root, mask=mask)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["M"])
-def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om,
-                       NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """Tree over NSEG (2, 4 or 8) segment sums of x @ w.T, persistent over work items.
-    SPLIT = 1: an item is an output tile; out = the root (+ bias), cast.
+def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, scratch_ptr, M, N, stride_og, stride_om,
+                       NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """Tree over NSEG (1, 2, 4 or 8) segment sums of x @ w.T, persistent over work items.
+    SPLIT = 1: an item is an output tile; out = the root (+ bias), cast (TMA_STORE: through out_desc).
     SPLIT = 2: an item is half of a tile's segments; out[h] = that half's subtree in fp32 (the caller adds
     the two: the root; more items than tiles evens out the last wave at mid-sized M).
     num_warps MMA warps (the default partition) and one loader warp."""
@@ -236,15 +251,18 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, scratch_ptr, M, N, str
 
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    c_smem = a_bufs  # placeholder unless the epilogue goes through shared memory
+    if TMA_STORE:
+        c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_mma_partition, (bias_ptr, out_ptr, scratch_ptr, M, N, stride_og, stride_om, ready, empty, a_bufs, b_bufs,
-                          pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, NSEG,
-                          SPLIT, HAS_BIAS, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+        (_mma_partition, (bias_ptr, out_ptr, out_desc, c_smem, scratch_ptr, M, N, stride_og, stride_om, ready,
+                          empty, a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m,
+                          num_pid_n, NSEG, SPLIT, HAS_BIAS, TMA_STORE, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
         (_load_partition, (x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item,
                            num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
     ], [1], [24])
@@ -263,19 +281,24 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
+def _tma_aligned(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0
+
+
 def supported(x2: torch.Tensor, weight: torch.Tensor, segments: int) -> bool:
-    """Hopper, bf16, segments in (2, 4, 8) ending on BLOCK_K boundaries, TMA-aligned operands."""
+    """Hopper, bf16, segments in (1, 2, 4, 8) ending on BLOCK_K boundaries, TMA-aligned operands."""
     K = x2.shape[1]
     return (x2.is_cuda and _is_sm90(x2.device.index or 0) and x2.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16 and segments in (2, 4, 8) and K % (segments * BLOCK_K) == 0
-            and x2.stride(1) == 1 and weight.stride(1) == 1 and x2.data_ptr() % 16 == 0
-            and weight.data_ptr() % 16 == 0 and (x2.stride(0) * 2) % 16 == 0 and (weight.stride(0) * 2) % 16 == 0)
+            and weight.dtype == torch.bfloat16 and segments in (1, 2, 4, 8) and K % (segments * BLOCK_K) == 0
+            and _tma_aligned(x2) and _tma_aligned(weight))
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segments: int, block_m: int,
-           block_n: int, warps: int, stages: int, group_m: int = 8, split: int = 1) -> torch.Tensor:
+           block_n: int, warps: int, stages: int, group_m: int = 8, split: int = 1,
+           tma_store: bool = False) -> torch.Tensor:
     """split = 1: fill out [M, N] with the tree product (+ bias). split = 2: fill out [2, M, N] (fp32)
-    with the two half-trees, for the caller to add. The caller checks `supported` first."""
+    with the two half-trees, for the caller to add. The caller checks `supported` first. tma_store:
+    the epilogue goes through shared memory and the copy engine (split = 1, TMA-aligned out)."""
     M, K = x2.shape
     N = weight.shape[0]
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16)
@@ -289,8 +312,15 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
     maxnreg = 65536 // ((warps + 4) * 32) // 8 * 8
     scratch = (torch.empty(progs * block_m * block_n, dtype=torch.float32, device=out.device)
                if segments // split == 8 else out)
+    tma_store = tma_store and split == 1 and _tma_aligned(out)
+    out_desc = x_desc  # placeholder
+    if tma_store:
+        gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[out.dtype]
+        out_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [block_m, block_n],
+                                    gl.NVMMASharedLayout.get_default_for([block_m, block_n], gl_dtype))
     tree_matmul_kernel[(progs,)](
-        x_desc, w_desc, bias if bias is not None else out, out, scratch, M, N, out.stride(0) if split > 1 else 0,
-        out.stride(-2), NSEG=segments, SPLIT=split, HAS_BIAS=bias is not None and split == 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=group_m, STAGES=stages, num_warps=warps, maxnreg=maxnreg)
+        x_desc, w_desc, bias if bias is not None else out, out, out_desc, scratch, M, N,
+        out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
+        HAS_BIAS=bias is not None and split == 1, TMA_STORE=tma_store, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP_M=group_m, STAGES=stages, num_warps=warps, maxnreg=maxnreg)
     return out

@@ -102,6 +102,13 @@ def _configs(kt):
     return out
 
 
+def _gluon_plain_configs(kt):
+    """The Gluon kernel with one segment (Hopper; its fallback elsewhere), TMA-store and pointer epilogues."""
+    C = kt.MMConfig
+    return [C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=16), C(64, 128, 4, 6, gluon=True, tma_store=True),
+            C(128, 128, 4, 5, gluon=True), C(128, 128, 8, 4, gluon=True, tma_store=True)]
+
+
 @pytest.mark.parametrize("segments,k_dim", [(1, 4096), (8, 4096), (8, 8960)])
 def test_matmul_tile_configs_bitwise_identical(kt, segments, k_dim):
     """Tile shape, warps, stages, TMA/persistence and how the segment tree is split over programs
@@ -113,6 +120,8 @@ def test_matmul_tile_configs_bitwise_identical(kt, segments, k_dim):
     b = randn(n_dim, seed=8)
     base = kt.matmul_with_config(x, w, b, segments, BF, kt.MMConfig(64, 64, 4, 2))
     variants = _configs(kt)
+    if segments == 1 and not INTERPRET:
+        variants += _gluon_plain_configs(kt)
     if segments > 1:  # every split of the tree over programs, each on a different tile shape
         variants = [kt.MMConfig(c.block_m, c.block_n, c.warps, c.stages, seg_per_prog=(1, 2, 4, 8)[i % 4],
                                 group_m=c.group_m) for i, c in enumerate(variants) if not c.tma]
@@ -137,7 +146,7 @@ def test_matmul_tile_configs_bitwise_identical(kt, segments, k_dim):
 
 @needs_cuda
 def test_gluon_tree_kernel_runs_on_hopper(kt):
-    """On an H100/H200 the launch table's tree entries for M >= 128 really take the Gluon kernel
+    """On an H100/H200 the launch table's entries for M >= 128 really take the Gluon kernel
     (so the bit-equality tests above exercise it, not its fallback)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon tree kernel is for sm90")
@@ -146,6 +155,7 @@ def test_gluon_tree_kernel_runs_on_hopper(kt):
     assert sm90 is not None, "this Triton has no Gluon"
     x, w = randn(1024, 4096, seed=11), randn(4096, 4096, seed=12, scale=0.02)
     assert kt.pick_config(1024, 4096, 4096, 8).gluon and sm90.supported(x, w, 8)
+    assert kt.pick_config(2048, 6144, 4096, 1).gluon and sm90.supported(x, w, 1)  # plain products too
     assert not sm90.supported(randn(64, 8960, seed=13), randn(1536, 8960, seed=14), 8)  # ends mid-tile
 
 
