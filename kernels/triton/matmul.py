@@ -9,8 +9,8 @@ Row-parallel layers use `segments` = S: K is cut into S equal segments, each red
 tile order, and the S fp32 partials are added by the fixed tree ((p0+p1)+(p2+p3))+... . A program may
 reduce an aligned power-of-two group of segments itself; the group sums then go through the same tree
 in a small combine kernel. Since fp32 addition is commutative, a + b and b + a give the same bits,
-which lets the kernel keep few tiles alive. On Hopper the tree runs in the Gluon kernel of
-tree_sm90.py, which keeps the same per-element order.
+which lets the kernel keep few tiles alive. On Hopper most products, plain and tree, run in the Gluon
+kernel of matmul_sm90.py, which keeps the same per-element order.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class MMConfig:
     ctas_per_sm: int = 1  # TMA kernel: persistent programs per SM
     pairs: bool = False  # whole tree per tile, segments in pairs (TMA; segments in 2, 4, 8)
     hold: bool = True  # pairs kernel: keep the left quarter-tree in registers (else L2 scratch)
-    gluon: bool = False  # Hopper: the Gluon kernel (tree_sm90.py; seg_per_prog splits tiles)
+    gluon: bool = False  # Hopper: the Gluon kernel (matmul_sm90.py; seg_per_prog splits tiles)
     tma_store: bool = False  # Gluon kernel: epilogue through shared memory and a TMA store
 
 
@@ -332,10 +332,11 @@ def _num_sms(index: int) -> int:
 # Hand-picked launch tables (H100, bf16, from bench/kernels.py --sweep). Each row: (max_M, config);
 # the first row with M <= max_M wins. Columns by N: <= 4096, <= 8192, wider. Small M streams the
 # weight (narrow tiles, deep pipelines, many programs); from M = 128 on Hopper the Gluon kernel
-# (tree_sm90.py with one segment: a loader warp, the epilogue through a TMA store) does most shapes.
+# (matmul_sm90.py with one segment: a loader warp, the epilogue through a TMA store) does most shapes.
 # Measured vs cuBLAS (Llama-3.1-8B shapes, M = 128 / 256 / 512 / 1024 / 2048 / 4096 / 8192):
-# qkv 0.85 / 0.84 / 0.84 / 0.95 / 1.02 / 0.98 / 1.08, o 0.79 / 0.91 / 0.91 / 0.99 / 0.99 / 1.02 / 0.90,
-# down 0.89 / 0.95 / 0.94 / 0.95 / 0.96 / 1.11 / 1.00, gate_up 1.02 / 0.98 / 0.91 / 1.06 / 1.00 / 1.07 / 1.08.
+# qkv 0.87 / 0.82 / 0.83 / 0.92 / 0.97 / 1.02 / 1.04, o 0.74 / 0.91 / 0.91 / 0.99 / 0.94 / 0.98 / 0.96,
+# down 0.88 / 0.96 / 0.92 / 0.96 / 1.00 / 1.00 / 1.01, gate_up 1.02 / 0.98 / 0.93 / 0.97 / 1.01 / 1.11 / 1.05.
+# Runs of the same configuration spread by a few points.
 C = MMConfig
 _G64 = C(64, 128, 4, 6, gluon=True, tma_store=True)
 _G128 = C(128, 128, 4, 5, gluon=True, tma_store=True)
@@ -361,7 +362,7 @@ _PLAIN_NO_GLUON = [
 ]
 # Segment tree (row-parallel layers). Small M: segment pairs spread over programs (parallelism for a
 # weight-streaming product; the fp32 partials are tiny). From M = 128 on Hopper: the Gluon kernel
-# (tree_sm90.py: a loader warp whose copy stream never drains, tree nodes held in registers); where
+# (matmul_sm90.py: a loader warp whose copy stream never drains, tree nodes held in registers); where
 # output tiles fill the last wave badly, each tile's segments are split over 2 or 4 programs (see
 # _gluon_split). Measured (H100, vs cuBLAS): o 0.84 / 0.83 / 0.78 / 0.55 / 0.54 / 0.68 and down
 # 1.02 / 0.86 / 0.83 / 0.63 / 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not
@@ -433,19 +434,19 @@ def _tma_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _tree_sm90():
-    """The Gluon tree kernel module, or None where this Triton has no Gluon."""
+def _sm90():
+    """The Gluon kernel module (matmul_sm90), or None where this Triton has no Gluon."""
     try:
-        from . import tree_sm90
+        from . import matmul_sm90
     except ImportError:
         return None
-    return tree_sm90
+    return matmul_sm90
 
 
 def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool = False):
     """Fill out ([M, N], or [segments, M, N] fp32 partials when partial=True)."""
     if cfg.gluon:
-        sm90 = _tree_sm90() if not partial else None
+        sm90 = _sm90() if not partial else None
         if sm90 is not None and sm90.supported(x2, weight, segments):
             split = segments // min(cfg.seg_per_prog or segments, segments)  # work items per output tile
             args = (segments, cfg.block_m, cfg.block_n, cfg.warps, cfg.stages, cfg.group_m)

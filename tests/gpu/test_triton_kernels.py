@@ -151,7 +151,7 @@ def test_gluon_tree_kernel_runs_on_hopper(kt):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon tree kernel is for sm90")
     mm = importlib.import_module("kernels.triton.matmul")  # (kernels.triton.matmul is the function)
-    sm90 = mm._tree_sm90()
+    sm90 = mm._sm90()
     assert sm90 is not None, "this Triton has no Gluon"
     x, w = randn(1024, 4096, seed=11), randn(4096, 4096, seed=12, scale=0.02)
     assert kt.pick_config(1024, 4096, 4096, 8).gluon and sm90.supported(x, w, 8)

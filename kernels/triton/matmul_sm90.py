@@ -1,5 +1,5 @@
-"""Segment-tree matmul for Hopper (sm90), written in Gluon: a loader warp, MMA warps, nodes held close.
-With one segment it is the plain canonical matmul (no tree), warp-specialised the same way.
+"""Canonical matmul for Hopper (sm90), written in Gluon: a loader warp, MMA warps, tree nodes held close.
+With one segment it is the plain product; with 2, 4 or 8 the row-parallel segment tree.
 
 Same numbers as the Triton tree kernels in matmul.py (each segment reduced from zero, one 64-wide
 K tile per wgmma group, in order; segment sums added by the fixed tree). What Gluon adds is control
