@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import kernels.triton as kt  # noqa: E402
 from kernels.triton import MMConfig  # noqa: E402
+from bench import emit  # noqa: E402
 
 # (name, K, N, segments): Llama-3.1-8B projections; QWEN_SHAPES: Qwen2.5-1.5B (`--model qwen1.5b`)
 SHAPES = [("qkv", 4096, 6144, 1), ("o", 4096, 4096, 1), ("o", 4096, 4096, 8), ("gate_up", 4096, 28672, 1),
@@ -322,11 +323,7 @@ def main():
         doc.update(run_norms(rep))
         doc["host_overhead"] = run_host_overhead()
     doc["seconds"] = round(time.time() - t0, 1)
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(doc, args.out)
 
 
 if __name__ == "__main__":

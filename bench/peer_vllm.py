@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from rollout_service.decode_policy import VERIFIED_DECODE  # noqa: E402
+from bench import emit  # noqa: E402
 
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
 ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off")
@@ -173,11 +174,7 @@ def main():
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                       temperature=args.temperature, top_p=args.top_p),
         ours=dict(window=args.window, group=args.group), results=results)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out)
     if tmp is not None:
         tmp.cleanup()
 

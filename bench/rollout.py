@@ -20,6 +20,7 @@ import torch
 import kernels as K
 from rollout_service import Engine, SamplingParams
 from rollout_service.decode_policy import DecodePolicy
+from bench import emit
 
 SHAPES = {
     "tiny": dict(arch="qwen2", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -128,10 +129,7 @@ def main():
     doc = dict(model=args.model, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                prompt_len=args.prompt_len, output_len=args.output_len, window=args.window, group=args.group,
                temperature=args.temperature, tree_segments=K.tree_segments(), results=results)
-    print(json.dumps(doc, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+    emit(doc, args.out)
 
 
 if __name__ == "__main__":

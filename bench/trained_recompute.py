@@ -21,6 +21,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from bench import emit
 from bench.rollout import run
 from recipes.tiny_models import tiny_config
 from rollout_service import Engine
@@ -110,11 +111,7 @@ def main():
                           first_loss=round(losses[0], 3), final_loss=round(sum(losses[-20:]) / len(losses[-20:]), 3)),
                window=args.window, temperature=args.temperature, prompts=len(prompts), output_len=args.output_len,
                random_init=random_stats, trained=dvr_stats(model, prompts, args, args.device))
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(doc, args.out)
 
 
 if __name__ == "__main__":
