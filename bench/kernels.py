@@ -12,6 +12,7 @@ scaled_dot_product_attention. rms_norm and log_softmax vs torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -117,10 +118,7 @@ def candidates(m: int, segments: int):
 
 
 def cfg_dict(cfg: MMConfig):
-    return {"block_m": cfg.block_m, "block_n": cfg.block_n, "warps": cfg.warps, "stages": cfg.stages,
-            "seg_per_prog": cfg.seg_per_prog, "tma": cfg.tma, "flatten": cfg.flatten, "ctas_per_sm": cfg.ctas_per_sm,
-            "pairs": cfg.pairs, "hold": cfg.hold, "gluon": cfg.gluon, "tma_store": cfg.tma_store,
-            "group_m": cfg.group_m}
+    return dataclasses.asdict(cfg)
 
 
 def run_matmul(ms_list, sweep: bool, rep: int, shapes=None, model: str = "llama8b"):

@@ -149,7 +149,7 @@ def test_gluon_tree_kernel_runs_on_hopper(kt):
     """On an H100/H200 the launch table's entries for M >= 128 really take the Gluon kernel
     (so the bit-equality tests above exercise it, not its fallback)."""
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon tree kernel is for sm90")
+        pytest.skip("the Gluon kernel is for sm90")
     mm = importlib.import_module("kernels.triton.matmul")  # (kernels.triton.matmul is the function)
     sm90 = mm._sm90()
     assert sm90 is not None, "this Triton has no Gluon"
