@@ -156,7 +156,7 @@ def main():
 
     tmp = None
     if not args.model:
-        from recipes.tiny_models import tiny_model
+        from rollout_service.tiny_models import tiny_model
         tmp = tempfile.TemporaryDirectory(prefix="peer-vllm-")
         tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
         args.model = tmp.name

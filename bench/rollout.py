@@ -34,7 +34,7 @@ SHAPES = {
 
 def build_model(name: str, device: str, num_layers: int | None = None):
     """A randomly initialised bf16 model of shape `name` (num_layers: fewer layers, same layer shape)."""
-    from recipes.tiny_models import tiny_config
+    from rollout_service.tiny_models import tiny_config
     import transformers
     shape = dict(SHAPES[name])
     arch = shape.pop("arch")

@@ -114,7 +114,7 @@ def main():
 
     import ray
 
-    from recipes.tiny_models import tiny_model
+    from rollout_service.tiny_models import tiny_model
     from rollout_service import RolloutPool
 
     ray.init(address=args.address or "local", num_cpus=None if args.address else args.workers + 1,

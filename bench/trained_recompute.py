@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from bench import emit
 from bench.rollout import run
-from recipes.tiny_models import tiny_config
+from rollout_service.tiny_models import tiny_config
 from rollout_service import Engine
 
 VOCAB = 256  # bytes

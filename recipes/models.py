@@ -7,13 +7,13 @@ import torch
 def initial_model(cfg: dict, tokenizer) -> torch.nn.Module:
     """A bf16 causal LM in eval mode whose vocabulary covers the tokenizer.
 
-    cfg["model"]: {source: tiny, arch, hidden_size, ...} (recipes.tiny_models keyword options) or
+    cfg["model"]: {source: tiny, arch, hidden_size, ...} (rollout_service.tiny_models keyword options) or
     {source: hf, name: <hub id or local dir>}.
     """
     spec = dict(cfg["model"])
     source = spec.pop("source", "tiny")
     if source == "tiny":
-        from .tiny_models import tiny_model
+        from rollout_service.tiny_models import tiny_model
         arch = spec.pop("arch", "qwen2")
         model = tiny_model(arch, seed=cfg["seed"], vocab_size=len(tokenizer), **spec)
     elif source == "hf":

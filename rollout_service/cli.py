@@ -8,20 +8,13 @@ import sys
 from .decode_policy import VERIFIED_DECODE
 
 
-def _load(model: str):
-    if model.startswith("tiny:"):
-        from recipes.tiny_models import tiny_model
-        return tiny_model(model.split(":", 1)[1])
-    return model  # a local checkpoint directory; Engine loads it
-
-
 def audit(args) -> int:
     from rich.console import Console
 
     from .audit import format_table, run_audit
     from .engine import Engine, load_model
 
-    model = load_model(_load(args.model), args.device)
+    model = load_model(args.model, args.device)
     make = lambda **kw: Engine(model, fast_path=args.fast_path, device=args.device,  # noqa: E731
                                copy_model=False, verified_decode=args.verified_decode, **kw)
     results = run_audit(make, model.config.vocab_size, tests=args.tests.split(","), modes=args.modes.split(","),

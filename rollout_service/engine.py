@@ -31,17 +31,25 @@ from .kv_cache import KVCache, OutOfBlocks
 from .params import InvalidRequestError, Rollout, SamplingParams
 from .cuda_graphs import GraphedModelRunner
 from .request import Request
+from .tiny_models import ARCHITECTURES, TINY_PREFIX, tiny_model
 from .runner import Chunk, ModelRunner
 from .weights import load_weights, model_digest
 
 
 def load_model(model, device, copy_model: bool = True) -> torch.nn.Module:
-    """An HF causal LM (object or local directory) as a bf16 inference model on `device`."""
-    if isinstance(model, (str, Path)):
+    """An HF causal LM as a bf16 inference model on `device`.
+
+    `model`: a model object, a local checkpoint directory, or "tiny:{llama,qwen2,qwen3}" (a tiny
+    random model, rollout_service.tiny_models; the same names everywhere: Engine, workers, the audit).
+    """
+    if isinstance(model, str) and model.startswith(TINY_PREFIX):
+        model = tiny_model(model[len(TINY_PREFIX):])
+    elif isinstance(model, (str, Path)):
         path = Path(model)
         if not path.is_dir():
             raise FileNotFoundError(f"model path {str(model)!r} is not a local directory "
-                                    "(no model hub is contacted; pass a saved checkpoint or a model object)")
+                                    f"(no model hub is contacted; pass a saved checkpoint, "
+                                    f"{TINY_PREFIX}<{'|'.join(ARCHITECTURES)}> or a model object)")
         import transformers
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     elif not isinstance(model, torch.nn.Module):

@@ -30,7 +30,7 @@ def assert_same(got, want, what=""):
 
 def model():
     if "model" not in _state:
-        from recipes.tiny_models import tiny_model
+        from rollout_service.tiny_models import tiny_model
         _state["model"] = tiny_model("qwen2")
     return _state["model"]
 

@@ -10,7 +10,7 @@ import trainer_patch
 from rollout_service import Engine, InvalidRequestError, SamplingParams
 from rollout_service.audit import run_audit
 from rollout_service.decode_policy import STRATEGIES, DecodePolicy
-from recipes.tiny_models import tiny_model
+from rollout_service.tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import trainer_patch
 from conftest import assert_bitwise_equal
 from kernels.forward import PagedKV, compute_logits, forward_hidden, model_spec
 import kernels as K
-from recipes.tiny_models import tiny_model
+from rollout_service.tiny_models import tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 

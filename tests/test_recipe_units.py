@@ -114,7 +114,7 @@ def test_clipped_loss_matches_the_ppo_surrogate():
 
 
 def test_pack_aligns_with_token_logprobs():
-    from recipes.tiny_models import tiny_model
+    from rollout_service.tiny_models import tiny_model
     from trainer_patch import token_logprobs
 
     model = tiny_model("qwen2", vocab_size=24, max_positions=64)

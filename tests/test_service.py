@@ -22,7 +22,7 @@ from service_shared import ENGINE_KWARGS, POOL_NAME, assert_same
 ray = pytest.importorskip("ray")
 from ray.exceptions import RayActorError  # noqa: E402
 
-from recipes.tiny_models import tiny_model  # noqa: E402
+from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service import (CanonicalMismatchError, Engine, InvalidRequestError, RolloutClient,  # noqa: E402
                              RolloutPool, SamplingParams, WeightMismatchError)
 from rollout_service.weights import model_digest, state_dict_digest  # noqa: E402
@@ -241,7 +241,7 @@ def test_update_weights_digest_restart_and_other_driver(service, reqs):
     script = textwrap.dedent("""
         import json, sys, ray
         ray.init(address=sys.argv[1], log_to_driver=False)
-        from recipes.tiny_models import tiny_model
+        from rollout_service.tiny_models import tiny_model
         from rollout_service import RolloutClient, SamplingParams
         client = RolloutClient("rollout")
         [r] = client.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=1.0, seed=7))

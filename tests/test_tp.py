@@ -22,7 +22,7 @@ import kernels as K
 import trainer_patch
 from kernels.forward import CANONICAL_OPS, model_spec
 from kernels.tp import check_tp, row_parallel_matmul, shard_model, supported_degrees, tp_ops
-from recipes.tiny_models import tiny_model
+from rollout_service.tiny_models import tiny_model
 from rollout_service import Engine, SamplingParams
 from rollout_service.kv_cache import KVCache
 from rollout_service.runner import Chunk, ModelRunner

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import trainer_patch
-from recipes.tiny_models import tiny_model
+from rollout_service.tiny_models import tiny_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

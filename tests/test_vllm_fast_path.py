@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 import trainer_patch  # noqa: E402
 from kernels.sampling import sample  # noqa: E402
-from recipes.tiny_models import tiny_model  # noqa: E402
+from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service import Engine, SamplingParams  # noqa: E402
 from rollout_service.audit import run_audit  # noqa: E402
 from rollout_service.fast_path.base import DraftRequest  # noqa: E402

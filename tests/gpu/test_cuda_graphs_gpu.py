@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import kernels as K  # noqa: E402
 import trainer_patch  # noqa: E402
-from recipes.tiny_models import tiny_model  # noqa: E402
+from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service import Engine, SamplingParams  # noqa: E402
 from rollout_service.cuda_graphs import GraphedModelRunner  # noqa: E402
 from rollout_service.fast_path.decode_attention import decode_attention  # noqa: E402

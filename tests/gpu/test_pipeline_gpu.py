@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # collected on CPU machines only when -m gpu 
 import kernels as K  # noqa: E402
 import trainer_patch  # noqa: E402
 from conftest import assert_bitwise_equal  # noqa: E402
-from recipes.tiny_models import tiny_model  # noqa: E402
+from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service import Engine, SamplingParams  # noqa: E402
 from rollout_service.audit import run_audit  # noqa: E402
 

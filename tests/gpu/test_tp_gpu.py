@@ -127,7 +127,7 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None):
     from kernels.forward import CANONICAL_OPS
     from kernels.reference import exact_math as em
     from kernels.tp import _all_gather, row_parallel_matmul, shard_model, tp_ops
-    from recipes.tiny_models import tiny_model
+    from rollout_service.tiny_models import tiny_model
     from rollout_service import SamplingParams
     from rollout_service.tp import TPEngine, TPFollower, init_tp_group
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# "tiny:qwen2" names a tiny model wherever a checkpoint path is accepted (rollout_service.engine.load_model)
+TINY_PREFIX = "tiny:"
 
 
 def tiny_config(arch: str = "qwen2", vocab_size: int = 96, hidden_size: int = 64, num_layers: int = 2,
