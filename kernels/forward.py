@@ -6,13 +6,13 @@ runs the very same code with ordinary torch ops. Weights are read from the Huggi
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 import kernels as K
+from kernels.rope import RopeTable
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -76,50 +76,15 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
                      arch == "Qwen3ForCausalLM", cfg.max_position_embeddings)
 
 
-class RopeTable:
-    """cos/sin per absolute position, computed once with Python's math (deterministic per element)."""
-
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0, chunk: int = 1024):
-        self.inv_freq = [float(f) for f in inv_freq.detach().float().cpu()]
-        self.scaling = float(attention_scaling)
-        self.chunk = chunk
-        self.cos = torch.empty(0, len(self.inv_freq))
-        self.sin = torch.empty(0, len(self.inv_freq))
-
-    def _grow(self, n: int) -> None:
-        start = self.cos.shape[0]
-        stop = -(-n // self.chunk) * self.chunk
-        angles = [[p * f for f in self.inv_freq] for p in range(start, stop)]
-        cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64)
-        sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64)
-        dev = self.cos.device
-        self.cos = torch.cat([self.cos, (cos.float() * self.scaling).to(dev)])
-        self.sin = torch.cat([self.sin, (sin.float() * self.scaling).to(dev)])
-
-    def reserve(self, num_positions: int, device: torch.device | str | None = None) -> None:
-        """Precompute positions [0, num_positions) (on `device`): CUDA-graph captures skip the growth check."""
-        if num_positions > self.cos.shape[0]:
-            self._grow(num_positions)
-        if device is not None:
-            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing:  # the check needs a host sync; a captured forward relies on reserve()
-            need = int(positions.max().item()) + 1 if positions.numel() else 0
-            if need > self.cos.shape[0]:
-                self._grow(need)
-        if self.cos.device != positions.device:
-            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        idx = positions.clamp_min(0)
-        return self.cos[idx], self.sin[idx]
-
-
 def rope_table(model: torch.nn.Module) -> RopeTable:
+    """The model's rotary table, from its config alone (kernels.rope; never a module's inv_freq buffer)."""
     table = model.__dict__.get("_zerokl_rope")
     if table is None:
-        rotary = model.model.rotary_emb
-        table = RopeTable(rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0))
+        table = RopeTable.from_config(model.config)
+        head_dim = model_spec(model).head_dim
+        if table.spec.rotary_dim != head_dim:  # the forward rotates whole heads
+            raise ValueError(f"partial rotary embeddings are not supported: rotary dim {table.spec.rotary_dim} "
+                             f"!= head_dim {head_dim}")
         model.__dict__["_zerokl_rope"] = table
     return table
 
@@ -141,15 +106,19 @@ class PagedKV:
         return kp, vp, self.block_table
 
 
-@dataclass
 class ForwardContext:
-    ops: OpSet
-    spec: ModelSpec
-    positions: torch.Tensor  # [B, T]; negative = padding token
-    cos: torch.Tensor
-    sin: torch.Tensor
-    kv: PagedKV | None = None  # None: contiguous KV of this call (training / full sequences)
-    extras: dict = field(default_factory=dict)
+    """What every layer of one forward shares. A plain class on purpose, not a dataclass: FSDP2's
+    MixedPrecisionPolicy(cast_forward_inputs=True), its default, casts the floating tensors it finds
+    in a layer's arguments (inside dataclasses, dicts, tuples) to bf16, and the float32 rotary rows
+    must reach the layers as they are."""
+    __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv")
+
+    def __init__(self, ops: OpSet, spec: ModelSpec, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, kv: PagedKV | None = None):
+        self.ops, self.spec = ops, spec
+        self.positions = positions  # [B, T]; negative = padding token
+        self.cos, self.sin = cos, sin  # float32 rotary rows per token
+        self.kv = kv  # None: contiguous KV of this call (training / full sequences)
 
 
 def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
