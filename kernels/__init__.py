@@ -7,54 +7,17 @@ Ops are differentiable: canonical forward, ordinary backward (kernels.backward).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from . import reference
 from .backward import (add_with_grad, attention_ref, linear_with_grad, rms_norm_ref, silu_mul_ref,
                        with_reference_grad)
+from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_WIDTHS, CanonicalConfig,
+                       CanonicalMismatchError, canonical_config, check_canonical, kernel_family,
+                       set_tree_segments, tree_segments)
+from .logprobs import logprob_temperature, token_logprobs
 from .sampling import gumbel_noise, sample
-
-__version__ = "0.1.0"
-
-# Size of the KV blocks attention visits, from position 0.
-BLOCK_KV = 16
-# Segments of the row-parallel segment tree: the largest tensor-parallel degree whose forward equals
-# this one. Fewer are faster (1: no tree, the plain canonical matmul) and allow fewer TP degrees.
-TREE_WIDTHS = (1, 2, 4, 8)
-TREE_SEGMENTS_ENV = "ZEROKL_TREE_SEGMENTS"
-
-
-def _valid_tree_segments(value, source: str) -> int:
-    try:
-        segments = int(value)
-    except (TypeError, ValueError):
-        segments = None
-    if segments not in TREE_WIDTHS or isinstance(value, (bool, float)):
-        raise ValueError(f"{source} must be one of {TREE_WIDTHS} (the largest TP degree to reproduce), got {value!r}")
-    return segments
-
-
-_tree_segments = _valid_tree_segments(os.environ.get(TREE_SEGMENTS_ENV, "8"), TREE_SEGMENTS_ENV)
-
-
-def tree_segments() -> int:
-    """Segments of the row-parallel tree in this process: ZEROKL_TREE_SEGMENTS (default 8), or the
-    last set_tree_segments(). Trainer and rollout processes must agree (canonical_signature)."""
-    return _tree_segments
-
-
-def set_tree_segments(segments: int) -> None:
-    """Change the row-parallel tree for this process; do it before building engines or patching
-    models (captured CUDA graphs keep the kernels they were captured with)."""
-    global _tree_segments
-    _tree_segments = _valid_tree_segments(segments, "tree_segments")
-
-
-def canonical_signature() -> dict:
-    """What fixes the canonical numbers besides the weights: equal signatures give equal log-probs."""
-    return {"kernels": __version__, "tree_segments": _tree_segments, "block_kv": BLOCK_KV}
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +67,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has K={x.shape[-1]} but weight is {tuple(weight.shape)} ([N, K])")
     _same_device(x, weight, bias)
-    segments = _tree_segments if row_parallel else 1
+    segments = tree_segments() if row_parallel else 1
     impl = backend_for(x).matmul
     return linear_with_grad(lambda x_, w_, b_: impl(x_, w_, b_, segments=segments, out_dtype=out_dtype),
                             x, weight, bias)
@@ -164,7 +127,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
 
     q [B, T, Hq, D] bf16. Contiguous KV: k, v [B, L, Hkv, D] (key j at position j). Paged KV:
     k, v [num_blocks, block_size, Hkv, D] with block_table [B, max_blocks]. Negative positions are
-    padding rows. KV is visited in blocks of BLOCK_KV positions from 0, whatever the layout.
+    padding rows. KV is visited in blocks of kernel_family(q.device).attention_block_kv positions from 0,
+    whatever the layout.
     """
     _check("q", q, dims=4, dtype=torch.bfloat16)
     _check("k", k, dims=4, dtype=torch.bfloat16)
@@ -179,12 +143,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     impl = backend_for(q).attention
     fwd = lambda q_, k_, v_: impl(q_, k_, v_, positions, block_table=block_table, scale=scale,  # noqa: E731
-                                  block_kv=BLOCK_KV)
+                                  block_kv=kernel_family(q.device).attention_block_kv)
     if block_table is not None:
         return fwd(q, k, v)
     return with_reference_grad(fwd, lambda q_, k_, v_: attention_ref(q_, k_, v_, positions, scale), q, k, v)
 
 
-__all__ = ["BLOCK_KV", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "attention", "backend_for", "canonical_signature",
-           "gumbel_noise", "log_softmax", "matmul", "rms_norm", "rotary", "sample", "scale_logits",
-           "set_tree_segments", "silu_mul", "tree_segments"]
+__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "attention",
+           "backend_for", "canonical_config", "check_canonical", "gumbel_noise", "kernel_family", "log_softmax", "logprob_temperature",
+           "matmul", "rms_norm", "rotary", "sample", "scale_logits", "set_tree_segments", "silu_mul",
+           "token_logprobs", "tree_segments"]

@@ -54,13 +54,10 @@ class TrainerRank:
         dist.init_process_group(backend, rank=self.rank, world_size=self.world)
         mesh = init_device_mesh(self.device.type, (self.world,))
         model = model.to(self.device)
-        for p in model.parameters():  # float32 master weights; buffers (rotary tables) stay as given
+        for p in model.parameters():  # float32 master weights (the canonical forward reads no buffers)
             p.data = p.data.float()
         patch_model(model)
-        # cast_forward_inputs=False: the layers' forward context carries float32 rotary tables,
-        # which must not be rounded to bf16.
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                  cast_forward_inputs=False)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -68,7 +65,7 @@ class TrainerRank:
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg["lr"], betas=tuple(self.cfg["betas"]),
                                      weight_decay=self.cfg["weight_decay"])
-        return {"num_params": sum(p.numel() for p in model.parameters()), "canonical": K.canonical_signature()}
+        return {"num_params": sum(p.numel() for p in model.parameters()), "canonical": K.canonical_config(self.device)}
 
     # -- training --------------------------------------------------------------------------------
 
@@ -171,7 +168,6 @@ class TrainerGroup:
     def __init__(self, cfg: dict, model: torch.nn.Module, temperature: float):
         import ray
 
-        from rollout_service.client import CanonicalMismatchError
         self.world = cfg["num_ranks"]
         opts = {"num_cpus": 1, **(cfg.get("resources_per_rank") or {})}
         self.placement = None
@@ -192,10 +188,8 @@ class TrainerGroup:
             addr, port = ray.get(self.ranks[0].address.remote())
             model_ref = ray.put(model)
             infos = ray.get([a.setup.remote(addr, port, model_ref) for a in self.ranks])
-            self.num_params, self.canonical = infos[0]["num_params"], infos[0]["canonical"]
-            if any(info["canonical"] != self.canonical for info in infos):
-                raise CanonicalMismatchError(f"trainer ranks run different canonical forwards: "
-                                             f"{[info['canonical'] for info in infos]}")
+            self.num_params = infos[0]["num_params"]
+            self.canonical = K.check_canonical({f"trainer rank {r}": info["canonical"] for r, info in enumerate(infos)})
         except BaseException:
             self.kill()
             raise

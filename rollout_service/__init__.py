@@ -4,23 +4,22 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Engine": ".engine",
-    "SamplingParams": ".params",
-    "Rollout": ".params",
-    "RolloutStats": ".params",
-    "InvalidRequestError": ".params",
-    "WeightMismatchError": ".weights",
-    "RolloutWorker": ".worker",
-    "RolloutPool": ".pool",
-    "RolloutClient": ".client",
-    "WeightSyncError": ".client",
-    "CanonicalMismatchError": ".client",
+    "Engine": "rollout_service.engine",
+    "SamplingParams": "rollout_service.params",
+    "Rollout": "rollout_service.params",
+    "RolloutStats": "rollout_service.params",
+    "InvalidRequestError": "rollout_service.params",
+    "WeightMismatchError": "rollout_service.weights",
+    "RolloutWorker": "rollout_service.worker",
+    "RolloutPool": "rollout_service.pool",
+    "RolloutClient": "rollout_service.client",
+    "CanonicalMismatchError": "kernels.contract",
 }
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'rollout_service' has no attribute {name!r}")
 
 

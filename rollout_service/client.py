@@ -13,15 +13,6 @@ from .params import Rollout, SamplingParams
 DEFAULT_NAMESPACE = "rollout_service"
 
 
-class WeightSyncError(RuntimeError):
-    """A worker did not end up with the weights the trainer sent (digest differs, or it failed)."""
-
-
-class CanonicalMismatchError(RuntimeError):
-    """Processes that must compute the same log-probs run different canonical forwards
-    (kernels.canonical_signature differs, e.g. another ZEROKL_TREE_SEGMENTS)."""
-
-
 def ensure_ray() -> None:
     if not ray.is_initialized():
         ray.init()  # joins the cluster of RAY_ADDRESS / `ray start`, else starts a local one
@@ -84,14 +75,15 @@ class RolloutClient:
     # -- weights and status ----------------------------------------------------------------------
 
     def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
-        """Load `state_dict` into every worker and return their common digest.
+        """Load `state_dict` (name -> tensor) into every worker and return their common digest.
 
         The tensors enter the object store once (every worker reads the same object). Raises
-        WeightMismatchError for names/shapes that do not fit (the pool keeps its old weights), and
-        WeightSyncError if any worker ends up with a digest other than the trainer's.
+        WeightMismatchError for names/shapes that do not fit (the pool keeps its old weights), or
+        when a worker ends up with a digest other than the trainer's.
         """
-        from .weights import WeightMismatchError, state_dict_digest
+        from .weights import WeightMismatchError, check_state_dict_types, state_dict_digest
 
+        check_state_dict_types(state_dict)
         if expected_digest is None:
             expected_digest = state_dict_digest(state_dict)
         # One object for all workers. This driver owns it; the pool keeps the ref for restarts.
@@ -99,7 +91,7 @@ class RolloutClient:
         try:
             return ray.get(self._pool.update_weights.remote([ref], expected_digest))
         except RayTaskError as e:
-            if isinstance(e.cause, (WeightMismatchError, WeightSyncError)):
+            if isinstance(e.cause, WeightMismatchError):
                 raise e.cause from None  # the pool's own message, without its remote traceback
             raise
 

@@ -13,7 +13,9 @@ Outputs are a pure function of (weights, prompt, params, seed) for verified and 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
+import secrets
 import time
 from collections import deque
 from pathlib import Path
@@ -28,7 +30,7 @@ from .fast_path.base import DraftRequest, FastPath, Proposal
 from .fast_path.native import NativeFastPath, sample_rows, token_logprobs_at
 from .fast_path.native_ops import FAST_OPS
 from .kv_cache import KVCache, OutOfBlocks
-from .params import InvalidRequestError, Rollout, SamplingParams
+from .params import InvalidRequestError, Rollout, SamplingParams, token_id_list
 from .cuda_graphs import GraphedModelRunner
 from .request import Request
 from .tiny_models import ARCHITECTURES, TINY_PREFIX, tiny_model
@@ -114,6 +116,10 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.seed is None and not params.greedy:
+            # an unseeded sampled request (determinism "off") draws its own seed, as vLLM does, so
+            # n samples of one prompt differ
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         need = self.cache.blocks_for(len(prompt) + params.max_tokens)
         if need > self.cache.num_blocks:
             raise InvalidRequestError(f"request can never fit: prompt + max_tokens needs {need} KV blocks, "
@@ -191,13 +197,13 @@ class Engine:
     def weights_digest(self) -> str:
         return model_digest(self.model)
 
+    def canonical_config(self) -> K.CanonicalConfig:
+        """The contract this engine's canonical forward runs under (compared with the trainer's)."""
+        return K.canonical_config(self.device)
+
     # ---- scheduling ------------------------------------------------------------------------
     def _check_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                            for t in prompt):
-            raise InvalidRequestError("prompt must be a list of int token ids")
+        prompt = token_id_list(prompt)
         if not prompt:
             raise InvalidRequestError("prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
@@ -205,7 +211,7 @@ class Engine:
             raise InvalidRequestError(f"prompt has token ids outside [0, {self.spec.vocab_size}): {bad[:5]}")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
-        return list(prompt)
+        return prompt
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 DETERMINISM_MODES = ("verified", "invariant", "off")
@@ -9,6 +10,19 @@ DETERMINISM_MODES = ("verified", "invariant", "off")
 
 class InvalidRequestError(ValueError):
     """A request that can never be served (bad params, bad token ids, prompt too long...)."""
+
+
+def token_id_list(prompt) -> list[int]:
+    """A prompt as a list of Python ints: any sequence of integers (list, tuple, numpy array or
+    integer tensor, numpy integer scalars included). Floats and bools are refused."""
+    if hasattr(prompt, "tolist"):  # numpy arrays, torch tensors (float or bool ones fail below)
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise InvalidRequestError(f"prompt must be a sequence of int token ids, got {type(prompt).__name__}")
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # numpy bools are not Integral
+            raise InvalidRequestError(f"prompt must hold int token ids, got {type(t).__name__} {t!r}")
+    return [int(t) for t in prompt]
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,8 @@ class SamplingParams:
 
     @property
     def effective_seed(self) -> int:
+        # None only reaches the sampler for greedy requests, which ignore it (the engine gives
+        # unseeded sampled requests a fresh seed)
         return 0 if self.seed is None else self.seed
 
 

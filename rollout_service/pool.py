@@ -10,11 +10,15 @@ import os
 from dataclasses import dataclass, field
 
 import ray
+import torch
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .client import DEFAULT_NAMESPACE, CanonicalMismatchError, RolloutClient, WeightSyncError, ensure_ray
+import kernels as K
+
+from .client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
+from .weights import WeightMismatchError
 from .worker import EarlyCancels, RolloutWorker, abort_rollout, error_rollout
 
 # Concurrent calls an async actor accepts; requests beyond the engine's batch wait inside it.
@@ -39,8 +43,6 @@ class _PoolActor:
 
     def __init__(self, num_workers: int, engine_kwargs: dict | None, resources_per_worker: dict | None,
                  placement_group_bundles: list[dict] | None, placement_strategy: str, max_retries: int):
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self._engine_kwargs = dict(engine_kwargs or {})
         if resources_per_worker is None and placement_group_bundles:
             # by default the worker takes exactly its bundle (bundle 0) of the group
@@ -54,7 +56,7 @@ class _PoolActor:
         self._model = None  # model path, or an ObjectRef of the model
         self._weights_ref = None  # last weights pushed, kept so that restarted workers load them too
         self._digest = None
-        self._canonical = None  # kernels.canonical_signature() of every worker
+        self._canonical = None  # kernels.CanonicalConfig of every worker
         self._version = 0
         self._in_flight = 0
         self._active: dict[str, _Slot | None] = {}
@@ -84,12 +86,13 @@ class _PoolActor:
         digests = {info["digest"] for info in infos}
         if len(digests) != 1:
             await self.shutdown()
-            raise WeightSyncError(f"workers loaded the same model with different digests: {digests}")
+            raise WeightMismatchError(f"workers loaded the same model with different digests: {digests}")
         self._digest = digests.pop()
-        self._canonical = infos[0]["canonical"]
-        if any(info["canonical"] != self._canonical for info in infos):
+        try:
+            self._canonical = K.check_canonical({f"worker {s.index}": s.info["canonical"] for s in self._slots})
+        except K.CanonicalMismatchError:
             await self.shutdown()
-            raise CanonicalMismatchError(f"workers run different canonical forwards: {[i['canonical'] for i in infos]}")
+            raise
         if detached and isinstance(self._model, ray.ObjectRef):
             # The creating driver owns the model object and may exit before this pool does; a copy
             # returned by a worker is owned by this actor, so restarts can always read it.
@@ -151,16 +154,14 @@ class _PoolActor:
             try:
                 actor = await self._spawn(slot)
                 slot.info = await actor.ready.remote()
-                if slot.info["canonical"] != self._canonical:
-                    raise CanonicalMismatchError(f"restarted worker {slot.index} runs {slot.info['canonical']}, "
-                                                 f"the pool {self._canonical}")
+                K.check_canonical({"the pool": self._canonical, f"restarted worker {slot.index}": slot.info["canonical"]})
                 while True:  # load the current weights; again if they change meanwhile
                     version, expected = self._version, self._digest
                     digest = await self._load_current(actor, slot)
                     if version == self._version:
                         break
                 if digest != expected:
-                    raise WeightSyncError(f"restarted worker {slot.index} has digest {digest}, expected {expected}")
+                    raise WeightMismatchError(f"restarted worker {slot.index} has digest {digest}, expected {expected}")
                 if self._closed:
                     ray.kill(actor)
                     return
@@ -185,7 +186,7 @@ class _PoolActor:
         # an object this actor owns.
         peers = [s for s in self._slots if s.state == "ready" and s is not slot]
         if not peers:
-            raise WeightSyncError("the current weights are lost (their sender exited) and no worker holds them")
+            raise RuntimeError("the current weights are lost (their sender exited) and no worker holds them")
         self._weights_ref = peers[0].actor.state_dict.remote()
         return await actor.update_weights.remote(self._weights_ref)
 
@@ -293,7 +294,7 @@ class _PoolActor:
                     await self._cond.wait_for(lambda: self._in_flight == 0)
                 slots = [s for s in self._slots if s.state == "ready"]
                 if not slots and all(s.state == "failed" for s in self._slots):
-                    raise WeightSyncError(self._unavailable())
+                    raise RuntimeError(self._unavailable())
                 results = await asyncio.gather(*(s.actor.update_weights.remote(ref) for s in slots),
                                                return_exceptions=True)
                 causes = [r.cause if isinstance(r, RayTaskError) else r for r in results]
@@ -311,7 +312,7 @@ class _PoolActor:
                         slot.state = "restarting"  # out of rotation until it verifiably holds them
                         self._spawn_task(self._restart(slot, reason=f"weight sync failed ({what})"))
                 if bad:
-                    raise WeightSyncError(f"workers did not load the expected weights {expected}: {bad}")
+                    raise WeightMismatchError(f"workers did not load the expected weights {expected}: {bad}")
                 return expected
             finally:
                 self._gate.set()
@@ -368,6 +369,14 @@ class RolloutPool(RolloutClient):
                  resources_per_worker: dict | None = None, placement_group_bundles: list[dict] | None = None,
                  placement_strategy: str = "STRICT_PACK", namespace: str = DEFAULT_NAMESPACE,
                  detached: bool = False, max_retries: int = 3):
+        # checked here, at the call: inside the actor a bad value would surface as ActorDiedError
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int):
+            raise TypeError(f"num_workers must be an int, got {type(num_workers).__name__}")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
+            raise TypeError(f"model must be a Hugging Face model, a local checkpoint path or 'tiny:<arch>', "
+                            f"got {type(model).__name__}")
         ensure_ray()
         options = dict(name=name, namespace=namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY)
         if detached:

@@ -137,6 +137,11 @@ def _load_shard(model, state_dict, ctx: TPContext):
         return f"rank {ctx.rank}: {type(e).__name__}: {e}"
 
 
+# what a RolloutWorker calls on its engine; a TP group serves them from rank 0
+ENGINE_METHODS = ("generate", "add_request", "abort", "step", "has_unfinished", "update_weights", "weights_digest",
+                  "canonical_config")
+
+
 class TPEngine(Engine):
     """The Engine of rank 0 of a tensor-parallel group (see the module docstring).
 
@@ -262,8 +267,7 @@ class _TPRank:
 
     # rank 0
     def call(self, name: str, *args, **kwargs):
-        if name not in ("generate", "add_request", "abort", "step", "has_unfinished", "update_weights",
-                        "weights_digest"):
+        if name not in ENGINE_METHODS:
             raise AttributeError(f"no engine method {name!r} over Ray")
         return getattr(self.engine, name)(*args, **kwargs)
 
@@ -320,8 +324,7 @@ class _EngineProxy:
         self._group = group
 
     def __getattr__(self, name):
-        if name not in ("generate", "add_request", "abort", "step", "has_unfinished", "update_weights",
-                        "weights_digest"):
+        if name not in ENGINE_METHODS:
             raise AttributeError(name)
         if name == "update_weights":
             return self._group.update_weights

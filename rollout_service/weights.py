@@ -2,12 +2,24 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import torch
 
 
 class WeightMismatchError(ValueError):
-    """Weights whose names, shapes or digest do not match the model they are loaded into."""
+    """Weights that are not the expected ones: names or shapes that do not fit the model, non-finite
+    values, or a worker whose digest after loading differs from the trainer's."""
+
+
+def check_state_dict_types(state_dict) -> None:
+    """TypeError at the call for anything but a mapping of names to tensors."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"weights must be a state dict (name -> torch.Tensor), got {type(state_dict).__name__}")
+    bad = [f"{name!r}: {type(t).__name__}" for name, t in state_dict.items()
+           if not isinstance(name, str) or not isinstance(t, torch.Tensor)]
+    if bad:
+        raise TypeError(f"weights must map str names to torch.Tensor values, got {bad[:5]}")
 
 
 def state_dict_digest(state_dict: dict[str, torch.Tensor]) -> str:
@@ -27,6 +39,7 @@ def model_digest(model: torch.nn.Module) -> str:
 
 def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> str:
     """Copy `state_dict` into `model` (all names, exact shapes) and return the model's new digest."""
+    check_state_dict_types(state_dict)
     own = model.state_dict()
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))

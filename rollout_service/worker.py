@@ -12,8 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-import kernels as K
-
 from .params import Rollout
 from .weights import load_weights
 
@@ -104,7 +102,8 @@ class RolloutWorker:
     async def ready(self) -> dict:
         self._start()
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "digest": await self._call(self._engine.weights_digest), "canonical": K.canonical_signature()}
+                "digest": await self._call(self._engine.weights_digest),
+                "canonical": await self._call(self._engine.canonical_config)}
 
     async def liveness(self) -> None:
         """Never returns: the pool keeps one call outstanding, which fails the moment this actor dies."""

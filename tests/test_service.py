@@ -166,8 +166,9 @@ def test_bad_input_fails_only_that_request(service, reqs, reference):
         ([5, 96], good, "outside [0, 96)"),
         ([-1, 3], good, "outside"),
         ([], good, "empty"),
-        ("hello", good, "list of int"),
-        ([1.5, 2], good, "list of int"),
+        ("hello", good, "int token ids"),
+        ([1.5, 2], good, "int token ids"),
+        ([True, 2], good, "int token ids"),
         ([1] * 600, good, "max_model_len"),
         ([1, 2], {"max_tokens": 4}, "SamplingParams"),
         ([3, 4], broken, "max_tokens"),
@@ -204,6 +205,13 @@ def test_bad_input_fails_only_that_request(service, reqs, reference):
     for bad, words in ((wrong_shape, "wrong shape"), (wrong_name, "missing"), (not_finite, "finite")):
         with pytest.raises(WeightMismatchError, match=words):
             client.update_weights(bad)
+    for bad, words in (([1, 2], "state dict"), ({name: [1.0, 2.0]}, "torch.Tensor"), (None, "state dict")):
+        with pytest.raises(TypeError, match=words):  # at the call, before anything is sent
+            client.update_weights(bad)
+    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+        RolloutPool(shared.model(), num_workers=0, name="rollout-none")
+    with pytest.raises(TypeError, match="num_workers must be an int"):
+        RolloutPool(shared.model(), num_workers="2", name="rollout-none")
     assert client.weights_digest() == model_digest(shared.model())  # nothing was loaded
     assert_same(client.generate(*reqs), reference, "after the rejected calls")
 
@@ -277,19 +285,19 @@ def test_update_weights_digest_restart_and_other_driver(service, reqs):
 
 
 def test_tree_width_reaches_the_workers_and_is_checked(service, reqs, tree_width):
-    from recipes.grpo import _check_canonical, _with_tree_width
+    from recipes.grpo import _with_tree_width
     pool = RolloutPool(shared.model(), num_workers=1, name="rollout-width-2", engine_kwargs=ENGINE_KWARGS,
                        resources_per_worker=_with_tree_width({"num_cpus": 1}, 2))
     try:
-        assert pool.info["canonical"]["tree_segments"] == 2 != K.tree_segments()
+        assert pool.info["canonical"].tree_segments == 2 != K.tree_segments()
         got = pool.generate(*reqs)
-        with pytest.raises(CanonicalMismatchError, match="log-probs would differ"):
-            _check_canonical(pool.info, K.canonical_signature())  # a trainer at the default width
+        with pytest.raises(CanonicalMismatchError, match="log-probs would differ"):  # a trainer at the default width
+            K.check_canonical({"rollout workers": pool.info["canonical"], "trainer": K.canonical_config("cpu")})
     finally:
         pool.shutdown()
     tree_width(2)
     want = Engine(shared.model(), **ENGINE_KWARGS).generate(*reqs)
-    _check_canonical(pool.info, K.canonical_signature())
+    K.check_canonical({"rollout workers": pool.info["canonical"], "trainer": K.canonical_config("cpu")})
     # (this model's K is too short for the width to change its bf16 outputs: tests/test_tp.py shows
     # widths round differently; here the point is that the worker runs the width it was given)
     assert_same(got, want, "a width-2 worker vs a width-2 engine here")

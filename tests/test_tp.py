@@ -223,7 +223,7 @@ def test_tree_width_sets_the_supported_tp_degrees(tree_width):
     tree = lambda: K.matmul(x, w, row_parallel=True, out_dtype=torch.float32)  # noqa: E731
     wide = tree()
     tree_width(4)
-    assert K.canonical_signature()["tree_segments"] == 4 and supported_degrees() == (1, 2, 4)
+    assert K.canonical_config().tree_segments == 4 and supported_degrees() == (1, 2, 4)
     four = tree()
     # TP=2 at width 4: each rank's 2-segment subtree on its K half, then the top of the tree
     halves = [K.backend_for(x).matmul(x[:, h * 256:(h + 1) * 256], w[:, h * 256:(h + 1) * 256], None, segments=2,

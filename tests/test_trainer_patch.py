@@ -88,10 +88,13 @@ def test_unsupported_model_raises_clear_error():
 def test_bad_inputs_raise_clear_errors():
     model = trainer_patch.patch_model(tiny_model("qwen2"))
     ids = torch.randint(0, 96, (2, 10))
-    with pytest.raises(ValueError, match="temperature"):
-        trainer_patch.token_logprobs(model, ids, temperature=0.0)
-    with pytest.raises(ValueError, match="temperature"):
-        trainer_patch.token_logprobs(model, ids, temperature=-1.0)
+    for bad in (-1.0, float("nan"), float("inf"), True, "0.7"):
+        with pytest.raises(ValueError, match="temperature"):
+            trainer_patch.token_logprobs(model, ids, temperature=bad)
+    # greedy rollouts (T = 0) report log-probs at T = 1: the one rule of kernels.logprobs
+    greedy = trainer_patch.token_logprobs(model, ids, temperature=0.0)
+    assert torch.equal(greedy, trainer_patch.token_logprobs(model, ids, temperature=1.0))
+    assert not torch.equal(greedy, trainer_patch.token_logprobs(model, ids, temperature=0.7))
     with pytest.raises(TypeError, match="integer"):
         trainer_patch.token_logprobs(model, ids.float())
     with pytest.raises(ValueError, match="outside"):

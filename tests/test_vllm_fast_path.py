@@ -10,6 +10,8 @@ import random
 import pytest
 import torch
 
+import kernels as K
+
 pytest.importorskip("vllm")
 
 import trainer_patch  # noqa: E402
@@ -91,8 +93,8 @@ def agreement(fast, drafts):
                           torch.tensor([len(d.token_ids) + j]))
             agree += int(ours) == tok
             total += 1
-            t_eff = p.temperature if p.temperature > 0 else 1.0
-            want_lp = torch.log_softmax(rec["logits"] / torch.tensor(t_eff, dtype=torch.float32), -1)[tok]
+            # the canonical log-prob at the request's temperature (greedy: T = 1), kernels' one rule
+            want_lp = K.token_logprobs(rec["logits"][None], float(p.temperature), torch.tensor([tok]))[0]
             assert (rec["token"], rec["logprob"]) == (tok, lp) and lp == float(want_lp)
     return agree / total
 

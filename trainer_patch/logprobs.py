@@ -10,13 +10,16 @@ from .patch import check_input_ids, is_patched, patch_model
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    temperature: float = 1.0) -> torch.Tensor:
-    """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) with logits / temperature.
+    """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) at the rollout's temperature.
 
-    Right padding (per attention_mask) does not change values at real positions; padded positions
-    are 0. Differentiable (canonical forward, ordinary backward). Patches `model` if it is not yet.
+    `temperature` is the one the rollout sampled with (0 for greedy: log-probs at T = 1, the rule of
+    kernels.logprobs). Right padding (per attention_mask) does not change values at real positions;
+    padded positions are 0. Differentiable (canonical forward, ordinary backward). Patches `model`
+    if it is not yet.
     """
-    if not isinstance(temperature, (int, float)) or not temperature > 0 or temperature != temperature:
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0 \
+            or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     ids = check_input_ids(model, input_ids)
     if ids.shape[1] < 2:
         raise ValueError("input_ids need at least 2 tokens per row to have a next-token log-prob")
@@ -28,8 +31,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
             raise ValueError("attention_mask must be right-padded (1s then 0s per row)")
     if not is_patched(model):
         patch_model(model)
-    logits = K.scale_logits(model(input_ids=ids).logits[:, :-1], float(temperature))
-    logp = K.log_softmax(logits).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logp = K.token_logprobs(model(input_ids=ids).logits[:, :-1], float(temperature), ids[:, 1:])
     if attention_mask is not None:
         logp = torch.where(mask[:, 1:], logp, 0.0)
     return logp

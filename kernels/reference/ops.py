@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..contract import REFERENCE
 from . import exact_math as em
 
 
@@ -68,7 +69,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               block_table: torch.Tensor | None = None, scale: float | None = None,
-              block_kv: int = 16) -> torch.Tensor:
+              block_kv: int = REFERENCE.attention_block_kv) -> torch.Tensor:
     """Causal GQA attention where query (b, t) at positions[b, t] sees keys 0..positions[b, t] of b.
 
     q [B, T, Hq, D]. Contiguous KV: k, v [B, L, Hkv, D], key j at position j. Paged KV: k, v

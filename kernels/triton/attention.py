@@ -18,9 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-# KV block visited per step, from position 0: part of the canonical order on GPU. It need not divide
-# the paged block size: each key's page is looked up on its own.
-BLOCK_KV = 64
+from ..contract import TRITON
+
+# KV block visited per step, from position 0 (the contract's, kernels.contract.TRITON). It need not
+# divide the paged block size: each key's page is looked up on its own.
+BLOCK_KV = TRITON.attention_block_kv
 _LOG2E = 1.4426950408889634
 
 
@@ -101,9 +103,11 @@ _FORCED_TILE = None  # tests: force (BLOCK_M, warps, stages) for every call
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               block_table: torch.Tensor | None = None, scale: float | None = None,
-              block_kv: int = 16) -> torch.Tensor:
-    """Same semantics as kernels.reference.attention; block_kv is ignored (BLOCK_KV on GPU)."""
-    del block_kv
+              block_kv: int = BLOCK_KV) -> torch.Tensor:
+    """Same semantics as kernels.reference.attention, for the Triton family's block_kv only."""
+    if block_kv != BLOCK_KV:
+        raise ValueError(f"the Triton attention visits KV in blocks of {BLOCK_KV} (kernels.contract.TRITON), "
+                         f"got block_kv={block_kv}")
     bsz, tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv

@@ -22,8 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Fixed K tile: part of the canonical order (one dot per 64 K-elements, in order).
-BLOCK_K = 64
+from ..contract import TRITON
+
+# Fixed K tile, the contract's (kernels.contract.TRITON): one dot per BLOCK_K K-elements, in order.
+BLOCK_K = TRITON.matmul_block_k
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-BLOCK_K = 64
+from ..contract import TRITON
+
+BLOCK_K = TRITON.matmul_block_k  # the contract's K tile, as in matmul.py
 _BK = gl.constexpr(BLOCK_K)  # the kernels' view of it
 
 

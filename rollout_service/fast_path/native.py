@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import sample, scale_logits
+from kernels import sample
+from kernels.logprobs import token_logprobs
 
 from ..runner import Chunk, ModelRunner
 from .base import DraftRequest, Proposal
@@ -26,9 +27,8 @@ def sample_rows(logits: torch.Tensor, params_rows, positions: list[int]) -> torc
 
 
 def token_logprobs_at(logits: torch.Tensor, params_rows, tokens: torch.Tensor, log_softmax) -> torch.Tensor:
-    """log_softmax(logits / T)[token] per row; greedy rows use T = 1."""
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params_rows], dtype=torch.float32)
-    return log_softmax(scale_logits(logits, temps)).gather(1, tokens.reshape(-1, 1)).squeeze(1)
+    """kernels.logprobs.token_logprobs for rows with per-row SamplingParams."""
+    return token_logprobs(logits, [p.temperature for p in params_rows], tokens, log_softmax)
 
 
 class NativeFastPath:

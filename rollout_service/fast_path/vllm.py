@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from kernels.logprobs import token_logprobs
+
 from .base import DraftRequest, Proposal
 
 EXTRA_ARGS_KEY = "zerokl"
@@ -105,8 +107,7 @@ def _build_processor_class():
                                torch.tensor(top_p, device=dev),
                                torch.tensor(seeds, dtype=torch.int64, device=dev),
                                torch.tensor(positions, dtype=torch.int64, device=dev))
-            scale = torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
-            logprobs = torch.log_softmax(rows / scale, dim=-1).gather(1, tokens.unsqueeze(1))
+            logprobs = token_logprobs(rows, temp, tokens).unsqueeze(1)
             out = torch.full_like(rows, float("-inf")).scatter_(1, tokens.unsqueeze(1), logprobs)
             logits.index_copy_(0, torch.tensor(index, device=dev), out.to(logits.dtype))
             if _CAPTURE["on"]:
