@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import time
 import uuid
 from pathlib import Path
@@ -22,20 +23,18 @@ import yaml
 
 import kernels as K
 
+from rollout_service.weights import WeightMismatchError
+
 from .batch import Sample, split_for_ranks
 from .checkpoint import checkpoint_dir, find_checkpoint, read_checkpoint, write_state
 from .config import apply_override, load_config, validate
 from .grpo_loss import group_advantages
-from .metrics import MetricsLogger, step_metrics
+from .metrics import MetricsLogger, StepProgress, step_metrics
 from .models import initial_model
 from .rollouts import group_requests, prompt_indices, rollouts_digest
 from .task import build_task
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
-
-
-class WeightSyncMismatch(RuntimeError):
-    """The rollout pool does not hold the weights the trainer has."""
 
 
 def _with_tree_width(options: dict | None, segments: int) -> dict:
@@ -46,13 +45,6 @@ def _with_tree_width(options: dict | None, segments: int) -> dict:
     runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), K.TREE_SEGMENTS_ENV: str(segments)}
     options["runtime_env"] = runtime_env
     return options
-
-
-def _check_canonical(pool_info: dict, trainer_canonical: dict) -> None:
-    if pool_info["canonical"] != trainer_canonical:
-        from rollout_service import CanonicalMismatchError
-        raise CanonicalMismatchError(f"rollout workers run {pool_info['canonical']}, the trainer {trainer_canonical}: "
-                                     "their log-probs would differ")
 
 
 def init_ray(address: str | None = None) -> bool:
@@ -97,7 +89,7 @@ def _starting_model(cfg: dict, task, resumed: bool) -> torch.nn.Module:
 def _sync(trainer, pool_name: str, namespace: str) -> dict:
     result = trainer.push_weights(pool_name, namespace)
     if result["pool_digest"] != result["digest"]:
-        raise WeightSyncMismatch(f"rollout pool holds {result['pool_digest']}, trainer has {result['digest']}")
+        raise WeightMismatchError(f"rollout pool holds {result['pool_digest']}, trainer has {result['digest']}")
     return result
 
 
@@ -113,8 +105,6 @@ def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, s
 
 def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> dict:
     """Run (or continue) a GRPO job on an initialised Ray; returns {"run_dir", "records"}."""
-    from tqdm.auto import tqdm
-
     from rollout_service import RolloutClient, RolloutPool
     from rollout_service.client import DEFAULT_NAMESPACE
 
@@ -147,18 +137,18 @@ def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> d
         t_pool = time.perf_counter()
         trainer = TrainerGroup(dict(tc, resources_per_rank=_with_tree_width(tc.get("resources_per_rank"), width)),
                                model, rc["temperature"])
-        _check_canonical(pool.info, trainer.canonical)
+        K.check_canonical({"rollout workers": pool.info["canonical"], "trainer ranks": trainer.canonical})
         if ckpt is not None:
             trainer.load(str(ckpt / "trainer"))
         sync = _sync(trainer, pool_name, namespace)  # the pool starts from the trainer's exact weights
         if state.get("digest") not in (None, sync["digest"]):
-            raise WeightSyncMismatch(f"checkpoint weights {sync['digest']} != recorded {state['digest']}")
+            raise WeightMismatchError(f"checkpoint weights {sync['digest']} != recorded {state['digest']}")
         client = RolloutClient(pool_name, namespace=namespace)
         logger = MetricsLogger(run_dir, cfg, run_name)
         t_ready = time.perf_counter()
         _say(f"run directory {run_dir}; set up in {t_ready - t_start:.0f}s (task and model {t_model - t_start:.0f}s, "
              f"rollout pool {t_pool - t_model:.0f}s, trainer ranks {t_ready - t_pool:.0f}s)")
-        bar = tqdm(total=trc["steps"], initial=step0, desc=run_name, disable=not progress, dynamic_ncols=True)
+        bar = StepProgress(trc["steps"], initial=step0, desc=run_name, enabled=progress)
         for step in range(step0 + 1, trc["steps"] + 1):
             t_step = time.perf_counter()
             indices = prompt_indices(cursor, trc["prompts_per_step"], len(task.dataset), cfg["seed"])
@@ -194,10 +184,7 @@ def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> d
             metrics["perf/step_s"] = time.perf_counter() - t_step
             logger.log(step, metrics)
             records.append({"step": step, **metrics})
-            bar.update(1)
-            bar.write(f"step {step}/{trc['steps']}  reward {metrics['reward/mean']:.3f}  "
-                      f"kl {metrics['rollout_train/kl']:.3g}  max|Δ| {metrics['rollout_train/max_abs_logprob_diff']:.3g}  "
-                      f"mismatched {metrics['rollout_train/mismatched_tokens']}  {metrics['perf/step_s']:.1f}s")
+            bar.step(step, metrics)
         bar.close()
     finally:
         if logger is not None:
@@ -254,10 +241,14 @@ def main(argv=None) -> dict:
     init_ray(args.ray_address)
     result = run(cfg, resume=args.resume, progress=not args.no_progress)
     last = result["records"][-1] if result["records"] else {}
-    print(f"run directory: {result['run_dir']}")
     if last:
         print(f"final step {last['step']}: reward {last['reward/mean']:.3f}, "
-              f"rollout_train/kl {last['rollout_train/kl']}, max |Δ logprob| {last['rollout_train/max_abs_logprob_diff']}")
+              f"rollout_train/kl {last['rollout_train/kl']}, "
+              f"max |Δ logprob| {last['rollout_train/max_abs_logprob_diff']}")
+    run_dir = result["run_dir"]
+    print(f"run directory: {run_dir}")
+    plot = f"python -m recipes.plot {shlex.quote(run_dir)} --out {shlex.quote(os.path.join(run_dir, 'curves.png'))}"
+    print(f"plot its curves with\n  {plot}", flush=True)
     return result
 
 

@@ -10,6 +10,8 @@ import json
 import math
 import netrc
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,6 +69,45 @@ def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_toke
         "perf/rollout_tokens_per_s": gen_tokens / max(times["rollout"], 1e-9),
         "perf/train_tokens_per_s": sum(r["tokens"] for r in results) / max(times["train"], 1e-9),
     }
+
+
+def step_line(metrics: dict) -> str:
+    """A step's headline numbers, as printed while a run goes."""
+    return (f"reward {metrics['reward/mean']:.3f}  kl {metrics['rollout_train/kl']:.3g}  "
+            f"max|Δ| {metrics['rollout_train/max_abs_logprob_diff']:.3g}  "
+            f"mismatched {metrics['rollout_train/mismatched_tokens']}  {metrics['perf/step_s']:.1f}s")
+
+
+class StepProgress:
+    """A run's tqdm progress bar. On a terminal it is redrawn in place below one metrics line per step.
+    Elsewhere (`ray job submit`, which streams the job's log and turns every '\\r' redraw into a line of its
+    own; a pipe; a file) it is printed once per step, as one finished line that ends with the step's metrics."""
+
+    def __init__(self, total: int, initial: int = 0, desc: str = "", enabled: bool = True):
+        from tqdm import tqdm
+
+        self._tqdm, self.total, self.initial, self.desc, self.enabled = tqdm, total, initial, desc, enabled
+        self._start = time.perf_counter()
+        interactive = sys.stdout.isatty() and sys.stderr.isatty()
+        self._bar = (tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+                     if enabled and interactive else None)
+
+    def step(self, step: int, metrics: dict) -> None:
+        line = step_line(metrics)
+        if self._bar is not None:
+            self._bar.write(f"step {step}/{self.total}  {line}")  # history above the bar
+            self._bar.update(step - self._bar.n)
+        elif self.enabled:
+            meter = self._tqdm.format_meter(step, self.total, time.perf_counter() - self._start, prefix=self.desc,
+                                            unit="step", initial=self.initial, postfix=line)
+            print(meter, flush=True)
+        else:
+            print(f"step {step}/{self.total}  {line}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def wandb_mode(configured: str | None = None) -> str:
