@@ -1,0 +1,32 @@
+"""vLLM plugin: vLLM's own engine (scheduler, chunked prefill, prefix caching, paged KV) runs the
+canonical forward (kernels.forward), so its log-probs equal trainer_patch.token_logprobs bit for bit.
+
+`register()` is the `vllm.general_plugins` entry point (pyproject.toml): it makes the architecture
+`ZeroKLForCausalLM` known to vLLM and binds vLLM's CUSTOM attention backend to ours. An engine opts in
+per checkpoint with `LLM(model=path, hf_overrides=HF_OVERRIDES, ...)`; stock classes stay available.
+Sampling stays with rollout_service.fast_path.vllm.GumbelLogitsProcessor (vLLM at temperature 0,
+logprobs_mode="processed_logits").
+
+Nothing here imports vLLM at module import time: `import rollout_service` works without it.
+"""
+from __future__ import annotations
+
+ARCHITECTURE = "ZeroKLForCausalLM"
+MODEL_QUALNAME = f"{__name__}.model:ZeroKLForCausalLM"
+BACKEND_QUALNAME = f"{__name__}.attention.ZeroKLAttentionBackend"
+HF_OVERRIDES = {"architectures": [ARCHITECTURE]}
+
+
+def register() -> None:
+    """Idempotent; vLLM calls it in every process that builds an engine."""
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, MODEL_QUALNAME)
+    # Our layers name their backend class directly (Attention(attn_backend=...)); vLLM still maps
+    # get_name() back to an enum member, so CUSTOM must point at it.
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_QUALNAME)
+
+
+__all__ = ["ARCHITECTURE", "HF_OVERRIDES", "register"]

@@ -1,0 +1,35 @@
+"""The parts of vLLM's KV-cache API that differ between the versions we run (0.25 on GPU, 0.32 on CPU).
+
+0.25 allocates a layer's cache in the shape the backend's `get_kv_cache_shape` returns; we ask for
+[num_blocks, 2, block_size, Hkv, D] (FlashAttention's blocks-first shape) and unbind K and V.
+0.32 allocates byte views itself: a layer's cache is a logical [num_blocks, Hkv, block_size, C]
+view with C = K and V of one head and token back to back, physically ordered as the backend's
+`supported_kv_cache_layouts` allows; we ask for LBNHC (token-major blocks) and split C.
+Either way the result is two [num_blocks, block_size, Hkv, D] pools (strided views, no copy).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVLayoutMixin:
+    """Declares our KV layout to whichever vLLM is installed (each reads only its own method)."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)  # 0.25
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):  # 0.32
+        from vllm.v1.kv_cache_interface import KVCacheLayout
+        return (KVCacheLayout.LBNHC,)
+
+
+def split_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's vLLM cache tensor -> (k_pool, v_pool), each [num_blocks, block_size, Hkv, D]."""
+    if kv_cache.dim() == 5:  # 0.25: [NB, 2, BS, H, D]
+        k, v = kv_cache.unbind(1)
+        return k, v
+    # 0.32: logical [NB, H, BS, 2D], whatever the physical order
+    k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return k, v

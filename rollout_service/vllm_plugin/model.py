@@ -1,0 +1,101 @@
+"""ZeroKLForCausalLM: a vLLM model class whose forward is the canonical forward (kernels.forward).
+
+It holds the plain Hugging Face model of the checkpoint's config (Llama / Qwen2 / Qwen3, chosen by
+model_type, so `hf_overrides={"architectures": [...]}` does not lose it) with bf16 parameters under
+their checkpoint names, plus one vLLM `Attention` layer per decoder layer (`...self_attn.attn`) that
+only holds that layer's paged KV cache. vLLM's flat token batch is laid out as [N, 1]: every token is
+its own row with its own absolute position and its sequence's block table, so the canonical attention
+visits keys 0..position of each row exactly as a whole-sequence training forward does.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from kernels.forward import CANONICAL_OPS, compute_logits, forward_hidden, model_spec
+
+from .attention import PagedKVAdapter, ZeroKLAttentionBackend
+
+
+def build_hf_model(hf_config, device: torch.device) -> nn.Module:
+    """The transformers model for `hf_config` (by its config class), bf16, uninitialised storage."""
+    import transformers
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
+    hf.config.architectures = [type(hf).__name__]  # the original class, not our override
+    # weights come from load_weights; rotary buffers are never read (kernels.rope uses the config)
+    hf = hf.to(torch.bfloat16).to_empty(device=device).eval()
+    hf.tie_weights()  # to_empty gives every module its own new parameter: re-tie lm_head to the embedding
+    return hf
+
+
+class ZeroKLForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise NotImplementedError("ZeroKLForCausalLM runs on one device (tensor/pipeline parallel size 1)")
+        device = vllm_config.device_config.device
+        hf = build_hf_model(vllm_config.model_config.hf_config, torch.device(device))
+        self.__dict__["hf"] = hf  # not a submodule: parameters keep their checkpoint names
+        self.model, self.lm_head = hf.model, hf.lm_head
+        self.spec = spec = model_spec(hf)
+        attn = []
+        for i, layer in enumerate(hf.model.layers):  # held inside the HF module: its name is its prefix
+            layer.self_attn.attn = Attention(
+                spec.num_heads, spec.head_dim, getattr(layer.self_attn, "scaling", spec.head_dim ** -0.5),
+                num_kv_heads=spec.num_kv_heads, cache_config=vllm_config.cache_config,
+                prefix=f"{prefix}model.layers.{i}.self_attn.attn", attn_backend=ZeroKLAttentionBackend)
+            attn.append(layer.self_attn.attn)
+        self.__dict__["attn_layers"] = attn  # layer_idx order, as kernels.forward indexes them
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        if inputs_embeds is not None or intermediate_tensors is not None:
+            raise NotImplementedError("ZeroKLForCausalLM takes token ids on a single pipeline stage")
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):  # speculative decoding: [0] is the target model's
+            metadata = metadata[0]
+        num_tokens = input_ids.shape[0]
+        if metadata is None:  # profiling / warm-up: no cache; each token alone at position 0
+            ids = input_ids.reshape(-1, 1)
+            return forward_hidden(self.hf, ids, torch.zeros_like(ids), ops=CANONICAL_OPS).reshape(num_tokens, -1)
+        md = metadata[self.attn_layers[0].layer_name]  # one metadata object serves every layer
+        kv = PagedKVAdapter([a.kv_cache for a in self.attn_layers], md, self.spec.head_dim)
+        n = md.num_actual_tokens
+        hidden = forward_hidden(self.hf, input_ids[:n].reshape(n, 1), positions[:n].reshape(n, 1),
+                                ops=CANONICAL_OPS, kv=kv).reshape(n, -1)
+        if n == num_tokens:
+            return hidden
+        out = hidden.new_zeros(num_tokens, hidden.shape[-1])  # padded tokens: rows nobody samples from
+        out[:n] = hidden
+        return out
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return compute_logits(self.hf, hidden_states)  # float32, canonical
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies Hugging Face-named tensors into the bf16 parameters (a cast rounds to nearest, as
+        from_pretrained(dtype=torch.bfloat16) does); returns the names loaded."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            param = params.get(name)
+            if param is None:  # e.g. rotary inv_freq, or lm_head.weight of a tied checkpoint
+                continue
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            # through the parameter's weight_loader: vLLM's in-place reload wraps it to stage the copy
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(name)
+        return loaded

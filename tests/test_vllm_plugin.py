@@ -1,0 +1,251 @@
+"""vLLM's own engine running the canonical forward (rollout_service.vllm_plugin): every generated
+token's log-prob equals trainer_patch.token_logprobs on the same checkpoint bit for bit, and the
+tokens equal the native Engine's for the same seeds, across batch compositions, chunked prefill and
+prefix-cache hits. A stock vLLM model class with the same sampling processor does not match.
+
+Runs wherever `import vllm` works (the CPU build in CI). One plugin LLM serves the Qwen2 tests; the
+Llama / Qwen3 and negative-control cases build one more each.
+"""
+import gc
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import trainer_patch  # noqa: E402
+from rollout_service import Engine, SamplingParams  # noqa: E402
+from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY, PROCESSOR_FQCN, WORKER_EXTENSION  # noqa: E402
+from rollout_service.tiny_models import tiny_model  # noqa: E402
+from rollout_service.vllm_plugin import HF_OVERRIDES, register  # noqa: E402
+
+# head_dim 32: the stock CPU attention (negative control) supports head sizes 32, 64, ... (not 16)
+MODEL_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+VOCAB = 96
+MAX_BATCHED = 48  # prompts longer than this are prefilled in chunks
+LLM_OPTIONS = dict(dtype="bfloat16", skip_tokenizer_init=True, enable_prefix_caching=True,
+                   logits_processors=[PROCESSOR_FQCN], logprobs_mode="processed_logits", enforce_eager=True,
+                   block_size=16, kv_cache_memory_bytes=64 << 20, max_model_len=256,
+                   max_num_batched_tokens=MAX_BATCHED, max_num_seqs=8, distributed_executor_backend="uni", seed=0,
+                   worker_extension_cls=WORKER_EXTENSION)
+SAMPLINGS = {"greedy": dict(temperature=0.0), "T=0.7": dict(temperature=0.7),
+             "T=1,top_k=5,top_p=0.9": dict(temperature=1.0, top_k=5, top_p=0.9)}
+
+
+def _prompts(n, seed=0, lo=1, hi=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _params(n, sampling, max_tokens, seed0=1000):
+    return [SamplingParams(max_tokens=max_tokens, seed=seed0 + i, **SAMPLINGS[sampling]) for i in range(n)]
+
+
+def make_llm(path, plugin=True, **options):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+    register()  # vLLM calls it through the entry point too (test_entry_point_is_installed)
+    from vllm import LLM
+    # the stock CPU attention needs blocks of a multiple of 32 tokens
+    extra = dict(hf_overrides=HF_OVERRIDES) if plugin else dict(block_size=32)
+    return LLM(model=path, **{**LLM_OPTIONS, **extra, **options})
+
+
+def close(llm):
+    del llm
+    gc.collect()
+
+
+def vllm_generate(llm, prompts, params):
+    """(tokens, log-probs, cached prompt tokens) per request, with our seeded rule in the processor."""
+    from vllm import SamplingParams as VSamplingParams
+    vparams = [VSamplingParams(
+        temperature=0.0, max_tokens=p.max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
+        extra_args={EXTRA_ARGS_KEY: dict(seed=p.effective_seed, temperature=float(p.temperature), top_k=p.top_k,
+                                         top_p=float(p.top_p), position=len(prompt))})
+        for prompt, p in zip(prompts, params)]
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
+    results = []
+    for out in outs:
+        c = out.outputs[0]
+        tokens = list(c.token_ids)
+        results.append((tokens, [c.logprobs[j][t].logprob for j, t in enumerate(tokens)], out.num_cached_tokens or 0))
+    return results
+
+
+def trainer_logprobs(policy, prompt, tokens, temperature):
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    return trainer_patch.token_logprobs(policy, ids, temperature=temperature)[0, -len(tokens):].tolist()
+
+
+def assert_matches_trainer(policy, prompts, params, results):
+    for prompt, p, (tokens, logprobs, _) in zip(prompts, params, results):
+        assert len(tokens) == p.max_tokens
+        assert logprobs == trainer_logprobs(policy, prompt, tokens, p.temperature), (prompt, tokens)
+
+
+def _checkpoint(tmp_path_factory, arch, seed):
+    """A tiny checkpoint; "<arch>-tied" shares lm_head with the embedding (saved without lm_head.weight)."""
+    path = str(tmp_path_factory.mktemp(f"zerokl-{arch}"))
+    model = tiny_model(arch.removesuffix("-tied"), seed=seed, **MODEL_KW)
+    if arch.endswith("-tied"):
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(path)
+    return path
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+    values = {ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert "rollout_service.vllm_plugin:register" in values, "reinstall: pip install -e . --no-deps"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, "qwen2", seed=7)
+
+
+@pytest.fixture(scope="module")
+def policy(checkpoint):
+    """The trainer's side: the checkpoint loaded the usual way."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    llm = make_llm(checkpoint)
+    yield llm
+    close(llm)
+
+
+@pytest.fixture(scope="module")
+def native(checkpoint):
+    return Engine(checkpoint, window=4, group=4)
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_matches_trainer_and_native_engine(llm, policy, native, sampling):
+    prompts = _prompts(5, seed=1) + _prompts(1, seed=2, lo=70, hi=90)  # the last one is chunked
+    params = _params(len(prompts), sampling, max_tokens=8)
+    results = vllm_generate(llm, prompts, params)
+    assert_matches_trainer(policy, prompts, params, results)
+    rollouts = native.generate(prompts, params)
+    assert [r.token_ids for r in rollouts] == [tokens for tokens, _, _ in results]
+    assert [r.logprobs for r in rollouts] == [logprobs for _, logprobs, _ in results]
+
+
+def test_batch_compositions_are_bitwise_equal(llm, policy):
+    prompts = _prompts(6, seed=3, hi=30) + _prompts(1, seed=4, lo=60, hi=60)
+    params = _params(len(prompts), "T=0.7", max_tokens=6, seed0=50)
+    together = vllm_generate(llm, prompts, params)
+    assert_matches_trainer(policy, prompts, params, together)
+    alone = [vllm_generate(llm, [p], [s])[0] for p, s in zip(prompts, params)]
+    order = [6, 2, 5, 0, 3, 1, 4]
+    shuffled = vllm_generate(llm, [prompts[i] for i in order], [params[i] for i in order])
+    others = _prompts(5, seed=5, lo=20, hi=70)  # unrelated neighbours, mixed prefill / decode steps
+    mixed = vllm_generate(llm, others[:3] + prompts[:4] + others[3:] + prompts[4:],
+                          _params(3, "greedy", 9) + params[:4] + _params(2, "T=0.7", 3, seed0=9) + params[4:])
+    mixed = mixed[3:7] + mixed[9:]
+
+    def strip(rs):  # compare tokens and log-probs (cache hits differ between the runs)
+        return [r[:2] for r in rs]
+    assert strip(alone) == strip(together)
+    assert strip([shuffled[order.index(i)] for i in range(len(prompts))]) == strip(together)
+    assert strip(mixed) == strip(together)
+
+
+def test_chunked_prefill_and_prefix_cache_hits(llm, policy):
+    rng = random.Random(6)
+    shared = [rng.randrange(VOCAB) for _ in range(100)]  # > MAX_BATCHED: prefilled in chunks
+    prompts = [shared + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+    params = _params(len(prompts), "T=0.7", max_tokens=6, seed0=70)
+    llm.reset_prefix_cache()
+    first = [vllm_generate(llm, [prompts[0]], [params[0]])[0]] + vllm_generate(llm, prompts[1:], params[1:])
+    again = vllm_generate(llm, prompts, params)
+    assert first[0][2] == 0 and all(r[2] >= 96 for r in first[1:]), "shared prefix should hit the cache"
+    assert all(r[2] >= 96 for r in again)
+    assert_matches_trainer(policy, prompts, params, first)
+    assert [r[:2] for r in again] == [r[:2] for r in first]
+    # a request resumed from its own output: prompt + generated tokens hits the cache past the prompt
+    tokens, logprobs, _ = first[0]
+    cont = vllm_generate(llm, [prompts[0] + tokens[:3]], [SamplingParams(max_tokens=3, seed=70, temperature=0.7)])[0]
+    assert cont[:2] == (tokens[3:], logprobs[3:])
+
+
+def update_weights(llm, model):
+    """The fast path's in-place reload (worker extension), then drop KV computed with the old weights."""
+    llm.collective_rpc("zerokl_stage_weights", args=(list(model.state_dict().items()),))
+    llm.collective_rpc("zerokl_commit_weights")
+    assert llm.reset_prefix_cache()
+
+
+def test_weight_update_in_place(llm, policy):
+    prompts = _prompts(4, seed=12, hi=60)
+    params = _params(len(prompts), "T=0.7", max_tokens=6, seed0=110)
+    before = vllm_generate(llm, prompts, params)
+    new = tiny_model("qwen2", seed=8, **MODEL_KW)
+    update_weights(llm, new)
+    try:
+        after = vllm_generate(llm, prompts, params)
+        assert_matches_trainer(new, prompts, params, after)
+        assert [r[:2] for r in after] != [r[:2] for r in before]
+    finally:
+        update_weights(llm, policy)
+    assert [r[:2] for r in vllm_generate(llm, prompts, params)] == [r[:2] for r in before]
+
+
+def _dummy_runs(worker):
+    runner = worker.model_runner  # vLLM's profiling / warm-up runs: without and with attention metadata
+    return [bool(torch.isfinite(runner._dummy_run(24, force_attention=force)[0]).all()) for force in (False, True)]
+
+
+def test_dummy_runs_do_not_crash(llm):
+    assert llm.collective_rpc(_dummy_runs) == [[True, True]]
+
+
+def test_preemption(checkpoint, policy):
+    """A KV pool of 24 blocks of 16 tokens (512 bytes a token: 2 layers, K and V, 2 heads of 32, bf16)
+    for 8 requests of up to 84 tokens: vLLM preempts and recomputes."""
+    prompts = _prompts(8, seed=13, lo=30, hi=60)
+    params = _params(len(prompts), "T=0.7", max_tokens=24, seed0=130)
+    llm = make_llm(checkpoint, kv_cache_memory_bytes=24 * 16 * 512, max_model_len=128, disable_log_stats=False)
+    try:
+        results = vllm_generate(llm, prompts, params)
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    finally:
+        close(llm)
+    assert preemptions > 0
+    assert_matches_trainer(policy, prompts, params, results)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2-tied"])
+def test_other_architectures(tmp_path_factory, arch):
+    from transformers import AutoModelForCausalLM
+    path = _checkpoint(tmp_path_factory, arch, seed=11)
+    prompts = _prompts(4, seed=8) + _prompts(1, seed=9, lo=60, hi=70)
+    params = _params(3, "T=0.7", 6) + _params(2, "greedy", 6)
+    llm = make_llm(path)
+    try:
+        results = vllm_generate(llm, prompts, params)
+    finally:
+        close(llm)
+    assert_matches_trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), prompts, params, results)
+    assert [r.token_ids for r in Engine(path, window=4, group=4).generate(prompts, params)] == [r[0] for r in results]
+
+
+def test_stock_model_class_differs(checkpoint, policy):
+    """Negative control: vLLM's own Qwen2 class with the same processor is not bitwise the trainer."""
+    prompts = _prompts(6, seed=10, lo=10, hi=60)
+    params = _params(len(prompts), "T=0.7", max_tokens=8, seed0=90)
+    llm = make_llm(checkpoint, plugin=False)
+    try:
+        results = vllm_generate(llm, prompts, params)
+    finally:
+        close(llm)
+    diffs = [a != b for prompt, (tokens, lps, _) in zip(prompts, results)
+             for a, b in zip(lps, trainer_logprobs(policy, prompt, tokens, 0.7))]
+    assert any(diffs), "the stock class matched the trainer bit for bit: this test cannot fail"
