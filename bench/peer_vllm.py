@@ -9,8 +9,10 @@ check). Prints (and with --out writes) one JSON object: generated tokens per sec
 the acceptance rate of vLLM's proposals in verified mode. Systems that cannot run (e.g. the
 batch-invariant mode where the backend lacks it) report their error instead of a number.
 
-Extra systems: `ours-invariant` (canonical decode only) and `ours-off` (vLLM proposals only,
-through our engine) via --systems.
+Extra systems via --systems: `ours-invariant` (canonical decode only), `ours-off` (vLLM proposals
+only, through our engine), `vllm-plugin` (vLLM's own engine running the canonical forward,
+rollout_service.vllm_plugin, with the seeded Gumbel processor; eager: the plugin has no CUDA graphs
+yet) and `vllm-eager` (stock vLLM without CUDA graphs, the plugin's like-for-like baseline).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from rollout_service.decode_policy import VERIFIED_DECODE  # noqa: E402
 from bench import emit  # noqa: E402
 
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
-ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off")
+ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-eager")
 TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
 
 
@@ -51,15 +53,32 @@ def _vllm_options(args) -> dict:
     return opts
 
 
-def _run_vllm(args, prompts) -> dict:
-    """Stock vLLM with its own sampler (seeded per request); batch invariance comes from the env."""
+def _run_vllm(args, prompts, system: str) -> dict:
+    """Stock vLLM with its own sampler (seeded per request); batch invariance comes from the env.
+    vllm-plugin: the canonical model class and our seeded sampling rule as a logits processor."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
+    options = _vllm_options(args)
+    if system in ("vllm-plugin", "vllm-eager"):
+        options["enforce_eager"] = True
+    if system == "vllm-plugin":
+        from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY, PROCESSOR_FQCN
+        from rollout_service.vllm_plugin import HF_OVERRIDES, register
+        register()  # in-process engine core: the entry point may not be installed
+        options.update(hf_overrides=HF_OVERRIDES, logits_processors=[PROCESSOR_FQCN],
+                       logprobs_mode="processed_logits")
     llm = LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
-              distributed_executor_backend="uni", **_vllm_options(args))
-    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
-                             max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
-              for i in range(len(prompts))]
+              distributed_executor_backend="uni", **options)
+    if system == "vllm-plugin":  # vLLM greedy over the one finite logit our rule leaves
+        params = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
+                                 logprobs=0, extra_args={EXTRA_ARGS_KEY: dict(
+                                     seed=args.seed + i, temperature=args.temperature, top_k=-1, top_p=args.top_p,
+                                     position=len(p))})
+                  for i, p in enumerate(prompts)]
+    else:
+        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
+                                 max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+                  for i in range(len(prompts))]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs[:2], params[:2], use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
@@ -102,8 +121,8 @@ def _worker(args) -> None:
     prompts = _workload(args, vocab)
     system = args.worker
     try:
-        if system in ("vllm", "vllm-batch-invariant"):
-            res = _run_vllm(args, prompts)
+        if system.startswith("vllm"):
+            res = _run_vllm(args, prompts, system)
         else:
             res = _run_ours(args, prompts, system.split("-", 1)[1])
         res["tokens_per_s"] = res["generated_tokens"] / res["seconds"]
@@ -133,6 +152,8 @@ def _child(args, system: str) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint dir (default: a tiny random Qwen2 in a temp dir)")
+    p.add_argument("--shape", help="instead of --model: random weights of a bench.rollout shape (qwen1.5b, llama8b)")
+    p.add_argument("--num-layers", type=int, help="with --shape: fewer layers of the same shape")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -156,11 +177,15 @@ def main():
 
     tmp = None
     if not args.model:
-        from rollout_service.tiny_models import tiny_model
         tmp = tempfile.TemporaryDirectory(prefix="peer-vllm-")
-        tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
+        if args.shape:
+            from bench.rollout import build_model
+            build_model(args.shape, "cpu", args.num_layers).save_pretrained(tmp.name)
+        else:
+            from rollout_service.tiny_models import tiny_model
+            tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
         args.model = tmp.name
-    args.passthrough = _strip(sys.argv[1:], ("--out", "--systems", "--model", "--timeout"))
+    args.passthrough = _strip(sys.argv[1:], ("--out", "--systems", "--model", "--timeout", "--shape", "--num-layers"))
     args.passthrough += ["--model", args.model]
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(ALL_SYSTEMS)
@@ -170,7 +195,7 @@ def main():
     import torch
     report = dict(
         benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(),
-        model=args.model if tmp is None else "tiny-qwen2 (random)",
+        model=args.model if tmp is None else f"{args.shape or 'tiny-qwen2'} (random weights)",
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                       temperature=args.temperature, top_p=args.top_p),
         ours=dict(window=args.window, group=args.group), results=results)
