@@ -52,7 +52,11 @@ def model():
 @pytest.fixture(scope="module")
 def engine(model):
     """The module's one Engine(fast_path="vllm"); its fast path (one vllm.LLM) is shared below."""
-    return Engine(model, fast_path="vllm", window=6, group=4, verified_decode="dvr", fast_path_options=FP_OPTIONS)
+    engine = Engine(model, fast_path="vllm", window=6, group=4, verified_decode="dvr", fast_path_options=FP_OPTIONS)
+    yield engine
+    # closed here, not whenever the garbage collector gets to it: an in-process vLLM engine tears down
+    # vLLM's process-wide parallel state when it goes, under any vLLM engine still running
+    engine.fast_path.close()
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +214,6 @@ def test_weight_update_matches_a_fresh_vllm_on_the_new_weights(engine, model):
             [(r.token_ids, r.logprobs) for r in want_verified]
     finally:
         engine.update_weights(model.state_dict())
-        fresh.close()
-    back = engine.fast_path.propose(drafts)
+        back = engine.fast_path.propose(drafts)
+        fresh.close()  # last: closing one in-process vLLM engine tears down the state the other one uses
     assert [(p.token_ids, p.logprobs) for p in back] == [(p.token_ids, p.logprobs) for p in before]

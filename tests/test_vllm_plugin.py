@@ -45,6 +45,7 @@ def _params(n, sampling, max_tokens, seed0=1000):
 
 def make_llm(path, plugin=True, **options):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+    gc.collect()  # an unreferenced in-process engine tears down vLLM's parallel state when collected: before ours
     register()  # vLLM calls it through the entry point too (test_entry_point_is_installed)
     from vllm import LLM
     # the stock CPU attention needs blocks of a multiple of 32 tokens

