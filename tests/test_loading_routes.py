@@ -114,12 +114,18 @@ def gloo_group():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+        for key, value in before.items():  # later tests' subprocesses must not inherit this port
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 # ---- the trainer's loading routes --------------------------------------------------------------

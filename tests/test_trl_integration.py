@@ -109,8 +109,12 @@ def test_left_padded_rows_score_like_unpadded_ones():
 
 def run(checkpoint, mode, tmp_path):
     out = str(tmp_path / f"{mode}.json")
+    import socket
+    with socket.socket() as s:  # the run's own torch.distributed rendezvous, not one a test left in the env
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
+               TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     proc = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint, mode, out], env=env, capture_output=True,
                           text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
