@@ -303,6 +303,26 @@ def test_tree_width_reaches_the_workers_and_is_checked(service, reqs, tree_width
     assert_same(got, want, "a width-2 worker vs a width-2 engine here")
 
 
+def test_a_checkpoint_path_handed_to_a_worker(service, reqs, reference, tmp_path):
+    """The user's path: a checkpoint saved to disk, loaded by the worker itself, and scored by a
+    trainer that loads it with from_pretrained(bf16): the same bits as the in-memory model."""
+    import transformers
+
+    import trainer_patch
+    shared.model().save_pretrained(tmp_path)
+    pool = RolloutPool(str(tmp_path), num_workers=1, name="rollout-from-path", engine_kwargs=ENGINE_KWARGS)
+    try:
+        got = pool.generate(*reqs)
+    finally:
+        pool.shutdown()
+    assert_same(got, reference, "a worker that loaded the checkpoint path")
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for (prompt, params), r in zip(zip(*reqs), got):
+        ids = torch.tensor([list(prompt) + r.token_ids])
+        want = trainer_patch.token_logprobs(trainer, ids, temperature=params.temperature)[0, -len(r.token_ids):]
+        assert want.tolist() == r.logprobs
+
+
 def test_shutdown_releases_workers(pool1):
     from ray.util import placement_group_table
 
