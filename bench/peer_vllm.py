@@ -1,4 +1,4 @@
-"""Throughput of stock vLLM, vLLM's batch-invariant mode and our `verified` mode with the vLLM fast path.
+"""Throughput of stock vLLM, vLLM's batch-invariant mode and ours (through vLLM and native).
 
     python bench/peer_vllm.py [--model DIR] [--prompts 64] [--max-tokens 64] [--out FILE]
 
@@ -9,10 +9,13 @@ check). Prints (and with --out writes) one JSON object: generated tokens per sec
 the acceptance rate of vLLM's proposals in verified mode. Systems that cannot run (e.g. the
 batch-invariant mode where the backend lacks it) report their error instead of a number.
 
-Extra systems via --systems: `ours-invariant` (canonical decode only), `ours-off` (vLLM proposals
-only, through our engine), `vllm-plugin` (vLLM's own engine running the canonical forward,
-rollout_service.vllm_plugin, with the seeded Gumbel processor; eager: the plugin has no CUDA graphs
-yet) and `vllm-eager` (stock vLLM without CUDA graphs, the plugin's like-for-like baseline).
+Systems (--systems, comma list):
+- `vllm`, `vllm-batch-invariant`: stock vLLM (CUDA graphs, torch.compile) without and with
+  VLLM_BATCH_INVARIANT=1; `vllm-eager`: stock vLLM without CUDA graphs;
+- `vllm-plugin`: vLLM's own engine running the canonical forward (rollout_service.vllm_plugin) with
+  the seeded Gumbel processor, decode steps from CUDA graphs; `vllm-plugin-eager`: the same without;
+- `native-verified`, `native-invariant`, `native-off`: our native engine (rollout_service.Engine);
+- `ours-verified`, `ours-invariant`, `ours-off`: our engine with the windowed vLLM fast path.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from rollout_service.decode_policy import VERIFIED_DECODE  # noqa: E402
 from bench import emit  # noqa: E402
 
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
-ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-eager")
+ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-plugin-eager", "vllm-eager",
+                                 "native-verified", "native-invariant", "native-off")
 TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
 
 
@@ -59,17 +63,17 @@ def _run_vllm(args, prompts, system: str) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     options = _vllm_options(args)
-    if system in ("vllm-plugin", "vllm-eager"):
+    plugin = system.startswith("vllm-plugin")
+    if system == "vllm-eager":
         options["enforce_eager"] = True
-    if system == "vllm-plugin":
-        from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY, PROCESSOR_FQCN
-        from rollout_service.vllm_plugin import HF_OVERRIDES, register
+    if plugin:
+        from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY
+        from rollout_service.vllm_plugin import llm_options, register
         register()  # in-process engine core: the entry point may not be installed
-        options.update(hf_overrides=HF_OVERRIDES, logits_processors=[PROCESSOR_FQCN],
-                       logprobs_mode="processed_logits")
+        options.update(llm_options(cuda_graphs=system == "vllm-plugin" and not _on_cpu()))
     llm = LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
-              distributed_executor_backend="uni", **options)
-    if system == "vllm-plugin":  # vLLM greedy over the one finite logit our rule leaves
+              distributed_executor_backend="uni", max_num_seqs=max(len(prompts), 1), **options)
+    if plugin:  # vLLM greedy over the one finite logit our rule leaves
         params = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
                                  logprobs=0, extra_args={EXTRA_ARGS_KEY: dict(
                                      seed=args.seed + i, temperature=args.temperature, top_k=-1, top_p=args.top_p,
@@ -88,14 +92,14 @@ def _run_vllm(args, prompts, system: str) -> dict:
     return dict(seconds=elapsed, generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
 
 
-def _run_ours(args, prompts, mode) -> dict:
+def _run_ours(args, prompts, mode, fast_path) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rollout_service import Engine, SamplingParams
     device = "cpu" if _on_cpu() else "cuda"
-    engine = Engine(args.model, fast_path="vllm", window=args.window, group=args.group, device=device,
+    engine = Engine(args.model, fast_path=fast_path, window=args.window, group=args.group, device=device,
                     max_model_len=args.prompt_len + args.max_tokens + 8,
                     kv_cache_tokens=len(prompts) * (args.prompt_len + args.max_tokens + 32),
-                    max_num_seqs=len(prompts), fast_path_options=_vllm_options(args),
+                    max_num_seqs=len(prompts), fast_path_options=_vllm_options(args) if fast_path == "vllm" else None,
                     verified_decode=args.verified_decode)
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
@@ -124,7 +128,8 @@ def _worker(args) -> None:
         if system.startswith("vllm"):
             res = _run_vllm(args, prompts, system)
         else:
-            res = _run_ours(args, prompts, system.split("-", 1)[1])
+            engine, mode = system.split("-", 1)
+            res = _run_ours(args, prompts, mode, "native" if engine == "native" else "vllm")
         res["tokens_per_s"] = res["generated_tokens"] / res["seconds"]
     except Exception as err:  # reported, not raised: the other systems still run
         res = dict(error=f"{type(err).__name__}: {err}"[:500])
@@ -192,6 +197,11 @@ def main():
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")
     results = {s: _child(args, s) for s in systems}
+    for base in ("vllm", "vllm-batch-invariant"):  # ratios inside this one run
+        base_tps = results.get(base, {}).get("tokens_per_s")
+        for res in results.values():
+            if base_tps and "tokens_per_s" in res:
+                res[f"x_{base.replace('-', '_')}"] = round(res["tokens_per_s"] / base_tps, 3)
     import torch
     report = dict(
         benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(),

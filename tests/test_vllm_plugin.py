@@ -15,11 +15,11 @@ import torch
 
 pytest.importorskip("vllm")
 
-import trainer_patch  # noqa: E402
 from rollout_service import Engine, SamplingParams  # noqa: E402
-from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY, PROCESSOR_FQCN, WORKER_EXTENSION  # noqa: E402
+from rollout_service.fast_path.vllm import PROCESSOR_FQCN, WORKER_EXTENSION  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.vllm_plugin import HF_OVERRIDES, register  # noqa: E402
+from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501
 
 # head_dim 32: the stock CPU attention (negative control) supports head sizes 32, 64, ... (not 16)
 MODEL_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
@@ -35,8 +35,7 @@ SAMPLINGS = {"greedy": dict(temperature=0.0), "T=0.7": dict(temperature=0.7),
 
 
 def _prompts(n, seed=0, lo=1, hi=40):
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return random_prompts(n, VOCAB, seed, lo, hi)
 
 
 def _params(n, sampling, max_tokens, seed0=1000):
@@ -56,34 +55,6 @@ def make_llm(path, plugin=True, **options):
 def close(llm):
     del llm
     gc.collect()
-
-
-def vllm_generate(llm, prompts, params):
-    """(tokens, log-probs, cached prompt tokens) per request, with our seeded rule in the processor."""
-    from vllm import SamplingParams as VSamplingParams
-    vparams = [VSamplingParams(
-        temperature=0.0, max_tokens=p.max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
-        extra_args={EXTRA_ARGS_KEY: dict(seed=p.effective_seed, temperature=float(p.temperature), top_k=p.top_k,
-                                         top_p=float(p.top_p), position=len(prompt))})
-        for prompt, p in zip(prompts, params)]
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
-    results = []
-    for out in outs:
-        c = out.outputs[0]
-        tokens = list(c.token_ids)
-        results.append((tokens, [c.logprobs[j][t].logprob for j, t in enumerate(tokens)], out.num_cached_tokens or 0))
-    return results
-
-
-def trainer_logprobs(policy, prompt, tokens, temperature):
-    ids = torch.tensor([list(prompt) + list(tokens)])
-    return trainer_patch.token_logprobs(policy, ids, temperature=temperature)[0, -len(tokens):].tolist()
-
-
-def assert_matches_trainer(policy, prompts, params, results):
-    for prompt, p, (tokens, logprobs, _) in zip(prompts, params, results):
-        assert len(tokens) == p.max_tokens
-        assert logprobs == trainer_logprobs(policy, prompt, tokens, p.temperature), (prompt, tokens)
 
 
 def _checkpoint(tmp_path_factory, arch, seed):
@@ -247,6 +218,5 @@ def test_stock_model_class_differs(checkpoint, policy):
         results = vllm_generate(llm, prompts, params)
     finally:
         close(llm)
-    diffs = [a != b for prompt, (tokens, lps, _) in zip(prompts, results)
-             for a, b in zip(lps, trainer_logprobs(policy, prompt, tokens, 0.7))]
-    assert any(diffs), "the stock class matched the trainer bit for bit: this test cannot fail"
+    assert count_trainer_mismatches(policy, prompts, params, results) > 0, \
+        "the stock class matched the trainer bit for bit: this test cannot fail"

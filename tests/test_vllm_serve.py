@@ -227,4 +227,5 @@ def test_serve_argv_flags():
     assert flags["--logits-processors"].endswith(":StrictGumbelLogitsProcessor")
     assert flags["--logprobs-mode"] == "processed_logits"
     assert json.loads(flags["--override-generation-config"]) == {"temperature": 0}
-    assert "--enforce-eager" in argv
+    assert json.loads(flags["--compilation-config"])["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert "--enforce-eager" in serve_argv("/ckpt", eager=True)

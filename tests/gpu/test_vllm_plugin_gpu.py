@@ -1,10 +1,11 @@
 """On CUDA with real vLLM (the 0.25 bundle on the GPU machine): vLLM's engine running the canonical
 forward (rollout_service.vllm_plugin) gives every token the log-prob the trainer computes, bit for bit,
-alone or in a batch, with chunked prefill; vLLM's stock class with the same sampling rule does not.
+with decode steps replayed from CUDA graphs and without them, for batches of 1 to 256 mixed requests,
+chunked prefill, prefix-cache hits, preemption, in-place weight updates, and Llama / Qwen2 / Qwen3.
+vLLM's stock class with the same sampling rule does not match (the negative control).
 """
 import gc
 import os
-import random
 
 import pytest
 import torch
@@ -17,23 +18,32 @@ pytest.importorskip("vllm")
 
 import transformers  # noqa: E402
 
-import trainer_patch  # noqa: E402
-from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY, PROCESSOR_FQCN  # noqa: E402
+from rollout_service import SamplingParams  # noqa: E402
+from rollout_service.fast_path.vllm import PROCESSOR_FQCN, WORKER_EXTENSION  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.vllm_plugin import HF_OVERRIDES, register  # noqa: E402
+from rollout_service.vllm_plugin import llm_options, register  # noqa: E402
+from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501
 
 VOCAB = 2048
-OPTIONS = dict(dtype="bfloat16", skip_tokenizer_init=True, enable_prefix_caching=True, enforce_eager=True,
-               logits_processors=[PROCESSOR_FQCN], logprobs_mode="processed_logits", max_model_len=1024,
-               max_num_batched_tokens=256, gpu_memory_utilization=0.25, seed=0)
+MAX_BATCHED = 256  # prompts longer than this are prefilled in chunks
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+OPTIONS = dict(dtype="bfloat16", skip_tokenizer_init=True, enable_prefix_caching=True, max_model_len=1024,
+               max_num_batched_tokens=MAX_BATCHED, max_num_seqs=256, gpu_memory_utilization=0.25, seed=0,
+               worker_extension_cls=WORKER_EXTENSION)
+# one request in three each: greedy, T = 0.7, T = 1 with top-k and top-p
+MIXED = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.0, top_k=20, top_p=0.9)]
+
+
+def _checkpoint(tmp_path_factory, arch, seed=5):
+    path = str(tmp_path_factory.mktemp(f"zerokl-gpu-{arch}"))
+    tiny_model(arch, seed=seed, dtype=torch.float32, hidden_size=512, intermediate_size=1536, num_heads=8,
+               num_kv_heads=2, num_layers=4, vocab_size=VOCAB, max_positions=1024).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("zerokl-gpu-plugin"))
-    tiny_model("qwen2", seed=5, dtype=torch.float32, hidden_size=512, intermediate_size=1536, num_heads=8,
-               num_kv_heads=2, num_layers=4, vocab_size=VOCAB, max_positions=1024).save_pretrained(path)
-    return path
+    return _checkpoint(tmp_path_factory, "qwen2")
 
 
 @pytest.fixture(scope="module")
@@ -41,59 +51,114 @@ def trainer(checkpoint):
     return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda()
 
 
-def _llm(path, plugin):
+def _llm(path, *, plugin=True, cuda_graphs=True, **extra):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core: register() reaches it
+    gc.collect()  # a collected in-process engine tears down vLLM's parallel state: before ours starts
     register()
     from vllm import LLM
-    return LLM(model=path, **OPTIONS, **(dict(hf_overrides=HF_OVERRIDES) if plugin else {}))
+    if plugin:
+        options = llm_options(cuda_graphs=cuda_graphs)
+        if cuda_graphs:
+            options["compilation_config"]["cudagraph_capture_sizes"] = CAPTURE_SIZES
+    else:  # stock class, eager (no torch.compile wait), same sampling processor
+        options = dict(logits_processors=[PROCESSOR_FQCN], logprobs_mode="processed_logits", enforce_eager=True)
+    return LLM(model=path, **{**OPTIONS, **options, **extra})
 
 
-def _generate(llm, prompts, temperature, max_tokens, seed0=100):
-    from vllm import SamplingParams
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
-                             extra_args={EXTRA_ARGS_KEY: dict(seed=seed0 + i, temperature=temperature, top_k=-1,
-                                                              top_p=1.0, position=len(p))})
-              for i, p in enumerate(prompts)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids),
-             [o.outputs[0].logprobs[j][t].logprob for j, t in enumerate(o.outputs[0].token_ids)]) for o in outs]
+def _close(llm):
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
-def _trainer_logprobs(trainer, prompt, tokens, temperature):
-    ids = torch.tensor([prompt + tokens], device="cuda")
-    with torch.no_grad():
-        return trainer_patch.token_logprobs(trainer, ids, temperature=temperature)[0, -len(tokens):].tolist()
+def _cudagraph_mode(llm) -> str:
+    return llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
 
 
-def _prompts(n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(5, 400))] for _ in range(n)]
+def _params(n, max_tokens, seed0=100, samplings=MIXED):
+    return [SamplingParams(max_tokens=max_tokens, seed=seed0 + i, **samplings[i % len(samplings)]) for i in range(n)]
 
 
-def test_plugin_equals_trainer_and_is_batch_invariant_stock_differs(checkpoint, trainer):
-    prompts = _prompts(24, seed=1)  # prompts over 256 tokens are prefilled in chunks
-    llm = _llm(checkpoint, plugin=True)
+def test_bitwise_trainer_across_batches_graphs_and_prefix_hits(checkpoint, trainer):
+    prompts = random_prompts(256, VOCAB, seed=1, lo=5, hi=400)  # over 256 tokens: chunked prefill
+    params = _params(len(prompts), 24)
+    runs = {}
+    for cuda_graphs in (True, False):
+        llm = _llm(checkpoint, cuda_graphs=cuda_graphs)
+        try:
+            mode = _cudagraph_mode(llm)
+            batch = vllm_generate(llm, prompts, params)  # 256 at once: decode graphs of every captured size
+            alone = [vllm_generate(llm, [p], [q])[0] for p, q in zip(prompts[:3], params[:3])]
+            subset = vllm_generate(llm, prompts[3:10], params[3:10])
+            again = vllm_generate(llm, prompts[:16], params[:16])  # the prompts' KV is cached now
+        finally:
+            _close(llm)
+        assert mode == ("FULL_DECODE_ONLY" if cuda_graphs else "NONE")
+        assert sum(r[2] for r in again) > 0, "no prefix-cache hit: the cached case was not exercised"
+        assert_matches_trainer(trainer, prompts, params, batch)
+        strip = lambda rs: [r[:2] for r in rs]  # noqa: E731  (cache hits differ between runs)
+        assert strip(alone) == strip(batch[:3])
+        assert strip(subset) == strip(batch[3:10])
+        assert strip(again) == strip(batch[:16])
+        runs[cuda_graphs] = strip(batch)
+    assert runs[True] == runs[False]
+
+
+def test_preemption_with_cuda_graphs(checkpoint, trainer):
+    """200 blocks of 16 tokens for 48 requests of up to ~180 tokens: vLLM preempts and recomputes."""
+    prompts = random_prompts(48, VOCAB, seed=3, lo=60, hi=120)
+    params = _params(len(prompts), 64, seed0=300)
+    llm = _llm(checkpoint, num_gpu_blocks_override=200, block_size=16, disable_log_stats=False)
     try:
-        batch = _generate(llm, prompts, 0.7, 32)
-        alone = [_generate(llm, [p], 0.7, 32, seed0=100 + i)[0] for i, p in enumerate(prompts[:4])]
-        greedy = _generate(llm, prompts[:6], 0.0, 16)
+        results = vllm_generate(llm, prompts, params)
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     finally:
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    for prompt, (tokens, logprobs) in zip(prompts, batch):
-        assert logprobs == _trainer_logprobs(trainer, prompt, tokens, 0.7)
-    assert alone == batch[:4]
-    for prompt, (tokens, logprobs) in zip(prompts, greedy):
-        assert logprobs == _trainer_logprobs(trainer, prompt, tokens, 0.0)
+        _close(llm)
+    assert preemptions > 0
+    assert_matches_trainer(trainer, prompts, params, results)
 
-    stock = _llm(checkpoint, plugin=False)  # negative control: vLLM's own Qwen2 class, same sampling rule
+
+def test_weight_update_in_place_keeps_graphs_valid(checkpoint, trainer):
+    prompts = random_prompts(8, VOCAB, seed=4, lo=5, hi=100)
+    params = _params(len(prompts), 16, seed0=400)
+    new = tiny_model("qwen2", seed=9, dtype=torch.float32, hidden_size=512, intermediate_size=1536, num_heads=8,
+                     num_kv_heads=2, num_layers=4, vocab_size=VOCAB, max_positions=1024).to(torch.bfloat16).cuda()
+    llm = _llm(checkpoint)
     try:
-        stock_out = _generate(stock, prompts, 0.7, 32)
+        before = vllm_generate(llm, prompts, params)
+        llm.collective_rpc("zerokl_stage_weights", args=(list(new.state_dict().items()),))
+        llm.collective_rpc("zerokl_commit_weights")
+        assert llm.reset_prefix_cache()
+        after = vllm_generate(llm, prompts, params)
     finally:
-        del stock
-        gc.collect()
-        torch.cuda.empty_cache()
-    diffs = sum(a != b for prompt, (tokens, lps) in zip(prompts, stock_out)
-                for a, b in zip(lps, _trainer_logprobs(trainer, prompt, tokens, 0.7)))
-    assert diffs > 0, "the stock class matched the trainer bit for bit: this test cannot fail"
+        _close(llm)
+    assert_matches_trainer(trainer, prompts, params, before)
+    assert_matches_trainer(new, prompts, params, after)
+    assert [r[:2] for r in after] != [r[:2] for r in before]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_other_architectures(tmp_path_factory, arch):
+    path = _checkpoint(tmp_path_factory, arch, seed=11)
+    prompts = random_prompts(32, VOCAB, seed=5, lo=5, hi=300)
+    params = _params(len(prompts), 16, seed0=500)
+    llm = _llm(path)
+    try:
+        results = vllm_generate(llm, prompts, params)
+    finally:
+        _close(llm)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    assert_matches_trainer(policy, prompts, params, results)
+
+
+def test_stock_model_class_differs(checkpoint, trainer):
+    """Negative control: vLLM's own Qwen2 class with the same processor is not bitwise the trainer."""
+    prompts = random_prompts(24, VOCAB, seed=1, lo=5, hi=400)
+    params = _params(len(prompts), 24)
+    llm = _llm(checkpoint, plugin=False)
+    try:
+        results = vllm_generate(llm, prompts, params)
+    finally:
+        _close(llm)
+    assert count_trainer_mismatches(trainer, prompts, params, results) > 0, \
+        "the stock class matched the trainer bit for bit: this test cannot fail"
