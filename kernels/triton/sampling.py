@@ -79,33 +79,29 @@ def _noise_kernel(seeds_ptr, pos_ptr, out_ptr, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, temp_ptr, seeds_ptr, pos_ptr, mask_ptr, out_ptr, V, stride,
-                   HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
-    """token = first argmax of logits/T + noise (greedy rows: of logits); masked ids are -inf."""
+def _sample_kernel(logits_ptr, temp_ptr, seeds_ptr, pos_ptr, mask_ptr, best_ptr, best_id_ptr, V, stride,
+                   n_blocks, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (row, block of ids): the maximum of logits/T + noise (greedy rows: of logits) and its first
+    id; masked ids are -inf. Blocks run in parallel; gumbel_argmax picks the first best block."""
     row = tl.program_id(0)
+    blk = tl.program_id(1)
     temp = tl.load(temp_ptr + row)
     greedy = temp <= 0
     div = tl.where(greedy, 1.0, temp)
     seed_lo, seed_hi, pos_lo = _row_keys(seeds_ptr, pos_ptr, row)
-    best = float("-inf")
-    best_id = 0
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < V
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride + cols, mask=ok, other=float("-inf"))
-        x = tl.math.div_rn(x, tl.zeros_like(x) + div)
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + row.to(tl.int64) * V + cols, mask=ok, other=0) != 0
-            x = tl.where(keep, x, float("-inf"))
-        if not greedy:
-            x = x + _noise(seed_lo, seed_hi, pos_lo, cols)
-        x = tl.where(ok, x, float("-inf"))
-        m = tl.max(x, axis=0)
-        i = tl.argmax(x, axis=0, tie_break_left=True)
-        if m > best:  # strict: ties keep the earlier (lower) id
-            best = m
-            best_id = start + i
-    tl.store(out_ptr + row, best_id.to(tl.int64))
+    cols = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride + cols, mask=ok, other=float("-inf"))
+    x = tl.math.div_rn(x, tl.zeros_like(x) + div)
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + row.to(tl.int64) * V + cols, mask=ok, other=0) != 0
+        x = tl.where(keep, x, float("-inf"))
+    if not greedy:
+        x = x + _noise(seed_lo, seed_hi, pos_lo, cols)
+    x = tl.where(ok, x, float("-inf"))
+    out = row.to(tl.int64) * n_blocks + blk
+    tl.store(best_ptr + out, tl.max(x, axis=0))
+    tl.store(best_id_ptr + out, (blk * BLOCK + tl.argmax(x, axis=0, tie_break_left=True)).to(tl.int64))
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -119,13 +115,22 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                   mask: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 [N]: the sampling rule over float32 logits [N, V] (arguments already on the device)."""
+    """int64 [N]: the sampling rule over float32 logits [N, V] (arguments already on the device).
+
+    Every (row, block) program finds its block's maximum and first id; the row's token is the id of
+    the first block holding the row maximum. Exact comparisons only, so the split does not change
+    which id wins (the lowest among equal maxima), and rows keep the whole GPU busy.
+    """
     n, vocab = logits.shape
-    out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    _sample_kernel[(n,)](
+    n_blocks = triton.cdiv(vocab, BLOCK_V)
+    best = torch.empty(n, n_blocks, dtype=torch.float32, device=logits.device)
+    best_id = torch.empty(n, n_blocks, dtype=torch.int64, device=logits.device)
+    _sample_kernel[(n, n_blocks)](
         logits, temperature.to(torch.float32).contiguous(), seeds.to(torch.int64).contiguous(),
-        positions.to(torch.int64).contiguous(), mask if mask is not None else logits, out, vocab, logits.stride(0),
-        HAS_MASK=mask is not None, BLOCK=BLOCK_V, **_NO_FMA)
-    return out
+        positions.to(torch.int64).contiguous(), mask if mask is not None else logits, best, best_id, vocab,
+        logits.stride(0), n_blocks, HAS_MASK=mask is not None, BLOCK=BLOCK_V, **_NO_FMA)
+    blocks = torch.arange(n_blocks, device=logits.device).expand(n, n_blocks)
+    first = torch.where(best == best.amax(dim=1, keepdim=True), blocks, n_blocks).amin(dim=1)
+    return best_id.gather(1, first.clamp_max(n_blocks - 1).unsqueeze(1)).squeeze(1)

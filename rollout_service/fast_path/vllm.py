@@ -178,27 +178,31 @@ def _build_processor_class():
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
             if not self.rows:
                 return logits
-            index = sorted(i for i in self.rows if i < logits.shape[0])
+            n = logits.shape[0]
+            index = sorted(i for i in self.rows if i < n)
             if not index:
                 return logits
             params = [_row_params(self.rows[i][0], len(self.rows[i][1])) for i in index]
             temp, top_k, top_p, seeds, positions = (list(c) for c in zip(*params))
-            rows = logits[index].float()
-            dev = rows.device
-            temperature = torch.tensor(temp, dtype=torch.float32, device=dev)
-            tokens = self.rule(rows, temperature, torch.tensor(top_k, device=dev),
-                               torch.tensor(top_p, device=dev),
-                               torch.tensor(seeds, dtype=torch.int64, device=dev),
-                               torch.tensor(positions, dtype=torch.int64, device=dev))
+            every_row = len(index) == n  # the usual case: work on vLLM's logits in place, no gather
+            rows = logits if every_row else logits[torch.tensor(index, device=logits.device)]
+            rows = rows.float()
+            # host tensors: the rule checks them without a device sync and copies them asynchronously
+            tokens = self.rule(rows, torch.tensor(temp, dtype=torch.float32), torch.tensor(top_k),
+                               torch.tensor(top_p, dtype=torch.float32), torch.tensor(seeds, dtype=torch.int64),
+                               torch.tensor(positions, dtype=torch.int64))
             logprobs = token_logprobs(rows, temp, tokens).unsqueeze(1)
-            out = torch.full_like(rows, float("-inf")).scatter_(1, tokens.unsqueeze(1), logprobs)
-            logits.index_copy_(0, torch.tensor(index, device=dev), out.to(logits.dtype))
             if _CAPTURE["on"]:
                 for k in range(len(index)):
                     _CAPTURE["records"].append(dict(
                         temperature=temp[k], top_k=top_k[k], top_p=top_p[k], seed=seeds[k],
                         position=positions[k], logits=rows[k].tolist(),
                         token=int(tokens[k]), logprob=float(logprobs[k])))
+            if every_row and rows.data_ptr() == logits.data_ptr():
+                logits.fill_(float("-inf")).scatter_(1, tokens.unsqueeze(1), logprobs)
+                return logits
+            out = torch.full_like(rows, float("-inf")).scatter_(1, tokens.unsqueeze(1), logprobs)
+            logits.index_copy_(0, torch.tensor(index, device=logits.device), out.to(logits.dtype))
             return logits
 
     class StrictGumbelLogitsProcessor(GumbelLogitsProcessor):

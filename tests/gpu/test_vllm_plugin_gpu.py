@@ -65,10 +65,17 @@ def _llm(path, *, plugin=True, cuda_graphs=True, **extra):
     return LLM(model=path, **{**OPTIONS, **options, **extra})
 
 
-def _close(llm):
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+def _run(path, work, **llm_kwargs):
+    """work(llm) on a fresh engine, which is gone (memory included) when this returns: the next
+    engine's memory profiling must not see this one's memory come back."""
+    llm = _llm(path, **llm_kwargs)
+    try:
+        return work(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # in-process: frees weights, KV cache and graphs now
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _cudagraph_mode(llm) -> str:
@@ -83,16 +90,16 @@ def test_bitwise_trainer_across_batches_graphs_and_prefix_hits(checkpoint, train
     prompts = random_prompts(256, VOCAB, seed=1, lo=5, hi=400)  # over 256 tokens: chunked prefill
     params = _params(len(prompts), 24)
     runs = {}
+
+    def work(llm):
+        return (_cudagraph_mode(llm),
+                vllm_generate(llm, prompts, params),  # 256 at once: decode graphs of every captured size
+                [vllm_generate(llm, [p], [q])[0] for p, q in zip(prompts[:3], params[:3])],
+                vllm_generate(llm, prompts[3:10], params[3:10]),
+                vllm_generate(llm, prompts[:16], params[:16]))  # the prompts' KV is cached now
+
     for cuda_graphs in (True, False):
-        llm = _llm(checkpoint, cuda_graphs=cuda_graphs)
-        try:
-            mode = _cudagraph_mode(llm)
-            batch = vllm_generate(llm, prompts, params)  # 256 at once: decode graphs of every captured size
-            alone = [vllm_generate(llm, [p], [q])[0] for p, q in zip(prompts[:3], params[:3])]
-            subset = vllm_generate(llm, prompts[3:10], params[3:10])
-            again = vllm_generate(llm, prompts[:16], params[:16])  # the prompts' KV is cached now
-        finally:
-            _close(llm)
+        mode, batch, alone, subset, again = _run(checkpoint, work, cuda_graphs=cuda_graphs)
         assert mode == ("FULL_DECODE_ONLY" if cuda_graphs else "NONE")
         assert sum(r[2] for r in again) > 0, "no prefix-cache hit: the cached case was not exercised"
         assert_matches_trainer(trainer, prompts, params, batch)
@@ -108,12 +115,13 @@ def test_preemption_with_cuda_graphs(checkpoint, trainer):
     """200 blocks of 16 tokens for 48 requests of up to ~180 tokens: vLLM preempts and recomputes."""
     prompts = random_prompts(48, VOCAB, seed=3, lo=60, hi=120)
     params = _params(len(prompts), 64, seed0=300)
-    llm = _llm(checkpoint, num_gpu_blocks_override=200, block_size=16, disable_log_stats=False)
-    try:
+
+    def work(llm):
         results = vllm_generate(llm, prompts, params)
-        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-    finally:
-        _close(llm)
+        return results, sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+    results, preemptions = _run(checkpoint, work, num_gpu_blocks_override=200, block_size=16,
+                                disable_log_stats=False)
     assert preemptions > 0
     assert_matches_trainer(trainer, prompts, params, results)
 
@@ -123,15 +131,15 @@ def test_weight_update_in_place_keeps_graphs_valid(checkpoint, trainer):
     params = _params(len(prompts), 16, seed0=400)
     new = tiny_model("qwen2", seed=9, dtype=torch.float32, hidden_size=512, intermediate_size=1536, num_heads=8,
                      num_kv_heads=2, num_layers=4, vocab_size=VOCAB, max_positions=1024).to(torch.bfloat16).cuda()
-    llm = _llm(checkpoint)
-    try:
+
+    def work(llm):
         before = vllm_generate(llm, prompts, params)
         llm.collective_rpc("zerokl_stage_weights", args=(list(new.state_dict().items()),))
         llm.collective_rpc("zerokl_commit_weights")
         assert llm.reset_prefix_cache()
-        after = vllm_generate(llm, prompts, params)
-    finally:
-        _close(llm)
+        return before, vllm_generate(llm, prompts, params)
+
+    before, after = _run(checkpoint, work)
     assert_matches_trainer(trainer, prompts, params, before)
     assert_matches_trainer(new, prompts, params, after)
     assert [r[:2] for r in after] != [r[:2] for r in before]
@@ -142,11 +150,7 @@ def test_other_architectures(tmp_path_factory, arch):
     path = _checkpoint(tmp_path_factory, arch, seed=11)
     prompts = random_prompts(32, VOCAB, seed=5, lo=5, hi=300)
     params = _params(len(prompts), 16, seed0=500)
-    llm = _llm(path)
-    try:
-        results = vllm_generate(llm, prompts, params)
-    finally:
-        _close(llm)
+    results = _run(path, lambda llm: vllm_generate(llm, prompts, params))
     policy = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     assert_matches_trainer(policy, prompts, params, results)
 
@@ -155,10 +159,6 @@ def test_stock_model_class_differs(checkpoint, trainer):
     """Negative control: vLLM's own Qwen2 class with the same processor is not bitwise the trainer."""
     prompts = random_prompts(24, VOCAB, seed=1, lo=5, hi=400)
     params = _params(len(prompts), 24)
-    llm = _llm(checkpoint, plugin=False)
-    try:
-        results = vllm_generate(llm, prompts, params)
-    finally:
-        _close(llm)
+    results = _run(checkpoint, lambda llm: vllm_generate(llm, prompts, params), plugin=False)
     assert count_trainer_mismatches(trainer, prompts, params, results) > 0, \
         "the stock class matched the trainer bit for bit: this test cannot fail"
