@@ -196,7 +196,10 @@ def main():
     unknown = set(systems) - set(ALL_SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")
-    results = {s: _child(args, s) for s in systems}
+    results = {}
+    for system in systems:  # each result as it comes: a long run that is cut off still reports
+        results[system] = _child(args, system)
+        print(f"{system}: {json.dumps(results[system])}", file=sys.stderr, flush=True)
     for base in ("vllm", "vllm-batch-invariant"):  # ratios inside this one run
         base_tps = results.get(base, {}).get("tokens_per_s")
         for res in results.values():
