@@ -13,9 +13,7 @@ Outputs are a pure function of (weights, prompt, params, seed) for verified and 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
-import secrets
 import time
 from collections import deque
 from pathlib import Path
@@ -30,7 +28,7 @@ from .fast_path.base import DraftRequest, FastPath, Proposal
 from .fast_path.native import NativeFastPath, sample_rows, token_logprobs_at
 from .fast_path.native_ops import FAST_OPS
 from .kv_cache import KVCache, OutOfBlocks
-from .params import InvalidRequestError, Rollout, SamplingParams, token_id_list
+from .params import InvalidRequestError, Rollout, SamplingParams, check_params, check_prompt
 from .cuda_graphs import GraphedModelRunner
 from .request import Request
 from .tiny_models import ARCHITECTURES, TINY_PREFIX, tiny_model
@@ -112,14 +110,8 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids, params: SamplingParams) -> int:
         """Queue a request; raises InvalidRequestError if it can never be served."""
-        prompt = self._check_prompt(prompt_token_ids)
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if params.seed is None and not params.greedy:
-            # an unseeded sampled request (determinism "off") draws its own seed, as vLLM does, so
-            # n samples of one prompt differ
-            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        prompt = check_prompt(prompt_token_ids, self.spec.vocab_size, self.max_model_len)
+        params = check_params(params)
         need = self.cache.blocks_for(len(prompt) + params.max_tokens)
         if need > self.cache.num_blocks:
             raise InvalidRequestError(f"request can never fit: prompt + max_tokens needs {need} KV blocks, "
@@ -202,17 +194,6 @@ class Engine:
         return K.canonical_config(self.device)
 
     # ---- scheduling ------------------------------------------------------------------------
-    def _check_prompt(self, prompt) -> list[int]:
-        prompt = token_id_list(prompt)
-        if not prompt:
-            raise InvalidRequestError("prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt has token ids outside [0, {self.spec.vocab_size}): {bad[:5]}")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
-        return prompt
-
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]

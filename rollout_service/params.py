@@ -1,8 +1,10 @@
 """Request and result types shared by the engine, the Ray service and the recipes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import secrets
 from dataclasses import dataclass, field
 
 DETERMINISM_MODES = ("verified", "invariant", "off")
@@ -23,6 +25,30 @@ def token_id_list(prompt) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # numpy bools are not Integral
             raise InvalidRequestError(f"prompt must hold int token ids, got {type(t).__name__} {t!r}")
     return [int(t) for t in prompt]
+
+
+def check_prompt(prompt, vocab_size: int, max_model_len: int) -> list[int]:
+    """The prompt as token ids every engine can serve, or InvalidRequestError saying why not."""
+    prompt = token_id_list(prompt)
+    if not prompt:
+        raise InvalidRequestError("prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt has token ids outside [0, {vocab_size}): {bad[:5]}")
+    if len(prompt) >= max_model_len:
+        raise InvalidRequestError(f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len}")
+    return prompt
+
+
+def check_params(params) -> SamplingParams:
+    """Validated params; an unseeded sampled request (determinism "off") draws its own seed, as vLLM
+    does, so n samples of one prompt differ."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    if params.seed is None and not params.greedy:
+        params = dataclasses.replace(params, seed=secrets.randbits(63))
+    return params
 
 
 @dataclass(frozen=True)

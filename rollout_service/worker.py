@@ -46,6 +46,27 @@ class EarlyCancels:
         return deadline is not None and deadline > time.monotonic()
 
 
+BACKENDS = ("auto", "native", "vllm")
+# Native-engine tuning (decode-verify-rollback, its own KV cache) that a vLLM worker has no use for
+NATIVE_ONLY_KWARGS = frozenset({"fast_path", "fast_path_options", "window", "group", "kv_cache_tokens",
+                                "block_size", "max_prefill_tokens", "verified_decode", "runner_factory"})
+
+
+def engine_backend(backend: str, device: str, tensor_parallel_size: int = 1) -> str:
+    """Which engine a worker runs: "auto" is vLLM running the canonical forward on CUDA where vLLM is
+    installed (single GPU), the native engine otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        import importlib.util
+        on_gpu = str(device).startswith("cuda")
+        backend = "vllm" if on_gpu and tensor_parallel_size == 1 and importlib.util.find_spec("vllm") else "native"
+    if backend == "vllm" and tensor_parallel_size > 1:
+        raise NotImplementedError("the vLLM backend runs one GPU per worker; use backend='native' for "
+                                  "tensor_parallel_size > 1")
+    return backend
+
+
 @ray.remote
 class RolloutWorker:
     """One engine behind an async actor.
@@ -62,8 +83,13 @@ class RolloutWorker:
         if "device" not in kwargs and ray.get_gpu_ids():
             kwargs["device"] = "cuda"  # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPUs
         tp = int(kwargs.pop("tensor_parallel_size", 1))
+        backend = engine_backend(kwargs.pop("backend", "auto"), kwargs.get("device", "cpu"), tp)
         self._tp_group = None
-        if tp > 1:
+        if backend == "vllm":
+            from .vllm_engine import VLLMEngine
+            self._engine = VLLMEngine(model, **{k: v for k, v in kwargs.items() if k not in NATIVE_ONLY_KWARGS})
+            self._full_model = None
+        elif tp > 1:
             # a TP group of rank actors in its own placement group; rank 0 holds the engine
             from .tp import create_tp_group
             self._tp_group = create_tp_group(model, tp, kwargs, use_gpu=kwargs.get("device", "cpu") != "cpu")

@@ -254,6 +254,21 @@ def _on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def sized_options(llm_options: dict, gpu_share: float) -> dict:
+    """vllm.LLM options with our defaults where the caller set none: on CPU eager mode, blocks of 32
+    tokens and a 1 GiB KV cache; on GPU `gpu_share` of the GPU's memory."""
+    options = dict(llm_options)
+    sized = {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(options)
+    if _on_cpu():
+        options.setdefault("enforce_eager", True)
+        options.setdefault("block_size", 32)  # CPU default 128: prefix reuse is per full block
+        if not sized:  # vLLM's CPU default (0.9 of the NUMA node's RAM) rarely fits next to us
+            options["kv_cache_memory_bytes"] = 1 << 30
+    elif not sized:
+        options["gpu_memory_utilization"] = gpu_share
+    return options
+
+
 class VLLMFastPath:
     """FastPath on an in-process vllm.LLM built from the verifier's checkpoint.
 
@@ -261,6 +276,7 @@ class VLLMFastPath:
     Options go to vllm.LLM; defaults here: dtype bfloat16, prefix caching on, no tokenizer; on CPU
     eager mode, block_size 32 and a 1 GiB KV cache; on GPU gpu_memory_utilization=0.4 (the verifier
     shares the GPU) unless gpu_memory_utilization or kv_cache_memory_bytes is given.
+    `stock_sampler=True`: vLLM's own sampler and log-probs instead of our processor.
     `in_process=True` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
     before the first LLM, uniprocess executor); vLLM's CPU worker then makes torch.set_num_threads a
     no-op process-wide. `logits_processor`: the processor class (or "module:Class"); the default
@@ -271,7 +287,7 @@ class VLLMFastPath:
 
     def __init__(self, model, *, max_model_len: int | None = None, dtype: str = "bfloat16",
                  in_process: bool = True, logits_processor=None, seed: int = 0,
-                 weight_chunk_bytes: int = 1 << 29, **llm_options):
+                 weight_chunk_bytes: int = 1 << 29, stock_sampler: bool = False, **llm_options):
         self._tmpdir = None
         if isinstance(model, (str, os.PathLike)):
             path = str(model)
@@ -284,21 +300,15 @@ class VLLMFastPath:
             llm_options.setdefault("distributed_executor_backend", "uni")
         self.in_process = (os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
                            and llm_options.get("distributed_executor_backend") == "uni")
-        sized = {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(llm_options)
-        if _on_cpu():
-            llm_options.setdefault("enforce_eager", True)
-            llm_options.setdefault("block_size", 32)  # CPU default 128: prefix reuse is per full block
-            if not sized:  # vLLM's CPU default (0.9 of the NUMA node's RAM) rarely fits next to us
-                llm_options["kv_cache_memory_bytes"] = 1 << 30
-        elif not sized:  # the verifier shares the GPU
-            llm_options["gpu_memory_utilization"] = 0.4
+        llm_options = sized_options(llm_options, gpu_share=0.4)  # the verifier shares the GPU
         from vllm import LLM
         self.weight_chunk_bytes = weight_chunk_bytes
-        self.processor = logits_processor or PROCESSOR_FQCN
+        self.processor = None if stock_sampler else logits_processor or PROCESSOR_FQCN
+        sampler = dict(logprobs_mode="processed_logprobs") if stock_sampler else \
+            dict(logits_processors=[self.processor], logprobs_mode="processed_logits")
         self.llm = LLM(model=path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        skip_tokenizer_init=True, enable_prefix_caching=True,
-                       logits_processors=[self.processor], logprobs_mode="processed_logits",
-                       worker_extension_cls=WORKER_EXTENSION, **llm_options)
+                       worker_extension_cls=WORKER_EXTENSION, **sampler, **llm_options)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     # -- FastPath protocol --------------------------------------------------------------------

@@ -19,20 +19,19 @@ HF_OVERRIDES = {"architectures": [ARCHITECTURE]}
 CUDA_GRAPH_COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 
 
-def llm_options(*, cuda_graphs: bool = True) -> dict:
-    """The `vllm.LLM` / engine-args keywords that run a checkpoint on the canonical model.
+def graph_options(cuda_graphs: bool = True) -> dict:
+    """vLLM keywords for the plugin's CUDA graphs: decode steps replay full graphs
+    (CUDA_GRAPH_COMPILATION), prefill runs eagerly; False: enforce_eager. Same bits either way; the
+    CPU build ignores graphs."""
+    return {"compilation_config": dict(CUDA_GRAPH_COMPILATION)} if cuda_graphs else {"enforce_eager": True}
 
-    cuda_graphs=True: decode steps replay full CUDA graphs (CUDA_GRAPH_COMPILATION); prefill runs
-    eagerly. False: enforce_eager. Both give the same bits; the CPU build ignores graphs.
-    """
+
+def llm_options(*, cuda_graphs: bool = True) -> dict:
+    """The `vllm.LLM` / engine-args keywords that run a checkpoint on the canonical model with our
+    seeded sampling processor."""
     from rollout_service.fast_path.vllm import PROCESSOR_FQCN
-    options = dict(hf_overrides=dict(HF_OVERRIDES), logits_processors=[PROCESSOR_FQCN],
-                   logprobs_mode="processed_logits")
-    if cuda_graphs:
-        options["compilation_config"] = dict(CUDA_GRAPH_COMPILATION)
-    else:
-        options["enforce_eager"] = True
-    return options
+    return dict(hf_overrides=dict(HF_OVERRIDES), logits_processors=[PROCESSOR_FQCN],
+                logprobs_mode="processed_logits", **graph_options(cuda_graphs))
 
 
 def register() -> None:
@@ -47,4 +46,4 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_QUALNAME)
 
 
-__all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "HF_OVERRIDES", "llm_options", "register"]
+__all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "HF_OVERRIDES", "graph_options", "llm_options", "register"]

