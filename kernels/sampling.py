@@ -102,6 +102,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return torch.where(greedy.reshape(-1), _first_argmax(scaled), _first_argmax(noisy))
 
 
+def sampling_positions(num_preceding: int, count: int = 1) -> list[int]:
+    """The positions the rule hashes for `count` consecutive tokens that follow `num_preceding` tokens
+    (prompt + tokens generated so far): a token's position is its index in the whole sequence. Every
+    engine, the vLLM processor and the TRL integration take positions from here."""
+    return list(range(num_preceding, num_preceding + count))
+
+
 def _check_sample_args(logits, temperature, top_k, top_p, seeds, positions) -> None:
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}")

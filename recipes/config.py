@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from kernels import TREE_WIDTHS
+from rollout_service.params import DETERMINISM_MODES
 
 DEFAULTS: dict = {
     "name": "grpo",
@@ -111,7 +112,7 @@ def validate(cfg: dict) -> None:
     r, t, tr = cfg["rollout"], cfg["trainer"], cfg["train"]
     if r["determinism"] is False:  # YAML 1.1 reads a bare `off` as false
         r["determinism"] = "off"
-    if r["determinism"] not in ("verified", "invariant", "off"):
+    if r["determinism"] not in DETERMINISM_MODES:
         raise ValueError(f"rollout.determinism must be verified, invariant or off, got {r['determinism']!r}")
     if r["n"] < 2:
         raise ValueError("rollout.n must be >= 2: group-normalised advantages need several samples per prompt")

@@ -23,6 +23,8 @@ import yaml
 
 import kernels as K
 
+from rollout_service.params import DETERMINISM_MODES
+from rollout_service.ray_cluster import init_ray
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
@@ -45,19 +47,6 @@ def _with_tree_width(options: dict | None, segments: int) -> dict:
     runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), K.TREE_SEGMENTS_ENV: str(segments)}
     options["runtime_env"] = runtime_env
     return options
-
-
-def init_ray(address: str | None = None) -> bool:
-    """Join the cluster (under `ray job submit`, RAY_ADDRESS is set) or start a local Ray.
-    Returns True when this call started or joined Ray."""
-    import ray
-    if ray.is_initialized():
-        return False
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or "auto")
-    else:
-        ray.init()  # a cluster from `ray start` on this machine if there is one, else a local one
-    return True
 
 
 def _run_dir(cfg: dict, ckpt: Path | None) -> Path:
@@ -229,7 +218,7 @@ def build_config(args) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m recipes.grpo", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG.name}, the tiny CPU run)")
-    ap.add_argument("--determinism", choices=("verified", "invariant", "off"), default=None,
+    ap.add_argument("--determinism", choices=DETERMINISM_MODES, default=None,
                     help="rollout mode; 'off' = fast path only, the baseline whose KL is not zero")
     ap.add_argument("--resume", default=None, help="a run directory (its latest checkpoint) or a checkpoint")
     ap.add_argument("--run-dir", default=None, help="where metrics and checkpoints go")

@@ -173,15 +173,13 @@ class TrainerGroup:
         self.placement = None
         per_rank = [dict(opts) for _ in range(self.world)]
         if cfg.get("device", "cpu") == "cuda":
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            from rollout_service.ray_cluster import on_bundle, reserve
             opts.setdefault("num_gpus", 1)
             # One node where possible: NCCL stays intra-node and checkpoints land on one disk.
             bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"]}
-            self.placement = placement_group([bundle] * self.world, strategy=cfg.get("placement", "PACK"))
+            self.placement = reserve([bundle] * self.world, cfg.get("placement", "PACK"))
             ray.get(self.placement.ready())
-            per_rank = [dict(opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.placement, placement_group_bundle_index=r)) for r in range(self.world)]
+            per_rank = [dict(opts, scheduling_strategy=on_bundle(self.placement, r)) for r in range(self.world)]
         actor = ray.remote(TrainerRank)
         self.ranks = [actor.options(**per_rank[r]).remote(r, self.world, cfg, temperature) for r in range(self.world)]
         try:
@@ -222,8 +220,8 @@ class TrainerGroup:
             except Exception:  # already gone
                 pass
         if self.placement is not None:
-            from ray.util.placement_group import remove_placement_group
-            remove_placement_group(self.placement)
+            from rollout_service.ray_cluster import release
+            release(self.placement)
             self.placement = None
 
     def close(self) -> None:

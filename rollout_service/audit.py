@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .params import Rollout, SamplingParams
+from .params import DETERMINISM_MODES, Rollout, SamplingParams
 
 ENGINE_VARIANTS = (dict(), dict(window=4, group=2), dict(window=16, group=16, max_prefill_tokens=24),
                    dict(window=8, group=3, kv_cache_tokens=512))
@@ -65,7 +65,7 @@ def _runs(test: str, rng: random.Random, vocab: int):
 
 
 def run_audit(make_engine: Callable[..., object], vocab_size: int, tests=("single", "mixed", "prefix"),
-              modes=("verified", "invariant", "off"), max_tokens: int = 12, seed: int = 0,
+              modes=DETERMINISM_MODES, max_tokens: int = 12, seed: int = 0,
               progress: bool = False) -> list[AuditResult]:
     """make_engine(**variant) -> Engine. Returns one AuditResult per (test, mode, sampling)."""
     samplings = {"greedy": dict(temperature=0.0), "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9)}

@@ -8,14 +8,14 @@ import ray
 from ray.exceptions import RayTaskError
 
 from .params import Rollout, SamplingParams
+from .ray_cluster import init_ray
 
 # Named actors are per namespace; a fixed one lets every job in the cluster find the pool.
 DEFAULT_NAMESPACE = "rollout_service"
 
 
 def ensure_ray() -> None:
-    if not ray.is_initialized():
-        ray.init()  # joins the cluster of RAY_ADDRESS / `ray start`, else starts a local one
+    init_ray()  # joins the cluster of RAY_ADDRESS / `ray start`, else starts a local one
 
 
 class RolloutClient:

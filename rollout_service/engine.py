@@ -29,6 +29,7 @@ from .fast_path.native import NativeFastPath, sample_rows, token_logprobs_at
 from .fast_path.native_ops import FAST_OPS
 from .kv_cache import KVCache, OutOfBlocks
 from .params import InvalidRequestError, Rollout, SamplingParams, check_params, check_prompt
+from .config import EngineConfig
 from .cuda_graphs import GraphedModelRunner
 from .request import Request
 from .tiny_models import ARCHITECTURES, TINY_PREFIX, tiny_model
@@ -61,27 +62,25 @@ def load_model(model, device, copy_model: bool = True) -> torch.nn.Module:
 
 
 class Engine:
-    def __init__(self, model, fast_path: str | FastPath = "native", window: int = 16, group: int = 64,
-                 device: str = "cpu", *, block_size: int = 16, kv_cache_tokens: int = 65536,
-                 max_num_seqs: int = 256, max_prefill_tokens: int = 4096, max_model_len: int | None = None,
-                 copy_model: bool = True, fast_path_options: dict | None = None, runner_factory=None,
-                 cuda_graphs: bool = True, verified_decode: str = "auto"):
-        if window < 1 or group < 1:
-            raise ValueError(f"window and group must be >= 1, got window={window} group={group}")
-        self.device = torch.device(device)
-        self.model = load_model(model, self.device, copy_model)
+    """model: a model object, a checkpoint directory or "tiny:<arch>". Options: an EngineConfig and/or
+    its fields as keywords (rollout_service.config). runner_factory(model, cache, ops, device) ->
+    runner replaces how a forward is executed (tensor parallelism)."""
+
+    def __init__(self, model, config: EngineConfig | None = None, *, runner_factory=None, **options):
+        self.config = cfg = EngineConfig.build(config, **options)
+        self.device = torch.device(cfg.device)
+        self.model = load_model(model, self.device, cfg.copy_model)
         self.spec = model_spec(self.model)
-        self.window, self.group = window, group
-        self.decode_policy = DecodePolicy(verified_decode)  # "auto" | "dvr" | "canonical"
-        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
-        self.max_model_len = max_model_len or self.spec.max_positions
-        self.cache = KVCache(self.spec, -(-kv_cache_tokens // block_size), block_size, self.device)
-        # runner_factory(model, cache, ops, device) -> runner: how a forward is executed (e.g. tensor parallel)
+        self.window, self.group = cfg.window, cfg.group
+        self.decode_policy = DecodePolicy(cfg.verified_decode)  # "auto" | "dvr" | "canonical"
+        self.max_num_seqs, self.max_prefill_tokens = cfg.max_num_seqs, cfg.max_prefill_tokens
+        self.max_model_len = cfg.max_model_len or self.spec.max_positions
+        self.cache = KVCache(self.spec, -(-cfg.kv_cache_tokens // cfg.block_size), cfg.block_size, self.device)
         self._runner_factory = runner_factory
-        self._cuda_graphs = cuda_graphs and runner_factory is None and self.device.type == "cuda"
+        self._cuda_graphs = cfg.cuda_graphs and runner_factory is None and self.device.type == "cuda"
         # verifier graphs: one-token steps of every running request, verify windows G at a time
-        self.verifier = self._make_runner(CANONICAL_OPS, {1: max_num_seqs, window + 1: group})
-        self.fast_path = self._make_fast_path(fast_path, fast_path_options or {})
+        self.verifier = self._make_runner(CANONICAL_OPS, {1: cfg.max_num_seqs, cfg.window + 1: cfg.group})
+        self.fast_path = self._make_fast_path(cfg.fast_path, dict(cfg.fast_path_options))
         self.canonical_decoder = NativeFastPath(self.verifier, log_softmax=K.log_softmax)
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
@@ -299,7 +298,7 @@ class Engine:
         for (req, props, final, _), lg in zip(items, logits):
             rows.append(lg)
             params += [req.params] * lg.shape[0]
-            positions += list(range(len(req.tokens), len(req.tokens) + lg.shape[0]))
+            positions += K.sampling_positions(len(req.tokens), lg.shape[0])
         all_logits = torch.cat(rows)
         tokens = sample_rows(all_logits, params, positions) if all_logits.shape[0] else None
         logps = token_logprobs_at(all_logits, params, tokens, K.log_softmax) if tokens is not None else None

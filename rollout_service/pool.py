@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 import ray
 import torch
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import kernels as K
 
 from .client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
+from .ray_cluster import on_bundle, release, reserve
 from .weights import WeightMismatchError
 from .worker import EarlyCancels, RolloutWorker, abort_rollout, error_rollout
 
@@ -108,10 +107,9 @@ class _PoolActor:
         opts = dict(self._resources, max_concurrency=MAX_CONCURRENCY)
         if self._bundles:
             if slot.placement is None:  # kept across restarts: the replacement reuses its reservation
-                slot.placement = placement_group(self._bundles, strategy=self._strategy)
+                slot.placement = reserve(self._bundles, self._strategy)
             await slot.placement.ready()
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                slot.placement, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+            opts["scheduling_strategy"] = on_bundle(slot.placement, 0, capture_child_tasks=True)
         slot.actor = RolloutWorker.options(**opts).remote(self._model, self._engine_kwargs)
         return slot.actor
 
@@ -340,7 +338,7 @@ class _PoolActor:
                 except Exception:
                     pass
             if slot.placement is not None:
-                remove_placement_group(slot.placement)
+                release(slot.placement)
                 slot.placement = None
             slot.state = "stopped"
         if self._cond is not None:

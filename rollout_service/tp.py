@@ -14,7 +14,6 @@ bit for bit; the fast path uses a plain all_reduce (it only proposes).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import socket
 import sys
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from kernels.forward import CANONICAL_OPS, model_spec
 from kernels.tp import shard_model, shard_state_dict, tp_ops, tp_shard_info
 
+from .config import EngineConfig
 from .engine import Engine, load_model
 from .fast_path.native_ops import FAST_OPS
 from .kv_cache import KVCache
@@ -34,8 +34,6 @@ from .weights import WeightMismatchError, load_weights, model_digest, state_dict
 
 # Op sets a follower can run, by name (the tag rank 0 sends with each batch).
 OPS_BY_NAME = {CANONICAL_OPS.name: CANONICAL_OPS, FAST_OPS.name: FAST_OPS}
-_ENGINE_DEFAULTS = {name: p.default for name, p in inspect.signature(Engine.__init__).parameters.items()
-                    if p.default is not inspect.Parameter.empty}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +159,7 @@ class TPEngine(Engine):
         self.ctx = ctx
         full = load_model(model, "cpu", copy_model=False) if isinstance(model, (str, Path)) else model
         self._digest = model_digest(full)
-        device = engine_kwargs.pop("device", _ENGINE_DEFAULTS["device"])
+        device = engine_kwargs.pop("device", EngineConfig.device)
         engine_kwargs.pop("copy_model", None)
         local = _local_model(full, ctx, device)
         super().__init__(local, device=device, copy_model=False, **engine_kwargs,
@@ -200,11 +198,10 @@ class TPFollower:
     def __init__(self, model, ctx: TPContext, **engine_kwargs):
         if ctx.rank == 0:
             raise ValueError("rank 0 runs TPEngine, not TPFollower")
-        kw = {**_ENGINE_DEFAULTS, **engine_kwargs}
-        self.ctx, self.device = ctx, torch.device(kw["device"])
+        cfg = EngineConfig.build(**engine_kwargs)  # the leader's cache geometry, from the same options
+        self.ctx, self.device = ctx, torch.device(cfg.device)
         self.model = _local_model(model, ctx, self.device)
-        block_size = kw["block_size"]
-        self.cache = KVCache(model_spec(self.model), -(-kw["kv_cache_tokens"] // block_size), block_size,
+        self.cache = KVCache(model_spec(self.model), -(-cfg.kv_cache_tokens // cfg.block_size), cfg.block_size,
                              self.device)
         self._runners: dict[str, ModelRunner] = {}
         self._staged = None
@@ -307,7 +304,8 @@ class TPGroup:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
+
+        from .ray_cluster import release
         try:
             ray.get(self.leader.shutdown.remote(), timeout=timeout_s)
             ray.get(self._serving, timeout=timeout_s)
@@ -316,7 +314,7 @@ class TPGroup:
         for a in self.actors:
             ray.kill(a)
         if self._owns_placement:
-            remove_placement_group(self.placement)
+            release(self.placement)
 
 
 class _EngineProxy:
@@ -338,14 +336,11 @@ def create_tp_group(model, tp_size: int, engine_kwargs: dict | None = None, *, u
     CPU, NCCL on GPU) and build the engine on rank 0. `placement_group` + `bundle_indices` place the
     ranks in an existing group instead (e.g. a RolloutWorker's own)."""
     import ray
-    from ray.util.placement_group import placement_group as make_placement_group
-    from ray.util.placement_group import remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from .ray_cluster import on_bundle, release, reserve
 
     owns = placement_group is None
     if owns:
-        placement_group = make_placement_group([{"GPU": 1} if use_gpu else {"CPU": 1}] * tp_size,
-                                               strategy="STRICT_PACK")
+        placement_group = reserve([{"GPU": 1} if use_gpu else {"CPU": 1}] * tp_size, "STRICT_PACK")
         bundle_indices = list(range(tp_size))
     elif bundle_indices is None or len(bundle_indices) != tp_size:
         raise ValueError(f"give {tp_size} bundle_indices of the placement group")
@@ -354,7 +349,7 @@ def create_tp_group(model, tp_size: int, engine_kwargs: dict | None = None, *, u
         ray.get(placement_group.ready())
         rank_cls = ray.remote(_TPRank)
         for i in bundle_indices:
-            strategy = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=i)
+            strategy = on_bundle(placement_group, i)
             actors.append(rank_cls.options(num_cpus=0 if use_gpu else 1, num_gpus=1 if use_gpu else 0,
                                            max_concurrency=2, scheduling_strategy=strategy).remote())
         port = ray.get(actors[0].free_port.remote())
@@ -366,7 +361,7 @@ def create_tp_group(model, tp_size: int, engine_kwargs: dict | None = None, *, u
         for a in actors:
             ray.kill(a)
         if owns:
-            remove_placement_group(placement_group)
+            release(placement_group)
         raise
     return TPGroup(actors, serving, placement_group, owns)
 

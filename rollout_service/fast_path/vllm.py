@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kernels.logprobs import token_logprobs
+from kernels.sampling import sampling_positions
 
 from .base import DraftRequest, Proposal
 
@@ -50,7 +51,9 @@ def _sample_rule(logits, temperature, top_k, top_p, seeds, positions):
 
 
 def _row_params(cfg: dict, num_output: int) -> tuple[float, int, float, int, int]:
-    return (cfg["temperature"], cfg["top_k"], cfg["top_p"], cfg["seed"], cfg["position"] + num_output)
+    """cfg["position"]: the prompt's length (tokens before the first generated one)."""
+    position = sampling_positions(cfg["position"] + num_output)[0]
+    return (cfg["temperature"], cfg["top_k"], cfg["top_p"], cfg["seed"], position)
 
 
 def _number(name: str, value, kind):

@@ -1,0 +1,56 @@
+"""Typed engine configuration: every Engine option, its default and its check, in one place.
+
+`Engine(model, EngineConfig(...))` or `Engine(model, window=8, ...)` (keywords build the config);
+an unknown option or a bad value fails here, once, with the option's name.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .decode_policy import VERIFIED_DECODE
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    fast_path: Any = "native"  # "native", "vllm" or a FastPath object: who proposes tokens for DVR
+    window: int = 16  # W: tokens proposed per request before a verify
+    group: int = 64  # G: verify windows per canonical forward
+    device: str = "cpu"
+    block_size: int = 16  # KV cache page, in tokens
+    kv_cache_tokens: int = 65536
+    max_num_seqs: int = 256
+    max_prefill_tokens: int = 4096  # prefill token budget per step
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    copy_model: bool = True  # deep-copy a model object handed in (False: the engine may cast it)
+    fast_path_options: dict = field(default_factory=dict)
+    cuda_graphs: bool = True  # on CUDA: replay decode steps and verify windows from graphs
+    verified_decode: str = "auto"  # how `verified` decodes: DVR, canonical steps, or the cheaper
+
+    def __post_init__(self):
+        for name in ("window", "group", "block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"EngineConfig.max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
+        if self.verified_decode not in VERIFIED_DECODE:
+            raise ValueError(f"EngineConfig.verified_decode must be one of {VERIFIED_DECODE}, "
+                             f"got {self.verified_decode!r}")
+        if not isinstance(self.fast_path_options, dict):
+            raise TypeError(f"EngineConfig.fast_path_options must be a dict, got {type(self.fast_path_options).__name__}")
+
+    @classmethod
+    def build(cls, config: EngineConfig | None = None, **options) -> EngineConfig:
+        """`config` (default: all defaults) with `options` replaced; unknown names are a TypeError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        if options.get("fast_path_options") is None:
+            options.pop("fast_path_options", None)
+        return dataclasses.replace(config or cls(), **options)
+
+
+__all__ = ["EngineConfig", "VERIFIED_DECODE"]

@@ -1,0 +1,39 @@
+"""The one place the service and the recipes meet Ray's cluster APIs: joining (or starting) Ray, and
+reserving placement groups for the pool's workers, a TP group's ranks and the trainer's ranks.
+
+Ray is imported inside the functions: `import rollout_service` works without it.
+"""
+from __future__ import annotations
+
+import os
+
+
+def init_ray(address: str | None = None) -> bool:
+    """Join the cluster of `address` / RAY_ADDRESS (set under `ray job submit`), else a cluster from
+    `ray start` on this machine, else start a local one. True when this call started or joined Ray."""
+    import ray
+    if ray.is_initialized():
+        return False
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address or "auto")
+    else:
+        ray.init()
+    return True
+
+
+def reserve(bundles: list[dict], strategy: str = "PACK"):
+    """A placement group of `bundles` (not waited for: `ray.get(pg.ready())` or `await pg.ready()`)."""
+    from ray.util.placement_group import placement_group
+    return placement_group(bundles, strategy=strategy)
+
+
+def on_bundle(placement, index: int, capture_child_tasks: bool = False):
+    """The scheduling strategy that puts an actor on bundle `index` of `placement`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    return PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=index,
+                                            placement_group_capture_child_tasks=capture_child_tasks)
+
+
+def release(placement) -> None:
+    from ray.util.placement_group import remove_placement_group
+    remove_placement_group(placement)
