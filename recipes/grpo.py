@@ -24,7 +24,7 @@ import yaml
 import kernels as K
 
 from rollout_service.params import DETERMINISM_MODES
-from rollout_service.ray_cluster import init_ray
+from rollout_service.ray_cluster import init_ray, with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
@@ -37,16 +37,6 @@ from .rollouts import group_requests, prompt_indices, rollouts_digest
 from .task import build_task
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
-
-
-def _with_tree_width(options: dict | None, segments: int) -> dict:
-    """Ray actor options that also set this run's tree width in the actor's process (runtime_env
-    env_vars: merged with the job's runtime env, and inherited by the actors it starts)."""
-    options = dict(options or {})
-    runtime_env = dict(options.get("runtime_env") or {})
-    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), K.TREE_SEGMENTS_ENV: str(segments)}
-    options["runtime_env"] = runtime_env
-    return options
 
 
 def _run_dir(cfg: dict, ckpt: Path | None) -> Path:
@@ -121,10 +111,10 @@ def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> d
     try:
         width = cfg["canonical"]["tree_segments"]
         pool = RolloutPool(model, num_workers=rc["num_workers"], name=pool_name, engine_kwargs=rc.get("engine"),
-                           resources_per_worker=_with_tree_width(rc.get("resources_per_worker"), width),
+                           resources_per_worker=with_tree_width(rc.get("resources_per_worker"), width),
                            namespace=namespace)
         t_pool = time.perf_counter()
-        trainer = TrainerGroup(dict(tc, resources_per_rank=_with_tree_width(tc.get("resources_per_rank"), width)),
+        trainer = TrainerGroup(dict(tc, resources_per_rank=with_tree_width(tc.get("resources_per_rank"), width)),
                                model, rc["temperature"])
         K.check_canonical({"rollout workers": pool.info["canonical"], "trainer ranks": trainer.canonical})
         if ckpt is not None:

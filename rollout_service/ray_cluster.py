@@ -34,6 +34,18 @@ def on_bundle(placement, index: int, capture_child_tasks: bool = False):
                                             placement_group_capture_child_tasks=capture_child_tasks)
 
 
+def with_tree_width(options: dict | None, segments: int) -> dict:
+    """Ray actor options that also set the canonical tree width (kernels.contract) in the actor's
+    process: runtime_env env_vars, merged with the job's runtime env and inherited by the actors it
+    starts."""
+    from kernels.contract import TREE_SEGMENTS_ENV
+    options = dict(options or {})
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), TREE_SEGMENTS_ENV: str(segments)}
+    options["runtime_env"] = runtime_env
+    return options
+
+
 def release(placement) -> None:
     from ray.util.placement_group import remove_placement_group
     remove_placement_group(placement)

@@ -1,4 +1,5 @@
 import os
+import struct
 
 import pytest
 import torch
@@ -11,6 +12,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of a tensor's bits, so comparisons are exact (-0.0 != 0.0, nan == nan)."""
     t = t.detach().contiguous()
     return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(t.dtype, t.dtype))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def rollout_bits(rollout) -> tuple:
+    """What must match bitwise between two rollouts: the finish reason, the tokens and every log-prob's
+    exact bits (log-probs are float32 values held as Python floats)."""
+    return (rollout.finish_reason, tuple(rollout.token_ids),
+            tuple(struct.pack("<d", x) for x in rollout.logprobs))
 
 
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = ""):

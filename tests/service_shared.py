@@ -5,9 +5,9 @@ themselves, so both modules use the same ones; the last module that needs them s
 """
 from __future__ import annotations
 
-import struct
-
 import pytest
+
+from conftest import rollout_bits
 
 ENGINE_KWARGS = dict(window=4, group=8)  # short windows: verified requests roll back within max_tokens
 POOL_NAME = "rollout"
@@ -15,17 +15,13 @@ POOL_NAME = "rollout"
 _state: dict = {}
 
 
-def bits(rollout) -> tuple:
-    """What must match bitwise: the tokens and every log-prob's exact bits."""
-    return (rollout.finish_reason, tuple(rollout.token_ids),
-            tuple(struct.pack("<d", x) for x in rollout.logprobs))
 
 
 def assert_same(got, want, what=""):
     assert len(got) == len(want), what
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.ok and w.ok, f"{what} request {i}: {g.error or w.error}"
-        assert bits(g) == bits(w), f"{what} request {i}: {g.token_ids} != {w.token_ids}"
+        assert rollout_bits(g) == rollout_bits(w), f"{what} request {i}: {g.token_ids} != {w.token_ids}"
 
 
 def model():

@@ -76,7 +76,7 @@ def test_patched_model_is_close_to_unpatched():
 
 def test_negative_control_unpatched_model_is_not_invariant_on_cpu():
     """Measured on CPU: the unpatched HF model (SDPA attention) gives different log-probs for the
-    same prefix depending on the sequence length; fp32 torch GEMM row 0 changes with M."""
+    same prefix depending on the sequence length."""
     model = tiny_model("qwen2", seed=1)
     g = torch.Generator().manual_seed(5)
     differing = 0
@@ -88,8 +88,6 @@ def test_negative_control_unpatched_model_is_not_invariant_on_cpu():
                 prefix = torch.log_softmax(model(input_ids=ids[:, :length]).logits.float(), -1)
                 differing += not torch.equal(full[:, :length], prefix)
     assert differing > 0, "unpatched prefix log-probs never changed with the sequence length"
-    x, w = torch.randn(64, 512), torch.randn(256, 512)
-    assert not torch.equal(torch.nn.functional.linear(x[:1], w)[0], torch.nn.functional.linear(x, w)[0])
     # the canonical forward on the same inputs is invariant
     patched = trainer_patch.patch_model(tiny_model("qwen2", seed=1))
     a = trainer_patch.token_logprobs(patched, ids)[:, :19]  # last ids from the loop above

@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service import (CanonicalMismatchError, Engine, InvalidRequestError, RolloutClient,  # noqa: E402
                              RolloutPool, SamplingParams, WeightMismatchError)
+from rollout_service.ray_cluster import with_tree_width  # noqa: E402
 from rollout_service.weights import model_digest, state_dict_digest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,9 +286,8 @@ def test_update_weights_digest_restart_and_other_driver(service, reqs):
 
 
 def test_tree_width_reaches_the_workers_and_is_checked(service, reqs, tree_width):
-    from recipes.grpo import _with_tree_width
     pool = RolloutPool(shared.model(), num_workers=1, name="rollout-width-2", engine_kwargs=ENGINE_KWARGS,
-                       resources_per_worker=_with_tree_width({"num_cpus": 1}, 2))
+                       resources_per_worker=with_tree_width({"num_cpus": 1}, 2))
     try:
         assert pool.info["canonical"].tree_segments == 2 != K.tree_segments()
         got = pool.generate(*reqs)

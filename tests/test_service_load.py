@@ -1,10 +1,8 @@
 """2,000 concurrent requests from several client threads through 2 CPU workers (figures in the output)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -14,10 +12,7 @@ pytest.importorskip("ray")
 
 from rollout_service import Engine  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location(
-    "service_load", Path(__file__).resolve().parents[1] / "bench" / "service_load.py")
-service_load = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(service_load)
+from bench import service_load  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import os
 import random
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from rollout_service.kv_cache import KVCache
 from rollout_service.runner import Chunk, ModelRunner
 from rollout_service.tp import TPContext, TPEngine, TPFollower, free_port, init_tp_group
 from rollout_service.weights import model_digest
+from conftest import rollout_bits, same_bits
 
 MODEL_KW = dict(num_heads=4, num_kv_heads=4, hidden_size=64, intermediate_size=128)
 ENGINE_KW = dict(window=4, group=4, kv_cache_tokens=512, verified_decode="dvr")
@@ -55,18 +55,6 @@ def layer_inputs():
     g = torch.Generator().manual_seed(0)
     m, k, n = LAYER_SHAPE
     return (torch.randn(m, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.05).bfloat16())
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def rollout_bits(r) -> tuple:
-    return r.finish_reason, tuple(r.token_ids), tuple(struct.pack("<f", x) for x in r.logprobs)
 
 
 def verifier_logits(model, ops) -> list[torch.Tensor]:

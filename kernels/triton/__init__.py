@@ -1,6 +1,7 @@
 """Triton GPU versions of the canonical ops (same signatures as kernels.reference).
 
-Each op keeps the canonical numerics of DESIGN.md: a row's result depends only on its own inputs.
+Each op keeps the canonical numerics (docs/architecture.md, kernels/contract.py): a row's result
+depends only on its own inputs.
 The GPU results need not equal the CPU reference bit for bit; each must be invariant on its own.
 
 Importing this package raises ImportError when triton or a CUDA device is missing, so that

@@ -10,13 +10,14 @@ from __future__ import annotations
 import copy
 import os
 import random
-import struct
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from conftest import rollout_bits, same_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -30,19 +31,6 @@ PARAMS = [dict(max_tokens=24, temperature=t, seed=s, determinism=m)
 LAYER = (600, 4096, 512)  # M, K, N of the row-parallel layer check
 LAYER_ROWS = (1, 64, 600)  # row counts that pick different kernel configurations
 TIMING_ROWS = (1, 16, 256, 2048)
-
-
-def _bits(t):
-    t = t.detach().cpu().contiguous()
-    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
-
-
-def same_bits(a, b) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
-
-
-def _rollout_bits(r):
-    return r.finish_reason, tuple(r.token_ids), tuple(struct.pack("<f", x) for x in r.logprobs)
 
 
 def _requests():
@@ -243,7 +231,7 @@ def test_bf16_all_reduce_negative_control(tp):
 def test_rollouts_equal_tp1_and_trainer(tp):
     k, out = tp
     ref = out["ref"]
-    assert [_rollout_bits(r) for r in out["rollouts"]] == [_rollout_bits(r) for r in ref["rollouts"]]
+    assert [rollout_bits(r) for r in out["rollouts"]] == [rollout_bits(r) for r in ref["rollouts"]]
     for j, (r, train) in enumerate(zip(out["rollouts"], ref["train_rollouts"])):
         assert r.ok, r.error
         assert same_bits(torch.tensor(r.logprobs, dtype=torch.float32), train), f"TP={k} request {j}: KL != 0"
