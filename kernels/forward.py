@@ -12,9 +12,10 @@ from typing import Callable
 import torch
 
 import kernels as K
+from kernels.moe import MoESpec, is_moe_block, moe_forward, moe_spec
 from kernels.rope import RopeTable
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class OpSet:
     silu_mul: Callable
     add: Callable = K.add
     rotary: Callable = K.rotary
+    log_softmax: Callable = K.log_softmax  # fp32 rows (MoE routing)
 
 
 CANONICAL_OPS = OpSet(
@@ -53,6 +55,7 @@ class ModelSpec:
     rms_norm_eps: float
     qk_norm: bool
     max_positions: int
+    moe: MoESpec | None = None  # sparse MLP layers (Qwen3-MoE)
 
 
 def model_spec(model: torch.nn.Module) -> ModelSpec:
@@ -73,7 +76,8 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return ModelSpec(arch, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                      cfg.num_key_value_heads, head_dim, cfg.vocab_size, cfg.rms_norm_eps,
-                     arch == "Qwen3ForCausalLM", cfg.max_position_embeddings)
+                     arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), cfg.max_position_embeddings,
+                     moe_spec(cfg) if arch == "Qwen3MoeForCausalLM" else None)
 
 
 def rope_table(model: torch.nn.Module) -> RopeTable:
@@ -111,14 +115,15 @@ class ForwardContext:
     MixedPrecisionPolicy(cast_forward_inputs=True), its default, casts the floating tensors it finds
     in a layer's arguments (inside dataclasses, dicts, tuples) to bf16, and the float32 rotary rows
     must reach the layers as they are."""
-    __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv")
+    __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv", "routing")
 
     def __init__(self, ops: OpSet, spec: ModelSpec, positions: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, kv: PagedKV | None = None):
+                 sin: torch.Tensor, kv: PagedKV | None = None, routing: list | None = None):
         self.ops, self.spec = ops, spec
         self.positions = positions  # [B, T]; negative = padding token
         self.cos, self.sin = cos, sin  # float32 rotary rows per token
         self.kv = kv  # None: contiguous KV of this call (training / full sequences)
+        self.routing = routing  # a list: each MoE layer appends its expert ids [B, T, k]
 
 
 def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -147,6 +152,8 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     o = ops.linear(o.reshape(b, t, -1), _bf16(attn.o_proj.weight), _bf16(attn.o_proj.bias), row_parallel=True)
     hidden = ops.add(hidden, o)
     x = ops.rms_norm(hidden, _bf16(layer.post_attention_layernorm.weight), spec.rms_norm_eps)
+    if spec.moe is not None and is_moe_block(mlp):
+        return ops.add(hidden, moe_forward(mlp, x, spec.moe, ops, _bf16, ctx.routing))
     gate = ops.linear(x, _bf16(mlp.gate_proj.weight), _bf16(mlp.gate_proj.bias))
     up = ops.linear(x, _bf16(mlp.up_proj.weight), _bf16(mlp.up_proj.bias))
     down = ops.linear(ops.silu_mul(gate, up), _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias),
@@ -155,11 +162,12 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
 
 
 def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, *,
-                   ops: OpSet = CANONICAL_OPS, kv: PagedKV | None = None) -> torch.Tensor:
-    """Final-norm hidden states [B, T, H] (bf16) for token ids [B, T] at absolute positions [B, T]."""
+                   ops: OpSet = CANONICAL_OPS, kv: PagedKV | None = None, routing: list | None = None) -> torch.Tensor:
+    """Final-norm hidden states [B, T, H] (bf16) for token ids [B, T] at absolute positions [B, T].
+    routing: a list that receives each MoE layer's expert ids [B, T, k] (MoE models)."""
     spec = model_spec(model)
     cos, sin = rope_table(model).lookup(positions)
-    ctx = ForwardContext(ops, spec, positions, cos, sin, kv)
+    ctx = ForwardContext(ops, spec, positions, cos, sin, kv, routing)
     hidden = model.model.embed_tokens(input_ids).to(torch.bfloat16)
     for layer in model.model.layers:
         hidden = layer(hidden, ctx) if _is_patched(layer) else decoder_layer_forward(layer, hidden, ctx)

@@ -77,7 +77,9 @@ class Engine:
         self.max_model_len = cfg.max_model_len or self.spec.max_positions
         self.cache = KVCache(self.spec, -(-cfg.kv_cache_tokens // cfg.block_size), cfg.block_size, self.device)
         self._runner_factory = runner_factory
-        self._cuda_graphs = cfg.cuda_graphs and runner_factory is None and self.device.type == "cuda"
+        # MoE layers size each expert's rows on the host (kernels/moe.py): they run eagerly
+        self._cuda_graphs = (cfg.cuda_graphs and runner_factory is None and self.device.type == "cuda"
+                             and self.spec.moe is None)
         # verifier graphs: one-token steps of every running request, verify windows G at a time
         self.verifier = self._make_runner(CANONICAL_OPS, {1: cfg.max_num_seqs, cfg.window + 1: cfg.group})
         self.fast_path = self._make_fast_path(cfg.fast_path, dict(cfg.fast_path_options))
@@ -86,6 +88,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._done: list[tuple[int, Rollout]] = []
+        self.num_preemptions = 0  # requests whose KV was freed for an older one (recomputed later)
 
     def _make_runner(self, ops, graph_shapes: dict[int, int]):
         """A runner for `ops`; on CUDA it replays graphs (graph_shapes: tokens per chunk -> max batch)."""
@@ -220,6 +223,7 @@ class Engine:
 
     def _preempt(self, req: Request) -> None:
         """Free req's KV; it is recomputed canonically (same bits) when it runs again."""
+        self.num_preemptions += 1
         self.cache.release(req.block_ids)
         self.fast_path.release(req.request_id)
         req.num_cached = 0

@@ -1,9 +1,9 @@
-"""Tiny randomly initialised Llama / Qwen2 / Qwen3 models: no downloads, seconds on a CPU."""
+"""Tiny randomly initialised Llama / Qwen2 / Qwen3 / Qwen3-MoE models: no downloads, seconds on a CPU."""
 from __future__ import annotations
 
 import torch
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # "tiny:qwen2" names a tiny model wherever a checkpoint path is accepted (rollout_service.engine.load_model)
 TINY_PREFIX = "tiny:"
 
@@ -22,6 +22,10 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 96, hidden_size: int = 64
         return transformers.Qwen2Config(**common)
     if arch == "qwen3":
         return transformers.Qwen3Config(head_dim=hidden_size // num_heads, **common)
+    if arch == "qwen3_moe":  # every layer sparse: 8 experts, 2 per token
+        return transformers.Qwen3MoeConfig(head_dim=hidden_size // num_heads, num_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=intermediate_size // 2, decoder_sparse_step=1,
+                                           mlp_only_layers=[], norm_topk_prob=True, **common)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
 
 
@@ -31,11 +35,11 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.bf
     cfg = tiny_config(arch, **config_kwargs)
     torch.manual_seed(seed)
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "qwen3": transformers.Qwen3ForCausalLM}[arch]
+                 "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[arch]
     model = model_cls(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and the experts' stacked [E, out, in] weights
                 p.normal_(0.0, 0.08)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.02)

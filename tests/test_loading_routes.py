@@ -50,6 +50,7 @@ CHECKPOINTS = {
     "llama-llama3": CheckpointSpec("llama", LLAMA3),
     "qwen2": CheckpointSpec("qwen2"),
     "qwen3": CheckpointSpec("qwen3"),
+    "qwen3_moe": CheckpointSpec("qwen3_moe"),  # every layer sparse: routing runs in every forward
     "qwen2-yarn": CheckpointSpec("qwen2", YARN, max_positions=256),
     "llama-linear": CheckpointSpec("llama", LINEAR),
     # max_position_embeddings 64: later positions take the per-position dynamic-NTK rows
@@ -209,9 +210,14 @@ def _assert_scores_equal_rollouts(model, srv: Served, what: str) -> torch.Tensor
     return total
 
 
+# transformers saves a Qwen3-MoE checkpoint with one tensor per expert and fuses them when it loads;
+# a raw load_state_dict of the file into from_config's fused model is not a way to load it at all.
+ROUTE_PAIRS = [(c, r) for c in CHECKPOINTS for r in ROUTES
+               if not (CHECKPOINTS[c].arch == "qwen3_moe" and r == "from_config-load_state_dict")]
+
+
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
-@pytest.mark.parametrize("route", list(ROUTES))
-@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+@pytest.mark.parametrize("checkpoint, route", ROUTE_PAIRS)
 def test_trainer_route_scores_rollouts_bitwise(served, gloo_group, checkpoint, route):
     srv = served(checkpoint)
     model = ROUTES[route](srv.path, gloo_group)

@@ -47,6 +47,8 @@ class ZeroKLForCausalLM(nn.Module):
         self.__dict__["hf"] = hf  # not a submodule: parameters keep their checkpoint names
         self.model, self.lm_head = hf.model, hf.lm_head
         self.spec = spec = model_spec(hf)
+        if spec.moe is not None:  # checkpoints hold one tensor per expert; the model fuses them
+            raise NotImplementedError(f"{spec.architecture} is not supported through vLLM yet; use the native engine")
         attn = []
         for i, layer in enumerate(hf.model.layers):  # held inside the HF module: its name is its prefix
             layer.self_attn.attn = Attention(

@@ -1,0 +1,114 @@
+"""Qwen3-MoE in the canonical forward (kernels/moe.py): routing follows the model's own rule, a token's
+experts and log-probs do not depend on its batch, prefix length or chunking, and the engine's
+rollouts (verified with DVR, invariant; chunked prefill; preemption) equal the trainer's bit for bit
+with the same routing decisions. The stock HF model flips routing decisions (the negative control).
+Loading routes (from_pretrained bf16 / fp32, FSDP2 with MixedPrecisionPolicy) are in
+test_loading_routes.py (checkpoint "qwen3_moe")."""
+import random
+
+import pytest
+import torch
+
+import trainer_patch
+from conftest import assert_bitwise_equal
+from kernels.forward import CANONICAL_OPS, forward_hidden
+from kernels.moe import moe_forward, moe_spec, route
+from rollout_service import Engine, SamplingParams
+from rollout_service.tiny_models import tiny_model
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("zerokl-qwen3-moe")
+    tiny_model("qwen3_moe", seed=3, dtype=torch.float32, num_layers=3).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trainer(checkpoint):
+    from transformers import AutoModelForCausalLM
+    return trainer_patch.patch_model(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16))
+
+
+def _routing(model, ids: list[int]) -> list[torch.Tensor]:
+    routing = []
+    with torch.no_grad():
+        forward_hidden(model, torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), routing=routing)
+    return [r[0] for r in routing]  # per layer [T, k]
+
+
+def test_routing_follows_the_models_rule():
+    """Same experts as the HF router on the same inputs (softmax, top-k, norm_topk_prob), output close."""
+    model = tiny_model("qwen3_moe", seed=1)
+    spec, block = moe_spec(model.config), model.model.layers[0].mlp
+    x = torch.randn(400, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = block.gate(x)
+        ids, weights = route(x, block.gate.weight, spec, CANONICAL_OPS)
+        assert torch.equal(hf_ids.sort(-1).values, ids)
+        assert torch.allclose(weights.sum(-1), torch.ones(400))  # norm_topk_prob
+        ours = moe_forward(block, x.unsqueeze(0), spec, CANONICAL_OPS, lambda t: t.to(torch.bfloat16))
+        torch.testing.assert_close(ours[0].float(), block(x.unsqueeze(0))[0].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_routing_and_logprobs_do_not_depend_on_batch_or_prefix(trainer):
+    rng = random.Random(4)
+    seqs = [[rng.randrange(VOCAB) for _ in range(n)] for n in (70, 33, 5, 51)]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    batched = trainer_patch.token_logprobs(trainer, ids, mask)
+    for i, s in enumerate(seqs):
+        alone = trainer_patch.token_logprobs(trainer, torch.tensor([s]))
+        assert_bitwise_equal(alone[0], batched[i, :len(s) - 1], f"sequence {i} alone vs batched")
+    full = _routing(trainer, seqs[0])
+    for cut in (7, 20, 33, 50):
+        prefix = _routing(trainer, seqs[0][:cut])
+        assert all(torch.equal(a[:cut], b) for a, b in zip(full, prefix)), f"routing changed at prefix {cut}"
+
+
+def test_negative_control_stock_moe_flips_routing_with_the_prefix_length():
+    """Measured on CPU: the stock HF model's router inputs change with the sequence length (SDPA), and
+    some tokens change experts."""
+    model = tiny_model("qwen3_moe", seed=1, num_layers=4)
+    seen = []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda mod, inp, out: seen.append(out[2].sort(-1).values))
+    g = torch.Generator().manual_seed(5)
+    flips = 0
+    with torch.no_grad():
+        for _ in range(20):
+            ids = torch.randint(0, VOCAB, (1, 96), generator=g)
+            seen.clear()
+            model(input_ids=ids)
+            full = list(seen)
+            for cut in (7, 20, 33, 50, 77):
+                seen.clear()
+                model(input_ids=ids[:, :cut])
+                flips += sum(int((a[:cut] != b).any(-1).sum()) for a, b in zip(full, seen))
+    assert flips > 0, "the stock MoE never changed a routing decision: this control cannot fail"
+
+
+@pytest.mark.parametrize("mode", ["verified", "invariant"])
+def test_engine_rollouts_equal_the_trainer_with_the_same_routing(checkpoint, trainer, mode):
+    rng = random.Random(6)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 60))] for _ in range(10)]
+    params = [SamplingParams(max_tokens=12, temperature=[0.0, 0.8][i % 2], seed=50 + i, determinism=mode)
+              for i in range(len(prompts))]
+    # a prefill budget of 24 tokens (chunked prefill) and a cache of 12 blocks of 16 (preemption)
+    engine = Engine(checkpoint, window=4, group=4, max_prefill_tokens=24, kv_cache_tokens=192, max_num_seqs=6)
+    batch = engine.generate(prompts, params)
+    assert engine.num_preemptions > 0
+    alone = [Engine(checkpoint, window=4, group=4).generate([p], [q])[0] for p, q in zip(prompts[:3], params[:3])]
+    assert [(r.token_ids, r.logprobs) for r in alone] == [(r.token_ids, r.logprobs) for r in batch[:3]]
+    for prompt, p, r in zip(prompts, params, batch):
+        assert r.ok and len(r.token_ids) == 12, r.error
+        seq = prompt + r.token_ids
+        want = trainer_patch.token_logprobs(trainer, torch.tensor([seq]), temperature=p.temperature)
+        assert r.logprobs == want[0, -12:].tolist()
+    # the rollout engine's model routes every token of a finished sequence as the trainer does
+    for prompt, r in zip(prompts[:4], batch[:4]):
+        seq = prompt + r.token_ids
+        assert all(torch.equal(a, b) for a, b in zip(_routing(engine.model, seq), _routing(trainer, seq)))
