@@ -17,7 +17,7 @@ from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_W
                        CanonicalMismatchError, canonical_config, check_canonical, kernel_family,
                        set_tree_segments, tree_segments)
 from .logprobs import logprob_temperature, token_logprobs
-from .sampling import gumbel_noise, sample, sampling_positions
+from .sampling import gumbel_noise, sample, sampling_position, sampling_positions
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,7 +149,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     return with_reference_grad(fwd, lambda q_, k_, v_: attention_ref(q_, k_, v_, positions, scale), q, k, v)
 
 
-__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "attention",
-           "backend_for", "canonical_config", "check_canonical", "gumbel_noise", "kernel_family", "log_softmax", "logprob_temperature",
-           "matmul", "rms_norm", "rotary", "sample", "sampling_positions", "scale_logits", "set_tree_segments", "silu_mul",
+__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add",
+           "attention", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
+           "kernel_family", "log_softmax", "logprob_temperature", "matmul", "rms_norm", "rotary", "sample",
+           "sampling_position", "sampling_positions", "scale_logits", "set_tree_segments", "silu_mul",
            "token_logprobs", "tree_segments"]

@@ -102,11 +102,16 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return torch.where(greedy.reshape(-1), _first_argmax(scaled), _first_argmax(noisy))
 
 
-def sampling_positions(num_preceding: int, count: int = 1) -> list[int]:
-    """The positions the rule hashes for `count` consecutive tokens that follow `num_preceding` tokens
-    (prompt + tokens generated so far): a token's position is its index in the whole sequence. Every
-    engine, the vLLM processor and the TRL integration take positions from here."""
-    return list(range(num_preceding, num_preceding + count))
+def sampling_position(num_preceding: int) -> int:
+    """The position the rule hashes for the token that follows `num_preceding` tokens (prompt + tokens
+    generated so far): a token's position is its index in the whole sequence. Every engine and the
+    vLLM processor take positions from here."""
+    return num_preceding
+
+
+def sampling_positions(num_preceding: int, count: int) -> list[int]:
+    """sampling_position of `count` consecutive tokens (a verify window)."""
+    return [sampling_position(num_preceding + j) for j in range(count)]
 
 
 def _check_sample_args(logits, temperature, top_k, top_p, seeds, positions) -> None:

@@ -61,6 +61,35 @@ def load_model(model, device, copy_model: bool = True) -> torch.nn.Module:
     return model.to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
 
 
+def generate_in_order(engine, prompts, params, use_tqdm: bool = False) -> list[Rollout]:
+    """Drive any engine (add_request / step) until every request finishes; rollouts in request order,
+    a request the engine refuses gets finish_reason 'error'. `params`: one SamplingParams or a list."""
+    params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+    results: dict[int, Rollout] = {}
+    order: list[int | Rollout] = []
+    for prompt, p in zip(prompts, params_list):
+        try:
+            order.append(engine.add_request(prompt, p))
+        except (InvalidRequestError, TypeError, ValueError) as err:
+            order.append(Rollout(list(prompt) if isinstance(prompt, (list, tuple)) else [],
+                                 finish_reason="error", error=str(err)))
+    wanted = {x for x in order if isinstance(x, int)}
+    progress = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+        progress = tqdm(total=len(wanted), desc="rollouts")
+    while wanted - results.keys():
+        for rid, rollout in engine.step():
+            results[rid] = rollout
+            if progress is not None and rid in wanted:
+                progress.update(1)
+    if progress is not None:
+        progress.close()
+    return [results[x] if isinstance(x, int) else x for x in order]
+
+
 class Engine:
     """model: a model object, a checkpoint directory or "tiny:<arch>". Options: an EngineConfig and/or
     its fields as keywords (rollout_service.config). runner_factory(model, cache, ops, device) ->
@@ -152,30 +181,7 @@ class Engine:
 
     def generate(self, prompts, params, use_tqdm: bool = False) -> list[Rollout]:
         """Rollouts in request order; a request that cannot be served gets finish_reason 'error'."""
-        params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
-        results: dict[int, Rollout] = {}
-        order: list[int | Rollout] = []
-        for prompt, p in zip(prompts, params_list):
-            try:
-                order.append(self.add_request(prompt, p))
-            except (InvalidRequestError, TypeError, ValueError) as err:
-                order.append(Rollout(list(prompt) if isinstance(prompt, (list, tuple)) else [],
-                                     finish_reason="error", error=str(err)))
-        wanted = {x for x in order if isinstance(x, int)}
-        progress = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            progress = tqdm(total=len(wanted), desc="rollouts")
-        while wanted - results.keys():
-            for rid, rollout in self.step():
-                results[rid] = rollout
-                if progress is not None and rid in wanted:
-                    progress.update(1)
-        if progress is not None:
-            progress.close()
-        return [results[x] if isinstance(x, int) else x for x in order]
+        return generate_in_order(self, prompts, params, use_tqdm)
 
     def update_weights(self, state_dict) -> str:
         """Load new weights (names and shapes must match); returns the content digest."""

