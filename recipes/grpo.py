@@ -11,6 +11,7 @@ the new weights pushed to the rollout pool, digests checked.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -19,7 +20,6 @@ import uuid
 from pathlib import Path
 
 import torch
-import yaml
 
 import kernels as K
 
@@ -28,8 +28,8 @@ from rollout_service.ray_cluster import init_ray, with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
-from .checkpoint import checkpoint_dir, find_checkpoint, read_checkpoint, write_state
-from .config import apply_override, load_config, validate
+from .checkpoint import CONFIG_FILE, checkpoint_dir, find_checkpoint, read_state, write_state
+from .config import CanonicalTreeConfig, RecipeConfig, load_config
 from .grpo_loss import group_advantages
 from .metrics import MetricsLogger, StepProgress, step_metrics
 from .models import initial_model
@@ -39,29 +39,29 @@ from .task import build_task
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
 
-def _run_dir(cfg: dict, ckpt: Path | None) -> Path:
-    if cfg.get("run_dir"):
-        path = Path(cfg["run_dir"]).expanduser().resolve()
+def _run_dir(cfg: RecipeConfig, ckpt: Path | None) -> Path:
+    if cfg.run_dir:
+        path = Path(cfg.run_dir).expanduser().resolve()
     elif ckpt is not None:
         path = ckpt.parent.parent  # continue in the run the checkpoint belongs to
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        name = f"{cfg['name']}-{cfg['rollout']['determinism']}-{stamp}-{uuid.uuid4().hex[:6]}"
-        path = Path(cfg["output_dir"]).expanduser().resolve() / name
+        name = f"{cfg.name}-{cfg.rollout.determinism}-{stamp}-{uuid.uuid4().hex[:6]}"
+        path = Path(cfg.output_dir).expanduser().resolve() / name
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    (path / CONFIG_FILE).write_text(cfg.to_yaml())
     return path
 
 
-def _starting_model(cfg: dict, task, resumed: bool) -> torch.nn.Module:
+def _starting_model(cfg: RecipeConfig, task, resumed: bool) -> torch.nn.Module:
     """The initial policy; a resumed run loads its checkpoint over it, so no warm-up then."""
     from .warmup import answer_examples, supervised_warmup
 
     model = initial_model(cfg, task.tokenizer)
-    warm = cfg.get("warmup", {})
-    if not resumed and warm.get("steps", 0) > 0:
-        model = supervised_warmup(model, answer_examples(task), warm["steps"], lr=warm.get("lr", 3e-3),
-                                  batch_size=warm.get("batch_size", 64), seed=cfg["seed"])
+    warm = cfg.warmup
+    if not resumed and warm.steps > 0:
+        model = supervised_warmup(model, answer_examples(task), warm.steps, lr=warm.lr,
+                                  batch_size=warm.batch_size, seed=cfg.seed)
     return model
 
 
@@ -82,7 +82,7 @@ def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, s
     return rewards, samples
 
 
-def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> dict:
+def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = True) -> dict:
     """Run (or continue) a GRPO job on an initialised Ray; returns {"run_dir", "records"}."""
     from rollout_service import RolloutClient, RolloutPool
     from rollout_service.client import DEFAULT_NAMESPACE
@@ -92,30 +92,31 @@ def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> d
     step0, cursor, ckpt, state = 0, 0, None, {}
     if resume is not None:
         ckpt = find_checkpoint(resume)
-        state, _ = read_checkpoint(ckpt)
+        state = read_state(ckpt)
         step0, cursor = state["step"], state["cursor"]
-    rc, tc, trc = cfg["rollout"], cfg["trainer"], cfg["train"]
-    K.set_tree_segments(cfg["canonical"]["tree_segments"] or K.tree_segments())
-    cfg["canonical"]["tree_segments"] = K.tree_segments()  # the run records the width it ran with
+    K.set_tree_segments(cfg.canonical.tree_segments or K.tree_segments())
+    # null meant the process's width: the run records the one it ran with
+    cfg = dataclasses.replace(cfg, canonical=CanonicalTreeConfig(tree_segments=K.tree_segments()))
+    rc, tc, trc = cfg.rollout, cfg.trainer, cfg.train
     run_dir = _run_dir(cfg, ckpt)
-    run_name = f"{cfg['name']}-{rc['determinism']}"
+    run_name = f"{cfg.name}-{rc.determinism}"
 
     t_start = time.perf_counter()
     task = build_task(cfg)
     model = _starting_model(cfg, task, resumed=ckpt is not None)
     t_model = time.perf_counter()
     pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
-    pool_name, namespace = rc.get("pool_name") or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
+    pool_name, namespace = rc.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
     pool = trainer = logger = None
     records = []
     try:
-        width = cfg["canonical"]["tree_segments"]
-        pool = RolloutPool(model, num_workers=rc["num_workers"], name=pool_name, engine_kwargs=rc.get("engine"),
-                           resources_per_worker=with_tree_width(rc.get("resources_per_worker"), width),
+        width = cfg.canonical.tree_segments
+        pool = RolloutPool(model, num_workers=rc.num_workers, name=pool_name, engine_kwargs=rc.engine,
+                           resources_per_worker=with_tree_width(rc.resources_per_worker, width),
                            namespace=namespace)
         t_pool = time.perf_counter()
-        trainer = TrainerGroup(dict(tc, resources_per_rank=with_tree_width(tc.get("resources_per_rank"), width)),
-                               model, rc["temperature"])
+        ranks = dataclasses.replace(tc, resources_per_rank=with_tree_width(tc.resources_per_rank, width))
+        trainer = TrainerGroup(ranks, model, rc.temperature)
         K.check_canonical({"rollout workers": pool.info["canonical"], "trainer ranks": trainer.canonical})
         if ckpt is not None:
             trainer.load(str(ckpt / "trainer"))
@@ -127,12 +128,12 @@ def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> d
         t_ready = time.perf_counter()
         _say(f"run directory {run_dir}; set up in {t_ready - t_start:.0f}s (task and model {t_model - t_start:.0f}s, "
              f"rollout pool {t_pool - t_model:.0f}s, trainer ranks {t_ready - t_pool:.0f}s)")
-        bar = StepProgress(trc["steps"], initial=step0, desc=run_name, enabled=progress)
-        for step in range(step0 + 1, trc["steps"] + 1):
+        bar = StepProgress(trc.steps, initial=step0, desc=run_name, enabled=progress)
+        for step in range(step0 + 1, trc.steps + 1):
             t_step = time.perf_counter()
-            indices = prompt_indices(cursor, trc["prompts_per_step"], len(task.dataset), cfg["seed"])
+            indices = prompt_indices(cursor, trc.prompts_per_step, len(task.dataset), cfg.seed)
             rows = [task.dataset[i] for i in indices]
-            prompts, params = group_requests([r["prompt_ids"] for r in rows], indices, step, rc, cfg["seed"],
+            prompts, params = group_requests([r["prompt_ids"] for r in rows], indices, step, rc, cfg.seed,
                                              task.stop_token_ids)
             t0 = time.perf_counter()
             rollouts = client.generate(prompts, params)
@@ -140,23 +141,22 @@ def run(cfg: dict, resume: str | Path | None = None, progress: bool = True) -> d
             failed = [ro for ro in rollouts if not ro.ok]
             if failed:
                 raise RuntimeError(f"{len(failed)} rollouts failed, e.g. {failed[0].finish_reason}: {failed[0].error}")
-            rewards, samples = _score(task, rows, prompts, rollouts, rc["n"], tc["scale_advantages"])
-            plans, tokens = split_for_ranks(samples, tc["num_ranks"], tc["mini_batches"],
-                                            tc.get("micro_batch_size", 0), pad_id)
+            rewards, samples = _score(task, rows, prompts, rollouts, rc.n, tc.scale_advantages)
+            plans, tokens = split_for_ranks(samples, tc.num_ranks, tc.mini_batches, tc.micro_batch_size, pad_id)
             t2 = time.perf_counter()
             results = trainer.train_step(plans, tokens)
             t3 = time.perf_counter()
             sync = _sync(trainer, pool_name, namespace)
-            cursor += trc["prompts_per_step"]
+            cursor += trc.prompts_per_step
 
             metrics = step_metrics(rollouts, rewards, results, sum(tokens),
                                    {"rollout": t1 - t0, "train": t3 - t2, "sync": sync["seconds"]})
             metrics.update({"data/cursor": cursor, "rollout/digest": rollouts_digest(rollouts),
                             "weights/digest": sync["digest"]})
-            if trc.get("save_rollouts"):
+            if trc.save_rollouts:
                 _save_rollouts(run_dir, step, rollouts, rewards.view(-1).tolist())
-            every = trc.get("save_every", 0)
-            if step == trc["steps"] or (every and step % every == 0):
+            every = trc.save_every
+            if step == trc.steps or (every and step % every == 0):
                 path = checkpoint_dir(run_dir, step)
                 trainer.save(str(path / "trainer"))
                 write_state(path, {"step": step, "cursor": cursor, "digest": sync["digest"]}, cfg)
@@ -189,19 +189,16 @@ def _save_rollouts(run_dir: Path, step: int, rollouts, rewards) -> None:
                                 "finish_reason": ro.finish_reason, "reward": r}) + "\n")
 
 
-def build_config(args) -> dict:
+def build_config(args) -> RecipeConfig:
     """Config from --config (or, when resuming without one, the checkpoint's), then the overrides."""
+    path = args.config or DEFAULT_CONFIG
     if args.config is None and args.resume is not None:
-        _, cfg = read_checkpoint(find_checkpoint(args.resume))
-        for item in args.overrides:
-            apply_override(cfg, item)
-    else:
-        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        path = find_checkpoint(args.resume) / CONFIG_FILE
+    cfg = load_config(path, args.overrides)
     if args.determinism is not None:
-        cfg["rollout"]["determinism"] = args.determinism
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, determinism=args.determinism))
     if args.run_dir is not None:
-        cfg["run_dir"] = args.run_dir
-    validate(cfg)
+        cfg = dataclasses.replace(cfg, run_dir=args.run_dir)
     return cfg
 
 

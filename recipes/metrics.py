@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .config import RecipeConfig
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -129,18 +131,17 @@ def wandb_mode(configured: str | None = None) -> str:
 class MetricsLogger:
     """Appends one JSON object per step to <run_dir>/metrics.jsonl and logs the numbers to wandb."""
 
-    def __init__(self, run_dir: str | Path, cfg: dict, run_name: str):
+    def __init__(self, run_dir: str | Path, cfg: RecipeConfig, run_name: str):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self._wandb = None
-        mcfg = cfg.get("metrics", {})
-        if mcfg.get("wandb", True):
-            mode = wandb_mode(mcfg.get("wandb_mode"))
+        if cfg.metrics.wandb:
+            mode = wandb_mode(cfg.metrics.wandb_mode)
             if mode != "disabled":
                 import wandb
-                self._wandb = wandb.init(project=mcfg.get("wandb_project", "zerokl"), name=run_name,
-                                         dir=str(self.run_dir), config=cfg, mode=mode)
+                self._wandb = wandb.init(project=cfg.metrics.wandb_project, name=run_name,
+                                         dir=str(self.run_dir), config=cfg.to_dict(), mode=mode)
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **metrics}

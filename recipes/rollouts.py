@@ -12,6 +12,8 @@ import struct
 
 from rollout_service.params import Rollout, SamplingParams
 
+from .config import RolloutConfig
+
 
 def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
     """A 63-bit sampling seed for one rollout."""
@@ -35,18 +37,18 @@ def prompt_indices(cursor: int, count: int, size: int, run_seed: int) -> list[in
     return out
 
 
-def group_requests(prompts: list[list[int]], indices: list[int], step: int, cfg: dict, run_seed: int,
+def group_requests(prompts: list[list[int]], indices: list[int], step: int, rollout: RolloutConfig, run_seed: int,
                    stop_token_ids: tuple[int, ...]) -> tuple[list[list[int]], list[SamplingParams]]:
-    """n requests per prompt (prompt-major order), each with its own derived seed."""
-    r = cfg
+    """rollout.n requests per prompt (prompt-major order), each with its own derived seed."""
+    r = rollout
     all_prompts, all_params = [], []
     for prompt, index in zip(prompts, indices):
-        for j in range(r["n"]):
+        for j in range(r.n):
             all_prompts.append(list(prompt))
             all_params.append(SamplingParams(
-                max_tokens=r["max_tokens"], temperature=r["temperature"], top_k=r["top_k"], top_p=r["top_p"],
+                max_tokens=r.max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                 seed=sample_seed(run_seed, step, index, j), stop_token_ids=tuple(stop_token_ids),
-                determinism=r["determinism"]))
+                determinism=r.determinism))
     return all_prompts, all_params
 
 

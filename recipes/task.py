@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import gsm8k, tiny_task
+from .config import RecipeConfig
 
 
 @dataclass
@@ -22,23 +23,22 @@ class Task:
         return float(self.reward_fn(self.completion_text(token_ids), answer))
 
 
-def build_task(cfg: dict, tokenizer=None) -> Task:
-    """cfg["task"]: {kind: tiny, max_operand, ops} or {kind: gsm8k, split, path, max_prompt_tokens}."""
-    spec = cfg["task"]
-    kind = spec.get("kind", "tiny")
-    if kind == "tiny":
+def build_task(cfg: RecipeConfig, tokenizer=None) -> Task:
+    """The task cfg.task names: tiny (max_operand, ops) or gsm8k (split, path, max_prompt_tokens)."""
+    spec = cfg.task
+    if spec.kind == "tiny":
         tokenizer = tokenizer or tiny_task.build_tokenizer()
-        ds = tiny_task.build_dataset(spec.get("max_operand", 19), spec.get("ops", "+"), seed=cfg["seed"])
+        ds = tiny_task.build_dataset(spec.max_operand, spec.ops, seed=cfg.seed)
         ds = ds.map(lambda row: {"prompt_ids": tokenizer.encode(row["prompt"])})
         return Task("tiny", tokenizer, ds, tiny_task.reward, (tokenizer.eos_token_id,))
-    if kind == "gsm8k":
+    if spec.kind == "gsm8k":
         if tokenizer is None:
             from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(cfg["model"].get("tokenizer") or cfg["model"]["name"])
-        raw = gsm8k.load_gsm8k(spec.get("split", "train"), spec.get("path"))
-        ds = gsm8k.build_prompts(raw, tokenizer, spec.get("max_prompt_tokens"))
-        return Task("gsm8k", tokenizer, ds, gsm8k.reward, stop_ids(tokenizer, spec.get("stop_token_ids")))
-    raise ValueError(f"unknown task kind {kind!r}: use tiny or gsm8k")
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name)
+        raw = gsm8k.load_gsm8k(spec.split, spec.path)
+        ds = gsm8k.build_prompts(raw, tokenizer, spec.max_prompt_tokens)
+        return Task("gsm8k", tokenizer, ds, gsm8k.reward, stop_ids(tokenizer, spec.stop_token_ids))
+    raise ValueError(f"unknown task kind {spec.kind!r}")  # a new kind also goes into config.TASK_KINDS
 
 
 def stop_ids(tokenizer, extra=None) -> tuple[int, ...]:

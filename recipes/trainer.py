@@ -17,6 +17,7 @@ import torch
 
 import kernels as K
 
+from .config import TrainerConfig
 from .grpo_loss import clipped_pg_loss
 from .metrics import logprob_agreement
 
@@ -24,10 +25,10 @@ from .metrics import logprob_agreement
 class TrainerRank:
     """One rank. Created by TrainerGroup as a Ray actor; every method except `address` is collective."""
 
-    def __init__(self, rank: int, world_size: int, cfg: dict, temperature: float):
+    def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, temperature: float):
         self.rank, self.world, self.cfg = rank, world_size, cfg
         self.temperature = float(temperature) if temperature > 0 else 1.0
-        torch.set_num_threads(int(cfg.get("torch_threads") or 1))
+        torch.set_num_threads(cfg.torch_threads or 1)
         # The patched root returns a view of the logits; nothing here modifies it in place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.model = self.opt = None
@@ -46,7 +47,7 @@ class TrainerRank:
         from trainer_patch import patch_model
 
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
-        if self.cfg.get("device", "cpu") == "cuda":
+        if self.cfg.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
             self.device, backend = torch.device("cuda", 0), "nccl"
         else:
@@ -63,8 +64,8 @@ class TrainerRank:
         fully_shard(model, mesh=mesh, mp_policy=mp)
         model.train()
         self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg["lr"], betas=tuple(self.cfg["betas"]),
-                                     weight_decay=self.cfg["weight_decay"])
+        self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=tuple(self.cfg.betas),
+                                     weight_decay=self.cfg.weight_decay)
         return {"num_params": sum(p.numel() for p in model.parameters()), "canonical": K.canonical_config(self.device)}
 
     # -- training --------------------------------------------------------------------------------
@@ -78,7 +79,7 @@ class TrainerRank:
         """One optimizer step per mini-batch. Log-prob agreement is measured before any update."""
         cfg, start = self.cfg, time.perf_counter()
         agreement, pre = [], None
-        if len(minibatches) > 1 or cfg["old_logprobs"] == "recompute":
+        if len(minibatches) > 1 or cfg.old_logprobs == "recompute":
             with torch.no_grad():
                 pre = [[self._logprobs(mb) for mb in micros] for micros in minibatches]
             for micros, lps in zip(minibatches, pre):
@@ -93,12 +94,12 @@ class TrainerRank:
                 mask = mb["loss_mask"].to(self.device)
                 if pre is None:
                     agreement.append(logprob_agreement(mb["rollout_logprobs"], logp.cpu(), mb["loss_mask"]))
-                if cfg["old_logprobs"] == "rollout":
+                if cfg.old_logprobs == "rollout":
                     old = mb["rollout_logprobs"].to(self.device)
                 else:
                     old = pre[m][j] if pre is not None else logp.detach()
                 loss_sum, clipped = clipped_pg_loss(logp, old, mb["advantages"].to(self.device), mask,
-                                                    cfg["clip_low"], cfg["clip_high"])
+                                                    cfg.clip_low, cfg.clip_high)
                 (loss_sum * scale).backward()
                 loss_total += loss_sum.item()
                 clipped_total += float(clipped)
@@ -110,7 +111,7 @@ class TrainerRank:
                 "grad_norm": grad_norms, "tokens": seq_tokens, "seconds": time.perf_counter() - start}
 
     def _clip_grads(self) -> float:
-        max_norm = self.cfg.get("max_grad_norm") or math.inf
+        max_norm = self.cfg.max_grad_norm or math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         return float(norm)
@@ -165,19 +166,19 @@ class TrainerRank:
 class TrainerGroup:
     """Driver-side handle: starts the ranks, forms the process group, fans calls out to all ranks."""
 
-    def __init__(self, cfg: dict, model: torch.nn.Module, temperature: float):
+    def __init__(self, cfg: TrainerConfig, model: torch.nn.Module, temperature: float):
         import ray
 
-        self.world = cfg["num_ranks"]
-        opts = {"num_cpus": 1, **(cfg.get("resources_per_rank") or {})}
+        self.world = cfg.num_ranks
+        opts = {"num_cpus": 1, **cfg.resources_per_rank}
         self.placement = None
         per_rank = [dict(opts) for _ in range(self.world)]
-        if cfg.get("device", "cpu") == "cuda":
+        if cfg.device == "cuda":
             from rollout_service.ray_cluster import on_bundle, reserve
             opts.setdefault("num_gpus", 1)
             # One node where possible: NCCL stays intra-node and checkpoints land on one disk.
             bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"]}
-            self.placement = reserve([bundle] * self.world, cfg.get("placement", "PACK"))
+            self.placement = reserve([bundle] * self.world, cfg.placement)
             ray.get(self.placement.ready())
             per_rank = [dict(opts, scheduling_strategy=on_bundle(self.placement, r)) for r in range(self.world)]
         actor = ray.remote(TrainerRank)

@@ -23,16 +23,22 @@ TINY = REPO / "recipes" / "configs" / "tiny.yaml"
 
 
 def test_config_overrides_and_scientific_numbers():
-    cfg = load_config(TINY, ["trainer.lr=2e-3", "rollout.determinism=off", "train.steps=3", "new.key=[1, 2]"])
-    assert cfg["trainer"]["lr"] == 2e-3 and isinstance(cfg["trainer"]["lr"], float)
-    assert cfg["rollout"]["determinism"] == "off" and cfg["train"]["steps"] == 3 and cfg["new"]["key"] == [1, 2]
-    assert cfg["trainer"]["num_ranks"] == 2 and cfg["rollout"]["num_workers"] == 2
-    with pytest.raises(ValueError):
+    cfg = load_config(TINY, ["trainer.lr=2e-3", "rollout.determinism=off", "train.steps=3",
+                             "rollout.engine.window=2"])
+    assert cfg.trainer.lr == 2e-3 and isinstance(cfg.trainer.lr, float)
+    assert cfg.rollout.determinism == "off" and cfg.train.steps == 3
+    assert cfg.rollout.engine["window"] == 2 and cfg.rollout.engine["group"] == 8  # merged into the file's
+    assert cfg.trainer.num_ranks == 2 and cfg.rollout.num_workers == 2
+    with pytest.raises(ValueError, match="rollout.determinism"):
         load_config(TINY, ["rollout.determinism=sometimes"])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="rollout.n"):
         load_config(TINY, ["rollout.n=1"])
-    assert cfg["canonical"]["tree_segments"] is None  # the process's width (ZEROKL_TREE_SEGMENTS or 8)
-    assert load_config(TINY, ["canonical.tree_segments=4"])["canonical"]["tree_segments"] == 4
+    with pytest.raises(ValueError, match="trainer.old_logprobs"):
+        load_config(TINY, ["trainer.old_logprobs=fresh"])
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        load_config(TINY, ["train.prompts_per_step=3", "trainer.mini_batches=2"])
+    assert cfg.canonical.tree_segments is None  # the process's width (ZEROKL_TREE_SEGMENTS or 8)
+    assert load_config(TINY, ["canonical.tree_segments=4"]).canonical.tree_segments == 4
     for bad in ("3", "true", "eight"):
         with pytest.raises(ValueError, match="canonical.tree_segments"):
             load_config(TINY, [f"canonical.tree_segments={bad}"])
@@ -40,8 +46,8 @@ def test_config_overrides_and_scientific_numbers():
 
 def test_gsm8k_config_parses():
     cfg = load_config(REPO / "recipes" / "configs" / "gsm8k_qwen.yaml")
-    assert cfg["task"]["kind"] == "gsm8k" and cfg["trainer"]["device"] == "cuda"
-    assert isinstance(cfg["trainer"]["lr"], float)
+    assert cfg.task.kind == "gsm8k" and cfg.trainer.device == "cuda"
+    assert isinstance(cfg.trainer.lr, float)
 
 
 def test_tiny_tokenizer_is_a_real_fast_tokenizer(tmp_path):
@@ -84,11 +90,12 @@ def test_seeds_and_prompt_order_are_pure_functions():
 
 
 def test_group_requests_one_seed_per_sample():
-    cfg = load_config(TINY)["rollout"]
-    prompts, params = group_requests([[3, 4], [5]], [7, 9], step=2, cfg=cfg, run_seed=0, stop_token_ids=(1,))
-    assert len(prompts) == 2 * cfg["n"] and prompts[0] == [3, 4] and prompts[cfg["n"]] == [5]
-    assert params[1].seed == sample_seed(0, 2, 7, 1) and params[cfg["n"]].seed == sample_seed(0, 2, 9, 0)
-    assert params[0].stop_token_ids == (1,) and params[0].determinism == cfg["determinism"]
+    rollout = load_config(TINY, ["rollout.n=3", "rollout.max_tokens=5"]).rollout
+    prompts, params = group_requests([[3, 4], [5]], [7, 9], step=2, rollout=rollout, run_seed=0, stop_token_ids=(1,))
+    assert len(prompts) == 2 * 3 and prompts[0] == [3, 4] and prompts[3] == [5]
+    assert params[1].seed == sample_seed(0, 2, 7, 1) and params[3].seed == sample_seed(0, 2, 9, 0)
+    assert params[0].stop_token_ids == (1,) and params[0].determinism == rollout.determinism
+    assert all(p.max_tokens == 5 for p in params)
 
 
 def test_group_advantages():

@@ -1,0 +1,134 @@
+"""The typed recipe config: the shipped files load, bad keys and values are named by their dotted path,
+and a config round-trips through plain data and YAML (the run's config.yaml, a checkpoint's)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recipes.checkpoint import CONFIG_FILE, write_state
+from recipes.config import ConfigError, RecipeConfig, RolloutConfig, coerce_numbers, load_config
+from recipes.grpo import build_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+TINY = CONFIGS / "tiny.yaml"
+
+
+def _leaves(node: dict, prefix: str = ""):
+    """(dotted key, value) for every value in a YAML mapping; engine options and Ray resources are
+    forwarded as mappings, so they count as one value."""
+    for key, value in node.items():
+        if isinstance(value, dict) and key not in ("engine", "resources_per_worker", "resources_per_rank"):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "gsm8k_qwen.yaml"])
+def test_shipped_configs_load_with_every_value(name):
+    raw = coerce_numbers(yaml.safe_load((CONFIGS / name).read_text()))
+    cfg = load_config(CONFIGS / name)
+    leaves = dict(_leaves(raw))
+    assert len(leaves) > 20
+    for key, value in leaves.items():
+        assert _get(cfg, key) == value, key
+    assert isinstance(cfg.trainer.lr, float)  # "1.0e-6" is a string to YAML 1.1
+
+
+def test_unknown_key_in_a_file_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout: {n: 4, temprature: 0.7}\n")
+    hint = r"rollout\.temprature: unknown key \(did you mean rollout\.temperature\?\)"
+    with pytest.raises(ConfigError, match=hint):
+        load_config(path)
+    path.write_text("trainr: {lr: 0.1}\n")
+    with pytest.raises(ConfigError, match=r"^trainr: unknown key \(did you mean trainer\?\); known: name, seed"):
+        load_config(path)
+
+
+def test_unknown_key_in_an_override_is_named():
+    hint = r"^rollout\.nn: unknown key \(did you mean rollout\.n\?\); known: .*\bn\b"
+    with pytest.raises(ConfigError, match=hint):
+        load_config(TINY, ["rollout.nn=3"])
+    with pytest.raises(ValueError, match=r"^model\.qqq: unknown key; known:"):  # ConfigError is a ValueError
+        load_config(TINY, ["model.qqq=1"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.lr=abc", "trainer.lr must be a float, got 'abc'"),
+    ("train.steps=2.5", "train.steps must be an int, got 2.5"),
+    ("rollout.n=true", "rollout.n must be an int, got True"),  # a bool is not an int
+    ("metrics.wandb=1", "metrics.wandb must be true or false, got 1"),
+    ("trainer.betas=[0.9, x]", "trainer.betas[1] must be a float, got 'x'"),
+    ("rollout.engine=4", "rollout.engine must be a mapping, got 4"),
+    ("task.path=[a]", "task.path must be a string or null, got ['a']"),
+    ("warmup=3", "warmup must be a mapping, got 3"),
+])
+def test_wrong_type_is_named(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    assert str(err.value) == message
+
+
+def test_ints_are_floats_where_floats_are_meant_and_bare_off_is_off(tmp_path):
+    cfg = load_config(TINY, ["trainer.lr=1", "trainer.betas=[0, 1]"])
+    assert cfg.trainer.lr == 1.0 and type(cfg.trainer.lr) is float
+    assert [type(b) for b in cfg.trainer.betas] == [float, float]
+    path = tmp_path / "off.yaml"
+    path.write_text("rollout:\n  determinism: off\n")  # YAML 1.1: false
+    assert load_config(path).rollout.determinism == "off"
+
+
+def test_defaults_and_override_round_trip(tmp_path):
+    cfg = load_config(None, ["trainer.lr=3e-5", "rollout.engine.window=4", "model.hidden_size=32"])
+    assert cfg.trainer.lr == 3e-5 and cfg.rollout.engine == {"window": 4} and cfg.model.hidden_size == 32
+    assert cfg.rollout == RolloutConfig(engine={"window": 4})  # the rest: defaults
+    data = cfg.to_dict()
+    assert data["trainer"]["lr"] == 3e-5 and data["rollout"]["engine"] == {"window": 4}
+    assert RecipeConfig.from_dict(data) == cfg
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(path) == cfg
+    assert load_config(path, ["train.steps=7"]) == dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, steps=7))
+
+
+def test_config_is_checked_on_every_change():
+    cfg = load_config(TINY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rollout.n = 1
+    with pytest.raises(ConfigError, match="rollout.n must be >= 2"):
+        dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, n=1))
+
+
+def _args(**kw):
+    base = dict(config=None, resume=None, determinism=None, run_dir=None, overrides=[])
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_cli_config_flags_and_resume_read_the_checkpoint_config(tmp_path):
+    cfg = build_config(_args(config=str(TINY), determinism="off", run_dir=str(tmp_path), overrides=["seed=5"]))
+    assert (cfg.rollout.determinism, cfg.run_dir, cfg.seed) == ("off", str(tmp_path), 5)
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    write_state(ckpt, {"step": 2, "cursor": 16, "digest": None}, cfg)
+    assert (ckpt / CONFIG_FILE).is_file()
+    resumed = build_config(_args(resume=str(tmp_path), overrides=["train.steps=9"]))
+    assert resumed == dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=9))
+    with pytest.raises(ConfigError, match="train.stepz"):
+        build_config(_args(resume=str(tmp_path), overrides=["train.stepz=9"]))
+
+
+def test_malformed_override_is_named():
+    with pytest.raises(ConfigError, match=r"^trainer\.betas: the value '\[0\.9' is not YAML"):
+        load_config(TINY, ["trainer.betas=[0.9"])
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(TINY, ["trainer.lr"])
