@@ -11,7 +11,8 @@ batch-invariant mode where the backend lacks it) report their error instead of a
 
 Systems (--systems, comma list):
 - `vllm`, `vllm-batch-invariant`: stock vLLM (CUDA graphs, torch.compile) without and with
-  VLLM_BATCH_INVARIANT=1; `vllm-eager`: stock vLLM without CUDA graphs;
+  VLLM_BATCH_INVARIANT=1; `vllm-eager`: stock vLLM without CUDA graphs; `vllm-v1`: stock vLLM on its
+  V1 model runner (the one custom logits processors need);
 - `vllm-plugin`: vLLM's own engine running the canonical forward (rollout_service.vllm_plugin) with
   the seeded Gumbel processor, decode steps from CUDA graphs; `vllm-plugin-eager`: the same without;
 - `native-verified`, `native-invariant`, `native-off`: our native engine (rollout_service.Engine);
@@ -20,6 +21,7 @@ Systems (--systems, comma list):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -33,7 +35,7 @@ from rollout_service.decode_policy import VERIFIED_DECODE  # noqa: E402
 from bench import emit  # noqa: E402
 
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
-ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-plugin-eager", "vllm-eager",
+ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-plugin-eager", "vllm-eager", "vllm-v1",
                                  "native-verified", "native-invariant", "native-off")
 TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
 
@@ -57,39 +59,72 @@ def _vllm_options(args) -> dict:
     return opts
 
 
-def _run_vllm(args, prompts, system: str) -> dict:
-    """Stock vLLM with its own sampler (seeded per request); batch invariance comes from the env.
+def build_llm(args, system: str, max_num_seqs: int):
+    """The vllm.LLM of a `vllm*` system, in this process (VLLM_BATCH_INVARIANT comes from the env).
     vllm-plugin: the canonical model class and our seeded sampling rule as a logits processor."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
+    if system == "vllm-v1":  # stock on the model runner the plugin uses (vLLM 0.25 defaults to V2)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    from vllm import LLM
     options = _vllm_options(args)
-    plugin = system.startswith("vllm-plugin")
     if system == "vllm-eager":
         options["enforce_eager"] = True
-    if plugin:
-        from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY
+    if system.startswith("vllm-plugin"):
         from rollout_service.vllm_plugin import llm_options, register
         register()  # in-process engine core: the entry point may not be installed
         options.update(llm_options(cuda_graphs=system == "vllm-plugin" and not _on_cpu()))
-    llm = LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
-              distributed_executor_backend="uni", max_num_seqs=max(len(prompts), 1), **options)
-    if plugin:  # vLLM greedy over the one finite logit our rule leaves
-        params = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
-                                 logprobs=0, extra_args={EXTRA_ARGS_KEY: dict(
-                                     seed=args.seed + i, temperature=args.temperature, top_k=-1, top_p=args.top_p,
-                                     position=len(p))})
-                  for i, p in enumerate(prompts)]
-    else:
-        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
-                                 max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
-                  for i in range(len(prompts))]
+    return LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
+               distributed_executor_backend="uni", max_num_seqs=max(max_num_seqs, 1), **options)
+
+
+def request_params(args, system: str, prompts) -> list:
+    """Per-request vLLM SamplingParams: the plugin's carry our rule's params (vLLM greedy over the
+    one finite logit the rule leaves); stock ones sample with vLLM's sampler, seeded per request,
+    returning the chosen token's log-prob with --stock-logprobs (as an RL rollout needs)."""
+    from vllm import SamplingParams
+    if system.startswith("vllm-plugin"):
+        from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY
+        return [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
+                               logprobs=0, extra_args={EXTRA_ARGS_KEY: dict(
+                                   seed=args.seed + i, temperature=args.temperature, top_k=-1, top_p=args.top_p,
+                                   position=len(p))})
+                for i, p in enumerate(prompts)]
+    return [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
+                           max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
+                           logprobs=0 if args.stock_logprobs else None)
+            for i in range(len(prompts))]
+
+
+def engine_facts(llm) -> dict:
+    """Which model runner and scheduling the engine ended up with (vLLM picks them per config)."""
+    config = llm.llm_engine.vllm_config
+    return dict(model_runner="v2" if getattr(config, "use_v2_model_runner", False) else "v1",
+                async_scheduling=bool(config.scheduler_config.async_scheduling))
+
+
+def _run_vllm(args, prompts, system: str) -> dict:
+    llm = build_llm(args, system, len(prompts))
+    params = request_params(args, system, prompts)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(inputs[:2], params[:2], use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()
-    start = time.perf_counter()
-    outs = llm.generate(inputs, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return dict(seconds=elapsed, generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
+
+    def generate(max_tokens: int | None = None):
+        llm.reset_prefix_cache()
+        run_params = params if max_tokens is None else [_capped(p, max_tokens) for p in params]
+        start = time.perf_counter()
+        outs = llm.generate(inputs, run_params, use_tqdm=False)
+        return time.perf_counter() - start, outs
+
+    generate(args.warmup_tokens)  # every prefill shape of the workload (Triton compiles per shape)
+    prefill_s, _ = generate(1)
+    elapsed, outs = generate()
+    return dict(seconds=elapsed, prefill_seconds=round(prefill_s, 3),
+                generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs), **engine_facts(llm))
+
+
+def _capped(params, max_tokens: int):
+    capped = params.clone()
+    capped.max_tokens = min(max_tokens, params.max_tokens)
+    return capped
 
 
 def _run_ours(args, prompts, mode, fast_path) -> dict:
@@ -103,7 +138,8 @@ def _run_ours(args, prompts, mode, fast_path) -> dict:
                     verified_decode=args.verified_decode)
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
-    engine.generate(prompts[:2], params[:2])  # warm-up
+    engine.generate(prompts, [dataclasses.replace(p, max_tokens=min(args.warmup_tokens, p.max_tokens))
+                              for p in params])  # warm-up: every prefill shape of the workload
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -164,11 +200,15 @@ def main():
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--stock-logprobs", action="store_true",
+                   help="stock systems also return each token's log-prob (logprobs=0), as ours always do")
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--verified-decode", default="auto", choices=VERIFIED_DECODE,
                    help="how our verified requests decode (dvr: always propose with vLLM and verify)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-tokens", type=int, default=8,
+                   help="an untimed run of the whole workload with this many output tokens first (JIT, caches)")
     p.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM KV cache on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
                    help="vLLM's share of GPU memory (the verifier shares the GPU)")
@@ -210,6 +250,7 @@ def main():
         benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(),
         model=args.model if tmp is None else f"{args.shape or 'tiny-qwen2'} (random weights)",
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                      stock_logprobs=args.stock_logprobs,
                       temperature=args.temperature, top_p=args.top_p),
         ours=dict(window=args.window, group=args.group), results=results)
     emit(report, args.out)

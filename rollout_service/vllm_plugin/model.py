@@ -1,6 +1,6 @@
 """ZeroKLForCausalLM: a vLLM model class whose forward is the canonical forward (kernels.forward).
 
-It holds the plain Hugging Face model of the checkpoint's config (Llama / Qwen2 / Qwen3, chosen by
+It holds the plain Hugging Face model of the checkpoint's config (Llama / Qwen2 / Qwen3 / Qwen3-MoE, chosen by
 model_type, so `hf_overrides={"architectures": [...]}` does not lose it) with bf16 parameters under
 their checkpoint names, plus one vLLM `Attention` layer per decoder layer (`...self_attn.attn`) that
 only holds that layer's paged KV cache. vLLM's flat token batch is laid out as [N, 1]: every token is
@@ -10,6 +10,7 @@ visits keys 0..position of each row exactly as a whole-sequence training forward
 from __future__ import annotations
 
 import copy
+import re
 from typing import Iterable
 
 import torch
@@ -20,6 +21,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from kernels.forward import CANONICAL_OPS, compute_logits, forward_hidden, model_spec, rope_table
+from kernels.moe import is_moe_block
 
 from .attention import PagedKVAdapter, ZeroKLAttentionBackend
 
@@ -47,8 +49,10 @@ class ZeroKLForCausalLM(nn.Module):
         self.__dict__["hf"] = hf  # not a submodule: parameters keep their checkpoint names
         self.model, self.lm_head = hf.model, hf.lm_head
         self.spec = spec = model_spec(hf)
-        if spec.moe is not None:  # checkpoints hold one tensor per expert; the model fuses them
-            raise NotImplementedError(f"{spec.architecture} is not supported through vLLM yet; use the native engine")
+        for layer in hf.model.layers:  # MoE: checkpoints hold one tensor per expert, the model fused ones
+            if is_moe_block(layer.mlp):
+                for fused in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                    fused.weight_loader = load_expert_part
         attn = []
         for i, layer in enumerate(hf.model.layers):  # held inside the HF module: its name is its prefix
             layer.self_attn.attn = Attention(
@@ -85,16 +89,47 @@ class ZeroKLForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies Hugging Face-named tensors into the bf16 parameters (a cast rounds to nearest, as
-        from_pretrained(dtype=torch.bfloat16) does); returns the names loaded."""
+        from_pretrained(dtype=torch.bfloat16) does); returns the names loaded. Per-expert checkpoint
+        tensors (`mlp.experts.<e>.{gate,up,down}_proj.weight`) go into their slice of the fused
+        expert parameters."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
+            expert = EXPERT_TENSOR.fullmatch(name)
+            if expert is not None:
+                prefix, e, part = expert.group("prefix", "expert", "part")
+                fused = f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+                if fused in params:
+                    # through the parameter's weight_loader: vLLM's in-place reload wraps it to stage the copy
+                    params[fused].weight_loader(params[fused], tensor, int(e), part)
+                    loaded.add(fused)
+                    continue
             param = params.get(name)
             if param is None:  # e.g. rotary inv_freq, or lm_head.weight of a tied checkpoint
                 continue
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-            # through the parameter's weight_loader: vLLM's in-place reload wraps it to stage the copy
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
         return loaded
+
+
+EXPERT_TENSOR = re.compile(r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\.weight")
+
+
+def load_expert_part(param: torch.Tensor, loaded_weight: torch.Tensor, expert: int | None = None,
+                     part: str | None = None) -> None:
+    """One expert's gate / up / down matrix into the fused [E, 2I, H] gate_up or [E, H, I] down
+    parameter (transformers' layout: gate rows before up rows); without `expert`, the whole fused
+    tensor (a trainer's state dict)."""
+    if expert is None:
+        target = param.data
+    elif part == "down":
+        target = param.data[expert]
+    else:
+        inter = param.shape[1] // 2
+        target = param.data[expert, :inter] if part == "gate" else param.data[expert, inter:]
+    if target.shape != loaded_weight.shape:
+        raise ValueError(f"expert {expert} {part}: checkpoint shape {tuple(loaded_weight.shape)} != "
+                         f"model {tuple(target.shape)}")
+    target.copy_(loaded_weight)  # a bf16 cast rounds to nearest, as from_pretrained does
