@@ -101,13 +101,14 @@ class PagedKV:
     block_table: torch.Tensor  # [B, max_blocks] int
     slot_mapping: torch.Tensor  # [B, T] flat slot per token (padding tokens: a scratch slot nobody reads)
 
-    def write_and_get(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+    def attend(self, ops: OpSet, layer_idx: int, q, k, v, positions, scale: float) -> torch.Tensor:
+        """Writes this step's K/V at slot_mapping, then attends over the cache."""
         # fixed shapes, no host sync: a forward over this cache can be captured in a CUDA graph
         kp, vp = self.k_pools[layer_idx], self.v_pools[layer_idx]
         slots = self.slot_mapping.reshape(-1)
         kp.view(-1, *kp.shape[2:]).index_copy_(0, slots, k.reshape(-1, *k.shape[2:]).to(kp.dtype))
         vp.view(-1, *vp.shape[2:]).index_copy_(0, slots, v.reshape(-1, *v.shape[2:]).to(vp.dtype))
-        return kp, vp, self.block_table
+        return ops.attention(q, kp, vp, positions, self.block_table, scale)
 
 
 class ForwardContext:
@@ -146,9 +147,8 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     scale = getattr(attn, "scaling", spec.head_dim ** -0.5)
     if ctx.kv is None:
         o = ops.attention(q, k, v, ctx.positions, None, scale)
-    else:
-        kp, vp, table = ctx.kv.write_and_get(attn.layer_idx, k, v)
-        o = ops.attention(q, kp, vp, ctx.positions, table, scale)
+    else:  # the cache picks the query layout (each query row's numbers do not depend on it)
+        o = ctx.kv.attend(ops, attn.layer_idx, q, k, v, ctx.positions, scale)
     o = ops.linear(o.reshape(b, t, -1), _bf16(attn.o_proj.weight), _bf16(attn.o_proj.bias), row_parallel=True)
     hidden = ops.add(hidden, o)
     x = ops.rms_norm(hidden, _bf16(layer.post_attention_layernorm.weight), spec.rms_norm_eps)

@@ -8,11 +8,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                        AttentionMetadataBuilder, CommonAttentionMetadata)
 
 from . import compat
+
+
+@dataclass
+class PrefillGroups:
+    """Query layout of an eager step that has prefill chunks: those requests' tokens attend as
+    [requests, longest chunk] rows (each key block loaded once per tile of queries, as in training),
+    the single-token (decode) requests as [tokens, 1]. Built on the host from the step's query
+    lengths; a row's numbers do not depend on the layout."""
+    decode_tokens: torch.Tensor  # [D] tokens of one-token requests
+    tokens: torch.Tensor  # [P, T] token of each (chunk, offset), clamped inside the chunk past its end
+    valid: torch.Tensor  # [P, T] offset < chunk length
+    requests: torch.Tensor  # [P] request row of each chunk (its block table)
+    valid_rows: torch.Tensor  # [M] flat indices of the valid (chunk, offset) pairs
+    valid_tokens: torch.Tensor  # [M] their tokens
+
+    @classmethod
+    def from_query_starts(cls, query_start_loc_cpu: torch.Tensor, device) -> "PrefillGroups":
+        starts = query_start_loc_cpu.numpy().astype(np.int64)
+        lens = np.diff(starts)
+        chunked = np.flatnonzero(lens > 1)
+        longest = int(lens[chunked].max())
+        offsets = np.arange(longest)
+        valid = offsets[None, :] < lens[chunked, None]
+        tokens = starts[chunked, None] + np.minimum(offsets[None, :], lens[chunked, None] - 1)
+        valid_rows = np.flatnonzero(valid.reshape(-1))
+        arrays = dict(decode_tokens=starts[:-1][lens == 1], tokens=tokens, valid=valid, requests=chunked,
+                      valid_rows=valid_rows, valid_tokens=tokens.reshape(-1)[valid_rows])
+        return cls(**{k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in arrays.items()})
 
 
 @dataclass
@@ -23,6 +52,7 @@ class ZeroKLAttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64 flat slot per token; -1 for padding tokens
+    prefill: PrefillGroups | None = None  # steps with a prefill chunk (never captured: eager)
 
 
 class ZeroKLMetadataBuilder(AttentionMetadataBuilder[ZeroKLAttentionMetadata]):
@@ -37,8 +67,11 @@ class ZeroKLMetadataBuilder(AttentionMetadataBuilder[ZeroKLAttentionMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ZeroKLAttentionMetadata:
         m = common_attn_metadata
+        prefill = None
+        if m.max_query_len > 1:  # uniform decode steps (the captured ones) keep the [N, 1] layout
+            prefill = PrefillGroups.from_query_starts(m.query_start_loc_cpu[: m.num_reqs + 1], self.device)
         return ZeroKLAttentionMetadata(int(m.num_reqs), m.query_start_loc, m.block_table_tensor,
-                                       m.slot_mapping[: m.num_actual_tokens])
+                                       m.slot_mapping[: m.num_actual_tokens], prefill)
 
 
 class ZeroKLAttentionImpl(AttentionImpl):
@@ -76,15 +109,18 @@ class ZeroKLAttentionBackend(compat.KVLayoutMixin, AttentionBackend):
 
 
 class PagedKVAdapter:
-    """kernels.forward's KV interface over vLLM's per-layer caches, for a [N, 1] token batch.
+    """kernels.forward's KV interface over vLLM's per-layer caches, for vLLM's flat token batch
+    (the forward sees it as [N, 1]: every token its own row, at its own position).
 
-    Built inside the forward from the metadata's buffers with device ops only (no host sync), so it
-    is captured with the rest of a decode step.
+    Built inside the forward from the metadata's buffers with device ops only (no host sync), so a
+    decode step is captured whole; a step with prefill chunks regroups their queries
+    (PrefillGroups).
     """
 
     def __init__(self, kv_caches: list[torch.Tensor], metadata: ZeroKLAttentionMetadata, head_size: int,
                  num_tokens: int):
         self.kv_caches, self.head_size = kv_caches, head_size
+        self.block_table, self.prefill = metadata.block_table, metadata.prefill
         ends = metadata.query_start_loc[1: metadata.num_reqs + 1]
         token = torch.arange(num_tokens, device=ends.device, dtype=ends.dtype)
         # each token's request; padding tokens past the last request take the last (padding) row
@@ -93,11 +129,23 @@ class PagedKVAdapter:
         # padding tokens (slot -1) write into block 0, vLLM's null block, which no request reads
         self.slots = metadata.slot_mapping[:num_tokens].clamp_min(0)
 
-    def write_and_get(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+    def attend(self, ops, layer_idx: int, q, k, v, positions, scale: float) -> torch.Tensor:
         kp, vp = compat.split_kv(self.kv_caches[layer_idx], self.head_size)
         k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])  # [N, Hkv, D]
         block_size = kp.shape[1]
         blocks, offsets = self.slots // block_size, self.slots % block_size
         kp[blocks, offsets] = k.to(kp.dtype)  # strided pools: index_put writes through the view
         vp[blocks, offsets] = v.to(vp.dtype)
-        return kp, vp, self.token_block_table
+        groups = self.prefill
+        if groups is None:
+            return ops.attention(q, kp, vp, positions, self.token_block_table, scale)
+        out = torch.zeros_like(q)
+        one = groups.decode_tokens
+        if one.numel():
+            out[one] = ops.attention(q[one], kp, vp, positions[one], self.token_block_table[one], scale)
+        rows = q.shape[0]
+        q_flat, pos_flat = q.reshape(rows, *q.shape[2:]), positions.reshape(rows)
+        pos = torch.where(groups.valid, pos_flat[groups.tokens], -1)  # -1: a padding query row
+        o = ops.attention(q_flat[groups.tokens], kp, vp, pos, self.block_table[groups.requests], scale)
+        out.view(rows, *q.shape[2:])[groups.valid_tokens] = o.reshape(-1, *o.shape[2:])[groups.valid_rows]
+        return out
