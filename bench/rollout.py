@@ -25,6 +25,8 @@ from bench import emit
 SHAPES = {
     "tiny": dict(arch="qwen2", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                  vocab_size=96),
+    "qwen0.5b": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                     num_kv_heads=2, vocab_size=151936),
     "qwen1.5b": dict(arch="qwen2", hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
                      num_kv_heads=2, vocab_size=151936),
     "llama8b": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,

