@@ -12,7 +12,7 @@ import torch
 import trainer_patch
 from conftest import assert_bitwise_equal
 from kernels.forward import CANONICAL_OPS, forward_hidden
-from kernels.moe import moe_forward, moe_spec, route
+from kernels.moe import group_by_expert, moe_forward, moe_spec, route
 from rollout_service import Engine, SamplingParams
 from rollout_service.tiny_models import tiny_model
 
@@ -51,6 +51,19 @@ def test_routing_follows_the_models_rule():
         assert torch.allclose(weights.sum(-1), torch.ones(400))  # norm_topk_prob
         ours = moe_forward(block, x.unsqueeze(0), spec, CANONICAL_OPS, lambda t: t.to(torch.bfloat16))
         torch.testing.assert_close(ours[0].float(), block(x.unsqueeze(0))[0].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_group_by_expert_sorts_slots_stably_with_offsets():
+    """The grouped path's layout (kernels/triton/moe.py on CUDA): slot t * k + j sorted by expert id,
+    ties in slot order, and each expert's row range; on the CPU the experts run as the loop."""
+    groups = group_by_expert(torch.tensor([[0, 3], [1, 3], [0, 2], [2, 3]]), num_experts=5)
+    assert groups.slot.tolist() == [0, 4, 2, 5, 6, 1, 3, 7]
+    assert groups.token.tolist() == [0, 2, 1, 2, 3, 0, 1, 3]
+    assert groups.offsets.tolist() == [0, 2, 3, 5, 8, 8]
+    model = tiny_model("qwen3_moe", seed=1)
+    with pytest.raises(ValueError, match="grouped experts need"):
+        moe_forward(model.model.layers[0].mlp, torch.zeros(1, 2, 64, dtype=torch.bfloat16), moe_spec(model.config),
+                    CANONICAL_OPS, lambda t: t.to(torch.bfloat16), grouped=True)
 
 
 def test_routing_and_logprobs_do_not_depend_on_batch_or_prefix(trainer):

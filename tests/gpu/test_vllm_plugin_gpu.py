@@ -145,7 +145,7 @@ def test_weight_update_in_place_keeps_graphs_valid(checkpoint, trainer):
     assert [r[:2] for r in after] != [r[:2] for r in before]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])  # MoE: grouped experts, in CUDA graphs too
 def test_other_architectures(tmp_path_factory, arch):
     path = _checkpoint(tmp_path_factory, arch, seed=11)
     prompts = random_prompts(32, VOCAB, seed=5, lo=5, hi=300)
