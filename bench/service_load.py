@@ -115,11 +115,11 @@ def main():
     import ray
 
     from rollout_service.tiny_models import tiny_model
-    from rollout_service import RolloutPool
+    from rollout_service import start_pool
 
     ray.init(address=args.address or "local", num_cpus=None if args.address else args.workers + 1,
              include_dashboard=False, log_to_driver=False)
-    pool = RolloutPool(tiny_model("qwen2"), num_workers=args.workers, name="rollout-load",
+    pool = start_pool(tiny_model("qwen2"), num_workers=args.workers, name="rollout-load",
                        engine_kwargs=dict(window=args.window, group=args.group))
     try:
         report = run_load(pool, args.requests, args.threads, (args.min_tokens, args.max_tokens))

@@ -84,7 +84,7 @@ def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, s
 
 def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = True) -> dict:
     """Run (or continue) a GRPO job on an initialised Ray; returns {"run_dir", "records"}."""
-    from rollout_service import RolloutClient, RolloutPool
+    from rollout_service import RolloutClient, start_pool
     from rollout_service.client import DEFAULT_NAMESPACE
 
     from .trainer import TrainerGroup
@@ -111,7 +111,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
     records = []
     try:
         width = cfg.canonical.tree_segments
-        pool = RolloutPool(model, num_workers=rc.num_workers, name=pool_name, engine_kwargs=rc.engine,
+        pool = start_pool(model, num_workers=rc.num_workers, name=pool_name, engine_kwargs=rc.engine,
                            resources_per_worker=with_tree_width(rc.resources_per_worker, width),
                            namespace=namespace)
         t_pool = time.perf_counter()

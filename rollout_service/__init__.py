@@ -11,7 +11,7 @@ _EXPORTS = {
     "InvalidRequestError": "rollout_service.params",
     "WeightMismatchError": "rollout_service.weights",
     "RolloutWorker": "rollout_service.worker",
-    "RolloutPool": "rollout_service.pool",
+    "start_pool": "rollout_service.pool",
     "RolloutClient": "rollout_service.client",
     "CanonicalMismatchError": "kernels.contract",
 }

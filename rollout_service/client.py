@@ -19,9 +19,12 @@ def ensure_ray() -> None:
 
 
 class RolloutClient:
-    """Handle on a RolloutPool found by name. Thread-safe; the sync and async calls can be mixed."""
+    """Handle on a rollout pool found by name (start one with rollout_service.start_pool). Thread-safe;
+    the sync and async calls can be mixed. As a context manager it shuts the pool down on exit only
+    when start_pool made this client (the pool's owner)."""
 
-    def __init__(self, name: str = "rollout", namespace: str = DEFAULT_NAMESPACE, _handle=None):
+    def __init__(self, name: str = "rollout", namespace: str = DEFAULT_NAMESPACE, *, _handle=None,
+                 _info: dict | None = None):
         ensure_ray()
         self.name, self.namespace = name, namespace
         if _handle is None:
@@ -30,6 +33,14 @@ class RolloutClient:
             except ValueError as e:
                 raise ValueError(f"no rollout pool named {name!r} in namespace {namespace!r}") from e
         self._pool = _handle
+        self.info = _info  # what start_pool saw at start (digest, canonical config, workers); else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.info is not None:
+            self.shutdown()
 
     # -- generation ------------------------------------------------------------------------------
 

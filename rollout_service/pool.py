@@ -1,4 +1,4 @@
-"""RolloutPool: a named Ray actor that routes requests over RolloutWorker actors.
+"""The rollout pool: a named Ray actor that routes requests over RolloutWorker actors (start_pool).
 
 Outputs are a pure function of (weights, prompt, params, seed), so the pool may send a request to
 any worker, and re-run it elsewhere when its worker dies, without changing a single bit. The workers
@@ -183,51 +183,44 @@ class _PoolActor:
 _PoolActorRemote = ray.remote(_PoolActor)
 
 
-class RolloutPool(RolloutClient):
-    """Start `num_workers` RolloutWorker actors behind a pool actor named `name`.
+def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs: dict | None = None,
+               resources_per_worker: dict | None = None, placement_group_bundles: list[dict] | None = None,
+               placement_strategy: str = "STRICT_PACK", namespace: str = DEFAULT_NAMESPACE, detached: bool = False,
+               max_retries: int = 3) -> RolloutClient:
+    """Start `num_workers` RolloutWorker actors behind a pool actor named `name`; returns the owning
+    client (`with start_pool(...) as pool:` shuts it down on exit).
 
-    The pool is also a client of itself; other drivers and jobs reach it with RolloutClient(name).
-    Workers are 1-CPU actors unless resources_per_worker (Ray actor options) says otherwise, e.g.
-    {"num_gpus": 1}; a GPU worker's engine runs on "cuda" unless engine_kwargs names a device.
-    placement_group_bundles (e.g. [{"GPU": 1, "CPU": 1}] * tp) gives each worker its own placement
-    group (placement_strategy, STRICT_PACK: one node): the worker takes bundle 0, and actors it
-    starts (tensor-parallel ranks) are captured in the group. A detached pool outlives its creating
-    driver; shut it down with RolloutClient(name).shutdown().
+    Other drivers and jobs reach the pool with RolloutClient(name). Workers are 1-CPU actors unless
+    resources_per_worker (Ray actor options) says otherwise, e.g. {"num_gpus": 1}; a GPU worker's
+    engine runs on "cuda" unless engine_kwargs names a device. placement_group_bundles (e.g.
+    [{"GPU": 1, "CPU": 1}] * tp) gives each worker its own placement group (placement_strategy,
+    STRICT_PACK: one node): the worker takes bundle 0, and actors it starts (tensor-parallel ranks)
+    are captured in the group. A detached pool outlives its creating driver; shut it down with
+    RolloutClient(name).shutdown().
     """
-
-    def __init__(self, model, num_workers: int = 2, name: str = "rollout", engine_kwargs: dict | None = None,
-                 resources_per_worker: dict | None = None, placement_group_bundles: list[dict] | None = None,
-                 placement_strategy: str = "STRICT_PACK", namespace: str = DEFAULT_NAMESPACE,
-                 detached: bool = False, max_retries: int = 3):
-        # checked here, at the call: inside the actor a bad value would surface as ActorDiedError
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int):
-            raise TypeError(f"num_workers must be an int, got {type(num_workers).__name__}")
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
-            raise TypeError(f"model must be a Hugging Face model, a local checkpoint path or 'tiny:<arch>', "
-                            f"got {type(model).__name__}")
-        ensure_ray()
-        options = dict(name=name, namespace=namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY)
-        if detached:
-            options["lifetime"] = "detached"  # outlives this driver; shut it down explicitly
-        try:
-            actor = _PoolActorRemote.options(**options).remote(
-                num_workers, engine_kwargs, resources_per_worker, placement_group_bundles,
-                placement_strategy, max_retries)
-        except ValueError as e:
-            raise ValueError(f"cannot create rollout pool {name!r} in namespace {namespace!r}: {e}") from e
-        try:
-            ray.get(actor.__ray_ready__.remote())
-            model_box = [model if isinstance(model, (str, os.PathLike)) else ray.put(model)]
-            self.info = ray.get(actor.start.remote(model_box, detached))
-        except BaseException:
-            ray.kill(actor)
-            raise
-        super().__init__(name, namespace=namespace, _handle=actor)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
+    # checked here, at the call: inside the actor a bad value would surface as ActorDiedError
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int):
+        raise TypeError(f"num_workers must be an int, got {type(num_workers).__name__}")
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
+        raise TypeError(f"model must be a Hugging Face model, a local checkpoint path or 'tiny:<arch>', "
+                        f"got {type(model).__name__}")
+    ensure_ray()
+    options = dict(name=name, namespace=namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY)
+    if detached:
+        options["lifetime"] = "detached"  # outlives this driver; shut it down explicitly
+    try:
+        actor = _PoolActorRemote.options(**options).remote(
+            num_workers, engine_kwargs, resources_per_worker, placement_group_bundles,
+            placement_strategy, max_retries)
+    except ValueError as e:
+        raise ValueError(f"cannot create rollout pool {name!r} in namespace {namespace!r}: {e}") from e
+    try:
+        ray.get(actor.__ray_ready__.remote())
+        model_box = [model if isinstance(model, (str, os.PathLike)) else ray.put(model)]
+        info = ray.get(actor.start.remote(model_box, detached))
+    except BaseException:
+        ray.kill(actor)
+        raise
+    return RolloutClient(name, namespace=namespace, _handle=actor, _info=info)

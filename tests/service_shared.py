@@ -42,8 +42,8 @@ def pool():
     """The shared 2-worker pool, named POOL_NAME."""
     if "pool" not in _state:
         cluster()
-        from rollout_service import RolloutPool
-        _state["pool"] = RolloutPool(model(), num_workers=2, name=POOL_NAME, engine_kwargs=ENGINE_KWARGS)
+        from rollout_service import start_pool
+        _state["pool"] = start_pool(model(), num_workers=2, name=POOL_NAME, engine_kwargs=ENGINE_KWARGS)
     return _state["pool"]
 
 

@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError  # noqa: E402
 
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service import (CanonicalMismatchError, Engine, InvalidRequestError, RolloutClient,  # noqa: E402
-                             RolloutPool, SamplingParams, WeightMismatchError)
+                             SamplingParams, WeightMismatchError, start_pool)
 from rollout_service.ray_cluster import with_tree_width  # noqa: E402
 from rollout_service.weights import model_digest, state_dict_digest  # noqa: E402
 
@@ -78,7 +78,7 @@ def reference(reqs):
 @pytest.fixture(scope="module")
 def pool1(service):
     # One worker in its own placement group: the option GPU clusters use, here with a CPU bundle.
-    pool = RolloutPool(shared.model(), num_workers=1, name="rollout-1", engine_kwargs=ENGINE_KWARGS,
+    pool = start_pool(shared.model(), num_workers=1, name="rollout-1", engine_kwargs=ENGINE_KWARGS,
                        placement_group_bundles=[{"CPU": 1}])
     yield pool
     pool.shutdown()
@@ -86,7 +86,7 @@ def pool1(service):
 
 @pytest.fixture(scope="module")
 def pool3(service):
-    pool = RolloutPool(shared.model(), num_workers=3, name="rollout-3", engine_kwargs=ENGINE_KWARGS)
+    pool = start_pool(shared.model(), num_workers=3, name="rollout-3", engine_kwargs=ENGINE_KWARGS)
     yield pool
     pool.shutdown()
 
@@ -210,9 +210,9 @@ def test_bad_input_fails_only_that_request(service, reqs, reference):
         with pytest.raises(TypeError, match=words):  # at the call, before anything is sent
             client.update_weights(bad)
     with pytest.raises(ValueError, match="num_workers must be >= 1"):
-        RolloutPool(shared.model(), num_workers=0, name="rollout-none")
+        start_pool(shared.model(), num_workers=0, name="rollout-none")
     with pytest.raises(TypeError, match="num_workers must be an int"):
-        RolloutPool(shared.model(), num_workers="2", name="rollout-none")
+        start_pool(shared.model(), num_workers="2", name="rollout-none")
     assert client.weights_digest() == model_digest(shared.model())  # nothing was loaded
     assert_same(client.generate(*reqs), reference, "after the rejected calls")
 
@@ -286,7 +286,7 @@ def test_update_weights_digest_restart_and_other_driver(service, reqs):
 
 
 def test_tree_width_reaches_the_workers_and_is_checked(service, reqs, tree_width):
-    pool = RolloutPool(shared.model(), num_workers=1, name="rollout-width-2", engine_kwargs=ENGINE_KWARGS,
+    pool = start_pool(shared.model(), num_workers=1, name="rollout-width-2", engine_kwargs=ENGINE_KWARGS,
                        resources_per_worker=with_tree_width({"num_cpus": 1}, 2))
     try:
         assert pool.info["canonical"].tree_segments == 2 != K.tree_segments()
@@ -310,7 +310,7 @@ def test_a_checkpoint_path_handed_to_a_worker(service, reqs, reference, tmp_path
 
     import trainer_patch
     shared.model().save_pretrained(tmp_path)
-    pool = RolloutPool(str(tmp_path), num_workers=1, name="rollout-from-path", engine_kwargs=ENGINE_KWARGS)
+    pool = start_pool(str(tmp_path), num_workers=1, name="rollout-from-path", engine_kwargs=ENGINE_KWARGS)
     try:
         got = pool.generate(*reqs)
     finally:

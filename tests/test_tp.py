@@ -269,12 +269,12 @@ def test_ray_tp_group_equals_tp1(models, tp1, local_ray):
 
 
 def test_rollout_pool_worker_as_tp_group_equals_tp1(models, tp1, local_ray):
-    """A RolloutPool worker with tensor_parallel_size=2 (its ranks in a placement group) gives the
+    """A pool worker with tensor_parallel_size=2 (its ranks in a placement group) gives the
     TP=1 bits, before and after a weight update through the client."""
-    from rollout_service import RolloutClient, RolloutPool
+    from rollout_service import RolloutClient, start_pool
     pool = None
     try:
-        pool = RolloutPool(models[0], num_workers=1, name="rollout-tp",
+        pool = start_pool(models[0], num_workers=1, name="rollout-tp",
                            engine_kwargs={**ENGINE_KW, "tensor_parallel_size": 2},
                            resources_per_worker={"num_cpus": 0.5})
         client = RolloutClient("rollout-tp")

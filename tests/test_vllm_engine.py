@@ -132,11 +132,11 @@ def test_pool_worker_on_vllm_from_a_checkpoint_path(checkpoint):
     in its own process and its rollouts are the native engine's, bit for bit; a pushed state dict
     returns the trainer's digest."""
     import service_shared as shared
-    from rollout_service import RolloutPool
+    from rollout_service import start_pool
     ray = shared.cluster()
     prompts = random_prompts(4, VOCAB, seed=36, lo=5, hi=60)
     params = _params(4)
-    pool = RolloutPool(checkpoint, num_workers=1, name="vllm-backend", engine_kwargs=dict(
+    pool = start_pool(checkpoint, num_workers=1, name="vllm-backend", engine_kwargs=dict(
         backend="vllm", device="cpu", max_model_len=256, max_num_seqs=8, window=4,  # window: native-only, ignored
         vllm_options=dict(VLLM_OPTIONS, block_size=32)))
     try:
