@@ -19,7 +19,7 @@ import torch
 from bench.rollout import SHAPES, build_model
 from rollout_service import Engine, SamplingParams
 from rollout_service.fast_path.base import DraftRequest
-from rollout_service.fast_path.native import sample_rows, token_logprobs_at
+from rollout_service.sampler import sample_rows, token_logprobs_at
 from rollout_service.runner import Chunk
 
 
@@ -71,7 +71,7 @@ def main():
     decode = [Chunk([t[-1]], ctx - 1, b, 1) for t, b in zip(tokens, blocks)]
     g = min(args.group, bsz)
     window = [Chunk(t[-w - 1:], ctx - w - 1, b, w + 1) for t, b in zip(tokens[:g], blocks[:g])]
-    fast, verifier = engine.fast_path.runner, engine.verifier
+    fast, verifier = engine.fast_path.runner, engine.canonical_runner
     logits = torch.cat(fast.forward(decode))
     positions = [ctx] * bsz
     out = {"model": args.model, "batch": bsz, "context": ctx, "device": torch.cuda.get_device_name()}

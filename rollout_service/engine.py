@@ -1,7 +1,9 @@
 """The rollout engine: continuous batching with decode-verify-rollback (DVR).
 
-Per step the engine either prefills (canonically, chunked under a token budget) or decodes up to W
-tokens per request:
+Each step reads as plan -> propose -> verify -> commit: the scheduler (scheduler.py) plans either a
+prefill (canonically, chunked under a token budget) or a decode of up to W tokens per request; the
+proposers are the fast path and the canonical decoder (fast_path/); the verifier (verifier.py) runs
+the canonical forward and commits through Request.commit, the one place tokens are appended:
   * `verified`, decoded by DVR: the fast path proposes up to W tokens; the verifier replays the
     windows of G requests in one canonical forward, commits the matching prefix plus its own next
     token, and its KV overwrites the fast path's (same paged cache), which rolls the fast path back.
@@ -15,7 +17,6 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -25,15 +26,17 @@ from kernels.forward import CANONICAL_OPS, model_spec
 
 from .decode_policy import DecodePolicy
 from .fast_path.base import DraftRequest, FastPath, Proposal
-from .fast_path.native import NativeFastPath, sample_rows, token_logprobs_at
+from .fast_path.native import NativeFastPath
 from .fast_path.native_ops import FAST_OPS
-from .kv_cache import KVCache, OutOfBlocks
+from .kv_cache import KVCache
 from .params import InvalidRequestError, Rollout, SamplingParams, check_params, check_prompt
 from .config import EngineConfig
 from .cuda_graphs import GraphedModelRunner
 from .request import Request
+from .runner import ModelRunner
+from .scheduler import DecodeWork, PrefillWork, Scheduler, StepPlan
 from .tiny_models import ARCHITECTURES, TINY_PREFIX, tiny_model
-from .runner import Chunk, ModelRunner
+from .verifier import Verifier, VerifyItem
 from .weights import load_weights, model_digest
 
 
@@ -102,22 +105,21 @@ class Engine:
         self.spec = model_spec(self.model)
         self.window, self.group = cfg.window, cfg.group
         self.decode_policy = DecodePolicy(cfg.verified_decode)  # "auto" | "dvr" | "canonical"
-        self.max_num_seqs, self.max_prefill_tokens = cfg.max_num_seqs, cfg.max_prefill_tokens
+        self.max_num_seqs = cfg.max_num_seqs
         self.max_model_len = cfg.max_model_len or self.spec.max_positions
         self.cache = KVCache(self.spec, -(-cfg.kv_cache_tokens // cfg.block_size), cfg.block_size, self.device)
         self._runner_factory = runner_factory
         # MoE layers size each expert's rows on the host (kernels/moe.py): they run eagerly
         self._cuda_graphs = (cfg.cuda_graphs and runner_factory is None and self.device.type == "cuda"
                              and self.spec.moe is None)
-        # verifier graphs: one-token steps of every running request, verify windows G at a time
-        self.verifier = self._make_runner(CANONICAL_OPS, {1: cfg.max_num_seqs, cfg.window + 1: cfg.group})
+        # canonical graphs: one-token steps of every running request, verify windows G at a time
+        self.canonical_runner = self._make_runner(CANONICAL_OPS, {1: cfg.max_num_seqs, cfg.window + 1: cfg.group})
         self.fast_path = self._make_fast_path(cfg.fast_path, dict(cfg.fast_path_options))
-        self.canonical_decoder = NativeFastPath(self.verifier, log_softmax=K.log_softmax)
+        self.canonical_decoder = NativeFastPath(self.canonical_runner, log_softmax=K.log_softmax)
+        self.verifier = Verifier(self.canonical_runner, self.max_model_len)
+        self.scheduler = Scheduler(self.cache, cfg, self.max_model_len, self.decode_policy, self._release)
         self._ids = itertools.count()
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self._done: list[tuple[int, Rollout]] = []
-        self.num_preemptions = 0  # requests whose KV was freed for an older one (recomputed later)
 
     def _make_runner(self, ops, graph_shapes: dict[int, int]):
         """A runner for `ops`; on CUDA it replays graphs (graph_shapes: tokens per chunk -> max batch)."""
@@ -149,33 +151,34 @@ class Engine:
                                       f"the cache has {self.cache.num_blocks}")
         req = Request(next(self._ids), prompt, params, arrival=0)
         req.arrival = req.request_id
-        self.waiting.append(req)
+        self.scheduler.add(req)
         return req.request_id
 
     def abort(self, request_id: int) -> bool:
-        for queue in (self.waiting, self.running):
-            for req in list(queue):
-                if req.request_id == request_id:
-                    queue.remove(req)
-                    req.finish_reason = "abort"
-                    self._finish(req)
-                    return True
-        return False
+        req = self.scheduler.remove(request_id)
+        if req is None:
+            return False
+        req.finish_reason = "abort"
+        self._finish(req)
+        return True
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests whose KV was freed for an older one (recomputed later)."""
+        return self.scheduler.num_preemptions
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._done)
+        return self.scheduler.has_work() or bool(self._done)
 
     def step(self) -> list[tuple[int, Rollout]]:
-        """One scheduling step; returns the requests that finished during it."""
-        self._admit()
-        if self.running:
-            prefill = [r for r in self.running if r.needs_prefill]
-            # decode when no prefill could run (blocks held by older requests): no step is ever idle
-            if not (prefill and self._prefill(prefill)):
-                self._decode([r for r in self.running if not r.needs_prefill])
-            for req in [r for r in self.running if r.finish_reason]:
-                self.running.remove(req)
-                self._finish(req)
+        """One step: plan, propose, verify, commit; returns the requests that finished during it."""
+        plan = self.scheduler.schedule()
+        if plan.prefill:
+            self._prefill(plan.prefill)
+        elif plan.decode:
+            self._decode(plan)
+        for req in self.scheduler.take_finished():
+            self._finish(req)
         done, self._done = self._done, []
         return done
 
@@ -191,7 +194,7 @@ class Engine:
 
     def capture_graphs(self) -> int:
         """Capture all decode / verify-window CUDA graphs now rather than on first use (CUDA only)."""
-        runners = (self.verifier, getattr(self.fast_path, "runner", None))
+        runners = (self.canonical_runner, getattr(self.fast_path, "runner", None))
         return sum(r.capture_all() for r in runners if isinstance(r, GraphedModelRunner))
 
     def weights_digest(self) -> str:
@@ -201,135 +204,41 @@ class Engine:
         """The contract this engine's canonical forward runs under (compared with the trainer's)."""
         return K.canonical_config(self.device)
 
-    # ---- scheduling ------------------------------------------------------------------------
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if self.cache.blocks_for(len(req.tokens) + 1) > self.cache.free_blocks:
-                break
-            self.running.append(self.waiting.popleft())
+    # ---- executing a plan ---------------------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        self.cache.release(req.block_ids)
+        self.fast_path.release(req.request_id)
 
     def _finish(self, req: Request) -> None:
-        self.cache.release(req.block_ids)
-        self.fast_path.release(req.request_id)
+        self._release(req)
         self._done.append((req.request_id, req.to_rollout()))
 
-    def _reserve(self, req: Request, num_tokens: int) -> bool:
-        """Blocks for num_tokens slots of req, preempting younger requests if needed (so the oldest
-        request always progresses); False if req has to wait."""
-        while True:
-            try:
-                self.cache.ensure(req.block_ids, num_tokens)
-                return True
-            except OutOfBlocks:
-                victims = [r for r in self.running if r.arrival > req.arrival and r.block_ids]
-                if not victims:
-                    return False
-                self._preempt(max(victims, key=lambda r: r.arrival))
+    def _prefill(self, work: list[PrefillWork]) -> None:
+        self.verifier.run([VerifyItem(w.req, samples=w.completes, num_tokens=w.num_tokens) for w in work])
 
-    def _preempt(self, req: Request) -> None:
-        """Free req's KV; it is recomputed canonically (same bits) when it runs again."""
-        self.num_preemptions += 1
-        self.cache.release(req.block_ids)
-        self.fast_path.release(req.request_id)
-        req.num_cached = 0
-        self.running.remove(req)
-        self.waiting.appendleft(req)
-
-    def _prefill(self, reqs: list[Request]) -> bool:
-        budget = self.max_prefill_tokens
-        items = []
-        for req in sorted(reqs, key=lambda r: r.arrival):
-            if budget <= 0 or len(items) == self.group or req not in self.running:
-                break
-            todo = len(req.tokens) - req.num_cached
-            take = min(todo, budget)
-            if not self._reserve(req, req.num_cached + take):
-                break
-            items.append((req, take == todo, take))
-            budget -= take
-        items = [it for it in items if it[0] in self.running]  # a later reservation may preempt
-        if items:
-            self._canonical_pass([(req, [], final, take) for req, final, take in items])
-        return bool(items)
-
-    def _decode(self, reqs: list[Request]) -> None:
-        num_verified = sum(r.params.determinism == "verified" for r in reqs)
-        strategy = self.decode_policy.choose(num_verified) if num_verified else None
-        start, before = time.perf_counter(), sum(len(r.tokens) for r in reqs)
-        plans = []  # (request, tokens to decode, verified by DVR?)
-        for req in sorted(reqs, key=lambda r: r.arrival):
-            if req not in self.running:
-                continue  # preempted while reserving for an earlier request
-            room = min(req.remaining, self.max_model_len - len(req.tokens))
-            dvr = req.params.determinism == "verified" and strategy == "dvr"
-            n = min(self.window, room - dvr)  # DVR leaves room for the verifier's own next token
-            if self._reserve(req, len(req.tokens) + max(n, 1)):
-                plans.append((req, n, dvr))
-        plans = [p for p in plans if p[0] in self.running]
-        fast = [(r, n) for r, n, dvr in plans if n > 0 and (dvr or r.params.determinism == "off")]
-        proposals = self._propose(self.fast_path, fast)
-        proposals.update(self._propose(self.canonical_decoder, [(r, n) for r, n, dvr in plans
-                                                                if not dvr and r.params.determinism != "off"]))
+    def _decode(self, plan: StepPlan) -> None:
+        start, before = time.perf_counter(), sum(len(w.req.tokens) for w in plan.decode)
+        fast = [w for w in plan.decode if w.num_tokens > 0 and (w.verify or w.req.params.determinism == "off")]
+        canonical = [w for w in plan.decode if not w.verify and w.req.params.determinism != "off"]
+        proposals = {**self._propose(self.fast_path, fast), **self._propose(self.canonical_decoder, canonical)}
         windows = []
-        for req, n, dvr in plans:
-            prop = proposals.get(req.request_id, Proposal([], []))
-            if dvr:
-                windows.append((req, prop.token_ids, True, None))
+        for w in plan.decode:
+            prop = proposals.get(w.req.request_id, Proposal([], []))
+            if w.verify:
+                windows.append(VerifyItem(w.req, prop.token_ids))
             else:  # off proposals and canonical steps are committed as they are
-                req.num_cached = len(req.tokens) - 1 + len(prop.token_ids)
-                req.commit(prop.token_ids, prop.logprobs, self.max_model_len)
+                w.req.num_cached = len(w.req.tokens) - 1 + len(prop.token_ids)
+                w.req.commit(prop.token_ids, prop.logprobs, self.max_model_len)
         for first in range(0, len(windows), self.group):  # grouped verification: G windows per pass
-            self._canonical_pass(windows[first:first + self.group])
-        if strategy is not None:
-            committed = sum(len(r.tokens) for r in reqs) - before
-            self.decode_policy.record(num_verified, strategy, committed, time.perf_counter() - start)
+            self.verifier.run(windows[first:first + self.group])
+        if plan.strategy is not None:
+            committed = sum(len(w.req.tokens) for w in plan.decode) - before
+            self.decode_policy.record(plan.num_verified, plan.strategy, committed, time.perf_counter() - start)
 
     @staticmethod
-    def _propose(decoder, items) -> dict[int, Proposal]:
-        if not items:
+    def _propose(decoder, work: list[DecodeWork]) -> dict[int, Proposal]:
+        if not work:
             return {}
-        outs = decoder.propose([DraftRequest(r.request_id, list(r.tokens), r.params, n, r.block_ids, len(r.prompt))
-                                for r, n in items])
-        return {r.request_id: p for (r, _), p in zip(items, outs)}
-
-    def _canonical_pass(self, items) -> None:
-        """One canonical forward over G requests: items are (req, proposals, final, prefill_take).
-
-        Feeds req.tokens[num_cached:] (+ proposals); for final items samples every window position,
-        commits the proposals the verifier agrees with plus the verifier's own next token.
-        """
-        chunks = []
-        for req, props, final, take in items:
-            fed = req.tokens[req.num_cached:req.num_cached + take] if take else req.tokens[req.num_cached:]
-            chunks.append(Chunk(fed + props, req.num_cached, req.block_ids, (len(props) + 1) if final else 0))
-        logits = self.verifier.forward(chunks)
-        rows, params, positions = [], [], []
-        for (req, props, final, _), lg in zip(items, logits):
-            rows.append(lg)
-            params += [req.params] * lg.shape[0]
-            positions += K.sampling_positions(len(req.tokens), lg.shape[0])
-        all_logits = torch.cat(rows)
-        tokens = sample_rows(all_logits, params, positions) if all_logits.shape[0] else None
-        logps = token_logprobs_at(all_logits, params, tokens, K.log_softmax) if tokens is not None else None
-        tokens = tokens.tolist() if tokens is not None else None  # one device-to-host copy per pass
-        logps = logps.tolist() if logps is not None else None
-        offset = 0
-        for (req, props, final, take), chunk in zip(items, chunks):
-            if not final:
-                req.num_cached += len(chunk.token_ids)
-                continue
-            n = len(props)
-            canon = tokens[offset:offset + n + 1]
-            canon_lp = logps[offset:offset + n + 1]
-            offset += n + 1
-            j = next((i for i in range(n) if canon[i] != props[i]), n)
-            if take is None and req.params.determinism == "verified":  # a decode-time verify window
-                req.stats.verify_windows += 1
-                req.stats.proposed_tokens += n
-                req.stats.accepted_tokens += j
-                if j < n:
-                    req.stats.rollbacks += 1
-                    req.stats.recomputed_tokens += n - j
-            req.num_cached = len(req.tokens) + j
-            req.commit(canon[:j + 1], canon_lp[:j + 1], self.max_model_len)
+        outs = decoder.propose([DraftRequest(w.req.request_id, list(w.req.tokens), w.req.params, w.num_tokens,
+                                             w.req.block_ids, len(w.req.prompt)) for w in work])
+        return {w.req.request_id: p for w, p in zip(work, outs)}

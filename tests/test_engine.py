@@ -268,7 +268,7 @@ def test_native_proposals_equal_host_fed_steps(model):
     """The fast path feeds sampled tokens back on the device (no per-step readback); its proposals
     equal stepping the same runner with host token ids, live sets shrinking as requests run out."""
     from rollout_service.fast_path.base import DraftRequest
-    from rollout_service.fast_path.native import sample_rows
+    from rollout_service.sampler import sample_rows
     from rollout_service.runner import Chunk
     engine = Engine(model, window=6, group=4, copy_model=False)
     prompts = _prompts(4, seed=3)
@@ -279,7 +279,7 @@ def test_native_proposals_equal_host_fed_steps(model):
         ids: list[int] = []
         engine.cache.ensure(ids, len(p) + 8)
         blocks.append(ids)
-    engine.verifier.forward([Chunk(p, 0, b, 0) for p, b in zip(prompts, blocks)])
+    engine.canonical_runner.forward([Chunk(p, 0, b, 0) for p, b in zip(prompts, blocks)])
     drafts = [DraftRequest(i, list(p), params[i], counts[i], blocks[i], len(p)) for i, p in enumerate(prompts)]
     got = engine.fast_path.propose(drafts)
     runner = engine.fast_path.runner

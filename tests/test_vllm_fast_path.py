@@ -21,6 +21,7 @@ from rollout_service import Engine, SamplingParams  # noqa: E402
 from rollout_service.audit import run_audit  # noqa: E402
 from rollout_service.fast_path.base import DraftRequest  # noqa: E402
 from rollout_service.fast_path.vllm import GumbelLogitsProcessor, VLLMFastPath  # noqa: E402
+from rollout_service.sampler import sample_tokens  # noqa: E402
 
 # head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... (not 16)
 MODEL_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
@@ -31,8 +32,8 @@ SAMPLINGS = {"greedy": dict(temperature=0.0), "T=0.7,top_p=0.9": dict(temperatur
 
 
 def wrong_sample(logits, temperature, top_k, top_p, seeds, positions):
-    """The right rule with a different hash (the seed enters the hash perturbed)."""
-    return sample(logits, temperature, top_k, top_p, seeds ^ 0x5DEECE66D, positions)
+    """The right rule with a different hash (the seed enters the hash perturbed); per-row host lists."""
+    return sample_tokens(logits, temperature, top_k, top_p, [s ^ 0x5DEECE66D for s in seeds], positions)
 
 
 class WrongGumbelProcessor(GumbelLogitsProcessor):

@@ -7,28 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels import sample, sampling_position
-from kernels.logprobs import token_logprobs
+from kernels import sampling_position
 
 from ..runner import Chunk, ModelRunner
+from ..sampler import sample_rows, token_logprobs_at
 from .base import DraftRequest, Proposal
-
-
-def sample_rows(logits: torch.Tensor, params_rows, positions: list[int]) -> torch.Tensor:
-    """kernels.sample for rows with per-row SamplingParams (parameters built on the host, where
-    sample's argument checks then run without a device sync)."""
-    return sample(
-        logits,
-        torch.tensor([p.temperature for p in params_rows], dtype=torch.float32),
-        torch.tensor([p.top_k for p in params_rows]),
-        torch.tensor([p.top_p for p in params_rows], dtype=torch.float32),
-        torch.tensor([p.effective_seed for p in params_rows], dtype=torch.int64),
-        torch.tensor(positions))
-
-
-def token_logprobs_at(logits: torch.Tensor, params_rows, tokens: torch.Tensor, log_softmax) -> torch.Tensor:
-    """kernels.logprobs.token_logprobs for rows with per-row SamplingParams."""
-    return token_logprobs(logits, [p.temperature for p in params_rows], tokens, log_softmax)
 
 
 class NativeFastPath:

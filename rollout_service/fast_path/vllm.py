@@ -46,8 +46,8 @@ _CAPTURE: dict[str, Any] = {"on": False, "records": []}
 
 
 def _sample_rule(logits, temperature, top_k, top_p, seeds, positions):
-    from kernels.sampling import sample
-    return sample(logits, temperature, top_k, top_p, seeds, positions)
+    from ..sampler import sample_tokens
+    return sample_tokens(logits, temperature, top_k, top_p, seeds, positions)
 
 
 def _row_params(cfg: dict, num_output: int) -> tuple[float, int, float, int, int]:
@@ -152,7 +152,7 @@ def _build_processor_class():
         other rows pass through untouched."""
 
         @staticmethod
-        def rule(logits, temperature, top_k, top_p, seeds, positions):
+        def rule(logits, temperature, top_k, top_p, seeds, positions):  # per-row host lists
             return _sample_rule(logits, temperature, top_k, top_p, seeds, positions)
 
         require_params = False  # StrictGumbelLogitsProcessor: refuse requests without our params
@@ -206,10 +206,7 @@ def _build_processor_class():
             every_row = len(index) == n  # the usual case: work on vLLM's logits in place, no gather
             rows = logits if every_row else logits[torch.tensor(index, device=logits.device)]
             rows = rows.float()
-            # host tensors: the rule checks them without a device sync and copies them asynchronously
-            tokens = self.rule(rows, torch.tensor(temp, dtype=torch.float32), torch.tensor(top_k),
-                               torch.tensor(top_p, dtype=torch.float32), torch.tensor(seeds, dtype=torch.int64),
-                               torch.tensor(positions, dtype=torch.int64))
+            tokens = self.rule(rows, temp, top_k, top_p, seeds, positions)  # per-row host lists
             logprobs = token_logprobs(rows, temp, tokens).unsqueeze(1)
             if _CAPTURE["on"]:
                 for k in range(len(index)):

@@ -41,11 +41,11 @@ def test_graph_replay_equals_eager_engine(mode):
     prompts = _prompts(13)
     graphed = Engine(model, device="cuda", window=8, group=4)
     eager = Engine(model, device="cuda", window=8, group=4, cuda_graphs=False)
-    assert isinstance(graphed.verifier, GraphedModelRunner)
+    assert isinstance(graphed.canonical_runner, GraphedModelRunner)
     assert isinstance(graphed.fast_path.runner, GraphedModelRunner)
     got = _outputs(graphed, prompts, mode)
     assert got == _outputs(eager, prompts, mode)
-    assert graphed.verifier._graphs, "no graph was replayed"
+    assert graphed.canonical_runner._graphs, "no graph was replayed"
     # and a request alone (batch bucket 1, other shapes) gives the same rollout as inside the batch
     assert _outputs(graphed, prompts[5:6], mode, first_seed=5) == got[5:6]
 
