@@ -26,7 +26,9 @@ class EngineConfig:
     copy_model: bool = True  # deep-copy a model object handed in (False: the engine may cast it)
     fast_path_options: dict = field(default_factory=dict)
     cuda_graphs: bool = True  # on CUDA: replay decode steps and verify windows from graphs
-    verified_decode: str = "auto"  # how `verified` decodes: DVR, canonical steps, or the cheaper
+    # how `verified` decodes: "auto" times DVR and canonical steps and keeps the cheaper, "dvr" always
+    # proposes and verifies (canonical steps on every request: determinism="invariant")
+    verified_decode: str = "auto"
 
     def __post_init__(self):
         for name in ("window", "group", "block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-VERIFIED_DECODE = ("auto", "dvr", "canonical")
+# The engine setting: measure and keep the faster strategy, or always DVR. Always-canonical steps are
+# not a setting: that is the request mode `invariant` (one way to ask for it).
+VERIFIED_DECODE = ("auto", "dvr")
 STRATEGIES = ("dvr", "canonical")
 
 
 class DecodePolicy:
     def __init__(self, mode: str = "auto", retry_every: int = 16, explore: int = 2, max_backoff: int = 8,
                  history: int = 8, outlier: float = 3.0):
-        if mode not in VERIFIED_DECODE:
+        if mode not in VERIFIED_DECODE + STRATEGIES:  # a fixed strategy: tests and benchmarks
             raise ValueError(f"verified_decode must be one of {VERIFIED_DECODE}, got {mode!r}")
         if explore < 1:  # a strategy's first step is not timed: a rate needs at least one more
             raise ValueError(f"explore must be >= 1 timed steps, got {explore}")

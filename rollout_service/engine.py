@@ -104,7 +104,6 @@ class Engine:
         self.model = load_model(model, self.device, cfg.copy_model)
         self.spec = model_spec(self.model)
         self.window, self.group = cfg.window, cfg.group
-        self.decode_policy = DecodePolicy(cfg.verified_decode)  # "auto" | "dvr" | "canonical"
         self.max_num_seqs = cfg.max_num_seqs
         self.max_model_len = cfg.max_model_len or self.spec.max_positions
         self.cache = KVCache(self.spec, -(-cfg.kv_cache_tokens // cfg.block_size), cfg.block_size, self.device)
@@ -117,7 +116,8 @@ class Engine:
         self.fast_path = self._make_fast_path(cfg.fast_path, dict(cfg.fast_path_options))
         self.canonical_decoder = NativeFastPath(self.canonical_runner, log_softmax=K.log_softmax)
         self.verifier = Verifier(self.canonical_runner, self.max_model_len)
-        self.scheduler = Scheduler(self.cache, cfg, self.max_model_len, self.decode_policy, self._release)
+        self.scheduler = Scheduler(self.cache, cfg, self.max_model_len, DecodePolicy(cfg.verified_decode),
+                                   self._release)
         self._ids = itertools.count()
         self._done: list[tuple[int, Rollout]] = []
 
@@ -161,6 +161,15 @@ class Engine:
         req.finish_reason = "abort"
         self._finish(req)
         return True
+
+    @property
+    def decode_policy(self) -> DecodePolicy:
+        """How verified requests decode this step (the scheduler asks it, the engine reports timings)."""
+        return self.scheduler.decode_policy
+
+    @decode_policy.setter
+    def decode_policy(self, policy: DecodePolicy) -> None:
+        self.scheduler.decode_policy = policy
 
     @property
     def num_preemptions(self) -> int:

@@ -313,10 +313,10 @@ def test_verified_decode_strategies_commit_the_same_bits(model):
     params = [SamplingParams(max_tokens=15, temperature=0.9, seed=30 + i) for i in range(len(prompts))]
     out = {}
     for name in ("dvr", "canonical", "auto", "alternating"):
-        engine = Engine(model, window=4, group=3, verified_decode="auto" if name == "alternating" else name)
+        engine = Engine(model, window=4, group=3, verified_decode="dvr" if name == "dvr" else "auto")
         engine.fast_path = CorruptingFastPath(engine.fast_path, 0.5, 96, seed=1)
-        if name == "alternating":
-            engine.decode_policy = AlternatingPolicy()
+        if name in ("canonical", "alternating"):  # a fixed canonical policy, or one that switches every step
+            engine.decode_policy = DecodePolicy("canonical") if name == "canonical" else AlternatingPolicy()
         out[name] = engine.generate(prompts, params)
     out["invariant"] = engine.generate(prompts, [dataclasses.replace(p, determinism="invariant") for p in params])
     bits = {name: [(r.token_ids, r.logprobs, r.finish_reason) for r in rs] for name, rs in out.items()}

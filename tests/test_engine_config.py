@@ -21,6 +21,7 @@ def test_keywords_and_config_object_are_the_same_engine():
     (dict(kv_cache_tokens=True), ValueError, "kv_cache_tokens"),
     (dict(max_model_len=1), ValueError, "max_model_len"),
     (dict(verified_decode="fast"), ValueError, "verified_decode"),
+    (dict(verified_decode="canonical"), ValueError, "verified_decode"),  # that is determinism="invariant"
     (dict(fast_path_options=[1]), TypeError, "fast_path_options"),
 ])
 def test_bad_options_name_the_option(options, error, name):
