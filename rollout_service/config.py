@@ -38,8 +38,10 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
         if self.verified_decode not in VERIFIED_DECODE:
+            hint = ("; canonical steps for every token are the request mode SamplingParams(determinism='invariant')"
+                    if self.verified_decode == "canonical" else "")
             raise ValueError(f"EngineConfig.verified_decode must be one of {VERIFIED_DECODE}, "
-                             f"got {self.verified_decode!r}")
+                             f"got {self.verified_decode!r}{hint}")
         if not isinstance(self.fast_path_options, dict):
             raise TypeError(f"EngineConfig.fast_path_options must be a dict, got {type(self.fast_path_options).__name__}")
 
