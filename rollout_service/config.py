@@ -1,7 +1,9 @@
-"""Typed engine configuration: every Engine option, its default and its check, in one place.
+"""Typed configuration of an engine and of a worker's parallel layout: every option, its default and
+its check, in one place.
 
 `Engine(model, EngineConfig(...))` or `Engine(model, window=8, ...)` (keywords build the config);
-an unknown option or a bad value fails here, once, with the option's name.
+an unknown option or a bad value fails here, once, with the option's name. A worker's
+`engine_kwargs` are engine options plus the ParallelConfig fields (`split_worker_options`).
 """
 from __future__ import annotations
 
@@ -57,4 +59,34 @@ class EngineConfig:
         return dataclasses.replace(config or cls(), **options)
 
 
-__all__ = ["EngineConfig", "VERIFIED_DECODE"]
+BACKENDS = ("auto", "native", "vllm")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How a RolloutWorker runs its engine: which engine (`backend`: "auto" is vLLM running the
+    canonical forward on a single GPU where vLLM is installed, the native engine otherwise) over how
+    many devices (`tensor_parallel_size` > 1: a group of rank actors, native engine)."""
+    tensor_parallel_size: int = 1
+    backend: str = "auto"
+
+    def __post_init__(self):
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "vllm" and tp > 1:
+            raise NotImplementedError("the vLLM backend runs one GPU per worker; use backend='native' for "
+                                      "tensor_parallel_size > 1")
+
+
+def split_worker_options(options: dict | None) -> tuple[ParallelConfig, dict]:
+    """A worker's engine_kwargs -> (its ParallelConfig, the engine's own options)."""
+    options = dict(options or {})
+    names = [f.name for f in dataclasses.fields(ParallelConfig)]
+    parallel = ParallelConfig(**{n: options.pop(n) for n in names if n in options})
+    return parallel, options
+
+
+__all__ = ["BACKENDS", "EngineConfig", "ParallelConfig", "VERIFIED_DECODE", "split_worker_options"]

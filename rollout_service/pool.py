@@ -14,6 +14,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from .client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
+from .config import split_worker_options
 from .supervisor import MAX_CONCURRENCY, WorkerSlot, WorkerSupervisor
 from .weights import WeightMismatchError
 from .worker import EarlyCancels, abort_rollout, error_rollout
@@ -206,6 +207,7 @@ def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs
     if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
         raise TypeError(f"model must be a Hugging Face model, a local checkpoint path or 'tiny:<arch>', "
                         f"got {type(model).__name__}")
+    split_worker_options(engine_kwargs)  # tensor_parallel_size / backend checked here, once
     ensure_ray()
     options = dict(name=name, namespace=namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY)
     if detached:

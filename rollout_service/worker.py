@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
+from .config import ParallelConfig, split_worker_options
 from .params import Rollout
 from .weights import load_weights
 
@@ -46,25 +47,19 @@ class EarlyCancels:
         return deadline is not None and deadline > time.monotonic()
 
 
-BACKENDS = ("auto", "native", "vllm")
 # Native-engine tuning (decode-verify-rollback, its own KV cache) that a vLLM worker has no use for
 NATIVE_ONLY_KWARGS = frozenset({"fast_path", "fast_path_options", "window", "group", "kv_cache_tokens",
                                 "block_size", "max_prefill_tokens", "verified_decode", "runner_factory"})
 
 
 def engine_backend(backend: str, device: str, tensor_parallel_size: int = 1) -> str:
-    """Which engine a worker runs: "auto" is vLLM running the canonical forward on CUDA where vLLM is
-    installed (single GPU), the native engine otherwise."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        import importlib.util
-        on_gpu = str(device).startswith("cuda")
-        backend = "vllm" if on_gpu and tensor_parallel_size == 1 and importlib.util.find_spec("vllm") else "native"
-    if backend == "vllm" and tensor_parallel_size > 1:
-        raise NotImplementedError("the vLLM backend runs one GPU per worker; use backend='native' for "
-                                  "tensor_parallel_size > 1")
-    return backend
+    """The engine a worker runs (see ParallelConfig): "auto" resolved for this device."""
+    parallel = ParallelConfig(tensor_parallel_size, backend)
+    if parallel.backend != "auto":
+        return parallel.backend
+    import importlib.util
+    on_gpu = str(device).startswith("cuda")
+    return "vllm" if on_gpu and tensor_parallel_size == 1 and importlib.util.find_spec("vllm") else "native"
 
 
 @ray.remote
@@ -78,12 +73,12 @@ class RolloutWorker:
     def __init__(self, model, engine_kwargs: dict | None = None):
         from .engine import Engine, load_model
 
-        kwargs = dict(engine_kwargs or {})
+        parallel, kwargs = split_worker_options(engine_kwargs)
         kwargs.setdefault("copy_model", False)  # the model was deserialized for this actor alone
         if "device" not in kwargs and ray.get_gpu_ids():
             kwargs["device"] = "cuda"  # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPUs
-        tp = int(kwargs.pop("tensor_parallel_size", 1))
-        backend = engine_backend(kwargs.pop("backend", "auto"), kwargs.get("device", "cpu"), tp)
+        tp = parallel.tensor_parallel_size
+        backend = engine_backend(parallel.backend, kwargs.get("device", "cpu"), tp)
         self._tp_group = None
         if backend == "vllm":
             from .vllm_engine import VLLMEngine

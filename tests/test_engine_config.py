@@ -29,3 +29,15 @@ def test_bad_options_name_the_option(options, error, name):
         EngineConfig.build(**options)
     with pytest.raises(error, match=name):
         Engine("tiny:qwen2", **options)
+
+
+def test_worker_options_split_into_a_checked_parallel_config():
+    from rollout_service.config import ParallelConfig, split_worker_options
+    parallel, engine = split_worker_options({"tensor_parallel_size": 2, "backend": "native", "window": 4})
+    assert parallel == ParallelConfig(2, "native") and engine == {"window": 4}
+    assert split_worker_options(None) == (ParallelConfig(), {})
+    for bad, error in (({"tensor_parallel_size": 0}, ValueError), ({"tensor_parallel_size": "2"}, ValueError),
+                       ({"backend": "sglang"}, ValueError),
+                       ({"backend": "vllm", "tensor_parallel_size": 2}, NotImplementedError)):
+        with pytest.raises(error):
+            split_worker_options(bad)
