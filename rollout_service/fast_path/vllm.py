@@ -30,6 +30,7 @@ import torch
 from kernels.logprobs import token_logprobs
 from kernels.sampling import sampling_position
 
+from ..sampler import sample_tokens
 from .base import DraftRequest, Proposal
 
 EXTRA_ARGS_KEY = "zerokl"
@@ -43,11 +44,6 @@ STRICT_PROCESSOR_FQCN = f"{__name__}:StrictGumbelLogitsProcessor"
 
 # Worker-side capture of what the processor saw (audits and tests); lives in the worker process.
 _CAPTURE: dict[str, Any] = {"on": False, "records": []}
-
-
-def _sample_rule(logits, temperature, top_k, top_p, seeds, positions):
-    from ..sampler import sample_tokens
-    return sample_tokens(logits, temperature, top_k, top_p, seeds, positions)
 
 
 def _row_params(cfg: dict, num_output: int) -> tuple[float, int, float, int, int]:
@@ -153,7 +149,7 @@ def _build_processor_class():
 
         @staticmethod
         def rule(logits, temperature, top_k, top_p, seeds, positions):  # per-row host lists
-            return _sample_rule(logits, temperature, top_k, top_p, seeds, positions)
+            return sample_tokens(logits, temperature, top_k, top_p, seeds, positions)
 
         require_params = False  # StrictGumbelLogitsProcessor: refuse requests without our params
 
