@@ -6,11 +6,10 @@ Ops are differentiable: canonical forward, ordinary backward (kernels.backward).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import reference
+from .backend import backend_for, triton_backend as _triton_backend  # noqa: F401  (kept for callers)
 from .backward import (add_with_grad, attention_ref, linear_with_grad, rms_norm_ref, silu_mul_ref,
                        with_reference_grad)
 from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_WIDTHS, CanonicalConfig,
@@ -18,24 +17,6 @@ from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_W
                        set_tree_segments, tree_segments)
 from .logprobs import logprob_temperature, token_logprobs
 from .sampling import gumbel_noise, sample, sampling_position, sampling_positions
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_backend():
-    try:
-        from . import triton as backend  # noqa: F401  (needs triton and a GPU)
-    except ImportError:
-        return None
-    return backend
-
-
-def backend_for(t: torch.Tensor):
-    """The module implementing the canonical ops for tensors on t's device."""
-    if t.is_cuda:
-        backend = _triton_backend()
-        if backend is not None:
-            return backend
-    return reference
 
 
 def _check(name: str, t: torch.Tensor, dims: int | None = None, dtype: torch.dtype | None = None):

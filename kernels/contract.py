@@ -64,8 +64,8 @@ def set_tree_segments(segments: int) -> None:
 
 def kernel_family(device: torch.device | str) -> KernelFamily:
     """The family that runs the canonical ops for tensors on `device` (see kernels.backend_for)."""
-    from . import _triton_backend
-    return TRITON if torch.device(device).type == "cuda" and _triton_backend() is not None else REFERENCE
+    from .backend import triton_backend  # (kernels.backend imports kernels.reference, which reads this module)
+    return TRITON if torch.device(device).type == "cuda" and triton_backend() is not None else REFERENCE
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .backend import backend_for
 from .reference import exact_math as em
 
 _MASK32 = 0xFFFFFFFF
@@ -44,7 +45,6 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
 
 def _triton_sampling(t: torch.Tensor):
     """kernels.triton.sampling for CUDA tensors when Triton is installed, else None."""
-    from . import backend_for
     backend = backend_for(t)
     return getattr(backend, "sampling", None)
 
