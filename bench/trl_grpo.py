@@ -65,23 +65,13 @@ ARM_SCRIPT = textwrap.dedent("""
 
 def save_checkpoint(path: str, shape: str | None) -> None:
     """Random weights of `shape` (bench.rollout) or a tiny Qwen2, with a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from rollout_service.tiny_models import save_with_word_tokenizer, tiny_model
     if shape:
         from bench.rollout import build_model
         model = build_model(shape, "cpu")
     else:
-        from rollout_service.tiny_models import tiny_model
         model = tiny_model("qwen2", seed=5, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
-    n = model.config.vocab_size
-    vocab = {f"t{i}": i for i in range(n - 3)} | {"<unk>": n - 3, "<pad>": n - 2, "<eos>": n - 1}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
-    model.config.eos_token_id = model.generation_config.eos_token_id = vocab["<eos>"]
-    model.config.pad_token_id = model.generation_config.pad_token_id = vocab["<pad>"]
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_with_word_tokenizer(model, path)
 
 
 def run_arm(path: str, arm: str, args, workdir: str) -> dict:

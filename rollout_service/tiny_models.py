@@ -44,3 +44,20 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.bf
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.02)
     return model.to(dtype).eval()
+
+
+def save_with_word_tokenizer(model, path: str) -> None:
+    """Save a random-weight model with a word-level tokenizer over its ids ("t<i>" is id i; the last
+    three ids are <unk>, <pad> and <eos>, which the model's configs name), as a user's checkpoint
+    directory holds both (TRL and `vllm serve` load the tokenizer from it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    n = model.config.vocab_size
+    vocab = {f"t{i}": i for i in range(n - 3)} | {"<unk>": n - 3, "<pad>": n - 2, "<eos>": n - 1}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    model.config.eos_token_id = model.generation_config.eos_token_id = vocab["<eos>"]
+    model.config.pad_token_id = model.generation_config.pad_token_id = vocab["<pad>"]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)

@@ -15,7 +15,6 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("trl")
 
-VOCAB = 96
 SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
@@ -64,24 +63,13 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny Qwen2 and a word-level tokenizer over its vocabulary (t0..t89 plus pad/eos), saved together."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from rollout_service.tiny_models import tiny_model
+    """A tiny Qwen2 and a word-level tokenizer over its vocabulary (t0.. plus unk/pad/eos), saved together."""
+    from rollout_service.tiny_models import save_with_word_tokenizer, tiny_model
 
     path = str(tmp_path_factory.mktemp("zerokl-trl"))
     # head_dim 32: the stock CPU attention (negative control) supports head sizes 32, 64, ... (not 16)
-    model = tiny_model("qwen2", seed=5, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
-    vocab = {f"t{i}": i for i in range(VOCAB - 6)} | {"<unk>": VOCAB - 3, "<pad>": VOCAB - 2, "<eos>": VOCAB - 1}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                        eos_token="<eos>")
-    model.config.eos_token_id = model.generation_config.eos_token_id = vocab["<eos>"]
-    model.config.pad_token_id = model.generation_config.pad_token_id = vocab["<pad>"]
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_with_word_tokenizer(tiny_model("qwen2", seed=5, hidden_size=128, num_heads=4, num_kv_heads=2,
+                                        intermediate_size=256), path)
     return path
 
 
