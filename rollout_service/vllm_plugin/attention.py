@@ -128,12 +128,14 @@ class PagedKVAdapter:
         self.token_block_table = metadata.block_table.index_select(0, req)
         # padding tokens (slot -1) write into block 0, vLLM's null block, which no request reads
         self.slots = metadata.slot_mapping[:num_tokens].clamp_min(0)
+        self._cache_index = None  # (block, offset) per token: every layer's pool has the same block size
 
     def attend(self, ops, layer_idx: int, q, k, v, positions, scale: float) -> torch.Tensor:
         kp, vp = compat.split_kv(self.kv_caches[layer_idx], self.head_size)
         k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])  # [N, Hkv, D]
-        block_size = kp.shape[1]
-        blocks, offsets = self.slots // block_size, self.slots % block_size
+        if self._cache_index is None:
+            self._cache_index = (self.slots // kp.shape[1], self.slots % kp.shape[1])
+        blocks, offsets = self._cache_index
         kp[blocks, offsets] = k.to(kp.dtype)  # strided pools: index_put writes through the view
         vp[blocks, offsets] = v.to(vp.dtype)
         groups = self.prefill
