@@ -9,13 +9,12 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .backend import backend_for, triton_backend as _triton_backend  # noqa: F401  (kept for callers)
+from .backend import backend_for, canonical_config, kernel_family
 from .backward import (add_with_grad, attention_ref, linear_with_grad, rms_norm_ref, silu_mul_ref,
                        with_reference_grad)
 from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_WIDTHS, CanonicalConfig,
-                       CanonicalMismatchError, canonical_config, check_canonical, kernel_family,
-                       set_tree_segments, tree_segments)
-from .logprobs import logprob_temperature, token_logprobs
+                       CanonicalMismatchError, check_canonical, set_tree_segments, tree_segments)
+from .logprobs import log_softmax, logprob_temperature, scale_logits, token_logprobs
 from .sampling import gumbel_noise, sample, sampling_position, sampling_positions
 
 
@@ -62,26 +61,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _same_device(x, weight)
     impl = backend_for(x).rms_norm
     return with_reference_grad(lambda a, w: impl(a, w, eps), lambda a, w: rms_norm_ref(a, w, eps), x, weight)
-
-
-def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """Canonical float32 log-softmax over the last dim."""
-    _check("x", x)
-    if x.dtype != torch.float32:
-        raise TypeError(f"log_softmax takes float32 logits, got {x.dtype}")
-    impl = backend_for(x).log_softmax
-    return with_reference_grad(impl, lambda a: torch.log_softmax(a, dim=-1), x)
-
-
-def scale_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
-    """logits / temperature by true IEEE division (temperature: a number, or one per row).
-
-    The one place temperature is applied: on CUDA, `tensor / python_float` is computed as a multiply
-    by the reciprocal, which differs in the last bit from dividing by a tensor.
-    """
-    t = torch.as_tensor(temperature, dtype=torch.float32).to(logits.device, non_blocking=True)
-    t = t.reshape(-1, *([1] * (logits.dim() - 1))) if t.numel() > 1 else t.reshape([1] * logits.dim())
-    return logits / t
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

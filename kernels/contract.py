@@ -11,8 +11,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-import torch
-
 # Bumped whenever a kernel's arithmetic changes (a new version never promises the old bits).
 KERNELS_VERSION = "0.2.0"
 
@@ -62,12 +60,6 @@ def set_tree_segments(segments: int) -> None:
     _tree_segments = _valid_tree_segments(segments, "tree_segments")
 
 
-def kernel_family(device: torch.device | str) -> KernelFamily:
-    """The family that runs the canonical ops for tensors on `device` (see kernels.backend_for)."""
-    from .backend import triton_backend  # (kernels.backend imports kernels.reference, which reads this module)
-    return TRITON if torch.device(device).type == "cuda" and triton_backend() is not None else REFERENCE
-
-
 @dataclass(frozen=True)
 class CanonicalConfig:
     kernels_version: str
@@ -84,13 +76,6 @@ class CanonicalConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def canonical_config(device: torch.device | str = "cpu") -> CanonicalConfig:
-    """The contract of canonical ops run on `device` in this process."""
-    family = kernel_family(device)
-    return CanonicalConfig(KERNELS_VERSION, torch.device(device).type, family.name, family.matmul_block_k,
-                           family.attention_block_kv, _tree_segments)
 
 
 class CanonicalMismatchError(RuntimeError):

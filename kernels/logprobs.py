@@ -2,13 +2,43 @@
 the trainer, so that the numbers they compare are computed the same way.
 
 A sampled request (temperature T > 0) reports log_softmax(logits / T)[token]; a greedy one (T = 0)
-reports the plain log_softmax(logits)[token], i.e. T = 1.
+reports the plain log_softmax(logits)[token], i.e. T = 1. The canonical log_softmax and the
+temperature division live here too.
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 import torch
+
+from .backend import backend_for
+from .backward import with_reference_grad
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Canonical float32 log-softmax over the last dim."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.numel() == 0:
+        raise ValueError(f"x is empty (shape {tuple(x.shape)})")
+    if x.dtype != torch.float32:
+        raise TypeError(f"log_softmax takes float32 logits, got {x.dtype}")
+    impl = backend_for(x).log_softmax
+    return with_reference_grad(impl, lambda a: torch.log_softmax(a, dim=-1), x)
+
+
+_canonical_log_softmax = log_softmax  # token_logprobs' default (its argument shadows the name)
+
+
+def scale_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """logits / temperature by true IEEE division (temperature: a number, or one per row).
+
+    The one place temperature is applied: on CUDA, `tensor / python_float` is computed as a multiply
+    by the reciprocal, which differs in the last bit from dividing by a tensor.
+    """
+    t = torch.as_tensor(temperature, dtype=torch.float32).to(logits.device, non_blocking=True)
+    t = t.reshape(-1, *([1] * (logits.dim() - 1))) if t.numel() > 1 else t.reshape([1] * logits.dim())
+    return logits / t
 
 
 def logprob_temperature(temperature: float) -> float:
@@ -26,12 +56,10 @@ def token_logprobs(logits: torch.Tensor, temperature: float | Sequence[float], t
     tokens: logits.shape[:-1]. log_softmax: the canonical one (kernels.log_softmax) unless a fast path
     passes its own.
     """
-    from . import log_softmax as canonical_log_softmax, scale_logits
-
     if isinstance(temperature, (int, float)):
         temps = logprob_temperature(temperature)
     else:
         temps = [logprob_temperature(t) for t in temperature]
     scaled = scale_logits(logits, temps)
-    logp = (log_softmax or canonical_log_softmax)(scaled)
+    logp = (log_softmax or _canonical_log_softmax)(scaled)
     return logp.gather(-1, tokens.unsqueeze(-1).to(logp.device)).squeeze(-1)

@@ -12,8 +12,9 @@ The rule, for each token on its own:
 - output = bf16 of the fp32 sum over the chosen experts in expert-id order of weight * expert output.
 So a token's routing and output depend only on its own hidden state, never on the batch.
 
-Two ways to run the experts give the same bits on a device: a loop over the experts with work (any op
-set, any device; it sizes each expert's rows on the host), and, for CANONICAL_OPS on CUDA, grouped
+Two ways to run the experts (for CANONICAL_OPS, the same bits on a device): a loop over the experts with work (any op
+set, any device; it sizes each expert's rows on the host), and, where the op set allows it
+(OpSet.grouped_experts: CANONICAL_OPS, and the native fast path's ops) on CUDA, grouped
 Triton kernels (kernels/triton/moe.py: rows sorted by expert on the device, one launch per projection,
 no host sync), whose rows are computed exactly as the canonical matmul computes them.
 """
@@ -66,7 +67,8 @@ def moe_forward(block: torch.nn.Module, x: torch.Tensor, spec: MoESpec, ops, bf1
     """The sparse block on x [B, T, H] (bf16) -> [B, T, H] bf16. `bf16(param)` reads a weight as bf16
     (under FSDP2, the unsharded parameter). `routing`, when a list, receives this layer's expert ids.
     grouped: run the experts through the grouped kernels (True), the loop (False), or the grouped
-    kernels wherever they apply (None: CANONICAL_OPS on CUDA); both give the same bits."""
+    kernels wherever they apply (None: op sets that allow them, on CUDA); for CANONICAL_OPS both give
+    the same bits."""
     b, t, h = x.shape
     rows = x.reshape(-1, h)
     ids, weights = route(rows, bf16(block.gate.weight), spec, ops)
@@ -75,7 +77,8 @@ def moe_forward(block: torch.nn.Module, x: torch.Tensor, spec: MoESpec, ops, bf1
     gate_up, down = bf16(block.experts.gate_up_proj), bf16(block.experts.down_proj)
     backend = grouped_backend(ops, rows)
     if grouped and backend is None:
-        raise ValueError("grouped experts need CANONICAL_OPS and CUDA tensors with the Triton backend")
+        raise ValueError("grouped experts need an op set that allows them (OpSet.grouped_experts) and CUDA "
+                         "tensors with the Triton backend")
     if backend is not None and grouped is not False:
         out = experts_grouped(rows, ids, weights, gate_up, down, spec, ops, backend)
     else:
@@ -98,11 +101,15 @@ def experts_loop(rows, ids, weights, gate_up, down, spec: MoESpec, ops) -> torch
 
 
 def grouped_backend(ops, rows: torch.Tensor):
-    """The grouped expert kernels (kernels.triton.moe) where they reproduce `ops`, else None."""
-    from kernels.forward import CANONICAL_OPS  # (kernels.forward imports this module)
-    if ops is not CANONICAL_OPS:
+    """The grouped expert kernels (kernels.triton.moe) where `ops` allows them, else None."""
+    if not ops.grouped_experts:
         return None
     return getattr(K.backend_for(rows), "moe", None)
+
+
+def capturable(ops, device: torch.device) -> bool:
+    """Whether the sparse block runs on `device` with no host sync, so a CUDA graph can hold it."""
+    return grouped_backend(ops, torch.empty(0, device=device)) is not None
 
 
 @dataclass(frozen=True)

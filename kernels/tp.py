@@ -215,7 +215,8 @@ def tp_ops(base_ops: OpSet, group=None, *, vocab_size: int | None = None, reduce
         return full
 
     name = f"{base_ops.name}-tp{k}" + ("" if reduce == "tree" or not canonical else "-all_reduce")
-    return dataclasses.replace(base_ops, name=name, linear=linear, logits=logits)
+    # experts are not sharded: the grouped kernels would see shards as whole experts
+    return dataclasses.replace(base_ops, name=name, linear=linear, logits=logits, grouped_experts=False)
 
 
 __all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "TPShard", "check_tp", "row_parallel_matmul", "supported_degrees",

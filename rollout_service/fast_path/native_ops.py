@@ -78,4 +78,5 @@ def _rotary(x, cos, sin):
 
 
 FAST_OPS = OpSet(name="fast", linear=_linear, logits=_logits, rms_norm=_rms_norm, attention=_attention,
-                 silu_mul=_silu_mul, add=_add, rotary=_rotary, log_softmax=lambda x: torch.log_softmax(x, dim=-1))
+                 silu_mul=_silu_mul, add=_add, rotary=_rotary, log_softmax=lambda x: torch.log_softmax(x, dim=-1),
+                 grouped_experts=True)  # MoE: the grouped kernels beat a host-synced loop, and graph
