@@ -33,8 +33,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, T, G, HK
                       HAS_TABLE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     n_tiles = tl.cdiv(T * G, BLOCK_M)
-    tile = n_tiles - 1 - tl.program_id(0)  # causal: the longest rows first
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)  # (batch, kv head) on the grid's x axis: y and z stop at 65,535
+    tile = n_tiles - 1 - tl.program_id(1)  # causal: the longest rows first
     b = bh // HKV
     kvh = bh % HKV
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -124,7 +124,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         table, st_b, length, bs = block_table, block_table.stride(0), 0, k.shape[1]
     else:
         table, st_b, length, bs = positions, 0, k.shape[1], 1
-    grid = (triton.cdiv(tq * g, block_m), bsz * hkv)
+    grid = (bsz * hkv, triton.cdiv(tq * g, block_m))
     _attention_kernel[grid](
         q, k, v, positions, table, out, tq, g, hkv, length, bs, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

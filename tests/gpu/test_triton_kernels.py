@@ -348,6 +348,18 @@ def test_attention_whole_equals_decode_chunks_paged(kt, b, length, hq, hkv, d):
         assert same_bits(alone, whole[i:i + 1])
 
 
+def test_attention_more_sequences_than_a_grid_axis_holds(kt):
+    """vLLM's profiling run feeds every token as its own sequence: 16,400 sequences x 4 KV heads are
+    65,600 (batch, head) programs, past the 65,535 a CUDA grid's y axis holds."""
+    b, hq, hkv, d = 16400, 32, 4, 128
+    q, k, v = randn(b, 1, hq, d, seed=50), randn(b, 1, hkv, d, seed=51), randn(b, 1, hkv, d, seed=52)
+    pos = torch.zeros(b, 1, dtype=torch.int64, device=DEV)
+    whole = kt.attention(q, k, v, pos)
+    part = kt.attention(q[-16:], k[-16:], v[-16:], pos[-16:])
+    assert same_bits(whole[-16:], part)
+    assert same_bits(whole[-1:].float(), v[-1:].repeat_interleave(hq // hkv, dim=2).float())  # one key: its value
+
+
 @pytest.mark.parametrize("b,length,hq,hkv,d", ATTN_CASES[:1])
 def test_attention_tile_configs_bitwise_identical(kt, b, length, hq, hkv, d):
     import kernels.triton.attention as A
