@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from rollout_service.tiny_models import tiny_model
+
 from .config import RecipeConfig
 
 
@@ -14,7 +16,6 @@ def initial_model(cfg: RecipeConfig, tokenizer) -> torch.nn.Module:
     """
     spec = cfg.model
     if spec.source == "tiny":
-        from rollout_service.tiny_models import tiny_model
         model = tiny_model(seed=cfg.seed, vocab_size=len(tokenizer), **spec.tiny_options())
     elif spec.source == "hf":
         from transformers import AutoModelForCausalLM

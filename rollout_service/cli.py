@@ -5,15 +5,14 @@ import argparse
 import json
 import sys
 
+from rich.console import Console
+
+from .audit import format_table, run_audit
 from .decode_policy import VERIFIED_DECODE
+from .engine import Engine, load_model
 
 
 def audit(args) -> int:
-    from rich.console import Console
-
-    from .audit import format_table, run_audit
-    from .engine import Engine, load_model
-
     model = load_model(args.model, args.device)
     make = lambda **kw: Engine(model, fast_path=args.fast_path, device=args.device,  # noqa: E731
                                copy_model=False, verified_decode=args.verified_decode, **kw)

@@ -9,6 +9,7 @@ from ray.exceptions import RayTaskError
 
 from .params import Rollout, SamplingParams
 from .ray_cluster import init_ray
+from .weights import WeightMismatchError, check_state_dict_types, state_dict_digest
 
 # Named actors are per namespace; a fixed one lets every job in the cluster find the pool.
 DEFAULT_NAMESPACE = "rollout_service"
@@ -92,8 +93,6 @@ class RolloutClient:
         WeightMismatchError for names/shapes that do not fit (the pool keeps its old weights), or
         when a worker ends up with a digest other than the trainer's.
         """
-        from .weights import WeightMismatchError, check_state_dict_types, state_dict_digest
-
         check_state_dict_types(state_dict)
         if expected_digest is None:
             expected_digest = state_dict_digest(state_dict)

@@ -6,6 +6,8 @@ Callers await `generate`; a background task feeds new requests to the engine and
 from __future__ import annotations
 
 import asyncio
+import copy
+import importlib.util
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from .config import ParallelConfig, split_worker_options
+from .engine import Engine, load_model
 from .params import Rollout
+from .tp import create_tp_group
 from .weights import load_weights
 
 
@@ -57,7 +61,6 @@ def engine_backend(backend: str, device: str, tensor_parallel_size: int = 1) -> 
     parallel = ParallelConfig(tensor_parallel_size, backend)
     if parallel.backend != "auto":
         return parallel.backend
-    import importlib.util
     on_gpu = str(device).startswith("cuda")
     return "vllm" if on_gpu and tensor_parallel_size == 1 and importlib.util.find_spec("vllm") else "native"
 
@@ -71,8 +74,6 @@ class RolloutWorker:
     """
 
     def __init__(self, model, engine_kwargs: dict | None = None):
-        from .engine import Engine, load_model
-
         parallel, kwargs = split_worker_options(engine_kwargs)
         kwargs.setdefault("copy_model", False)  # the model was deserialized for this actor alone
         if "device" not in kwargs and ray.get_gpu_ids():
@@ -81,12 +82,11 @@ class RolloutWorker:
         backend = engine_backend(parallel.backend, kwargs.get("device", "cpu"), tp)
         self._tp_group = None
         if backend == "vllm":
-            from .vllm_engine import VLLMEngine
+            from .vllm_engine import VLLMEngine  # vLLM is optional
             self._engine = VLLMEngine(model, **{k: v for k, v in kwargs.items() if k not in NATIVE_ONLY_KWARGS})
             self._full_model = None
         elif tp > 1:
             # a TP group of rank actors in its own placement group; rank 0 holds the engine
-            from .tp import create_tp_group
             self._tp_group = create_tp_group(model, tp, kwargs, use_gpu=kwargs.get("device", "cpu") != "cpu")
             self._engine = self._tp_group.engine()
             self._full_model = load_model(model, "cpu", copy_model=False)  # for state_dict / model_copy
@@ -273,13 +273,10 @@ class RolloutWorker:
 
     async def state_dict(self) -> dict:
         """A copy of the current weights (the pool's fallback when the sender's object is gone)."""
-        def copy():
+        def snapshot():
             return {k: v.detach().to("cpu", copy=True) for k, v in self._model().state_dict().items()}
-        return await self._call(copy)
+        return await self._call(snapshot)
 
     async def model_copy(self):
         """The engine's model on CPU (the pool keeps it to restart workers after its sender exits)."""
-        def copy():
-            import copy as _copy
-            return _copy.deepcopy(self._model()).to("cpu")
-        return await self._call(copy)
+        return await self._call(lambda: copy.deepcopy(self._model()).to("cpu"))
