@@ -16,7 +16,10 @@ Systems (--systems, comma list):
 - `vllm-plugin`: vLLM's own engine running the canonical forward (rollout_service.vllm_plugin) with
   the seeded Gumbel processor, decode steps from CUDA graphs; `vllm-plugin-eager`: the same without;
 - `native-verified`, `native-invariant`, `native-off`: our native engine (rollout_service.Engine);
-- `ours-verified`, `ours-invariant`, `ours-off`: our engine with the windowed vLLM fast path.
+- `ours-verified`, `ours-invariant`, `ours-off`: our engine with the windowed vLLM fast path;
+- `worker-verified`, `worker-off`: VLLMEngine, the engine a RolloutWorker runs on a GPU (vLLM's engine
+  loop stepped by the worker; `off` requests on its stock vLLM engine, given the memory share of the
+  `vllm` system).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from bench import emit  # noqa: E402
 
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
 ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-plugin-eager", "vllm-eager", "vllm-v1",
-                                 "native-verified", "native-invariant", "native-off")
+                                 "native-verified", "native-invariant", "native-off", "worker-verified", "worker-off")
 TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
 
 
@@ -155,6 +158,36 @@ def _run_ours(args, prompts, mode, fast_path) -> dict:
     return res
 
 
+def _run_worker_engine(args, prompts, mode: str) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from rollout_service import SamplingParams
+    from rollout_service.vllm_engine import VLLMEngine
+    options = _vllm_options(args)
+    max_model_len = options.pop("max_model_len")
+    share = options.pop("gpu_memory_utilization", None)
+    options.pop("enforce_eager", None)  # VLLMEngine sets it (graphs on CUDA only)
+    stock = mode == "off"
+    if share is not None:  # VLLMEngine halves it between its two engines when it runs a stock one
+        options["gpu_memory_utilization"] = min(0.9, share * (2 if stock else 1))
+    engine = VLLMEngine(args.model, device="cpu" if _on_cpu() else "cuda", max_model_len=max_model_len,
+                        max_num_seqs=len(prompts), stock_for_off=stock,
+                        gpu_memory_utilization=options.pop("gpu_memory_utilization", 0.85), vllm_options=options)
+    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
+    try:
+        engine.generate(prompts, [dataclasses.replace(p, max_tokens=min(args.warmup_tokens, p.max_tokens))
+                                  for p in params])
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.close()
+    bad = [o.error for o in outs if not o.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} rollouts failed: {bad[0]}")
+    return dict(seconds=elapsed, generated_tokens=sum(len(o.token_ids) for o in outs))
+
+
 def _worker(args) -> None:
     import transformers
     vocab = transformers.AutoConfig.from_pretrained(args.model).vocab_size
@@ -163,6 +196,8 @@ def _worker(args) -> None:
     try:
         if system.startswith("vllm"):
             res = _run_vllm(args, prompts, system)
+        elif system.startswith("worker-"):
+            res = _run_worker_engine(args, prompts, system.split("-", 1)[1])
         else:
             engine, mode = system.split("-", 1)
             res = _run_ours(args, prompts, mode, "native" if engine == "native" else "vllm")

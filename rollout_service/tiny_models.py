@@ -10,7 +10,8 @@ TINY_PREFIX = "tiny:"
 
 def tiny_config(arch: str = "qwen2", vocab_size: int = 96, hidden_size: int = 64, num_layers: int = 2,
                 num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
-                max_positions: int = 512):
+                max_positions: int = 512, head_dim: int | None = None, num_experts: int = 8,
+                num_experts_per_tok: int = 2, moe_intermediate_size: int | None = None):
     import transformers
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads,
@@ -20,12 +21,14 @@ def tiny_config(arch: str = "qwen2", vocab_size: int = 96, hidden_size: int = 64
         return transformers.LlamaConfig(**common)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
+    head_dim = head_dim or hidden_size // num_heads
     if arch == "qwen3":
-        return transformers.Qwen3Config(head_dim=hidden_size // num_heads, **common)
-    if arch == "qwen3_moe":  # every layer sparse: 8 experts, 2 per token
-        return transformers.Qwen3MoeConfig(head_dim=hidden_size // num_heads, num_experts=8, num_experts_per_tok=2,
-                                           moe_intermediate_size=intermediate_size // 2, decoder_sparse_step=1,
-                                           mlp_only_layers=[], norm_topk_prob=True, **common)
+        return transformers.Qwen3Config(head_dim=head_dim, **common)
+    if arch == "qwen3_moe":  # every layer sparse (tiny default: 8 experts, 2 per token)
+        return transformers.Qwen3MoeConfig(head_dim=head_dim, num_experts=num_experts,
+                                           num_experts_per_tok=num_experts_per_tok,
+                                           moe_intermediate_size=moe_intermediate_size or intermediate_size // 2,
+                                           decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, **common)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
 
 
