@@ -16,10 +16,13 @@ class Sample:
     token_ids: list[int]  # generated tokens
     logprobs: list[float]  # the rollout's log-prob of each generated token
     advantage: float
+    routed_experts: list | None = None  # per generated token [moe_layers][k] expert ids (Rollout.routed_experts)
 
 
 def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded tensors; [B, T-1] ones are aligned with token_logprobs (index t-1 = token t)."""
+    """Right-padded tensors; [B, T-1] ones are aligned with token_logprobs (index t-1 = token t).
+    When the samples carry routed experts: "rollout_routed_experts" [B, T-1, moe_layers, k] (int16,
+    -1 outside the loss mask), aligned the same way."""
     if not samples:
         samples, dummy = [Sample([pad_id], [pad_id], [0.0], 0.0)], True
     else:
@@ -38,8 +41,26 @@ def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
             loss_mask[i, p - 1:p - 1 + g] = True
             old[i, p - 1:p - 1 + g] = torch.tensor(s.logprobs, dtype=torch.float32)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "rollout_logprobs": old,
-            "advantages": adv}
+    out = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "rollout_logprobs": old,
+           "advantages": adv}
+    if not dummy and any(s.routed_experts is not None for s in samples):
+        out["rollout_routed_experts"] = _pack_routing(samples, width)
+    return out
+
+
+def _pack_routing(samples: list[Sample], width: int) -> torch.Tensor:
+    if any(s.routed_experts is None for s in samples):
+        raise ValueError("some samples carry routed experts and some do not")
+    if any(len(s.routed_experts) != len(s.token_ids) for s in samples):
+        raise ValueError("a sample's routed_experts must have one entry per generated token")
+    first = next(s.routed_experts[0] for s in samples if s.routed_experts)
+    layers, k = len(first), len(first[0]) if first else 0
+    out = torch.full((len(samples), width - 1, layers, k), -1, dtype=torch.int16)  # expert ids < 32768
+    for i, s in enumerate(samples):
+        p, g = len(s.prompt_ids), len(s.token_ids)
+        if g:
+            out[i, p - 1:p - 1 + g] = torch.tensor(s.routed_experts, dtype=torch.int16)
+    return out
 
 
 def _chunks(items: list, parts: int) -> list[list]:

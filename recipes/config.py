@@ -93,6 +93,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    # record each token's MoE routing and log rollout_train/routing_agreement; null: on for MoE
+    # policies on native-engine workers without TP (recipes.rollouts.records_routing)
+    return_routed_experts: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from .config import CanonicalTreeConfig, RecipeConfig, load_config
 from .grpo_loss import group_advantages
 from .metrics import MetricsLogger, StepProgress, step_metrics
 from .models import initial_model
-from .rollouts import group_requests, prompt_indices, rollouts_digest
+from .rollouts import group_requests, prompt_indices, records_routing, rollouts_digest
 from .task import build_task
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
@@ -77,7 +77,7 @@ def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, s
     rewards = torch.tensor([task.reward(ro.token_ids, rows[i // n]["answer"]) for i, ro in enumerate(rollouts)])
     rewards = rewards.view(-1, n)
     adv = group_advantages(rewards, scale=scale).view(-1).tolist()
-    samples = [Sample(list(prompts[i]), list(ro.token_ids), list(ro.logprobs), adv[i])
+    samples = [Sample(list(prompts[i]), list(ro.token_ids), list(ro.logprobs), adv[i], ro.routed_experts)
                for i, ro in enumerate(rollouts)]
     return rewards, samples
 
@@ -104,6 +104,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
     t_start = time.perf_counter()
     task = build_task(cfg)
     model = _starting_model(cfg, task, resumed=ckpt is not None)
+    routed = records_routing(rc, model)  # MoE: rollouts record routing, the trainer compares its own
     t_model = time.perf_counter()
     pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
     pool_name, namespace = rc.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
@@ -134,7 +135,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             indices = prompt_indices(cursor, trc.prompts_per_step, len(task.dataset), cfg.seed)
             rows = [task.dataset[i] for i in indices]
             prompts, params = group_requests([r["prompt_ids"] for r in rows], indices, step, rc, cfg.seed,
-                                             task.stop_token_ids)
+                                             task.stop_token_ids, routed)
             t0 = time.perf_counter()
             rollouts = client.generate(prompts, params)
             t1 = time.perf_counter()
@@ -185,8 +186,11 @@ def _save_rollouts(run_dir: Path, step: int, rollouts, rewards) -> None:
     out.mkdir(exist_ok=True)
     with open(out / f"step_{step:06d}.jsonl", "w") as f:
         for ro, r in zip(rollouts, rewards):
-            f.write(json.dumps({"prompt": ro.prompt_token_ids, "tokens": ro.token_ids, "logprobs": ro.logprobs,
-                                "finish_reason": ro.finish_reason, "reward": r}) + "\n")
+            line = {"prompt": ro.prompt_token_ids, "tokens": ro.token_ids, "logprobs": ro.logprobs,
+                    "finish_reason": ro.finish_reason, "reward": r}
+            if ro.routed_experts is not None:
+                line["routed_experts"] = ro.routed_experts
+            f.write(json.dumps(line) + "\n")
 
 
 def build_config(args) -> RecipeConfig:
@@ -220,7 +224,9 @@ def main(argv=None) -> dict:
     if last:
         print(f"final step {last['step']}: reward {last['reward/mean']:.3f}, "
               f"rollout_train/kl {last['rollout_train/kl']}, "
-              f"max |Δ logprob| {last['rollout_train/max_abs_logprob_diff']}")
+              f"max |Δ logprob| {last['rollout_train/max_abs_logprob_diff']}"
+              + (f", routing agreement {last['rollout_train/routing_agreement']}"
+                 if "rollout_train/routing_agreement" in last else ""))
     run_dir = result["run_dir"]
     print(f"run directory: {run_dir}")
     plot = f"python -m recipes.plot {shlex.quote(run_dir)} --out {shlex.quote(os.path.join(run_dir, 'curves.png'))}"

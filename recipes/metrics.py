@@ -3,6 +3,9 @@
 `rollout_train/kl` is the mean over generated tokens of (rollout log-prob - training log-prob), the
 k1 estimate of KL(rollout || train) from rollout samples; `rollout_train/kl_k3` is the k3 estimate
 mean(exp(r) - 1 - r) with r = train - rollout. Both are exactly 0.0 when every log-prob matches.
+For MoE policies `rollout_train/routing_agreement` is the fraction of (generated token, MoE layer)
+routing decisions (the set of k experts) that the rollout and the trainer's forward made identically
+(1.0 = 100%), and `rollout_train/routing_mismatches` the count of the others; dense runs log neither.
 """
 from __future__ import annotations
 
@@ -29,6 +32,17 @@ def logprob_agreement(rollout_lp: torch.Tensor, train_lp: torch.Tensor, mask: to
             "max_abs": float(diff.abs().max()) if diff.numel() else 0.0, "mismatched": int((diff != 0).sum())}
 
 
+def routing_agreement(rollout_experts: torch.Tensor, train_experts: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Partial sums over the masked tokens: (token, MoE layer) decisions, and those whose expert ids
+    differ. Both [B, T-1, moe_layers, k] aligned like the log-probs (ids in increasing order)."""
+    if rollout_experts.shape != train_experts.shape:
+        raise ValueError(f"rollout routing {tuple(rollout_experts.shape)} != trainer routing "
+                         f"{tuple(train_experts.shape)}")
+    m = mask.bool()
+    differ = (rollout_experts[m].long() != train_experts[m].long()).any(-1)  # [tokens, layers]
+    return {"routing_decisions": int(differ.numel()), "routing_mismatches": int(differ.sum())}
+
+
 def combine_agreement(parts: list[dict]) -> dict:
     tokens = sum(p["tokens"] for p in parts)
     return {
@@ -37,7 +51,18 @@ def combine_agreement(parts: list[dict]) -> dict:
         "rollout_train/max_abs_logprob_diff": max((p["max_abs"] for p in parts), default=0.0),
         "rollout_train/mismatched_tokens": sum(p["mismatched"] for p in parts),
         "rollout_train/tokens": tokens,
+        **_combine_routing(parts),
     }
+
+
+def _combine_routing(parts: list[dict]) -> dict:
+    """The routing metrics when some part measured routing (an MoE run), else nothing."""
+    if not any("routing_decisions" in p for p in parts):
+        return {}
+    decisions = sum(p.get("routing_decisions", 0) for p in parts)
+    mismatches = sum(p.get("routing_mismatches", 0) for p in parts)
+    return {"rollout_train/routing_agreement": (decisions - mismatches) / decisions if decisions else float("nan"),
+            "rollout_train/routing_mismatches": mismatches}
 
 
 def dvr_counters(rollouts) -> dict:
@@ -75,9 +100,13 @@ def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_toke
 
 def step_line(metrics: dict) -> str:
     """A step's headline numbers, as printed while a run goes."""
+    routing = metrics.get("rollout_train/routing_agreement")
     return (f"reward {metrics['reward/mean']:.3f}  kl {metrics['rollout_train/kl']:.3g}  "
             f"max|Δ| {metrics['rollout_train/max_abs_logprob_diff']:.3g}  "
-            f"mismatched {metrics['rollout_train/mismatched_tokens']}  {metrics['perf/step_s']:.1f}s")
+            f"mismatched {metrics['rollout_train/mismatched_tokens']}  "
+            + ("" if routing is None else
+               f"routing {routing:.2%} ({metrics['rollout_train/routing_mismatches']} differ)  ")
+            + f"{metrics['perf/step_s']:.1f}s")
 
 
 class StepProgress:

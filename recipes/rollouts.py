@@ -10,7 +10,9 @@ import hashlib
 import random
 import struct
 
+from kernels.moe import moe_spec
 from rollout_service.params import Rollout, SamplingParams
+from rollout_service.worker import engine_backend
 
 from .config import RolloutConfig
 
@@ -38,8 +40,10 @@ def prompt_indices(cursor: int, count: int, size: int, run_seed: int) -> list[in
 
 
 def group_requests(prompts: list[list[int]], indices: list[int], step: int, rollout: RolloutConfig, run_seed: int,
-                   stop_token_ids: tuple[int, ...]) -> tuple[list[list[int]], list[SamplingParams]]:
-    """rollout.n requests per prompt (prompt-major order), each with its own derived seed."""
+                   stop_token_ids: tuple[int, ...], routed_experts: bool = False
+                   ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """rollout.n requests per prompt (prompt-major order), each with its own derived seed.
+    routed_experts: ask for each token's MoE routing (`records_routing`)."""
     r = rollout
     all_prompts, all_params = [], []
     for prompt, index in zip(prompts, indices):
@@ -48,12 +52,26 @@ def group_requests(prompts: list[list[int]], indices: list[int], step: int, roll
             all_params.append(SamplingParams(
                 max_tokens=r.max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                 seed=sample_seed(run_seed, step, index, j), stop_token_ids=tuple(stop_token_ids),
-                determinism=r.determinism))
+                determinism=r.determinism, return_routed_experts=routed_experts))
     return all_prompts, all_params
 
 
+def records_routing(rollout: RolloutConfig, model) -> bool:
+    """Whether rollouts record their MoE routing: rollout.return_routed_experts, or when that is null,
+    for an MoE policy on workers that can: the native engine without tensor parallelism (the vLLM
+    backend refuses the flag; TP does not record routing yet)."""
+    if rollout.return_routed_experts is not None:
+        return rollout.return_routed_experts
+    engine = rollout.engine
+    device = engine.get("device") or ("cuda" if rollout.resources_per_worker.get("num_gpus", 0) else "cpu")
+    tp = engine.get("tensor_parallel_size", 1)
+    return moe_spec(model.config) is not None and tp == 1 and engine_backend(
+        engine.get("backend", "auto"), device, tp) == "native"
+
+
 def rollouts_digest(rollouts: list[Rollout]) -> str:
-    """sha256 over every rollout's prompt, tokens and the exact bits of its log-probs."""
+    """sha256 over every rollout's prompt, tokens, the exact bits of its log-probs and its routing
+    (when recorded)."""
     h = hashlib.sha256()
     for ro in rollouts:
         h.update(struct.pack(f"<{len(ro.prompt_token_ids)}q", *ro.prompt_token_ids))
@@ -61,4 +79,7 @@ def rollouts_digest(rollouts: list[Rollout]) -> str:
         h.update(struct.pack(f"<{len(ro.token_ids)}q", *ro.token_ids))
         h.update(struct.pack(f"<{len(ro.logprobs)}d", *ro.logprobs))
         h.update(str(ro.finish_reason).encode() + b";")
+        if ro.routed_experts is not None:
+            flat = [e for token in ro.routed_experts for layer in token for e in layer]
+            h.update(b"routing" + struct.pack(f"<{len(flat)}q", *flat))
     return h.hexdigest()

@@ -16,10 +16,11 @@ import warnings
 import torch
 
 import kernels as K
+from trainer_patch import patch_model, token_logprobs
 
 from .config import TrainerConfig
 from .grpo_loss import clipped_pg_loss
-from .metrics import logprob_agreement
+from .metrics import logprob_agreement, routing_agreement
 
 
 class TrainerRank:
@@ -43,8 +44,6 @@ class TrainerRank:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from trainer_patch import patch_model
 
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
         if self.cfg.device == "cuda":
@@ -70,30 +69,48 @@ class TrainerRank:
 
     # -- training --------------------------------------------------------------------------------
 
-    def _logprobs(self, mb: dict) -> torch.Tensor:
-        from trainer_patch import token_logprobs
+    def _logprobs(self, mb: dict, routing: list | None = None) -> torch.Tensor:
         return token_logprobs(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
-                              temperature=self.temperature)
+                              temperature=self.temperature, routing=routing)
+
+    @staticmethod
+    def _routing_out(mb: dict) -> list | None:
+        """A list for the forward's MoE routing when the rollouts recorded theirs, else None."""
+        return [] if "rollout_routed_experts" in mb else None
+
+    @staticmethod
+    def _agreement(mb: dict, logp: torch.Tensor, routing: list | None) -> dict:
+        """Log-prob (and, for MoE rollouts, routing) agreement of one forward with the rollouts."""
+        part = logprob_agreement(mb["rollout_logprobs"], logp.cpu(), mb["loss_mask"])
+        if routing is not None:  # per layer [B, T, k] -> [B, T-1, layers, k], aligned like the log-probs
+            train = torch.stack(routing, dim=2)[:, :-1].cpu()
+            part.update(routing_agreement(mb["rollout_routed_experts"], train, mb["loss_mask"]))
+        return part
 
     def train_step(self, minibatches: list[list[dict]], tokens_per_mini: list[int]) -> dict:
-        """One optimizer step per mini-batch. Log-prob agreement is measured before any update."""
+        """One optimizer step per mini-batch. Log-prob and routing agreement are measured before any
+        update, from the forward that gives the log-probs (no extra forward)."""
         cfg, start = self.cfg, time.perf_counter()
         agreement, pre = [], None
         if len(minibatches) > 1 or cfg.old_logprobs == "recompute":
+            pre = []
             with torch.no_grad():
-                pre = [[self._logprobs(mb) for mb in micros] for micros in minibatches]
-            for micros, lps in zip(minibatches, pre):
-                agreement += [logprob_agreement(mb["rollout_logprobs"], lp.cpu(), mb["loss_mask"])
-                              for mb, lp in zip(micros, lps)]
+                for micros in minibatches:
+                    pre.append([])
+                    for mb in micros:
+                        routing = self._routing_out(mb)
+                        pre[-1].append(self._logprobs(mb, routing))
+                        agreement.append(self._agreement(mb, pre[-1][-1], routing))
         loss_total = clipped_total = 0.0
         grad_norms, seq_tokens = [], 0
         for m, micros in enumerate(minibatches):
             scale = self.world / max(tokens_per_mini[m], 1)  # FSDP averages gradients over ranks
             for j, mb in enumerate(micros):
-                logp = self._logprobs(mb)
+                routing = self._routing_out(mb) if pre is None else None
+                logp = self._logprobs(mb, routing)
                 mask = mb["loss_mask"].to(self.device)
                 if pre is None:
-                    agreement.append(logprob_agreement(mb["rollout_logprobs"], logp.cpu(), mb["loss_mask"]))
+                    agreement.append(self._agreement(mb, logp, routing))
                 if cfg.old_logprobs == "rollout":
                     old = mb["rollout_logprobs"].to(self.device)
                 else:

@@ -47,11 +47,13 @@ class GraphedModelRunner(ModelRunner):
         return len(self._graphs)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None,
+                routing: list | None = None) -> list[torch.Tensor]:
         shape = self.shape_for(chunks)
-        if shape is None or max(len(c.block_ids) for c in chunks) > self.width or (token_ids is not None
-                                                                                   and shape[1] != 1):
-            return super().forward(chunks, token_ids)
+        # recording MoE routing runs eagerly (captured graphs have no routing outputs): same bits
+        if routing is not None or shape is None or max(len(c.block_ids) for c in chunks) > self.width or (
+                token_ids is not None and shape[1] != 1):
+            return super().forward(chunks, token_ids, routing)
         graph, static, logits = self._graphs.get(shape) or self._capture(*shape)
         for dst, src in zip(static, self.host_inputs(chunks, *shape, self.width)):
             dst.copy_(src, non_blocking=True)

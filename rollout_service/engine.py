@@ -23,6 +23,7 @@ import torch
 
 import kernels as K
 from kernels.forward import CANONICAL_OPS, model_spec
+from kernels.moe import capturable
 
 from .decode_policy import DecodePolicy
 from .fast_path.base import DraftRequest, FastPath, Proposal
@@ -108,9 +109,7 @@ class Engine:
         self.max_model_len = cfg.max_model_len or self.spec.max_positions
         self.cache = KVCache(self.spec, -(-cfg.kv_cache_tokens // cfg.block_size), cfg.block_size, self.device)
         self._runner_factory = runner_factory
-        # MoE layers size each expert's rows on the host (kernels/moe.py): they run eagerly
-        self._cuda_graphs = (cfg.cuda_graphs and runner_factory is None and self.device.type == "cuda"
-                             and self.spec.moe is None)
+        self._cuda_graphs = cfg.cuda_graphs and runner_factory is None and self.device.type == "cuda"
         # canonical graphs: one-token steps of every running request, verify windows G at a time
         self.canonical_runner = self._make_runner(CANONICAL_OPS, {1: cfg.max_num_seqs, cfg.window + 1: cfg.group})
         self.fast_path = self._make_fast_path(cfg.fast_path, dict(cfg.fast_path_options))
@@ -125,7 +124,8 @@ class Engine:
         """A runner for `ops`; on CUDA it replays graphs (graph_shapes: tokens per chunk -> max batch)."""
         if self._runner_factory is not None:
             return self._runner_factory(self.model, self.cache, ops, self.device)
-        if self._cuda_graphs:
+        # MoE layers whose experts are sized on the host (kernels/moe.py's loop) cannot be captured
+        if self._cuda_graphs and (self.spec.moe is None or capturable(ops, self.device)):
             return GraphedModelRunner(self.model, self.cache, ops, self.device, max_batch=graph_shapes,
                                       max_model_len=self.max_model_len)
         return ModelRunner(self.model, self.cache, ops, self.device)
@@ -237,7 +237,7 @@ class Engine:
                 windows.append(VerifyItem(w.req, prop.token_ids))
             else:  # off proposals and canonical steps are committed as they are
                 w.req.num_cached = len(w.req.tokens) - 1 + len(prop.token_ids)
-                w.req.commit(prop.token_ids, prop.logprobs, self.max_model_len)
+                w.req.commit(prop.token_ids, prop.logprobs, self.max_model_len, prop.routing)
         for first in range(0, len(windows), self.group):  # grouped verification: G windows per pass
             self.verifier.run(windows[first:first + self.group])
         if plan.strategy is not None:

@@ -60,6 +60,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     determinism: str = "verified"
+    # record each generated token's MoE expert ids (Rollout.routed_experts); the name is vLLM's
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -90,6 +92,8 @@ class SamplingParams:
                 f"{self.determinism!r} needs a seed")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if not isinstance(self.return_routed_experts, bool):
+            bad(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
 
     @property
     def effective_seed(self) -> int:
@@ -115,6 +119,11 @@ class Rollout:
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None
     stats: RolloutStats = field(default_factory=RolloutStats)
+    # with SamplingParams(return_routed_experts=True) on an MoE model: per generated token, the expert
+    # ids [moe_layers][k] (increasing ids) of the forward row whose logits produced it (row
+    # prompt_len + i - 1 for token i, the row the trainer scores it at). None when not asked for, for a
+    # dense model, or where the engine cannot record it (proposals of the vLLM fast path).
+    routed_experts: list[list[list[int]]] | None = None
 
     @property
     def ok(self) -> bool:

@@ -18,10 +18,15 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     stats: RolloutStats = field(default_factory=RolloutStats)
     finish_reason: str | None = None
+    # per committed token its expert ids [moe_layers][k], when params.return_routed_experts; None once a
+    # commit came without them (a dense model, the vLLM fast path): a partial record would misalign
+    routed_experts: list | None = None
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt)
+        if self.params.return_routed_experts and self.routed_experts is None:
+            self.routed_experts = []
 
     @property
     def num_generated(self) -> int:
@@ -35,11 +40,17 @@ class Request:
     def needs_prefill(self) -> bool:
         return len(self.tokens) - self.num_cached > 1 or self.num_generated == 0
 
-    def commit(self, tokens: list[int], logprobs: list[float], max_len: int) -> None:
-        """Append tokens, stopping at a stop token, max_tokens or the model's length limit."""
-        for tok, lp in zip(tokens, logprobs):
+    def commit(self, tokens: list[int], logprobs: list[float], max_len: int,
+               routing: list | None = None) -> None:
+        """Append tokens, stopping at a stop token, max_tokens or the model's length limit.
+        routing: per token, the expert ids [moe_layers][k] of the forward row that produced it."""
+        if routing is None and tokens:
+            self.routed_experts = None
+        for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
             self.tokens.append(tok)
             self.logprobs.append(lp)
+            if self.routed_experts is not None:
+                self.routed_experts.append(routing[i])
             if tok in self.params.stop_token_ids:
                 self.finish_reason = "stop"
             elif self.remaining <= 0 or len(self.tokens) >= max_len:
@@ -49,4 +60,5 @@ class Request:
 
     def to_rollout(self) -> Rollout:
         return Rollout(list(self.prompt), self.tokens[len(self.prompt):], list(self.logprobs),
-                       self.finish_reason, None, self.stats)
+                       self.finish_reason, None, self.stats,
+                       None if self.routed_experts is None else list(self.routed_experts))

@@ -54,11 +54,15 @@ class ModelRunner:
                                                 for i, c in enumerate(chunks)]))
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None,
+                routing: list | None = None) -> list[torch.Tensor]:
         """float32 logits [num_logits, V] for each chunk.
 
         token_ids: optional device tensor [len(chunks)] of one-token chunks' ids, used instead of
         the chunks' own (placeholders then): decode steps feed sampled tokens without a host sync.
+        routing: a list that receives, per chunk, the device int tensor [num_logits, moe_layers, k] of
+        expert ids at the logit rows (the routing that produced each logit row; moe_layers is 0 for a
+        dense model).
         """
         bsz, t_max = len(chunks), max(len(c.token_ids) for c in chunks)
         width = max(len(c.block_ids) for c in chunks)
@@ -66,10 +70,17 @@ class ModelRunner:
         ids, pos, table, slots = (t.to(self.device, non_blocking=True) for t in inputs)
         self._feed(ids, token_ids)
         kv = PagedKV(self.cache.k, self.cache.v, table, slots)
-        hidden = forward_hidden(self.model, ids, pos, ops=self.ops, kv=kv)
+        layers = None if routing is None else []
+        hidden = forward_hidden(self.model, ids, pos, ops=self.ops, kv=kv, routing=layers)
+        if routing is not None:  # per layer [B, T, k] -> [B * T, layers, k]
+            experts = (torch.stack(layers, dim=2) if layers else ids.new_zeros(bsz, t_max, 0, 0)).flatten(0, 1)
         sizes = [c.num_logits for c in chunks]
         if not sum(sizes):  # a prefill chunk that ends mid-prompt: KV only
+            if routing is not None:
+                routing += [experts[:0]] * len(chunks)
             return [hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32) for _ in chunks]
         rows = self.logit_rows(chunks, t_max).to(self.device, non_blocking=True)
+        if routing is not None:
+            routing += experts[rows].split(sizes)  # gathered like the logits
         logits = compute_logits(self.model, hidden.reshape(bsz * t_max, -1)[rows], self.ops)
         return list(logits.split(sizes))

@@ -5,6 +5,8 @@ Each item feeds a request's uncached tokens (a prefill chunk, or the last commit
 decode step) plus the fast path's proposals. For a sampling item every position is sampled: the
 proposals the verifier agrees with are committed together with its own next token (a rejected
 proposal and everything after it are rolled back: the verifier's KV overwrites the fast path's).
+When a request asks for its MoE routing (return_routed_experts), each committed token carries the
+expert ids of the verifier row that sampled it.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels as K
+from kernels.forward import model_spec
 
 from .sampler import sample_rows, token_logprobs_at
 from .request import Request
@@ -34,6 +37,7 @@ class VerifyItem:
 class Verifier:
     def __init__(self, runner, max_model_len: int):
         self.runner, self.max_model_len = runner, max_model_len
+        self.moe = model_spec(runner.model).moe is not None  # dense models have no routing to record
 
     def run(self, items: list[VerifyItem]) -> None:
         chunks = []
@@ -43,7 +47,9 @@ class Verifier:
             fed = req.tokens[req.num_cached:end]
             chunks.append(Chunk(fed + it.proposals, req.num_cached, req.block_ids,
                                 len(it.proposals) + 1 if it.samples else 0))
-        logits = self.runner.forward(chunks)
+        record = self.moe and any(it.req.params.return_routed_experts for it in items)
+        routing = [] if record else None
+        logits = self.runner.forward(chunks, **({"routing": routing} if record else {}))
         rows, params, positions = [], [], []
         for it, lg in zip(items, logits):
             rows.append(lg)
@@ -55,6 +61,8 @@ class Verifier:
             sampled = sample_rows(all_logits, params, positions)
             logps = token_logprobs_at(all_logits, params, sampled, K.log_softmax).tolist()
             tokens = sampled.tolist()  # one device-to-host copy per pass
+            if record:
+                routing = torch.cat(routing).tolist()  # [rows][moe_layers][k], one copy per pass
         offset = 0
         for it, chunk in zip(items, chunks):
             req = it.req
@@ -63,6 +71,7 @@ class Verifier:
                 continue
             n = len(it.proposals)
             canon, canon_lp = tokens[offset:offset + n + 1], logps[offset:offset + n + 1]
+            experts = routing[offset:offset + n + 1] if record else None
             offset += n + 1
             accepted = next((i for i in range(n) if canon[i] != it.proposals[i]), n)
             if it.is_window and req.params.determinism == "verified":
@@ -73,4 +82,5 @@ class Verifier:
                     req.stats.rollbacks += 1
                     req.stats.recomputed_tokens += n - accepted
             req.num_cached = len(req.tokens) + accepted
-            req.commit(canon[:accepted + 1], canon_lp[:accepted + 1], self.max_model_len)
+            req.commit(canon[:accepted + 1], canon_lp[:accepted + 1], self.max_model_len,
+                       experts[:accepted + 1] if record else None)

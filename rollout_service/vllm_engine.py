@@ -68,6 +68,9 @@ class VLLMEngine:
         """Queue a request; raises InvalidRequestError if it can never be served."""
         prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         params = check_params(params)
+        if params.return_routed_experts:
+            raise InvalidRequestError("return_routed_experts: the vLLM backend does not record MoE routing; "
+                                      "use the native engine (engine_kwargs={'backend': 'native'})")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
                                       f"max_model_len {self.max_model_len}")

@@ -5,7 +5,8 @@ served by `Engine(path)`. The trainer side loads the same directory the ways use
 in bf16, float32 then .to(bf16), from_config + load_state_dict, float32 masters under FSDP2 mixed
 precision (patched before or after fully_shard) and a plain float32 model. Negative controls show that
 the variation matters: the rotary buffer the old table was read from differs between routes, and the
-unpatched forward does not give the rollout's log-probs.
+unpatched forward does not give the rollout's log-probs. For Qwen3-MoE every route's forward also
+routes each generated token as the rollout recorded it (return_routed_experts).
 """
 from __future__ import annotations
 
@@ -88,11 +89,14 @@ def _serve(name: str, path: Path) -> Served:
                     max_model_len=max(max_positions, max(PROMPT_LENGTHS) + MAX_TOKENS + 1))
     prompts = _prompts()
     sampled = engine.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=100 + i,
-                                                       determinism="verified") for i in range(len(prompts))])
+                                                       determinism="verified", return_routed_experts=True)
+                                        for i in range(len(prompts))])
     greedy = engine.generate(prompts[:GREEDY_PROMPTS], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                                      determinism="verified"))
+                                                                      determinism="verified",
+                                                                      return_routed_experts=True))
     for r in sampled + greedy:
         assert r.ok and len(r.token_ids) == len(r.logprobs) == MAX_TOKENS, r.error
+        assert (r.routed_experts is None) == (CHECKPOINTS[name].arch != "qwen3_moe")  # dense: None
     return Served(path, sampled, greedy, engine.model)
 
 
@@ -191,9 +195,19 @@ def _completion_logprobs(logp: torch.Tensor, rollouts: list[Rollout]) -> list[to
             for i, r in enumerate(rollouts)]
 
 
-def _score(model, rollouts: list[Rollout], temperature: float) -> list[torch.Tensor]:
+def _score(model, rollouts: list[Rollout], temperature: float, routing: list | None = None) -> list[torch.Tensor]:
     ids, mask = _padded(rollouts)
-    return _completion_logprobs(trainer_patch.token_logprobs(model, ids, mask, temperature=temperature), rollouts)
+    logp = trainer_patch.token_logprobs(model, ids, mask, temperature=temperature, routing=routing)
+    return _completion_logprobs(logp, rollouts)
+
+
+def _assert_routing_equals_rollouts(routing: list[torch.Tensor], rollouts: list[Rollout], what: str) -> None:
+    """The forward's per-layer expert ids [B, T, k] at each generated token's row = the recorded ones."""
+    assert routing, f"{what}: the forward recorded no routing"
+    rows = torch.stack(routing, dim=2)  # [B, T, layers, k]
+    for i, r in enumerate(rollouts):
+        p = len(r.prompt_token_ids)
+        assert rows[i, p - 1:p - 1 + len(r.token_ids)].tolist() == r.routed_experts, f"{what}: rollout {i} routing"
 
 
 def _rollout_logprobs(r: Rollout) -> torch.Tensor:
@@ -204,9 +218,12 @@ def _assert_scores_equal_rollouts(model, srv: Served, what: str) -> torch.Tensor
     """Bitwise comparison of sampled and greedy rollouts; returns the summed (differentiable) log-probs."""
     total = torch.zeros(())
     for rollouts, temperature in ((srv.sampled, TEMPERATURE), (srv.greedy, 1.0)):
-        for i, (got, r) in enumerate(zip(_score(model, rollouts, temperature), rollouts)):
+        routing = [] if rollouts[0].routed_experts is not None else None
+        for i, (got, r) in enumerate(zip(_score(model, rollouts, temperature, routing), rollouts)):
             assert_bitwise_equal(got.detach(), _rollout_logprobs(r), f"{what}: T={temperature} rollout {i}")
             total = total + got.sum()
+        if routing is not None:
+            _assert_routing_equals_rollouts(routing, rollouts, f"{what}: T={temperature}")
     return total
 
 
@@ -249,13 +266,16 @@ def test_fsdp2_masters_receive_finite_float32_gradients(served, gloo_group):
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
-def test_fsdp2_default_mixed_precision_policy_scores_rollouts_bitwise(served, gloo_group):
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen3_moe"])
+def test_fsdp2_default_mixed_precision_policy_scores_rollouts_bitwise(served, gloo_group, checkpoint):
     """The default policy casts floating tensors in each layer's arguments to bf16; the float32
-    rotary rows must not be among them (kernels.forward.ForwardContext is not a dataclass)."""
-    srv = served("llama")
+    rotary rows must not be among them (kernels.forward.ForwardContext is not a dataclass). It also
+    rebuilds the lists among the root's arguments: the routing still reaches token_logprobs' list
+    (trainer_patch.patch.RoutingSink), as in the recipe's trainer."""
+    srv = served(checkpoint)
     model = _fsdp2(srv.path, gloo_group, patch_first=True, cast_forward_inputs=True)
     with torch.no_grad():
-        _assert_scores_equal_rollouts(model, srv, "llama / fsdp2 default policy")
+        _assert_scores_equal_rollouts(model, srv, f"{checkpoint} / fsdp2 default policy")
 
 
 # ---- negative controls: the variation the routes cover is real ----------------------------------

@@ -1,9 +1,13 @@
 """Qwen3-MoE in the canonical forward (kernels/moe.py): routing follows the model's own rule, a token's
 experts and log-probs do not depend on its batch, prefix length or chunking, and the engine's
-rollouts (verified with DVR, invariant; chunked prefill; preemption) equal the trainer's bit for bit
-with the same routing decisions. The stock HF model flips routing decisions (the negative control).
+rollouts (verified with DVR, invariant; chunked prefill; preemption; alone or in a mixed batch) equal
+the trainer's bit for bit, with the routing the engine recorded while generating
+(return_routed_experts) equal to the trainer's token for token. The stock HF model and the `off` fast
+path flip routing decisions (the negative controls).
 Loading routes (from_pretrained bf16 / fp32, FSDP2 with MixedPrecisionPolicy) are in
 test_loading_routes.py (checkpoint "qwen3_moe")."""
+import dataclasses
+import pickle
 import random
 
 import pytest
@@ -13,7 +17,7 @@ import trainer_patch
 from conftest import assert_bitwise_equal
 from kernels.forward import CANONICAL_OPS, forward_hidden
 from kernels.moe import group_by_expert, moe_forward, moe_spec, route
-from rollout_service import Engine, SamplingParams
+from rollout_service import Engine, InvalidRequestError, SamplingParams
 from rollout_service.tiny_models import tiny_model
 
 VOCAB = 96
@@ -104,24 +108,101 @@ def test_negative_control_stock_moe_flips_routing_with_the_prefix_length():
     assert flips > 0, "the stock MoE never changed a routing decision: this control cannot fail"
 
 
+def _trainer_scores(trainer, prompt: list[int], tokens: list[int], temperature: float):
+    """(log-probs, routing [token][layer][k]) of the generated tokens, from one trainer forward."""
+    routing = []
+    with torch.no_grad():
+        lp = trainer_patch.token_logprobs(trainer, torch.tensor([prompt + tokens]), temperature=temperature,
+                                          routing=routing)
+    rows = slice(len(prompt) - 1, len(prompt) - 1 + len(tokens))  # row t scores token t + 1
+    return lp[0, rows].tolist(), torch.stack(routing, dim=2)[0, rows].tolist()
+
+
+def _prompts_and_params(mode: str, n: int = 10, seed: int = 6):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 60))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=12, temperature=[0.0, 0.8][i % 2], seed=50 + i, determinism=mode,
+                             return_routed_experts=True) for i in range(n)]
+    return prompts, params
+
+
+class _WrongSecondProposal:
+    """The engine's fast path with each verified window's second proposal changed: every window rolls
+    back, and the verifier's own token (and its routing) replaces the rejected one."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def propose(self, batch):
+        out = self.inner.propose(batch)
+        for r, p in zip(batch, out):
+            if r.params.determinism == "verified" and len(p.token_ids) > 1:
+                p.token_ids[1] = (p.token_ids[1] + 1) % VOCAB
+        return out
+
+    def release(self, request_id):
+        self.inner.release(request_id)
+
+
 @pytest.mark.parametrize("mode", ["verified", "invariant"])
-def test_engine_rollouts_equal_the_trainer_with_the_same_routing(checkpoint, trainer, mode):
-    rng = random.Random(6)
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 60))] for _ in range(10)]
-    params = [SamplingParams(max_tokens=12, temperature=[0.0, 0.8][i % 2], seed=50 + i, determinism=mode)
-              for i in range(len(prompts))]
-    # a prefill budget of 24 tokens (chunked prefill) and a cache of 12 blocks of 16 (preemption)
-    engine = Engine(checkpoint, window=4, group=4, max_prefill_tokens=24, kv_cache_tokens=192, max_num_seqs=6)
-    batch = engine.generate(prompts, params)
+def test_engine_rollouts_equal_the_trainer_with_the_recorded_routing(checkpoint, trainer, mode):
+    prompts, params = _prompts_and_params(mode)
+    # mixed in: requests that record no routing, and `off` ones on the fast path, in the same steps
+    extra_prompts = [p[::-1] for p in prompts[:4]]
+    extra = [SamplingParams(max_tokens=12, temperature=0.8, seed=90 + i, determinism=["off", mode][i % 2])
+             for i in range(4)]
+    # DVR on every verified step; a prefill budget of 24 tokens (chunked prefill) and a cache of 12
+    # blocks of 16 (preemption)
+    engine = Engine(checkpoint, window=4, group=4, max_prefill_tokens=24, kv_cache_tokens=192, max_num_seqs=6,
+                    verified_decode="dvr")
+    engine.fast_path = _WrongSecondProposal(engine.fast_path)
+    out = engine.generate(prompts + extra_prompts, params + extra)
+    batch = out[:len(prompts)]
     assert engine.num_preemptions > 0
+    if mode == "verified":
+        assert sum(r.stats.verify_windows for r in batch) > 0 and sum(r.stats.rollbacks for r in batch) > 0
+    assert all(r.ok and r.routed_experts is None for r in out[len(prompts):])
     alone = [Engine(checkpoint, window=4, group=4).generate([p], [q])[0] for p, q in zip(prompts[:3], params[:3])]
-    assert [(r.token_ids, r.logprobs) for r in alone] == [(r.token_ids, r.logprobs) for r in batch[:3]]
+    assert [(r.token_ids, r.logprobs, r.routed_experts) for r in alone] == \
+        [(r.token_ids, r.logprobs, r.routed_experts) for r in batch[:3]]
     for prompt, p, r in zip(prompts, params, batch):
         assert r.ok and len(r.token_ids) == 12, r.error
-        seq = prompt + r.token_ids
-        want = trainer_patch.token_logprobs(trainer, torch.tensor([seq]), temperature=p.temperature)
-        assert r.logprobs == want[0, -12:].tolist()
-    # the rollout engine's model routes every token of a finished sequence as the trainer does
-    for prompt, r in zip(prompts[:4], batch[:4]):
-        seq = prompt + r.token_ids
-        assert all(torch.equal(a, b) for a, b in zip(_routing(engine.model, seq), _routing(trainer, seq)))
+        logprobs, routing = _trainer_scores(trainer, prompt, r.token_ids, p.temperature)
+        assert r.logprobs == logprobs
+        assert len(r.routed_experts) == 12 and all(len(t) == 3 and len(t[0]) == 2 for t in r.routed_experts)
+        assert r.routed_experts == routing  # token for token, layer for layer
+
+
+def test_negative_control_off_fast_path_routes_some_tokens_differently(checkpoint, trainer):
+    """`off` records the fast path's routing (ordinary torch ops, bf16 router logits on CPU): some
+    decisions differ from the trainer's, so the comparison above can fail."""
+    prompts, params = _prompts_and_params("off")
+    out = Engine(checkpoint, window=4, group=4, max_prefill_tokens=24).generate(prompts, params)
+    flips = 0
+    for prompt, p, r in zip(prompts, params, out):
+        assert r.ok and len(r.routed_experts) == len(r.token_ids)
+        _, routing = _trainer_scores(trainer, prompt, r.token_ids, p.temperature)
+        flips += sum(a != b for got, want in zip(r.routed_experts, routing) for a, b in zip(got, want))
+    assert flips > 0, "the off fast path routed every token as the trainer: this control cannot fail"
+
+
+def test_routing_is_none_unless_asked_and_for_dense_models():
+    """A dense model records nothing (None, documented on Rollout.routed_experts); a bad flag is refused."""
+    flagged = SamplingParams(max_tokens=4, temperature=0.0, return_routed_experts=True)
+    for mode in ("verified", "invariant", "off"):
+        params = [dataclasses.replace(flagged, determinism=mode), SamplingParams(max_tokens=4, determinism=mode,
+                                                                                  temperature=0.0)]
+        dense, moe = (Engine(f"tiny:{arch}", window=2, group=2).generate([[1, 2, 3]] * 2, params)
+                      for arch in ("qwen2", "qwen3_moe"))
+        assert all(r.ok and r.routed_experts is None for r in dense)
+        assert len(moe[0].routed_experts) == 4 and moe[1].routed_experts is None
+    with pytest.raises(InvalidRequestError, match="return_routed_experts must be a bool"):
+        SamplingParams(max_tokens=4, temperature=0.0, return_routed_experts=1)
+
+
+def test_routed_experts_survive_pickling():
+    """Ray moves Rollouts between actors by pickling; the field must come along."""
+    [r] = Engine("tiny:qwen3_moe", window=2, group=2).generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, return_routed_experts=True))
+    again = pickle.loads(pickle.dumps(r))
+    assert again.routed_experts == r.routed_experts and len(r.routed_experts) == 3

@@ -33,7 +33,7 @@ def _get(cfg, dotted: str):
     return cfg
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "gsm8k_qwen.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "tiny_moe.yaml", "gsm8k_qwen.yaml"])
 def test_shipped_configs_load_with_every_value(name):
     raw = coerce_numbers(yaml.safe_load((CONFIGS / name).read_text()))
     cfg = load_config(CONFIGS / name)

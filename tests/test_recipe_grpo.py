@@ -1,6 +1,8 @@
 """The tiny GRPO recipe end to end on a local Ray cluster (2 FSDP2 trainer ranks on gloo, 2 rollout
 workers): rollout/train KL and max |Δ log-prob| exactly 0.0 every step, a non-zero KL for the
-determinism-off baseline, and a resumed run that reproduces the next step's rollouts bit for bit."""
+determinism-off baseline, and a resumed run that reproduces the next step's rollouts bit for bit.
+With the tiny Qwen3-MoE policy (tiny_moe.yaml) the routing the rollouts recorded is the trainer's at
+every step (routing_agreement 1.0), and the `off` baseline's is not; dense runs log no routing metrics."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,7 @@ from recipes.grpo import run  # noqa: E402
 from recipes.metrics import read_metrics  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "tiny.yaml"
+TINY_MOE = TINY.with_name("tiny_moe.yaml")
 # Short: 3 steps of 8 prompts x 8 samples at T=0.8 (log-probs of logits / T); checkpoints at steps 2, 3.
 SHORT = ["train.steps=3", "train.prompts_per_step=8", "train.save_every=2", "train.save_rollouts=true",
          "warmup.steps=30", "rollout.temperature=0.8"]
@@ -54,6 +57,7 @@ def test_verified_run_has_exactly_zero_kl_every_step(verified_run):
         assert rec["rollout_train/tokens"] > 0
         assert 0.0 <= rec["reward/mean"] <= 1.0
         assert rec["dvr/verify_windows"] > 0
+        assert not any("routing" in key for key in rec), rec  # a dense policy: no routing metrics
         for key in ("perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/step_s"):
             assert rec[key] > 0
     assert len(_rollout_lines(run_dir, 1)) == 8 * 8
@@ -83,3 +87,31 @@ def test_baseline_determinism_off_has_nonzero_kl(cluster, tmp_path):
     assert any(r["rollout_train/kl"] != 0.0 for r in records), records
     assert all(r["rollout_train/max_abs_logprob_diff"] > 0.0 for r in records)
     assert all(r["dvr/verify_windows"] == 0 for r in records)
+
+
+def test_moe_run_has_zero_kl_and_identical_routing_every_step(cluster, tmp_path):
+    cfg = load_config(TINY_MOE, ["train.steps=3", "train.prompts_per_step=8", "warmup.steps=30",
+                                 "rollout.temperature=0.8", "train.save_rollouts=true", f"run_dir={tmp_path}",
+                                 "metrics.wandb=false"])
+    records = run(cfg, progress=False)["records"]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for rec in records:
+        assert rec["rollout_train/kl"] == 0.0 and rec["rollout_train/max_abs_logprob_diff"] == 0.0, rec
+        assert rec["rollout_train/mismatched_tokens"] == 0 and rec["rollout_train/tokens"] > 0, rec
+        assert rec["rollout_train/routing_agreement"] == 1.0, rec
+        assert rec["rollout_train/routing_mismatches"] == 0, rec
+        assert rec["dvr/verify_windows"] > 0
+    line = json.loads(_rollout_lines(tmp_path, 1)[0])
+    assert len(line["routed_experts"]) == len(line["tokens"])  # [token][layer][k]
+    assert all(len(t) == 2 and len(t[0]) == 2 for t in line["routed_experts"])
+
+
+def test_moe_baseline_determinism_off_routes_differently(cluster, tmp_path):
+    """The `off` fast path routes some tokens differently from the trainer: the metric can fail."""
+    cfg = load_config(TINY_MOE, ["train.steps=3", "warmup.steps=30", "rollout.determinism=off",
+                                 f"run_dir={tmp_path}", "metrics.wandb=false"])
+    records = run(cfg, progress=False)["records"]
+    assert len(records) == 3
+    assert any(r["rollout_train/routing_agreement"] < 1.0 for r in records), records
+    assert all(r["rollout_train/routing_mismatches"] == round(
+        (1 - r["rollout_train/routing_agreement"]) * r["rollout_train/tokens"] * 2) for r in records)

@@ -14,8 +14,9 @@ from recipes import tiny_task
 from recipes.batch import Sample, pack, split_for_ranks
 from recipes.config import load_config
 from recipes.grpo_loss import clipped_pg_loss, group_advantages
-from recipes.metrics import combine_agreement, logprob_agreement, read_metrics, wandb_mode
-from recipes.rollouts import group_requests, prompt_indices, rollouts_digest, sample_seed
+from recipes.metrics import (combine_agreement, logprob_agreement, read_metrics, routing_agreement, step_line,
+                             wandb_mode)
+from recipes.rollouts import group_requests, prompt_indices, records_routing, rollouts_digest, sample_seed
 from rollout_service.params import Rollout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +99,26 @@ def test_group_requests_one_seed_per_sample():
     assert all(p.max_tokens == 5 for p in params)
 
 
+def test_group_requests_ask_for_routing_of_moe_policies():
+    from rollout_service.tiny_models import tiny_model
+
+    rollout = load_config(TINY).rollout
+    assert records_routing(rollout, tiny_model("qwen3_moe")) and not records_routing(rollout, tiny_model("qwen2"))
+    off = load_config(TINY, ["rollout.return_routed_experts=false"]).rollout
+    assert not records_routing(off, tiny_model("qwen3_moe"))
+    gpu_native = ["rollout.resources_per_worker.num_gpus=1", "rollout.engine.backend=native"]
+    assert records_routing(load_config(TINY, gpu_native).rollout, tiny_model("qwen3_moe"))
+    for where in ("rollout.engine.backend=vllm", "rollout.engine.tensor_parallel_size=2"):  # null: where workers can
+        assert not records_routing(load_config(TINY, [where]).rollout, tiny_model("qwen3_moe")), where
+        assert records_routing(load_config(TINY, [where, "rollout.return_routed_experts=true"]).rollout,
+                               tiny_model("qwen3_moe")), where
+    _, params = group_requests([[3, 4]], [7], step=1, rollout=rollout, run_seed=0, stop_token_ids=(1,),
+                               routed_experts=True)
+    assert all(p.return_routed_experts for p in params)
+    _, params = group_requests([[3, 4]], [7], step=1, rollout=rollout, run_seed=0, stop_token_ids=(1,))
+    assert not any(p.return_routed_experts for p in params)
+
+
 def test_group_advantages():
     adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
     assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
@@ -135,6 +156,36 @@ def test_pack_aligns_with_token_logprobs():
         assert torch.equal(lp[i][batch["loss_mask"][i]], alone)
 
 
+def test_pack_aligns_routed_experts_with_token_logprobs():
+    """Rollout routing [token][layer][k] lands at the row that scores the token (t-1 for token t), -1
+    elsewhere, which is where token_logprobs(routing=...) puts the trainer's."""
+    from rollout_service.tiny_models import tiny_model
+    from trainer_patch import token_logprobs
+
+    model = tiny_model("qwen3_moe", vocab_size=24, max_positions=64)
+    seqs = [([1, 2, 3], [4, 5]), ([6], [7, 8, 9])]
+    routing = []
+    for prompt, tokens in seqs:  # each sequence alone: the routing it would have recorded
+        layers = []
+        token_logprobs(model, torch.tensor([prompt + tokens]), routing=layers)
+        rows = torch.stack(layers, dim=2)[0, len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+        routing.append(rows.tolist())
+    samples = [Sample(p, t, [0.0] * len(t), 0.0, r) for (p, t), r in zip(seqs, routing)]
+    batch = pack(samples)
+    experts = batch["rollout_routed_experts"]
+    assert experts.shape == (2, 4, 2, 2) and experts.dtype == torch.int16
+    assert bool((experts[~batch["loss_mask"]] == -1).all())
+    layers = []
+    token_logprobs(model, batch["input_ids"], batch["attention_mask"], routing=layers)
+    train = torch.stack(layers, dim=2)[:, :-1]
+    assert routing_agreement(experts, train, batch["loss_mask"]) == {"routing_decisions": 5 * 2,
+                                                                     "routing_mismatches": 0}
+    assert "rollout_routed_experts" not in pack([Sample([1], [2], [0.0], 0.0)])  # dense rollouts
+    assert "rollout_routed_experts" not in pack([])  # a rank's dummy row
+    with pytest.raises(ValueError, match="some samples carry routed experts"):
+        pack(samples[:1] + [Sample([1], [2], [0.0], 0.0)])
+
+
 def test_split_for_ranks_keeps_collectives_paired():
     samples = [Sample([1], [2] * (i + 1), [0.0] * (i + 1), 0.0) for i in range(5)]
     plans, tokens = split_for_ranks(samples, world=2, mini_batches=1, micro_batch_size=2)
@@ -160,10 +211,39 @@ def test_agreement_metrics():
     assert m["rollout_train/kl_k3"] == pytest.approx((torch.tensor(0.1).exp() - 1 - 0.1).item() / 4, rel=1e-4)
 
 
+def test_routing_agreement_metrics():
+    """Decisions are (token, layer) pairs over the loss mask; one differing expert id makes the pair
+    a mismatch. Dense runs (no part measured routing) log no routing metrics."""
+    mask = torch.tensor([[True, True, False]])
+    rollout = torch.tensor([[[[0, 3], [1, 2]], [[4, 5], [0, 7]], [[-1, -1], [-1, -1]]]], dtype=torch.int16)
+    same = routing_agreement(rollout, rollout.long(), mask)
+    assert same == {"routing_decisions": 4, "routing_mismatches": 0}
+    flipped = rollout.long().clone()
+    flipped[0, 1, 1] = torch.tensor([0, 6])  # token 1, layer 1: expert 7 -> 6
+    flipped[0, 2, 0] = torch.tensor([1, 2])  # outside the mask: not counted
+    one = routing_agreement(rollout, flipped, mask)
+    assert one == {"routing_decisions": 4, "routing_mismatches": 1}
+    a = torch.tensor([[-1.0, -2.0, 0.0]])
+    parts = [{**logprob_agreement(a, a, mask), **same}, {**logprob_agreement(a, a, mask), **one}]
+    m = combine_agreement(parts + [logprob_agreement(a, a, mask)])  # + a dummy row's part: no routing
+    assert m["rollout_train/routing_agreement"] == 7 / 8 and m["rollout_train/routing_mismatches"] == 1
+    assert combine_agreement(parts[:1])["rollout_train/routing_agreement"] == 1.0
+    dense = combine_agreement([logprob_agreement(a, a, mask)])
+    assert not any("routing" in k for k in dense)
+    with pytest.raises(ValueError, match="routing"):
+        routing_agreement(rollout, flipped[:, :, :1], mask)
+    line = {"reward/mean": 0.5, "perf/step_s": 1.0, **dense}
+    assert "routing" not in step_line(line)
+    assert "routing 87.50% (1 differ)" in step_line({**line, **m})
+
+
 def test_rollouts_digest_sees_every_bit():
     r = [Rollout([1, 2], [3], [-0.5], "stop")]
     r2 = [Rollout([1, 2], [3], [-0.5000000000000001], "stop")]
     assert rollouts_digest(r) == rollouts_digest(copy.deepcopy(r)) != rollouts_digest(r2)
+    routed = [Rollout([1, 2], [3], [-0.5], "stop", routed_experts=[[[0, 1]]])]
+    flipped = [Rollout([1, 2], [3], [-0.5], "stop", routed_experts=[[[0, 2]]])]
+    assert len({rollouts_digest(r), rollouts_digest(routed), rollouts_digest(flipped)}) == 3
 
 
 def test_wandb_mode(monkeypatch):

@@ -74,6 +74,14 @@ def test_off_runs_on_stock_vllm_which_differs_from_the_trainer(engine, checkpoin
         assert r.logprobs == trainer_logprobs(policy, prompt, r.token_ids, p.temperature)
 
 
+def test_routed_experts_are_refused(engine):
+    """Recording MoE routing is the native engine's; here the flag is refused, not silently dropped."""
+    with pytest.raises(InvalidRequestError, match="vLLM backend does not record MoE routing"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, return_routed_experts=True))
+    [r] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert r.ok and r.routed_experts is None
+
+
 def test_bad_requests_are_refused_and_the_rest_served(engine):
     good = random_prompts(2, VOCAB, seed=33, lo=5, hi=20)
     bad = [[], [VOCAB + 3], [-1, 2], list(range(10)) * 30, "abc", [1.5, 2.0]]

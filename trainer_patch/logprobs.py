@@ -5,17 +5,21 @@ import torch
 
 import kernels as K
 
-from .patch import check_input_ids, is_patched, patch_model
+from .patch import RoutingSink, check_input_ids, is_patched, patch_model
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   temperature: float = 1.0) -> torch.Tensor:
+                   temperature: float = 1.0, routing: list | None = None) -> torch.Tensor:
     """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) at the rollout's temperature.
 
     `temperature` is the one the rollout sampled with (0 for greedy: log-probs at T = 1, the rule of
     kernels.logprobs). Right padding (per attention_mask) does not change values at real positions;
     padded positions are 0. Differentiable (canonical forward, ordinary backward). Patches `model`
     if it is not yet.
+
+    routing: a list that receives, from this same forward, each MoE layer's expert ids [B, T, k]
+    (increasing ids; row t routed the hidden state whose logits score token t + 1, as a rollout's
+    routed_experts records it). Nothing is appended for a dense model.
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0 \
             or temperature == float("inf"):
@@ -29,9 +33,12 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         mask = attention_mask.to(ids.device).bool()
         if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
             raise ValueError("attention_mask must be right-padded (1s then 0s per row)")
+    if routing is not None and not isinstance(routing, list):
+        raise TypeError(f"routing must be a list, got {type(routing).__name__}")
     if not is_patched(model):
         patch_model(model)
-    logp = K.token_logprobs(model(input_ids=ids).logits[:, :-1], float(temperature), ids[:, 1:])
+    extra = {} if routing is None else {"zerokl_routing": RoutingSink(routing)}
+    logp = K.token_logprobs(model(input_ids=ids, **extra).logits[:, :-1], float(temperature), ids[:, 1:])
     if attention_mask is not None:
         logp = torch.where(mask[:, 1:], logp, 0.0)
     return logp

@@ -14,11 +14,25 @@ def _layer_forward(self, hidden_states, ctx):
     return decoder_layer_forward(self, hidden_states, ctx)
 
 
-def _lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
-    """Canonical replacement for `LlamaForCausalLM.forward` (and Qwen2/Qwen3): float32 logits.
+class RoutingSink:
+    """Where a forward puts its MoE routing: `layers` receives each MoE layer's expert ids [B, T, k].
+
+    A plain class on purpose (like kernels.forward.ForwardContext): FSDP2's root pre-forward rebuilds
+    the lists, dicts and dataclasses among a call's arguments (casting and moving their tensors), so a
+    list passed as an argument would not be the list the layers append to."""
+    __slots__ = ("layers",)
+
+    def __init__(self, layers: list):
+        self.layers = layers
+
+
+def _lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, *,
+                zerokl_routing: RoutingSink | None = None, **kwargs):
+    """Canonical replacement for `LlamaForCausalLM.forward` (and Qwen2/Qwen3/Qwen3-MoE): float32 logits.
 
     Sequences are right-padded; `attention_mask` is accepted for API compatibility (padding never
     changes the values at real positions, because every row only sees its own earlier tokens).
+    zerokl_routing: a RoutingSink whose list receives each MoE layer's expert ids [B, T, k].
     """
     unsupported = {k for k, v in kwargs.items() if v is not None and k not in ("use_cache", "return_dict")}
     if unsupported or labels is not None:
@@ -26,7 +40,10 @@ def _lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, la
     ids = check_input_ids(self, input_ids)
     if position_ids is None:
         position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    hidden = forward_hidden(self, ids, position_ids, ops=CANONICAL_OPS)
+    if zerokl_routing is not None and not isinstance(zerokl_routing, RoutingSink):
+        raise TypeError(f"zerokl_routing must be a RoutingSink, got {type(zerokl_routing).__name__}")
+    routing = None if zerokl_routing is None else zerokl_routing.layers
+    hidden = forward_hidden(self, ids, position_ids, ops=CANONICAL_OPS, routing=routing)
     return CausalLMOutputWithPast(logits=compute_logits(self, hidden))
 
 

@@ -26,6 +26,9 @@ class DraftRequest:
 class Proposal:
     token_ids: list[int]
     logprobs: list[float]  # fast-path log_softmax(logits / T) at each token (T=1 when greedy)
+    # per token the expert ids [moe_layers][k] of the row that produced it; None: not recorded
+    # (no request asked, a dense model, or a fast path that cannot record routing)
+    routing: list | None = None
 
 
 class FastPath(Protocol):

@@ -33,7 +33,11 @@ class TPModelRunner:
                                  device)
         self.model, self.cache, self.ops, self.device = model, cache, self.inner.ops, self.inner.device
 
-    def forward(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None,
+                routing: list | None = None) -> list[torch.Tensor]:
+        if routing is not None:
+            raise NotImplementedError("recording MoE routing (return_routed_experts) is not supported under "
+                                      "tensor parallelism")
         if token_ids is not None:  # followers get host chunks: materialise the fed ids
             chunks = [dataclasses.replace(c, token_ids=[t]) for c, t in zip(chunks, token_ids.tolist())]
         self.ctx.send(ForwardBatch(self.tag, chunks))

@@ -227,3 +227,45 @@ def test_grouped_layer_has_no_host_sync_and_replays_in_a_cuda_graph(a3b_block):
         graph.replay()
         assert_bitwise_equal(captured, moe_forward(block, x, spec, CANONICAL_OPS, bf16, grouped=False),
                              "graph replay on new inputs vs the loop")
+
+
+# ------------------------------------------------------------------------ (f) the native engine's graphs
+
+
+@pytest.mark.parametrize("mode", ["invariant", "verified"])
+def test_engine_replays_moe_graphs_and_equals_the_trainer(tmp_path, mode):
+    """The native engine captures its canonical MoE forwards in CUDA graphs (grouped experts, no host
+    sync); rollouts from graphs, in a batch with chunked prefill, equal eager ones alone and the
+    trainer's log-probs (from_pretrained bf16, patched) bit for bit; requests that record their
+    routing (run eagerly) get the trainer's routing token for token."""
+    import random
+
+    import trainer_patch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_service import Engine, SamplingParams
+    from rollout_service.cuda_graphs import GraphedModelRunner
+
+    tiny_model("qwen3_moe", seed=3, dtype=torch.float32, num_layers=3).save_pretrained(tmp_path)
+    trainer = trainer_patch.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=BF).to(CUDA))
+    rng = random.Random(6)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(3, 60))] for _ in range(10)]
+    params = [SamplingParams(max_tokens=16, temperature=[0.0, 0.8][i % 2], seed=50 + i, determinism=mode,
+                             return_routed_experts=i >= 7) for i in range(len(prompts))]
+    engine = Engine(str(tmp_path), device="cuda", window=4, group=4, max_prefill_tokens=24, max_num_seqs=8)
+    assert isinstance(engine.canonical_runner, GraphedModelRunner)
+    assert engine.capture_graphs() > 0
+    batch = engine.generate(prompts, params)
+    eager = Engine(str(tmp_path), device="cuda", window=4, group=4, cuda_graphs=False)
+    alone = [eager.generate([p], [q])[0] for p, q in zip(prompts[:3], params[:3])]
+    assert [(r.token_ids, r.logprobs) for r in alone] == [(r.token_ids, r.logprobs) for r in batch[:3]]
+    for prompt, p, r in zip(prompts, params, batch):
+        assert r.ok and len(r.token_ids) == 16, r.error
+        routing = []
+        want = trainer_patch.token_logprobs(trainer, torch.tensor([prompt + r.token_ids], device=CUDA),
+                                            temperature=p.temperature, routing=routing)
+        assert r.logprobs == want[0, -16:].tolist()
+        if p.return_routed_experts:  # the rows that scored the generated tokens: [token][layer][k]
+            assert r.routed_experts == torch.stack(routing, dim=2)[0, len(prompt) - 1:-1].tolist()
+        else:
+            assert r.routed_experts is None
