@@ -55,9 +55,11 @@ class VLLMEngine:
         common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, **(vllm_options or {}))
         if self.device.type == "cuda":
             common.setdefault("gpu_memory_utilization", share)
+        # the stock engine first: vLLM's V1 runner (the canonical engine's) switches graph capture off
+        # process-wide once it has captured, and the stock engine's V2 runner would then refuse to capture
+        self.stock = VLLMFastPath(self._tmpdir, stock_sampler=True, **common) if stock_for_off else None
         self.canonical = VLLMFastPath(self._tmpdir, hf_overrides=dict(HF_OVERRIDES),
                                       **graph_options(cuda_graphs and self.device.type == "cuda"), **common)
-        self.stock = VLLMFastPath(self._tmpdir, stock_sampler=True, **common) if stock_for_off else None
         self._ids = itertools.count()
         self._where: dict[int, VLLMFastPath] = {}  # request id -> the engine serving it
         self._prompts: dict[int, list[int]] = {}

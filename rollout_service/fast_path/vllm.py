@@ -388,6 +388,8 @@ class VLLMFastPath:
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:  # an in-process engine core frees weights, KV cache and graphs only now
+            llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
         if self._tmpdir:

@@ -162,3 +162,25 @@ def test_stock_model_class_differs(checkpoint, trainer):
     results = _run(checkpoint, lambda llm: vllm_generate(llm, prompts, params), plugin=False)
     assert count_trainer_mismatches(trainer, prompts, params, results) > 0, \
         "the stock class matched the trainer bit for bit: this test cannot fail"
+
+
+def test_worker_engine_serves_verified_and_off_side_by_side(checkpoint, trainer):
+    """VLLMEngine, the engine of a GPU RolloutWorker, with stock_for_off: two vLLM engines in one
+    process, the canonical one (V1 runner, CUDA graphs) and stock vLLM (V2 runner, CUDA graphs, its
+    own sampler) for `off`. Verified requests equal the trainer bit for bit; off ones do not."""
+    from rollout_service.vllm_engine import VLLMEngine
+
+    gc.collect()
+    engine = VLLMEngine(checkpoint, device="cuda", max_model_len=1024, max_num_seqs=64, stock_for_off=True,
+                        gpu_memory_utilization=0.5)
+    try:
+        prompts = random_prompts(24, VOCAB, seed=13, lo=5, hi=300)
+        params = [SamplingParams(max_tokens=24, seed=900 + i, determinism=("verified", "off")[i % 2],
+                                 **MIXED[i % 3]) for i in range(len(prompts))]
+        outs = engine.generate(prompts, params)
+        assert all(o.ok and len(o.token_ids) == 24 for o in outs), [o.error for o in outs if not o.ok]
+        results = [(o.token_ids, o.logprobs, 0) for o in outs]
+        assert_matches_trainer(trainer, prompts[::2], params[::2], results[::2])
+        assert count_trainer_mismatches(trainer, prompts[1::2], params[1::2], results[1::2]) > 0
+    finally:
+        engine.close()
