@@ -15,12 +15,15 @@ import random
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench.rollout import SHAPES, build_model
+from kernels.forward import CANONICAL_OPS
 from rollout_service import Engine, SamplingParams
+from rollout_service.fast_path.native_ops import FAST_OPS
 from rollout_service.fast_path.base import DraftRequest
 from rollout_service.sampler import sample_rows, token_logprobs_at
-from rollout_service.runner import Chunk
+from rollout_service.runner import Chunk, ModelRunner
 
 
 def gpu_ms(fn, reps: int = 20) -> float:
@@ -101,12 +104,6 @@ def main():
 
 def write_profile(path: str, engine: Engine, decode, window) -> None:
     """Kernel tables of the eager forwards (graph replays hide their kernels from the profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from kernels.forward import CANONICAL_OPS
-    from rollout_service.fast_path.native_ops import FAST_OPS
-    from rollout_service.runner import ModelRunner
-
     parts = {"verify window (canonical)": (CANONICAL_OPS, window), "decode step (canonical)": (CANONICAL_OPS, decode),
              "decode step (fast)": (FAST_OPS, decode)}
     with open(path, "w") as f:

@@ -19,6 +19,8 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -177,8 +179,6 @@ def summarize(rows):
 
 def _sdpa(q, k, v, causal):
     """SDPA on [B, H, T, D], flash backend where it runs; returns (fn, backend used)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     groups = q.shape[1] // k.shape[1]
     tries = [(SDPBackend.FLASH_ATTENTION, True), (SDPBackend.FLASH_ATTENTION, False),
              (SDPBackend.EFFICIENT_ATTENTION, True)]

@@ -24,12 +24,15 @@ import sys
 import time
 
 import torch
+import transformers
+from tqdm import tqdm
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench import emit  # noqa: E402
 from kernels.forward import CANONICAL_OPS  # noqa: E402
-from kernels.moe import moe_forward, moe_spec  # noqa: E402
+from kernels.moe import group_by_expert, moe_forward, moe_spec  # noqa: E402
 
 A3B = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
 TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
@@ -39,8 +42,6 @@ TINY_TOKENS = [16, 64]
 
 def make_block(shape: dict, device: torch.device, seed: int = 0):
     """transformers' sparse block with random bf16 weights (std 0.02: router logits of std ~1)."""
-    import transformers
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     cfg = transformers.Qwen3MoeConfig(**shape)
     torch.manual_seed(seed)
     block = Qwen3MoeSparseMoeBlock(cfg)
@@ -111,7 +112,6 @@ def runs(fn, x) -> bool:
 
 
 def run(shape: dict, tokens: list[int], device: torch.device, reps: int) -> dict:
-    from tqdm import tqdm
     block, cfg = make_block(shape, device)
     spec = moe_spec(cfg)
     systems = {"ours": ours(block, spec), "loop": ours(block, spec, grouped=False), "hf_eager": hf(block, "eager")}
@@ -150,9 +150,7 @@ def run(shape: dict, tokens: list[int], device: torch.device, reps: int) -> dict
 
 def sweep(shape: dict, tokens: list[int], reps: int) -> list[dict]:
     """Best launch configuration of the grouped gate_up (+ silu) and down products per token count."""
-    from kernels.moe import group_by_expert
-    from kernels.triton import moe as ktm
-    from tqdm import tqdm
+    from kernels.triton import moe as ktm  # triton is optional
     block, cfg = make_block(shape, torch.device("cuda"))
     spec = moe_spec(cfg)
     gate_up, down = block.experts.gate_up_proj, block.experts.down_proj

@@ -13,6 +13,7 @@ import threading
 import time
 
 from rollout_service import SamplingParams
+from rollout_service.tiny_models import tiny_model
 
 
 def load_requests(num_requests: int, vocab_size: int = 96, max_tokens: tuple[int, int] = (4, 8)):
@@ -114,8 +115,7 @@ def main():
 
     import ray
 
-    from rollout_service.tiny_models import tiny_model
-    from rollout_service import start_pool
+    from rollout_service import start_pool  # imports ray
 
     ray.init(address=args.address or "local", num_cpus=None if args.address else args.workers + 1,
              include_dashboard=False, log_to_driver=False)

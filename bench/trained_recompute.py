@@ -19,6 +19,7 @@ import random
 import time
 
 import torch
+import transformers
 from tqdm import tqdm
 
 from bench import emit
@@ -36,7 +37,6 @@ def load_texts(path: str) -> list[str]:
 
 
 def build(args, device: str):
-    import transformers
     cfg = tiny_config("qwen2", vocab_size=VOCAB, hidden_size=args.hidden, num_layers=args.layers,
                       num_heads=args.hidden // 64, num_kv_heads=2, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
                       max_positions=4096)

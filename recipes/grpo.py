@@ -23,7 +23,9 @@ import torch
 
 import kernels as K
 
+from rollout_service.client import DEFAULT_NAMESPACE, RolloutClient
 from rollout_service.params import DETERMINISM_MODES
+from rollout_service.pool import start_pool
 from rollout_service.ray_cluster import init_ray, with_tree_width
 from rollout_service.weights import WeightMismatchError
 
@@ -35,6 +37,8 @@ from .metrics import MetricsLogger, StepProgress, step_metrics
 from .models import initial_model
 from .rollouts import group_requests, prompt_indices, records_routing, rollouts_digest
 from .task import build_task
+from .trainer import TrainerGroup
+from .warmup import answer_examples, supervised_warmup
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
@@ -55,8 +59,6 @@ def _run_dir(cfg: RecipeConfig, ckpt: Path | None) -> Path:
 
 def _starting_model(cfg: RecipeConfig, task, resumed: bool) -> torch.nn.Module:
     """The initial policy; a resumed run loads its checkpoint over it, so no warm-up then."""
-    from .warmup import answer_examples, supervised_warmup
-
     model = initial_model(cfg, task.tokenizer)
     warm = cfg.warmup
     if not resumed and warm.steps > 0:
@@ -84,11 +86,6 @@ def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, s
 
 def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = True) -> dict:
     """Run (or continue) a GRPO job on an initialised Ray; returns {"run_dir", "records"}."""
-    from rollout_service import RolloutClient, start_pool
-    from rollout_service.client import DEFAULT_NAMESPACE
-
-    from .trainer import TrainerGroup
-
     step0, cursor, ckpt, state = 0, 0, None, {}
     if resume is not None:
         ckpt = find_checkpoint(resume)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .config import RecipeConfig
 
@@ -115,8 +116,6 @@ class StepProgress:
     own; a pipe; a file) it is printed once per step, as one finished line that ends with the step's metrics."""
 
     def __init__(self, total: int, initial: int = 0, desc: str = "", enabled: bool = True):
-        from tqdm import tqdm
-
         self._tqdm, self.total, self.initial, self.desc, self.enabled = tqdm, total, initial, desc, enabled
         self._start = time.perf_counter()
         interactive = sys.stdout.isatty() and sys.stderr.isatty()

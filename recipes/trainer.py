@@ -14,8 +14,15 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import kernels as K
+from rollout_service.weights import state_dict_digest
 from trainer_patch import patch_model, token_logprobs
 
 from .config import TrainerConfig
@@ -41,9 +48,6 @@ class TrainerRank:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int, model: torch.nn.Module) -> dict:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
         if self.cfg.device == "cuda":
@@ -137,8 +141,6 @@ class TrainerRank:
 
     def full_state_dict(self) -> dict | None:
         """bf16 full weights on rank 0 (None elsewhere): what the rollout workers load."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
@@ -146,8 +148,7 @@ class TrainerRank:
 
     def push_weights(self, pool_name: str, namespace: str) -> dict | None:
         """Gather the weights and, on rank 0, load them into the rollout pool; returns both digests."""
-        from rollout_service import RolloutClient
-        from rollout_service.weights import state_dict_digest
+        from rollout_service import RolloutClient  # imports ray
 
         start = time.perf_counter()
         sd = self.full_state_dict()
@@ -159,23 +160,16 @@ class TrainerRank:
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
     def load(self, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def close(self) -> None:
-        import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
 
