@@ -164,14 +164,13 @@ def _run_worker_engine(args, prompts, mode: str) -> dict:
     from rollout_service.vllm_engine import VLLMEngine
     options = _vllm_options(args)
     max_model_len = options.pop("max_model_len")
-    share = options.pop("gpu_memory_utilization", None)
     options.pop("enforce_eager", None)  # VLLMEngine sets it (graphs on CUDA only)
     stock = mode == "off"
-    if share is not None:  # VLLMEngine halves it between its two engines when it runs a stock one
-        options["gpu_memory_utilization"] = min(0.9, share * (2 if stock else 1))
+    # VLLMEngine halves its share between its two engines when it runs a stock one
+    share = min(0.9, options.pop("gpu_memory_utilization", 0.425) * (2 if stock else 1))
     engine = VLLMEngine(args.model, device="cpu" if _on_cpu() else "cuda", max_model_len=max_model_len,
-                        max_num_seqs=len(prompts), stock_for_off=stock,
-                        gpu_memory_utilization=options.pop("gpu_memory_utilization", 0.85), vllm_options=options)
+                        max_num_seqs=len(prompts), stock_for_off=stock, gpu_memory_utilization=share,
+                        vllm_options=options)
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
     try:

@@ -249,5 +249,6 @@ class Engine:
         if not work:
             return {}
         outs = decoder.propose([DraftRequest(w.req.request_id, list(w.req.tokens), w.req.params, w.num_tokens,
-                                             w.req.block_ids, len(w.req.prompt)) for w in work])
+                                             w.req.block_ids, len(w.req.prompt),
+                                             w.req.params.return_routed_experts and not w.verify) for w in work])
         return {w.req.request_id: p for w, p in zip(work, outs)}

@@ -49,7 +49,7 @@ class Verifier:
                                 len(it.proposals) + 1 if it.samples else 0))
         record = self.moe and any(it.req.params.return_routed_experts for it in items)
         routing = [] if record else None
-        logits = self.runner.forward(chunks, **({"routing": routing} if record else {}))
+        logits = self.runner.forward(chunks, routing=routing)
         rows, params, positions = [], [], []
         for it, lg in zip(items, logits):
             rows.append(lg)

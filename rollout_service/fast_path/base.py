@@ -20,6 +20,9 @@ class DraftRequest:
     num_tokens: int  # how many tokens to propose (>= 1)
     block_ids: list[int] = field(default_factory=list)  # the engine's paged-KV blocks (native only)
     prompt_len: int = 0
+    # record each proposed token's MoE routing: set for proposals committed as they are (`off`,
+    # canonical steps) of requests that asked; DVR proposals are replaced by the verifier's
+    record_routing: bool = False
 
 
 @dataclass

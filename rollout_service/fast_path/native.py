@@ -33,20 +33,20 @@ class NativeFastPath:
         dev = self.runner.device
         lengths = [len(r.token_ids) for r in batch]
         last = torch.tensor([r.token_ids[-1] for r in batch]).to(dev, non_blocking=True)  # fed token per request
-        record = self.moe and any(r.params.return_routed_experts for r in batch)  # no cost otherwise
+        record = self.moe and any(r.record_routing for r in batch)  # no cost otherwise
         steps = []  # (live request indices, sampled tokens, their log-probs, expert ids) per step
         for step in range(max(r.num_tokens for r in batch)):
             live = [i for i, r in enumerate(batch) if r.num_tokens > step]
             chunks = [Chunk([0], lengths[i] + step - 1, batch[i].block_ids, 1) for i in live]  # ids: `feed`
             index = None if len(live) == len(batch) else torch.tensor(live).to(dev, non_blocking=True)
             feed = last if index is None else last[index]
-            routing = {"routing": []} if record else {}  # the kwarg only when asked for
-            logits = torch.cat(self.runner.forward(chunks, token_ids=feed, **routing))
+            routing = [] if record else None
+            logits = torch.cat(self.runner.forward(chunks, token_ids=feed, routing=routing))
             params = [batch[i].params for i in live]
             tokens = sample_rows(logits, params, [sampling_position(lengths[i] + step) for i in live])
             logps = token_logprobs_at(logits, params, tokens, self.log_softmax)
             last = tokens if index is None else last.index_copy(0, index, tokens)
-            steps.append((live, tokens, logps, torch.cat(routing["routing"]) if record else None))
+            steps.append((live, tokens, logps, torch.cat(routing) if record else None))
         out = [Proposal([], [], [] if record else None) for _ in batch]
         all_tokens = torch.cat([s[1] for s in steps]).tolist()
         all_logps = torch.cat([s[2] for s in steps]).tolist()
