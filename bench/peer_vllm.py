@@ -14,7 +14,9 @@ Systems (--systems, comma list):
   VLLM_BATCH_INVARIANT=1; `vllm-eager`: stock vLLM without CUDA graphs; `vllm-v1`: stock vLLM on its
   V1 model runner (the one custom logits processors need);
 - `vllm-plugin`: vLLM's own engine running the canonical forward (rollout_service.vllm_plugin) with
-  the seeded Gumbel processor, decode steps from CUDA graphs; `vllm-plugin-eager`: the same without;
+  the seeded Gumbel rule, on the model runner vLLM picks (V2 for dense models on GPU), decode steps
+  from CUDA graphs; `vllm-plugin-eager`: the same without; `vllm-plugin-v1`: with graphs, on vLLM's
+  V1 runner (the rule as a logits processor);
 - `native-verified`, `native-invariant`, `native-off`: our native engine (rollout_service.Engine);
 - `ours-verified`, `ours-invariant`, `ours-off`: our engine with the windowed vLLM fast path;
 - `worker-verified`, `worker-off`: VLLMEngine, the engine a RolloutWorker runs on a GPU (vLLM's engine
@@ -38,7 +40,8 @@ from rollout_service.decode_policy import VERIFIED_DECODE  # noqa: E402
 from bench import emit  # noqa: E402
 
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
-ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-plugin-eager", "vllm-eager", "vllm-v1",
+ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-plugin-eager", "vllm-plugin-v1",
+                                 "vllm-eager", "vllm-v1",
                                  "native-verified", "native-invariant", "native-off", "worker-verified", "worker-off")
 TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
 
@@ -64,7 +67,7 @@ def _vllm_options(args) -> dict:
 
 def build_llm(args, system: str, max_num_seqs: int):
     """The vllm.LLM of a `vllm*` system, in this process (VLLM_BATCH_INVARIANT comes from the env).
-    vllm-plugin: the canonical model class and our seeded sampling rule as a logits processor."""
+    vllm-plugin*: the canonical model class and our seeded sampling rule."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if system == "vllm-v1":  # stock on the model runner the plugin uses (vLLM 0.25 defaults to V2)
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
@@ -75,7 +78,8 @@ def build_llm(args, system: str, max_num_seqs: int):
     if system.startswith("vllm-plugin"):
         from rollout_service.vllm_plugin import llm_options, register
         register()  # in-process engine core: the entry point may not be installed
-        options.update(llm_options(cuda_graphs=system == "vllm-plugin" and not _on_cpu()))
+        options.update(llm_options(args.model, cuda_graphs=system != "vllm-plugin-eager" and not _on_cpu(),
+                                   runner="v1" if system == "vllm-plugin-v1" else None))
     return LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
                distributed_executor_backend="uni", max_num_seqs=max(max_num_seqs, 1), **options)
 
@@ -86,7 +90,7 @@ def request_params(args, system: str, prompts) -> list:
     returning the chosen token's log-prob with --stock-logprobs (as an RL rollout needs)."""
     from vllm import SamplingParams
     if system.startswith("vllm-plugin"):
-        from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY
+        from rollout_service.vllm_plugin.sampling import EXTRA_ARGS_KEY
         return [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
                                logprobs=0, extra_args={EXTRA_ARGS_KEY: dict(
                                    seed=args.seed + i, temperature=args.temperature, top_k=-1, top_p=args.top_p,

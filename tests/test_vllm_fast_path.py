@@ -20,7 +20,8 @@ from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service import Engine, SamplingParams  # noqa: E402
 from rollout_service.audit import run_audit  # noqa: E402
 from rollout_service.fast_path.base import DraftRequest  # noqa: E402
-from rollout_service.fast_path.vllm import GumbelLogitsProcessor, VLLMFastPath  # noqa: E402
+from rollout_service.fast_path.vllm import VLLMFastPath  # noqa: E402
+from rollout_service.vllm_plugin.sampling import GumbelLogitsProcessor  # noqa: E402
 from rollout_service.sampler import sample_tokens  # noqa: E402
 
 # head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... (not 16)

@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("vllm")
 
 from rollout_service import Engine, SamplingParams  # noqa: E402
-from rollout_service.fast_path.vllm import PROCESSOR_FQCN, WORKER_EXTENSION  # noqa: E402
+from rollout_service.fast_path.vllm import WORKER_EXTENSION  # noqa: E402
+from rollout_service.vllm_plugin.sampling import PROCESSOR_FQCN  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.vllm_plugin import HF_OVERRIDES, register  # noqa: E402
 from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501

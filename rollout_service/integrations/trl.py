@@ -27,6 +27,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from rollout_service.vllm_plugin.sampling import EXTRA_ARGS_KEY
+
 # Verified against TRL 1.16.0: trl/trainer/grpo_trainer.py (GRPOTrainer.__init__ builds VLLMGeneration,
 # _get_per_token_logps_and_entropies scores through add_fused_lm_head) and trl/generation/vllm_generation.py.
 SUPPORTED_TRL = ((1, 16), (1, 17))  # [lower, upper)
@@ -139,7 +141,7 @@ def _build(trl_module):
                 max_num_seqs=self.max_num_seqs, enable_sleep_mode=self.enable_sleep_mode,
                 distributed_executor_backend="external_launcher", seed=acc.process_index,
                 max_num_batched_tokens=4096, trust_remote_code=self.trust_remote_code, dtype="bfloat16",
-                **llm_options(cuda_graphs=torch.cuda.is_available()))
+                **llm_options(self.model.name_or_path, cuda_graphs=torch.cuda.is_available()))
             if torch.cuda.is_available():
                 options["gpu_memory_utilization"] = self.gpu_memory_utilization
             else:  # CPU's default block of 128 tokens makes prefix reuse rare
@@ -153,8 +155,6 @@ def _build(trl_module):
 
         def generate(self, prompts, images, num_generations, profiler=None):
             from vllm import SamplingParams
-
-            from rollout_service.fast_path.vllm import EXTRA_ARGS_KEY
 
             if images is not None and any(i is not None for i in images):
                 raise NotImplementedError("zerokl's TRL integration does not support images")

@@ -3,13 +3,20 @@ canonical forward (kernels.forward), so its log-probs equal trainer_patch.token_
 
 `register()` is the `vllm.general_plugins` entry point (pyproject.toml): it makes the architecture
 `ZeroKLForCausalLM` known to vLLM and binds vLLM's CUSTOM attention backend to ours. An engine opts in
-per checkpoint with `LLM(model=path, **llm_options())`; stock classes stay available. Sampling is
-rollout_service.fast_path.vllm.GumbelLogitsProcessor (vLLM at temperature 0,
-logprobs_mode="processed_logits").
+per checkpoint with `LLM(model=path, **llm_options(path))`; stock classes stay available. Sampling
+(vllm_plugin.sampling) reaches vLLM one of two ways, by model runner: on V1 a logits processor, on V2
+(vLLM's default for dense models on GPU, which refuses V1-style processors) the model's own sampler
+(vllm_plugin.runner_v2). `pick_runner` says which one vLLM will run.
 
 Nothing here imports vLLM at module import time: `import rollout_service` works without it.
 """
 from __future__ import annotations
+
+import os
+
+import torch
+
+from .sampling import PROCESSOR_FQCN
 
 ARCHITECTURE = "ZeroKLForCausalLM"
 MODEL_QUALNAME = f"{__name__}.model:ZeroKLForCausalLM"
@@ -17,6 +24,7 @@ BACKEND_QUALNAME = f"{__name__}.attention.ZeroKLAttentionBackend"
 HF_OVERRIDES = {"architectures": [ARCHITECTURE]}
 # Decode steps replay full CUDA graphs; nothing is compiled (mode 0: the canonical ops are Triton kernels)
 CUDA_GRAPH_COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+RUNNERS = ("v1", "v2")
 
 
 def graph_options(cuda_graphs: bool = True) -> dict:
@@ -26,12 +34,34 @@ def graph_options(cuda_graphs: bool = True) -> dict:
     return {"compilation_config": dict(CUDA_GRAPH_COMPILATION)} if cuda_graphs else {"enforce_eager": True}
 
 
-def llm_options(*, cuda_graphs: bool = True) -> dict:
-    """The `vllm.LLM` / engine-args keywords that run a checkpoint on the canonical model with our
-    seeded sampling processor."""
-    from rollout_service.fast_path.vllm import PROCESSOR_FQCN
-    return dict(hf_overrides=dict(HF_OVERRIDES), logits_processors=[PROCESSOR_FQCN],
-                logprobs_mode="processed_logits", **graph_options(cuda_graphs))
+def pick_runner(model: str | os.PathLike | None = None) -> str:
+    """The model runner vLLM picks for the plugin: "v2" on CUDA for a dense checkpoint (vLLM runs MoE
+    models on V1 by default, and its CPU build has no V2) unless VLLM_USE_V2_MODEL_RUNNER=0; else "v1".
+    `model`: the checkpoint (its config tells dense from MoE); None counts as dense."""
+    if not torch.cuda.is_available() or os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("0", "false"):
+        return "v1"
+    if model is not None:
+        import transformers
+        config = transformers.AutoConfig.from_pretrained(str(model))
+        if getattr(config, "num_experts", 0):
+            return "v1"
+    return "v2"
+
+
+def runner_options(runner: str) -> dict:
+    """The vLLM keywords that carry our sampling rule on `runner`: V1 takes our logits processor and
+    reports the processed logits as log-probs; V2 needs none (the model state installs our sampler,
+    and a logits processor would send vLLM back to V1)."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    return dict(logits_processors=[PROCESSOR_FQCN], logprobs_mode="processed_logits") if runner == "v1" else {}
+
+
+def llm_options(model: str | os.PathLike | None = None, *, cuda_graphs: bool = True, runner: str | None = None) -> dict:
+    """The `vllm.LLM` / engine-args keywords that run checkpoint `model` on the canonical model with
+    our seeded sampling rule, on `runner` (default: pick_runner(model))."""
+    return dict(hf_overrides=dict(HF_OVERRIDES), **runner_options(runner or pick_runner(model)),
+                **graph_options(cuda_graphs))
 
 
 def register() -> None:
@@ -46,4 +76,5 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_QUALNAME)
 
 
-__all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "HF_OVERRIDES", "graph_options", "llm_options", "register"]
+__all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "HF_OVERRIDES", "RUNNERS", "graph_options", "llm_options",
+           "pick_runner", "register", "runner_options"]

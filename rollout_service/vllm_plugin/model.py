@@ -25,6 +25,7 @@ from kernels.forward import CANONICAL_OPS, compute_logits, forward_hidden, model
 from kernels.moe import is_moe_block
 
 from .attention import PagedKVAdapter, ZeroKLAttentionBackend
+from .runner_v2 import model_state_class
 
 
 def build_hf_model(hf_config, device: torch.device) -> nn.Module:
@@ -45,6 +46,13 @@ class ZeroKLForCausalLM(nn.Module):
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise NotImplementedError("ZeroKLForCausalLM runs on one device (tensor/pipeline parallel size 1)")
+        model_config = vllm_config.model_config
+        if not vllm_config.use_v2_model_runner and (not model_config.logits_processors
+                                                    or model_config.logprobs_mode != "processed_logits"):
+            # V2 installs our sampler itself (get_model_state_cls); V1 would sample vLLM's way
+            raise ValueError("ZeroKLForCausalLM on vLLM's V1 model runner samples through our logits processor: "
+                             "build the engine with rollout_service.vllm_plugin.llm_options(checkpoint) "
+                             "(logits_processors=[PROCESSOR_FQCN], logprobs_mode='processed_logits')")
         device = vllm_config.device_config.device
         hf = build_hf_model(vllm_config.model_config.hf_config, torch.device(device))
         self.__dict__["hf"] = hf  # not a submodule: parameters keep their checkpoint names
@@ -64,6 +72,11 @@ class ZeroKLForCausalLM(nn.Module):
         self.__dict__["attn_layers"] = attn  # layer_idx order, as kernels.forward indexes them
         # every position a request can reach, on the device now: a captured forward cannot grow it
         rope_table(hf).reserve(vllm_config.model_config.max_model_len, torch.device(device))
+
+    @classmethod
+    def get_model_state_cls(cls):
+        """vLLM's V2 model runner: our model state, which installs the zerokl sampler (runner_v2)."""
+        return model_state_class()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

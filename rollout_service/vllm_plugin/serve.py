@@ -20,8 +20,8 @@ import json
 import os
 import sys
 
-from rollout_service.fast_path.vllm import STRICT_PROCESSOR_FQCN
 from rollout_service.vllm_plugin import CUDA_GRAPH_COMPILATION, HF_OVERRIDES
+from rollout_service.vllm_plugin.sampling import STRICT_PROCESSOR_FQCN
 
 
 def plugin_args(*, eager: bool = False) -> list[str]:

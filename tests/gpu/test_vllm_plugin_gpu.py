@@ -1,5 +1,6 @@
 """On CUDA with real vLLM (the 0.25 bundle on the GPU machine): vLLM's engine running the canonical
 forward (rollout_service.vllm_plugin) gives every token the log-prob the trainer computes, bit for bit,
+on vLLM's V2 model runner (our sampler from the model state) and its V1 runner (our logits processor),
 with decode steps replayed from CUDA graphs and without them, for batches of 1 to 256 mixed requests,
 chunked prefill, prefix-cache hits, preemption, in-place weight updates, and Llama / Qwen2 / Qwen3.
 vLLM's stock class with the same sampling rule does not match (the negative control).
@@ -19,7 +20,8 @@ pytest.importorskip("vllm")
 import transformers  # noqa: E402
 
 from rollout_service import SamplingParams  # noqa: E402
-from rollout_service.fast_path.vllm import PROCESSOR_FQCN, WORKER_EXTENSION  # noqa: E402
+from rollout_service.fast_path.vllm import WORKER_EXTENSION  # noqa: E402
+from rollout_service.vllm_plugin.sampling import PROCESSOR_FQCN  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.vllm_plugin import llm_options, register  # noqa: E402
 from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501
@@ -51,13 +53,13 @@ def trainer(checkpoint):
     return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda()
 
 
-def _llm(path, *, plugin=True, cuda_graphs=True, **extra):
+def _llm(path, *, plugin=True, cuda_graphs=True, runner=None, **extra):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core: register() reaches it
     gc.collect()  # a collected in-process engine tears down vLLM's parallel state: before ours starts
     register()
     from vllm import LLM
     if plugin:
-        options = llm_options(cuda_graphs=cuda_graphs)
+        options = llm_options(path, cuda_graphs=cuda_graphs, runner=runner)
         if cuda_graphs:
             options["compilation_config"]["cudagraph_capture_sizes"] = CAPTURE_SIZES
     else:  # stock class, eager (no torch.compile wait), same sampling processor
@@ -82,6 +84,10 @@ def _cudagraph_mode(llm) -> str:
     return llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
 
 
+def _runner(llm) -> str:
+    return "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+
+
 def _params(n, max_tokens, seed0=100, samplings=MIXED):
     return [SamplingParams(max_tokens=max_tokens, seed=seed0 + i, **samplings[i % len(samplings)]) for i in range(n)]
 
@@ -92,27 +98,30 @@ def test_bitwise_trainer_across_batches_graphs_and_prefix_hits(checkpoint, train
     runs = {}
 
     def work(llm):
-        return (_cudagraph_mode(llm),
+        return (_cudagraph_mode(llm), _runner(llm),
                 vllm_generate(llm, prompts, params),  # 256 at once: decode graphs of every captured size
                 [vllm_generate(llm, [p], [q])[0] for p, q in zip(prompts[:3], params[:3])],
                 vllm_generate(llm, prompts[3:10], params[3:10]),
                 vllm_generate(llm, prompts[:16], params[:16]))  # the prompts' KV is cached now
 
-    for cuda_graphs in (True, False):
-        mode, batch, alone, subset, again = _run(checkpoint, work, cuda_graphs=cuda_graphs)
+    for runner, cuda_graphs in (("v2", True), ("v2", False), ("v1", True)):
+        mode, used, batch, alone, subset, again = _run(checkpoint, work, cuda_graphs=cuda_graphs, runner=runner)
         assert mode == ("FULL_DECODE_ONLY" if cuda_graphs else "NONE")
+        assert used == runner
         assert sum(r[2] for r in again) > 0, "no prefix-cache hit: the cached case was not exercised"
         assert_matches_trainer(trainer, prompts, params, batch)
         strip = lambda rs: [r[:2] for r in rs]  # noqa: E731  (cache hits differ between runs)
         assert strip(alone) == strip(batch[:3])
         assert strip(subset) == strip(batch[3:10])
         assert strip(again) == strip(batch[:16])
-        runs[cuda_graphs] = strip(batch)
-    assert runs[True] == runs[False]
+        runs[runner, cuda_graphs] = strip(batch)
+    assert runs["v2", True] == runs["v2", False] == runs["v1", True]
 
 
-def test_preemption_with_cuda_graphs(checkpoint, trainer):
-    """200 blocks of 16 tokens for 48 requests of up to ~180 tokens: vLLM preempts and recomputes."""
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_preemption_with_cuda_graphs(checkpoint, trainer, runner):
+    """200 blocks of 16 tokens for 48 requests of up to ~180 tokens: vLLM preempts and recomputes
+    (a resumed request keeps its prompt length: the V2 sampler's positions stay right)."""
     prompts = random_prompts(48, VOCAB, seed=3, lo=60, hi=120)
     params = _params(len(prompts), 64, seed0=300)
 
@@ -121,7 +130,7 @@ def test_preemption_with_cuda_graphs(checkpoint, trainer):
         return results, sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
     results, preemptions = _run(checkpoint, work, num_gpu_blocks_override=200, block_size=16,
-                                disable_log_stats=False)
+                                disable_log_stats=False, runner=runner)
     assert preemptions > 0
     assert_matches_trainer(trainer, prompts, params, results)
 
@@ -166,8 +175,8 @@ def test_stock_model_class_differs(checkpoint, trainer):
 
 def test_worker_engine_serves_verified_and_off_side_by_side(checkpoint, trainer):
     """VLLMEngine, the engine of a GPU RolloutWorker, with stock_for_off: two vLLM engines in one
-    process, the canonical one (V1 runner, CUDA graphs) and stock vLLM (V2 runner, CUDA graphs, its
-    own sampler) for `off`. Verified requests equal the trainer bit for bit; off ones do not."""
+    process, the canonical one and stock vLLM (its own sampler) for `off`, both on the V2 runner
+    with CUDA graphs. Verified requests equal the trainer bit for bit; off ones do not."""
     from rollout_service.vllm_engine import VLLMEngine
 
     gc.collect()
@@ -179,6 +188,7 @@ def test_worker_engine_serves_verified_and_off_side_by_side(checkpoint, trainer)
                                  **MIXED[i % 3]) for i in range(len(prompts))]
         outs = engine.generate(prompts, params)
         assert all(o.ok and len(o.token_ids) == 24 for o in outs), [o.error for o in outs if not o.ok]
+        assert engine.canonical.runner == "v2"
         results = [(o.token_ids, o.logprobs, 0) for o in outs]
         assert_matches_trainer(trainer, prompts[::2], params[::2], results[::2])
         assert count_trainer_mismatches(trainer, prompts[1::2], params[1::2], results[1::2]) > 0

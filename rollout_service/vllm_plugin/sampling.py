@@ -1,0 +1,228 @@
+"""Our sampling rule inside vLLM: the per-request parameters and what applies them to vLLM's logits.
+
+vLLM runs greedy (temperature 0) from its own point of view. Our seeded Gumbel rule (kernels.sample)
+picks each row's token from the canonical float32 logits and leaves only that id finite, so vLLM's
+argmax picks exactly it; the token's log-prob is kernels.logprobs.token_logprobs at our temperature.
+Two carriers, one per model runner (vllm_plugin.runner_options picks):
+
+- vLLM's V1 model runner: GumbelLogitsProcessor (`LLM(logits_processors=...)`); the finite entry
+  holds the log-prob, which vLLM reports with `logprobs_mode="processed_logits"`;
+- the V2 model runner (no V1-style processors): the model's own sampler (vllm_plugin.runner_v2)
+  applies the same `canonical_rows`.
+
+Per-request seed, temperature, top-k, top-p and the absolute position of the first generated token
+travel in `SamplingParams.extra_args`, either nested (`extra_args["zerokl"] = {...}`, the offline
+callers) or flat (`extra_args["zerokl_seed"]`, ...: the OpenAI server's `vllm_xargs` takes only flat
+scalar values); the position defaults to the prompt length.
+
+The processor classes subclass vLLM's, so they are built on first lookup: importing this module
+does not import vLLM.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kernels.logprobs import token_logprobs
+from kernels.sampling import sampling_position
+
+from ..sampler import sample_tokens
+
+EXTRA_ARGS_KEY = "zerokl"
+XARGS_PREFIX = "zerokl_"  # flat keys, e.g. vllm_xargs={"zerokl_seed": 5, "zerokl_temperature": 0.7}
+PARAM_NAMES = ("seed", "temperature", "top_k", "top_p", "position")
+PROCESSOR_FQCN = f"{__name__}:GumbelLogitsProcessor"
+# For `vllm serve`: a request without our params is refused (400) instead of passing through greedy
+# with raw logits reported as log-probs.
+STRICT_PROCESSOR_FQCN = f"{__name__}:StrictGumbelLogitsProcessor"
+
+# Worker-side capture of what the rule saw (audits and tests); lives in the worker process.
+CAPTURE: dict[str, Any] = {"on": False, "records": []}
+
+
+def row_params(cfg: dict, num_output: int) -> tuple[float, int, float, int, int]:
+    """cfg["position"]: the prompt's length (tokens before the first generated one)."""
+    return (cfg["temperature"], cfg["top_k"], cfg["top_p"], cfg["seed"],
+            sampling_position(cfg["position"] + num_output))
+
+
+
+def canonical_rows(rows: torch.Tensor, cfgs: list[dict], num_outputs: list[int],
+                   rule=sample_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, log-probs) of our rule for float32 logits rows; row k has params cfgs[k] and has
+    generated num_outputs[k] tokens so far. Both carriers (V1 processor, V2 sampler) call this."""
+    params = [row_params(c, n) for c, n in zip(cfgs, num_outputs)]
+    temp, top_k, top_p, seeds, positions = (list(c) for c in zip(*params))
+    tokens = rule(rows, temp, top_k, top_p, seeds, positions)  # per-row host lists
+    logprobs = token_logprobs(rows, temp, tokens)
+    if CAPTURE["on"]:
+        for k in range(len(cfgs)):
+            CAPTURE["records"].append(dict(
+                temperature=temp[k], top_k=top_k[k], top_p=top_p[k], seed=seeds[k], position=positions[k],
+                logits=rows[k].tolist(), token=int(tokens[k]), logprob=float(logprobs[k])))
+    return tokens, logprobs
+
+
+def _number(name: str, value, kind):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"zerokl {name} must be a number, got {value!r}")
+    try:
+        out = kind(value)
+        if kind is int and isinstance(value, float) and value != out:
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"zerokl {name} must be {'an int' if kind is int else 'a number'}, "
+                         f"got {value!r}") from None
+    return out
+
+
+def request_params(sampling_params) -> dict | None:
+    """Our per-request params from vLLM SamplingParams, or None where the request carries none.
+
+    Nested `extra_args["zerokl"]` and flat `extra_args["zerokl_<name>"]` (flat wins). Required:
+    temperature (0 = greedy); seed when temperature > 0 (else the request's own `seed` field; greedy
+    defaults to 0). Defaults: top_k 0 (off), top_p 1.0, position None (= the prompt length).
+    Raises ValueError (vLLM answers 400) for malformed values or vLLM settings that would change the
+    chosen token or its log-prob.
+    """
+    extra = sampling_params.extra_args or {}
+    nested = extra.get(EXTRA_ARGS_KEY)
+    flat = {k[len(XARGS_PREFIX):]: v for k, v in extra.items() if k.startswith(XARGS_PREFIX)}
+    if nested is None and not flat:
+        return None
+    if nested is not None and not isinstance(nested, dict):
+        raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] must be a dict, got {type(nested).__name__}")
+    raw = {**(nested or {}), **flat}
+    unknown = set(raw) - set(PARAM_NAMES)
+    if unknown:
+        raise ValueError(f"unknown zerokl params {sorted(unknown)}; known: {list(PARAM_NAMES)}")
+    if "temperature" not in raw:
+        raise ValueError(f"zerokl params need a temperature ({XARGS_PREFIX}temperature, 0 = greedy)")
+    temperature = _number("temperature", raw["temperature"], float)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"zerokl temperature must be a finite number >= 0, got {temperature!r}")
+    seed = raw.get("seed", sampling_params.seed)
+    if seed is None:
+        if temperature > 0:
+            raise ValueError(f"zerokl temperature > 0 needs a seed ({XARGS_PREFIX}seed or the request's seed)")
+        seed = 0
+    cfg = dict(temperature=temperature, seed=_number("seed", seed, int),
+               top_k=_number("top_k", raw.get("top_k", 0), int),
+               top_p=_number("top_p", raw.get("top_p", 1.0), float),
+               position=None if raw.get("position") is None else _number("position", raw["position"], int))
+    if not 0 <= cfg["seed"] < 2 ** 63:
+        raise ValueError(f"zerokl seed must be in [0, 2**63), got {cfg['seed']}")
+    if not 0 < cfg["top_p"] <= 1:
+        raise ValueError(f"zerokl top_p must be in (0, 1], got {cfg['top_p']}")
+    if cfg["position"] is not None and cfg["position"] < 0:
+        raise ValueError(f"zerokl position must be >= 0, got {cfg['position']}")
+    _check_neutral(sampling_params)
+    return cfg
+
+
+def _check_neutral(sp) -> None:
+    """vLLM must pick our token by argmax and report our value untouched: temperature 0, and none of
+    the built-in logits changes that run before (bias, bans, min_tokens) or after (penalties) ours."""
+    if sp.temperature != 0:
+        raise ValueError("the seeded Gumbel processor needs vLLM temperature=0 (the sampling temperature "
+                         f"goes in {XARGS_PREFIX}temperature), got temperature={sp.temperature}")
+    changes = dict(repetition_penalty=sp.repetition_penalty != 1.0, presence_penalty=sp.presence_penalty != 0,
+                   frequency_penalty=sp.frequency_penalty != 0, min_tokens=sp.min_tokens > 0,
+                   logit_bias=bool(sp.logit_bias), allowed_token_ids=bool(sp.allowed_token_ids),
+                   bad_words=bool(sp.bad_words))
+    bad = [name for name, on in changes.items() if on]
+    if bad:
+        raise ValueError(f"{bad} would change the canonical token or log-prob; not supported with zerokl params")
+
+def _build_processor_class():
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+    class GumbelLogitsProcessor(LogitsProcessor):
+        """Applies the seeded Gumbel rule to rows whose SamplingParams.extra_args carry our params;
+        other rows pass through untouched."""
+
+        @staticmethod
+        def rule(logits, temperature, top_k, top_p, seeds, positions):  # per-row host lists
+            return sample_tokens(logits, temperature, top_k, top_p, seeds, positions)
+
+        require_params = False  # StrictGumbelLogitsProcessor: refuse requests without our params
+
+        @classmethod
+        def validate_params(cls, sampling_params):
+            if request_params(sampling_params) is None and cls.require_params:
+                raise ValueError(
+                    f"this server samples with the zerokl rule: send vllm_xargs={{\"{XARGS_PREFIX}temperature\": T, "
+                    f"\"{XARGS_PREFIX}seed\": S}} (optional {XARGS_PREFIX}top_k, {XARGS_PREFIX}top_p, "
+                    f"{XARGS_PREFIX}position) and temperature=0")
+
+        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+            self.rows: dict[int, tuple[dict, list[int]]] = {}
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update: BatchUpdate | None) -> None:
+            if batch_update is None:
+                return
+            for index in batch_update.removed:
+                self.rows.pop(index, None)
+            for index, params, prompt_ids, output_ids in batch_update.added:
+                cfg = request_params(params)  # validated at admission: does not raise here
+                if cfg is None:
+                    self.rows.pop(index, None)
+                    continue
+                if cfg["position"] is None:
+                    if prompt_ids is None:  # prompt embeddings: no ids to count
+                        raise ValueError(f"zerokl: a request without token ids needs {XARGS_PREFIX}position")
+                    # the prompt as submitted: preemption keeps it (recomputed outputs stay in output_ids)
+                    cfg["position"] = len(prompt_ids)
+                self.rows[index] = (cfg, output_ids)
+            for a, b, direction in batch_update.moved:
+                entry_a, entry_b = self.rows.pop(a, None), self.rows.pop(b, None)
+                if entry_a is not None:
+                    self.rows[b] = entry_a
+                if direction == MoveDirectionality.SWAP and entry_b is not None:
+                    self.rows[a] = entry_b
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if not self.rows:
+                return logits
+            n = logits.shape[0]
+            index = sorted(i for i in self.rows if i < n)
+            if not index:
+                return logits
+            every_row = len(index) == n  # the usual case: work on vLLM's logits in place, no gather
+            rows = logits if every_row else logits[torch.tensor(index, device=logits.device)]
+            rows = rows.float()
+            tokens, logprobs = canonical_rows(rows, [self.rows[i][0] for i in index],
+                                              [len(self.rows[i][1]) for i in index], rule=self.rule)
+            logprobs = logprobs.unsqueeze(1)
+            if every_row and rows.data_ptr() == logits.data_ptr():
+                logits.fill_(float("-inf")).scatter_(1, tokens.unsqueeze(1), logprobs)
+                return logits
+            out = torch.full_like(rows, float("-inf")).scatter_(1, tokens.unsqueeze(1), logprobs)
+            logits.index_copy_(0, torch.tensor(index, device=logits.device), out.to(logits.dtype))
+            return logits
+
+    class StrictGumbelLogitsProcessor(GumbelLogitsProcessor):
+        """GumbelLogitsProcessor that refuses (400 from the server) requests without our params."""
+        require_params = True
+
+    for cls in (GumbelLogitsProcessor, StrictGumbelLogitsProcessor):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+    return GumbelLogitsProcessor, StrictGumbelLogitsProcessor
+
+
+def __getattr__(name: str):
+    # The processors subclass vLLM's LogitsProcessor, so they are built on first use (this also serves
+    # vLLM's "module:Class" lookup and pickling by reference in spawned workers).
+    if name in ("GumbelLogitsProcessor", "StrictGumbelLogitsProcessor"):
+        if "GumbelLogitsProcessor" not in globals():
+            base, strict = _build_processor_class()
+            globals().update(GumbelLogitsProcessor=base, StrictGumbelLogitsProcessor=strict)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+

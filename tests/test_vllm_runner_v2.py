@@ -1,0 +1,79 @@
+"""The V2-runner sampler (rollout_service.vllm_plugin.runner_v2) on its own, with vLLM's sampler
+stood in for: which rows it takes, the positions it hashes (prefix hits, chunked prefill, a client's
+position offset), what it leaves vLLM to pick, and the log-prob it reports. vLLM's CPU build has no
+V2 runner; the same sampler inside real vLLM is tests/gpu/test_vllm_plugin_gpu.py."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import sample
+from kernels.logprobs import token_logprobs
+from rollout_service.vllm_plugin.runner_v2 import CanonicalSampler
+
+VOCAB = 50
+
+
+class RecordingBase:
+    """vLLM's V2 sampler as far as ours relies on it: greedy over what it is given, log-prob column 0."""
+
+    def __init__(self):
+        self.seen = None
+        self.sampling_states = "vLLM's"
+
+    def __call__(self, logits, input_batch):
+        self.seen = logits.clone()
+        tokens = logits.argmax(-1)
+        raw = torch.log_softmax(logits, -1).gather(1, tokens[:, None])
+        return SimpleNamespace(sampled_token_ids=tokens[:, None],
+                               logprobs_tensors=SimpleNamespace(logprobs=torch.cat([raw, raw], 1)))
+
+
+def _batch(state_idx, computed, scheduled):
+    return SimpleNamespace(num_reqs=len(state_idx), idx_mapping_np=np.array(state_idx),
+                           num_computed_tokens_np=np.array(computed), num_scheduled_tokens=np.array(scheduled))
+
+
+def _expected(logits, cfg, position):
+    token = sample(logits[None], torch.tensor([cfg["temperature"]]), torch.tensor([cfg["top_k"]]),
+                   torch.tensor([cfg["top_p"]]), torch.tensor([cfg["seed"]]), torch.tensor([position]))
+    return int(token), float(token_logprobs(logits[None], [cfg["temperature"]], token))
+
+
+def test_rows_with_params_get_the_rule_at_their_positions_others_pass_through():
+    cfg = lambda seed, t, pos: dict(seed=seed, temperature=t, top_k=0, top_p=1.0, position=pos)  # noqa: E731
+    # state index -> (params, prompt length): a plain request (7), one whose client counts 100 tokens
+    # before its prompt's end (position 100 for a 10-token prompt), a greedy one
+    requests = {3: (cfg(11, 0.7, 12), 12), 5: (cfg(12, 1.0, 100), 10), 9: (cfg(13, 0.0, 4), 4)}
+    base = RecordingBase()
+    sampler = CanonicalSampler(base, requests)
+    assert sampler.sampling_states == "vLLM's"  # the runner reads the base sampler's state through ours
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    original = logits.clone()
+    # rows: request 3 decoding its 6th token (12 + 5 before it), request 7, request 5 finishing its
+    # prompt from a prefix hit (8 cached + 2 new), request 9 in a prefill chunk that does not end it
+    out = sampler(logits, _batch([3, 7, 5, 9], [16, 30, 8, 0], [1, 1, 2, 2]))
+    positions = {0: 12 + 5, 2: 100, 3: 4}  # the partial chunk's (discarded) sample hashes num_outputs 0
+    for row, pos in positions.items():
+        req = requests[[3, 7, 5, 9][row]][0]
+        token, logprob = _expected(original[row], req, pos)
+        finite = torch.isfinite(base.seen[row]).nonzero().flatten().tolist()
+        assert finite == [token], (row, finite, token)
+        assert int(out.sampled_token_ids[row]) == token
+        assert float(out.logprobs_tensors.logprobs[row, 0]) == logprob  # ours, bit for bit
+    assert torch.equal(base.seen[1], original[1])  # the plain request: vLLM's own logits and sampling
+    assert float(out.logprobs_tensors.logprobs[1, 0]) == float(torch.log_softmax(original[1], -1).max())
+
+
+def test_a_batch_without_params_is_vllms_alone():
+    base = RecordingBase()
+    logits = torch.randn(2, VOCAB)
+    original = logits.clone()
+    CanonicalSampler(base, {})(logits, _batch([0, 1], [3, 4], [1, 1]))
+    assert torch.equal(base.seen, original)
+
+
+def test_more_rows_than_requests_is_refused():
+    with pytest.raises(NotImplementedError, match="speculative"):
+        CanonicalSampler(RecordingBase(), {})(torch.randn(3, VOCAB), _batch([0, 1], [3, 4], [1, 1]))
