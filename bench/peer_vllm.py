@@ -180,6 +180,9 @@ def _run_worker_engine(args, prompts, mode: str) -> dict:
     try:
         engine.generate(prompts, [dataclasses.replace(p, max_tokens=min(args.warmup_tokens, p.max_tokens))
                                   for p in params])
+        for path in (engine.canonical, engine.stock):  # prefill again, as the vllm systems do
+            if path is not None:
+                path.llm.reset_prefix_cache()
         start = time.perf_counter()
         outs = engine.generate(prompts, params)
         elapsed = time.perf_counter() - start
