@@ -111,9 +111,7 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     attn, mlp = layer.self_attn, layer.mlp
     b, t, _ = hidden.shape
     x = ops.rms_norm(hidden, _bf16(layer.input_layernorm.weight), spec.rms_norm_eps)
-    q = ops.linear(x, _bf16(attn.q_proj.weight), _bf16(attn.q_proj.bias)).view(b, t, -1, spec.head_dim)
-    k = ops.linear(x, _bf16(attn.k_proj.weight), _bf16(attn.k_proj.bias)).view(b, t, -1, spec.head_dim)
-    v = ops.linear(x, _bf16(attn.v_proj.weight), _bf16(attn.v_proj.bias)).view(b, t, -1, spec.head_dim)
+    q, k, v = (p.view(b, t, -1, spec.head_dim) for p in _projections(ops, x, attn, QKV))
     if spec.qk_norm:
         q = ops.rms_norm(q, _bf16(attn.q_norm.weight), spec.rms_norm_eps)
         k = ops.rms_norm(k, _bf16(attn.k_norm.weight), spec.rms_norm_eps)
@@ -128,11 +126,53 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     x = ops.rms_norm(hidden, _bf16(layer.post_attention_layernorm.weight), spec.rms_norm_eps)
     if spec.moe is not None and is_moe_block(mlp):
         return ops.add(hidden, moe_forward(mlp, x, spec.moe, ops, _bf16, ctx.routing))
-    gate = ops.linear(x, _bf16(mlp.gate_proj.weight), _bf16(mlp.gate_proj.bias))
-    up = ops.linear(x, _bf16(mlp.up_proj.weight), _bf16(mlp.up_proj.bias))
+    gate, up = _projections(ops, x, mlp, GATE_UP)
     down = ops.linear(ops.silu_mul(gate, up), _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias),
                       row_parallel=True)
     return ops.add(hidden, down)
+
+
+# Projections that read the same input, run as one canonical matmul where fuse_projections has put
+# their weights in one tensor. Same bits as one matmul each: an output element reduces its own weight
+# row over K in the fixed order, whatever the other rows are.
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+_FUSED = "_zerokl_fused"  # module.__dict__ entry: (weight, bias or None, rows per projection)
+
+
+def _projections(ops: OpSet, x: torch.Tensor, module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
+    fused = module.__dict__.get(_FUSED)
+    if fused is not None:
+        weight, bias, rows = fused
+        return list(ops.linear(x, weight, bias).split(rows, dim=-1))
+    return [ops.linear(x, _bf16(getattr(module, n).weight), _bf16(getattr(module, n).bias)) for n in names]
+
+
+def fuse_projections(model: torch.nn.Module) -> None:
+    """For an inference copy (the vLLM plugin's model): each layer's q/k/v_proj, and the dense MLP's
+    gate/up_proj, get parameters that are row blocks of one tensor per group (values kept), so the
+    forward runs one matmul per group. Loads into these parameters in place keep the fusion; the
+    trainer's model is never fused (FSDP2 shards its parameters one by one)."""
+    for layer in model.model.layers:
+        for module, names in ((layer.self_attn, QKV), (layer.mlp, GATE_UP)):
+            parts = [getattr(module, n, None) for n in names]
+            if any(p is None for p in parts) or len({p.bias is None for p in parts}) > 1:
+                continue  # an MoE block, or biases on some projections only
+            weight = _row_blocks(parts, "weight")
+            bias = _row_blocks(parts, "bias") if parts[0].bias is not None else None
+            module.__dict__[_FUSED] = (weight, bias, [p.weight.shape[0] for p in parts])
+
+
+def _row_blocks(parts: list[torch.nn.Module], name: str) -> torch.Tensor:
+    """One tensor holding the `name` parameters of `parts` as consecutive row blocks; each part's
+    parameter becomes its block (requires_grad off: an inference copy)."""
+    tensors = [getattr(p, name).detach() for p in parts]
+    fused = torch.cat(tensors, dim=0)
+    row = 0
+    for part, t in zip(parts, tensors):
+        setattr(part, name, torch.nn.Parameter(fused[row:row + t.shape[0]], requires_grad=False))
+        row += t.shape[0]
+    return fused
 
 
 def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, *,

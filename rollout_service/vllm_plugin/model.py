@@ -21,7 +21,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from kernels.forward import CANONICAL_OPS, compute_logits, forward_hidden, model_spec, rope_table
+from kernels.forward import CANONICAL_OPS, compute_logits, forward_hidden, fuse_projections, model_spec, rope_table
 from kernels.moe import is_moe_block
 
 from .attention import PagedKVAdapter, ZeroKLAttentionBackend
@@ -55,6 +55,7 @@ class ZeroKLForCausalLM(nn.Module):
                              "(logits_processors=[PROCESSOR_FQCN], logprobs_mode='processed_logits')")
         device = vllm_config.device_config.device
         hf = build_hf_model(vllm_config.model_config.hf_config, torch.device(device))
+        fuse_projections(hf)  # one matmul for q/k/v and one for gate/up; load_weights fills the blocks
         self.__dict__["hf"] = hf  # not a submodule: parameters keep their checkpoint names
         self.model, self.lm_head = hf.model, hf.lm_head
         self.spec = spec = model_spec(hf)
