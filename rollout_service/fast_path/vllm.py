@@ -1,20 +1,16 @@
 """vLLM as a fast path, through its public offline API only.
 
-An in-process `vllm.LLM` on the same checkpoint proposes windows of `max_tokens=W` tokens. vLLM runs
-greedy (temperature 0) from its own point of view; a V1 logits processor (`LLM(logits_processors=...)`)
-applies our seeded Gumbel rule (kernels.sample) to vLLM's logits and leaves only the chosen id finite,
-so vLLM's argmax picks exactly the token our rule picks. The finite entry holds
-log_softmax(logits / T) at that token, which vLLM returns as the token's log-prob
-(`logprobs_mode="processed_logits"`). Per-request seed, temperature, top-k, top-p and the absolute
-position of the first proposed token travel in `SamplingParams.extra_args`, either nested
-(`extra_args["zerokl"] = {...}`, the offline callers) or flat (`extra_args["zerokl_seed"]`, ...: the
-OpenAI server's `vllm_xargs` takes only flat scalar values); the position defaults to the prompt length.
+An in-process `vllm.LLM` on the same checkpoint proposes windows of `max_tokens=W` tokens, sampled by
+our seeded rule inside vLLM (rollout_service.vllm_plugin.sampling: vLLM greedy over the one finite
+logit the rule leaves, the rule's log-prob reported). With vLLM's stock model class the rule is a V1
+logits processor; with the plugin's model class (VLLMEngine's canonical engine) it rides on the model
+runner vLLM picks.
 
 Rollback needs no state: the next window resubmits prompt + committed tokens and prefix caching
 reuses the KV. Weights reach vLLM through `worker_extension_cls` + `LLM.collective_rpc`.
 
-`import vllm` happens only when a VLLMFastPath is built (or the processor class is first looked up),
-so `import rollout_service` works without vLLM installed.
+`import vllm` happens only when a VLLMFastPath is built, so `import rollout_service` works without
+vLLM installed.
 """
 from __future__ import annotations
 
