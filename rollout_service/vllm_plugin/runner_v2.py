@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from .sampling import canonical_rows, request_params
+from .sampling import canonical_rows, keep_only, request_params
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +52,14 @@ class CanonicalSampler:
                 num_outputs.append(max(0, int(preceding[row]) - prompt_len))
         if not index:
             return self.base(logits, input_batch)
-        every_row = len(index) == n
-        rows_at = None if every_row else torch.tensor(index, device=logits.device)
-        rows = (logits if every_row else logits[rows_at]).float()
+        rows_at = None if len(index) == n else torch.tensor(index, device=logits.device)
+        rows = (logits if rows_at is None else logits[rows_at]).float()
         tokens, logprobs = canonical_rows(rows, cfgs, num_outputs)
-        chosen = torch.full_like(rows, float("-inf")).scatter_(1, tokens.unsqueeze(1), 0.0).to(logits.dtype)
-        if every_row:
-            logits.copy_(chosen)
-        else:
-            logits.index_copy_(0, rows_at, chosen)
+        keep_only(logits, rows_at, tokens, torch.zeros_like(logprobs))
         out = self.base(logits, input_batch)
         if out.logprobs_tensors is not None:  # column 0: the sampled token (vLLM's layout)
             column = out.logprobs_tensors.logprobs[:, 0]
-            if every_row:
+            if rows_at is None:
                 column.copy_(logprobs.to(column.dtype))
             else:
                 column.index_copy_(0, rows_at, logprobs.to(column.dtype))

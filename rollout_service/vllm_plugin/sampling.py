@@ -65,6 +65,18 @@ def canonical_rows(rows: torch.Tensor, cfgs: list[dict], num_outputs: list[int],
     return tokens, logprobs
 
 
+def keep_only(logits: torch.Tensor, rows_at: torch.Tensor | None, tokens: torch.Tensor,
+              values: torch.Tensor) -> None:
+    """In place: vLLM's logits rows `rows_at` (None: every row, the usual case, no gather) become
+    -inf except at `tokens`, which hold `values`; vLLM's temperature-0 sampler then picks `tokens`."""
+    values = values.to(logits.dtype).unsqueeze(1)
+    if rows_at is None:
+        logits.fill_(float("-inf")).scatter_(1, tokens.unsqueeze(1), values)
+    else:
+        chosen = torch.full((len(tokens), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=logits.device)
+        logits.index_copy_(0, rows_at, chosen.scatter_(1, tokens.unsqueeze(1), values))
+
+
 def _number(name: str, value, kind):
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"zerokl {name} must be a number, got {value!r}")
@@ -193,17 +205,11 @@ def _build_processor_class():
             index = sorted(i for i in self.rows if i < n)
             if not index:
                 return logits
-            every_row = len(index) == n  # the usual case: work on vLLM's logits in place, no gather
-            rows = logits if every_row else logits[torch.tensor(index, device=logits.device)]
-            rows = rows.float()
+            rows_at = None if len(index) == n else torch.tensor(index, device=logits.device)
+            rows = (logits if rows_at is None else logits[rows_at]).float()
             tokens, logprobs = canonical_rows(rows, [self.rows[i][0] for i in index],
                                               [len(self.rows[i][1]) for i in index], rule=self.rule)
-            logprobs = logprobs.unsqueeze(1)
-            if every_row and rows.data_ptr() == logits.data_ptr():
-                logits.fill_(float("-inf")).scatter_(1, tokens.unsqueeze(1), logprobs)
-                return logits
-            out = torch.full_like(rows, float("-inf")).scatter_(1, tokens.unsqueeze(1), logprobs)
-            logits.index_copy_(0, torch.tensor(index, device=logits.device), out.to(logits.dtype))
+            keep_only(logits, rows_at, tokens, logprobs)  # processed_logits: the finite entry is reported
             return logits
 
     class StrictGumbelLogitsProcessor(GumbelLogitsProcessor):
