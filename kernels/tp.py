@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -117,15 +118,25 @@ def shard_model(model: torch.nn.Module, rank: int, world_size: int) -> torch.nn.
     for mod in local_model.modules():
         if isinstance(mod, torch.nn.Linear):
             mod.out_features, mod.in_features = mod.weight.shape
-    cfg = local_model.config
-    cfg.head_dim = spec.head_dim  # Llama/Qwen2 would otherwise derive it from the local head count
-    cfg.num_attention_heads = spec.num_heads // world_size
-    cfg.num_key_value_heads = spec.num_kv_heads // world_size
-    cfg.intermediate_size = model.config.intermediate_size // world_size
-    cfg.tie_word_embeddings = False
+    localize_config(local_model.config, spec, world_size)
     padded = local_model.lm_head.weight.shape[0] * world_size
     local_model.__dict__["_zerokl_tp"] = TPShard(rank, world_size, spec.vocab_size, padded)
     return local_model
+
+
+def localize_config(config, spec, world_size: int) -> None:
+    """Turns the full model's `config` (described by `spec`) into one rank's, in place: heads, KV
+    heads and MLP width divided by world_size, lm_head untied (it holds a vocab shard)."""
+    config.head_dim = spec.head_dim  # Llama/Qwen2 would otherwise derive it from the local head count
+    config.num_attention_heads = spec.num_heads // world_size
+    config.num_key_value_heads = spec.num_kv_heads // world_size
+    config.intermediate_size = config.intermediate_size // world_size
+    config.tie_word_embeddings = False
+
+
+def local_vocab_rows(vocab_size: int, world_size: int) -> int:
+    """Rows of one rank's lm_head shard (the vocab padded with zero rows to a multiple of world_size)."""
+    return -(-vocab_size // world_size)
 
 
 def tp_shard_info(model: torch.nn.Module) -> TPShard | None:
@@ -136,12 +147,40 @@ def tp_shard_info(model: torch.nn.Module) -> TPShard | None:
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _all_gather(t: torch.Tensor, group, world_size: int) -> list[torch.Tensor]:
+@dataclasses.dataclass(frozen=True)
+class Collectives:
+    """How one tensor-parallel group moves tensors. `all_gather`: [M, ...] -> [world_size * M, ...],
+    rank order; `all_reduce`: the elementwise sum in the library's own order (a new tensor or the
+    input). collectives(group) builds it over a torch process group; a serving engine passes its
+    own communicator (the vLLM plugin: vLLM's TP group, which CUDA graphs can capture)."""
+    world_size: int
+    all_gather: Callable[[torch.Tensor], torch.Tensor]
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
+def collectives(group=None) -> Collectives:
+    """`group` as Collectives: a torch process group (None: the default group, or a single process
+    when torch.distributed is not initialised), or a Collectives, returned as it is."""
+    if isinstance(group, Collectives):
+        return group
+    k = dist.get_world_size(group) if dist.is_initialized() else 1
+
+    def all_gather(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        out = torch.empty((k * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        _all_gather_flat(out, t, group=group)
+        return out
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=group)
+        return t
+
+    return Collectives(k, all_gather, all_reduce)
+
+
+def gather_ranks(t: torch.Tensor, comm: Collectives) -> list[torch.Tensor]:
     """[t of group rank 0, t of rank 1, ...]."""
-    t = t.contiguous()
-    out = torch.empty((world_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    _all_gather_flat(out, t, group=group)
-    return list(out.view(world_size, *t.shape).unbind(0))
+    return list(comm.all_gather(t.contiguous()).view(comm.world_size, *t.shape).unbind(0))
 
 
 def _subtree(x2: torch.Tensor, w: torch.Tensor, segments: int, out_dtype: torch.dtype) -> torch.Tensor:
@@ -152,21 +191,23 @@ def _subtree(x2: torch.Tensor, w: torch.Tensor, segments: int, out_dtype: torch.
 def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group=None, *,
                         reduce: str = "tree", reduce_dtype: torch.dtype = torch.float32,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Canonical x @ W.T (+ bias) with W's K split across `group`: x [..., K/k], weight [N, K/k] is this
-    rank's K-slice, bias [N] replicated. reduce="tree" equals kernels.matmul(row_parallel=True) on the
-    full K bit for bit; "all_reduce" is the negative control (see the module docstring)."""
-    k = dist.get_world_size(group) if dist.is_initialized() else 1
+    """Canonical x @ W.T (+ bias) with W's K split across `group` (a process group or Collectives):
+    x [..., K/k], weight [N, K/k] is this rank's K-slice, bias [N] replicated. reduce="tree" equals
+    kernels.matmul(row_parallel=True) on the full K bit for bit; "all_reduce" is the negative control
+    (see the module docstring)."""
+    comm = collectives(group)
+    k = comm.world_size
     segments = K.tree_segments() // k
     x2 = x.reshape(-1, x.shape[-1])
     if reduce == "tree":
         if reduce_dtype != torch.float32:
             raise ValueError("the tree reduction keeps fp32 partials (reduce_dtype=torch.float32)")
         node = _subtree(x2, weight, segments, torch.float32)
-        out = em.tree_combine(_all_gather(node, group, k)) if k > 1 else node
+        out = em.tree_combine(gather_ranks(node, comm)) if k > 1 else node
     elif reduce == "all_reduce":
         out = _subtree(x2, weight, segments, reduce_dtype)
         if k > 1:
-            dist.all_reduce(out, group=group)
+            out = comm.all_reduce(out)
         out = out.float()
     else:
         raise ValueError(f"reduce must be 'tree' or 'all_reduce', got {reduce!r}")
@@ -177,7 +218,7 @@ def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def tp_ops(base_ops: OpSet, group=None, *, vocab_size: int | None = None, reduce: str | None = None,
            reduce_dtype: torch.dtype | None = None) -> OpSet:
-    """`base_ops` for a rank-local model (shard_model) in process group `group`.
+    """`base_ops` for a rank-local model (shard_model) in `group` (a process group or Collectives).
 
     Column-parallel linears and attention run locally on the rank's heads; row-parallel linears reduce
     across the group; logits are the rank's vocab rows all-gathered (then cut to vocab_size).
@@ -192,24 +233,25 @@ def tp_ops(base_ops: OpSet, group=None, *, vocab_size: int | None = None, reduce
         raise ValueError("the tree reduction reproduces the canonical matmul; use it with CANONICAL_OPS")
     if reduce == "tree" and reduce_dtype not in (None, torch.float32):
         raise ValueError("the tree reduction keeps fp32 partials (reduce_dtype=torch.float32)")
-    k = dist.get_world_size(group) if dist.is_initialized() else 1
+    comm = collectives(group)
+    k = comm.world_size
 
     def linear(x, w, b=None, row_parallel=False):
         if not row_parallel:
             return base_ops.linear(x, w, b)
         if canonical:
-            return row_parallel_matmul(x, w, b, group, reduce=reduce, reduce_dtype=reduce_dtype or torch.float32)
+            return row_parallel_matmul(x, w, b, comm, reduce=reduce, reduce_dtype=reduce_dtype or torch.float32)
         out = base_ops.linear(x, w, None, row_parallel=True)
         if reduce_dtype is not None:
             out = out.to(reduce_dtype)
         if k > 1:
-            dist.all_reduce(out, group=group)
+            out = comm.all_reduce(out)
         out = out.to(x.dtype)
         return out if b is None else out + b
 
     def logits(x, w):
         local = base_ops.logits(x, w)
-        full = torch.cat(_all_gather(local, group, k), dim=-1) if k > 1 else local
+        full = torch.cat(gather_ranks(local, comm), dim=-1) if k > 1 else local
         if vocab_size is not None and full.shape[-1] != vocab_size:
             full = full[..., :vocab_size].contiguous()
         return full
@@ -219,5 +261,6 @@ def tp_ops(base_ops: OpSet, group=None, *, vocab_size: int | None = None, reduce
     return dataclasses.replace(base_ops, name=name, linear=linear, logits=logits, grouped_experts=False)
 
 
-__all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "TPShard", "check_tp", "row_parallel_matmul", "supported_degrees",
-           "shard_model", "shard_state_dict", "shard_tensor", "tp_ops", "tp_shard_info"]
+__all__ = ["COLUMN_PARALLEL", "Collectives", "ROW_PARALLEL", "TPShard", "check_tp", "collectives", "gather_ranks",
+           "local_vocab_rows", "localize_config", "row_parallel_matmul", "supported_degrees", "shard_model",
+           "shard_state_dict", "shard_tensor", "tp_ops", "tp_shard_info"]

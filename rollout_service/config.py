@@ -65,8 +65,10 @@ BACKENDS = ("auto", "native", "vllm")
 @dataclass(frozen=True)
 class ParallelConfig:
     """How a RolloutWorker runs its engine: which engine (`backend`: "auto" is vLLM running the
-    canonical forward on a single GPU where vLLM is installed, the native engine otherwise) over how
-    many devices (`tensor_parallel_size` > 1: a group of rank actors, native engine)."""
+    canonical forward where vLLM is installed and the worker holds a GPU per rank, the native engine
+    otherwise) over how many devices. `tensor_parallel_size` > 1: vLLM's own tensor parallelism
+    inside the worker (its actor holds that many GPUs: resources_per_worker={"num_gpus": k}), or for
+    the native engine a group of rank actors."""
     tensor_parallel_size: int = 1
     backend: str = "auto"
 
@@ -76,9 +78,6 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == "vllm" and tp > 1:
-            raise NotImplementedError("the vLLM backend runs one GPU per worker; use backend='native' for "
-                                      "tensor_parallel_size > 1")
 
 
 def split_worker_options(options: dict | None) -> tuple[ParallelConfig, dict]:

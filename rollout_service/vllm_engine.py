@@ -32,11 +32,13 @@ from .weights import load_weights, model_digest
 
 class VLLMEngine:
     """model: a checkpoint directory, "tiny:<arch>" or a Hugging Face model object (saved to a temp
-    dir for vLLM). vllm_options go to both vllm.LLM engines (e.g. max_num_batched_tokens)."""
+    dir for vLLM). tensor_parallel_size: vLLM's workers per engine, one GPU each (the canonical
+    engine combines row-parallel outputs by the segment tree). vllm_options go to both vllm.LLM
+    engines (e.g. max_num_batched_tokens)."""
 
     def __init__(self, model, *, device: str = "cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
-                 copy_model: bool = True, vllm_options: dict | None = None):
+                 copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None):
         from .vllm_plugin import HF_OVERRIDES, graph_options, register
 
         self.device = torch.device(device)
@@ -52,7 +54,8 @@ class VLLMEngine:
         register()  # in-process engine core: the entry point may not have run here
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         share = gpu_memory_utilization / (2 if stock_for_off else 1)
-        common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, **(vllm_options or {}))
+        common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                      tensor_parallel_size=tensor_parallel_size, **(vllm_options or {}))
         if self.device.type == "cuda":
             common.setdefault("gpu_memory_utilization", share)
         # the stock engine first: vLLM's V1 runner (the canonical engine's for MoE models) switches graph

@@ -56,13 +56,14 @@ NATIVE_ONLY_KWARGS = frozenset({"fast_path", "fast_path_options", "window", "gro
                                 "block_size", "max_prefill_tokens", "verified_decode", "runner_factory"})
 
 
-def engine_backend(backend: str, device: str, tensor_parallel_size: int = 1) -> str:
-    """The engine a worker runs (see ParallelConfig): "auto" resolved for this device."""
+def engine_backend(backend: str, device: str, tensor_parallel_size: int = 1, gpus: int = 1) -> str:
+    """The engine a worker runs (see ParallelConfig): "auto" resolved for this device and the number
+    of GPUs the worker holds (vLLM's tensor parallelism runs all ranks inside the worker)."""
     parallel = ParallelConfig(tensor_parallel_size, backend)
     if parallel.backend != "auto":
         return parallel.backend
-    on_gpu = str(device).startswith("cuda")
-    return "vllm" if on_gpu and tensor_parallel_size == 1 and importlib.util.find_spec("vllm") else "native"
+    on_gpu = str(device).startswith("cuda") and gpus >= tensor_parallel_size
+    return "vllm" if on_gpu and importlib.util.find_spec("vllm") else "native"
 
 
 @ray.remote
@@ -79,11 +80,12 @@ class RolloutWorker:
         if "device" not in kwargs and ray.get_gpu_ids():
             kwargs["device"] = "cuda"  # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPUs
         tp = parallel.tensor_parallel_size
-        backend = engine_backend(parallel.backend, kwargs.get("device", "cpu"), tp)
+        backend = engine_backend(parallel.backend, kwargs.get("device", "cpu"), tp, len(ray.get_gpu_ids()))
         self._tp_group = None
         if backend == "vllm":
             from .vllm_engine import VLLMEngine  # vLLM is optional
-            self._engine = VLLMEngine(model, **{k: v for k, v in kwargs.items() if k not in NATIVE_ONLY_KWARGS})
+            self._engine = VLLMEngine(model, tensor_parallel_size=tp,
+                                      **{k: v for k, v in kwargs.items() if k not in NATIVE_ONLY_KWARGS})
             self._full_model = None
         elif tp > 1:
             # a TP group of rank actors in its own placement group; rank 0 holds the engine

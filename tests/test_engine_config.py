@@ -37,7 +37,6 @@ def test_worker_options_split_into_a_checked_parallel_config():
     assert parallel == ParallelConfig(2, "native") and engine == {"window": 4}
     assert split_worker_options(None) == (ParallelConfig(), {})
     for bad, error in (({"tensor_parallel_size": 0}, ValueError), ({"tensor_parallel_size": "2"}, ValueError),
-                       ({"backend": "sglang"}, ValueError),
-                       ({"backend": "vllm", "tensor_parallel_size": 2}, NotImplementedError)):
+                       ({"backend": "sglang"}, ValueError)):
         with pytest.raises(error):
             split_worker_options(bad)

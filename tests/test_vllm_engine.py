@@ -127,10 +127,11 @@ def test_weight_push_with_digest_and_mismatch(engine, checkpoint):
 
 def test_worker_backend_choice():
     assert engine_backend("auto", "cpu") == "native"
-    assert engine_backend("auto", "cuda", tensor_parallel_size=2) == "native"
+    # vLLM's tensor parallelism runs every rank inside the worker: only where it holds a GPU per rank
+    assert engine_backend("auto", "cuda", tensor_parallel_size=2, gpus=1) == "native"
+    assert engine_backend("auto", "cuda", tensor_parallel_size=2, gpus=2) == "vllm"
     assert engine_backend("vllm", "cpu") == "vllm"
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
-        engine_backend("vllm", "cuda", tensor_parallel_size=2)
+    assert engine_backend("vllm", "cpu", tensor_parallel_size=2) == "vllm"
     with pytest.raises(ValueError, match="backend"):
         engine_backend("fast", "cpu")
 

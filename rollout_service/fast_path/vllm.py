@@ -23,6 +23,7 @@ import torch
 
 from ..vllm_plugin import HF_OVERRIDES, pick_runner, runner_options
 from ..vllm_plugin.sampling import CAPTURE, EXTRA_ARGS_KEY, PROCESSOR_FQCN
+from ..vllm_plugin.tensor_parallel import tp_options
 from .base import DraftRequest, Proposal
 
 WORKER_EXTENSION = f"{__name__}.VLLMWorkerExtension"
@@ -99,15 +100,17 @@ class VLLMFastPath:
     (`self.runner`, vllm_plugin.pick_runner); a stock class takes it as a V1 logits processor.
     `in_process=True` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
     before the first LLM, uniprocess executor); vLLM's CPU worker then makes torch.set_num_threads a
-    no-op process-wide. `logits_processor`: the processor class (or "module:Class"); the default
-    applies kernels.sample. `capture()` records what the processor saw (all LLMs of the process).
+    no-op process-wide. `tensor_parallel_size` > 1: vLLM's worker processes, one per rank
+    (vllm_plugin.tensor_parallel); weights then reach them through files. `logits_processor`: the
+    processor class (or "module:Class"); the default applies kernels.sample. `capture()` records what the processor saw (all LLMs of the process).
     """
 
     name = "vllm"
 
     def __init__(self, model, *, max_model_len: int | None = None, dtype: str = "bfloat16",
                  in_process: bool = True, logits_processor=None, seed: int = 0,
-                 weight_chunk_bytes: int = 1 << 29, stock_sampler: bool = False, **llm_options):
+                 weight_chunk_bytes: int = 1 << 29, stock_sampler: bool = False, tensor_parallel_size: int = 1,
+                 **llm_options):
         self._tmpdir = None
         if isinstance(model, (str, os.PathLike)):
             path = str(model)
@@ -115,6 +118,9 @@ class VLLMFastPath:
             self._tmpdir = tempfile.mkdtemp(prefix="zerokl-vllm-")
             model.save_pretrained(self._tmpdir)
             path = self._tmpdir
+        canonical = llm_options.get("hf_overrides") == HF_OVERRIDES
+        # k > 1: vLLM's worker processes (mp executor), the checkpoint checked for a k-way split first
+        llm_options.update(tp_options(path if canonical else None, tensor_parallel_size))
         if in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             llm_options.setdefault("distributed_executor_backend", "uni")
@@ -125,7 +131,6 @@ class VLLMFastPath:
         self.weight_chunk_bytes = weight_chunk_bytes
         # the sampling rule's carrier: our logits processor on vLLM's V1 runner (a stock model class,
         # or a caller's processor, keeps vLLM there), the canonical model's own sampler on V2
-        canonical = llm_options.get("hf_overrides") == HF_OVERRIDES
         if stock_sampler:
             self.runner, sampler = None, dict(logprobs_mode="processed_logprobs")
         elif logits_processor is not None or not canonical:

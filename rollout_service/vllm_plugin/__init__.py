@@ -57,11 +57,14 @@ def runner_options(runner: str) -> dict:
     return dict(logits_processors=[PROCESSOR_FQCN], logprobs_mode="processed_logits") if runner == "v1" else {}
 
 
-def llm_options(model: str | os.PathLike | None = None, *, cuda_graphs: bool = True, runner: str | None = None) -> dict:
+def llm_options(model: str | os.PathLike | None = None, *, cuda_graphs: bool = True, runner: str | None = None,
+                tensor_parallel_size: int = 1) -> dict:
     """The `vllm.LLM` / engine-args keywords that run checkpoint `model` on the canonical model with
-    our seeded sampling rule, on `runner` (default: pick_runner(model))."""
+    our seeded sampling rule, on `runner` (default: pick_runner(model)), over `tensor_parallel_size`
+    workers (vllm_plugin.tensor_parallel: row-parallel outputs combined by the segment tree)."""
+    from .tensor_parallel import tp_options
     return dict(hf_overrides=dict(HF_OVERRIDES), **runner_options(runner or pick_runner(model)),
-                **graph_options(cuda_graphs))
+                **graph_options(cuda_graphs), **tp_options(model, tensor_parallel_size))
 
 
 def register() -> None:

@@ -21,11 +21,12 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from kernels.forward import CANONICAL_OPS, compute_logits, forward_hidden, fuse_projections, model_spec, rope_table
+from kernels.forward import compute_logits, forward_hidden, fuse_projections, model_spec, rope_table
 from kernels.moe import is_moe_block
 
 from .attention import PagedKVAdapter, ZeroKLAttentionBackend
 from .runner_v2 import model_state_class
+from .tensor_parallel import PluginTP
 
 
 def build_hf_model(hf_config, device: torch.device) -> nn.Module:
@@ -43,9 +44,7 @@ def build_hf_model(hf_config, device: torch.device) -> nn.Module:
 class ZeroKLForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise NotImplementedError("ZeroKLForCausalLM runs on one device (tensor/pipeline parallel size 1)")
+        tp = PluginTP.from_vllm(vllm_config)
         model_config = vllm_config.model_config
         if not vllm_config.use_v2_model_runner and (not model_config.logits_processors
                                                     or model_config.logprobs_mode != "processed_logits"):
@@ -54,11 +53,18 @@ class ZeroKLForCausalLM(nn.Module):
                              "build the engine with rollout_service.vllm_plugin.llm_options(checkpoint) "
                              "(logits_processors=[PROCESSOR_FQCN], logprobs_mode='processed_logits')")
         device = vllm_config.device_config.device
-        hf = build_hf_model(vllm_config.model_config.hf_config, torch.device(device))
+        full_config = model_config.hf_config
+        hf = build_hf_model(tp.local_config(full_config), torch.device(device))  # this rank's shard
+        tp.shard_lm_head(hf, full_config.vocab_size)
         fuse_projections(hf)  # one matmul for q/k/v and one for gate/up; load_weights fills the blocks
         self.__dict__["hf"] = hf  # not a submodule: parameters keep their checkpoint names
         self.model, self.lm_head = hf.model, hf.lm_head
         self.spec = spec = model_spec(hf)
+        self.__dict__["tp"] = tp
+        self.__dict__["ops"] = tp.ops(full_config.vocab_size)
+        # a tied checkpoint has no lm_head.weight; a shard's lm_head is its own vocab slice of the embedding
+        tied = getattr(full_config, "tie_word_embeddings", False)
+        self.__dict__["lm_head_from_embedding"] = tp.world_size > 1 and tied
         for layer in hf.model.layers:  # MoE: checkpoints hold one tensor per expert, the model fused ones
             if is_moe_block(layer.mlp):
                 for fused in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
@@ -92,21 +98,21 @@ class ZeroKLForCausalLM(nn.Module):
         num_tokens = input_ids.shape[0]
         if metadata is None:  # profiling / warm-up: no cache; each token alone at position 0
             ids = input_ids.reshape(-1, 1)
-            return forward_hidden(self.hf, ids, torch.zeros_like(ids), ops=CANONICAL_OPS).reshape(num_tokens, -1)
+            return forward_hidden(self.hf, ids, torch.zeros_like(ids), ops=self.ops).reshape(num_tokens, -1)
         md = metadata[self.attn_layers[0].layer_name]  # one metadata object serves every layer
         # every token vLLM hands over, padding included: a replayed CUDA graph has the padded shape
         kv = PagedKVAdapter([a.kv_cache for a in self.attn_layers], md, self.spec.head_dim, num_tokens)
         ids, pos = input_ids.reshape(num_tokens, 1), positions.reshape(num_tokens, 1)
-        return forward_hidden(self.hf, ids, pos, ops=CANONICAL_OPS, kv=kv).reshape(num_tokens, -1)
+        return forward_hidden(self.hf, ids, pos, ops=self.ops, kv=kv).reshape(num_tokens, -1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return compute_logits(self.hf, hidden_states)  # float32, canonical
+        return compute_logits(self.hf, hidden_states, self.ops)  # float32, canonical, full vocab on every rank
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies Hugging Face-named tensors into the bf16 parameters (a cast rounds to nearest, as
         from_pretrained(dtype=torch.bfloat16) does); returns the names loaded. Per-expert checkpoint
         tensors (`mlp.experts.<e>.{gate,up,down}_proj.weight`) go into their slice of the fused
-        expert parameters."""
+        expert parameters. Under tensor parallelism each rank loads its slice of every tensor."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -119,14 +125,21 @@ class ZeroKLForCausalLM(nn.Module):
                     params[fused].weight_loader(params[fused], tensor, int(e), part)
                     loaded.add(fused)
                     continue
+            if name == "model.embed_tokens.weight" and self.lm_head_from_embedding:
+                self._load(params["lm_head.weight"], self.tp.shard("lm_head.weight", tensor), "lm_head.weight")
+                loaded.add("lm_head.weight")
             param = params.get(name)
             if param is None:  # e.g. rotary inv_freq, or lm_head.weight of a tied checkpoint
                 continue
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            self._load(param, self.tp.shard(name, tensor), name)
             loaded.add(name)
         return loaded
+
+    @staticmethod
+    def _load(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        if param.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
 
 
 EXPERT_TENSOR = re.compile(r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\.weight")

@@ -114,7 +114,7 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None):
     import kernels as K
     from kernels.forward import CANONICAL_OPS
     from kernels.reference import exact_math as em
-    from kernels.tp import _all_gather, row_parallel_matmul, shard_model, tp_ops
+    from kernels.tp import collectives, gather_ranks, row_parallel_matmul, shard_model, tp_ops
     from rollout_service.tiny_models import tiny_model
     from rollout_service import SamplingParams
     from rollout_service.tp import TPEngine, TPFollower, init_tp_group
@@ -162,7 +162,7 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None):
     timings = []
     for m in TIMING_ROWS:
         t = torch.randn(m, 4096, device=device)
-        tree = _timed(lambda t=t: em.tree_combine(_all_gather(t, ctx.group, k)), device)
+        tree = _timed(lambda t=t: em.tree_combine(gather_ranks(t, collectives(ctx.group))), device)
         plain = _timed(lambda t=t: dist.all_reduce(t, group=ctx.group), device)  # in place: values only grow
         timings.append((m, tree, plain))
     out["timings"] = timings
