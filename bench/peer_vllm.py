@@ -75,13 +75,19 @@ def build_llm(args, system: str, max_num_seqs: int):
     options = _vllm_options(args)
     if system == "vllm-eager":
         options["enforce_eager"] = True
+    k = args.tensor_parallel_size
     if system.startswith("vllm-plugin"):
         from rollout_service.vllm_plugin import llm_options, register
         register()  # in-process engine core: the entry point may not be installed
         options.update(llm_options(args.model, cuda_graphs=system != "vllm-plugin-eager" and not _on_cpu(),
-                                   runner="v1" if system == "vllm-plugin-v1" else None))
+                                   runner="v1" if system == "vllm-plugin-v1" else None, tensor_parallel_size=k))
+    else:
+        from rollout_service.vllm_plugin.tensor_parallel import tp_options
+        options.update(tp_options(None, k))
+    # k > 1: vLLM's worker processes, which find the plugin through its entry point (pip install -e .)
+    options.setdefault("distributed_executor_backend", "uni" if k == 1 else "mp")
     return LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
-               distributed_executor_backend="uni", max_num_seqs=max(max_num_seqs, 1), **options)
+               max_num_seqs=max(max_num_seqs, 1), **options)
 
 
 def request_params(args, system: str, prompts) -> list:
@@ -253,6 +259,9 @@ def main():
     p.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM KV cache on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
                    help="vLLM's share of GPU memory (the verifier shares the GPU)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vllm* systems: vLLM's tensor parallelism over this many GPUs (the plugin's row-parallel "
+                        "outputs combined by the segment tree, stock vLLM's by its all-reduce)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list of {ALL_SYSTEMS}")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out")
@@ -290,6 +299,7 @@ def main():
     report = dict(
         benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(),
         model=args.model if tmp is None else f"{args.shape or 'tiny-qwen2'} (random weights)",
+        tensor_parallel_size=args.tensor_parallel_size,
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                       stock_logprobs=args.stock_logprobs,
                       temperature=args.temperature, top_p=args.top_p),

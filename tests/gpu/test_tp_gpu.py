@@ -1,4 +1,6 @@
-"""GPU tensor parallelism: TP = 2 (and 4 where there are 4 GPUs) equals TP = 1 and the trainer bit for bit.
+"""GPU tensor parallelism of the native engine: TP = 2, 4 and 8 (as many as there are GPUs) equal TP = 1
+and the trainer bit for bit, with tree width 8, on a tiny Qwen2 and on two layers of Llama-3.1-8B's
+shapes (hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256; random weights).
 
 Ranks are processes started with torch.multiprocessing (NCCL for tensors, gloo for the batch messages,
 NVLink multicast off). Rank 0 also computes the TP=1 references on its GPU. Printed figures (run with
@@ -23,6 +25,9 @@ pytestmark = pytest.mark.gpu
 
 MODEL_KW = dict(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=4,
                 intermediate_size=1024)
+SHAPES = {"tiny-qwen2": ("qwen2", MODEL_KW),
+          "llama8b-2layers": ("llama", dict(vocab_size=128256, hidden_size=4096, num_layers=2, num_heads=32,
+                                            num_kv_heads=8, intermediate_size=14336))}
 ENGINE_KW = dict(window=8, group=8, kv_cache_tokens=8192, verified_decode="dvr")
 SEQS = [[random.Random(i).randrange(1000) for _ in range(n)] for i, n in enumerate((37, 100, 5, 64))]
 PROMPTS = [[random.Random(10 + i).randrange(1000) for _ in range(n)] for i, n in enumerate((5, 23, 40))]
@@ -109,7 +114,7 @@ def _layer_inputs(device):
     return x.to(device), w.to(device), b.to(device)
 
 
-def _worker(rank, k, port, path, device_type="cuda", model_kw=None):
+def _worker(rank, k, port, path, device_type="cuda", model_kw=None, arch="qwen2"):
     """One rank. device_type="cpu" runs the same steps with gloo (a development check of this file)."""
     import kernels as K
     from kernels.forward import CANONICAL_OPS
@@ -127,7 +132,7 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None):
         torch.set_num_threads(1)
         device = torch.device("cpu")
     ctx = init_tp_group(rank, k, port, "nccl" if device_type == "cuda" else "gloo")
-    model = tiny_model("qwen2", seed=3, **(model_kw or MODEL_KW))  # seeded CPU init: same on every rank
+    model = tiny_model(arch, seed=3, **(model_kw or MODEL_KW))  # seeded CPU init: same on every rank
     vocab = model.config.vocab_size
     out = {}
     if rank == 0:
@@ -183,20 +188,24 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None):
     dist.destroy_process_group()
 
 
-def run_group(k: int, path: str, device_type: str = "cuda", model_kw=None) -> dict:
+def run_group(k: int, path: str, device_type: str = "cuda", model_kw=None, arch="qwen2") -> dict:
     from rollout_service.tp import free_port
-    mp.start_processes(_worker, args=(k, free_port(), path, device_type, model_kw), nprocs=k,
+    mp.start_processes(_worker, args=(k, free_port(), path, device_type, model_kw, arch), nprocs=k,
                        start_method="spawn")
     return torch.load(path, weights_only=False)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda k: f"tp{k}")
+@pytest.fixture(scope="module", params=[(k, shape) for shape in SHAPES for k in (2, 4, 8)],
+                ids=lambda p: f"tp{p[0]}-{p[1]}")
 def tp(request, tmp_path_factory):
-    k = request.param
+    import kernels as K
+    k, shape = request.param
     if not torch.cuda.is_available() or torch.cuda.device_count() < k:
         pytest.skip(f"needs {k} CUDA GPUs")
     pytest.importorskip("kernels.triton")
-    return k, run_group(k, str(tmp_path_factory.mktemp(f"tp{k}") / "out.pt"))
+    assert K.tree_segments() == 8, "these degrees are checked at tree width 8 (ZEROKL_TREE_SEGMENTS)"
+    arch, model_kw = SHAPES[shape]
+    return k, run_group(k, str(tmp_path_factory.mktemp(f"tp{k}") / "out.pt"), model_kw=model_kw, arch=arch)
 
 
 @pytest.mark.parametrize("m", LAYER_ROWS)

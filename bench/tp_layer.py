@@ -1,0 +1,114 @@
+"""The per-layer cost of the row-parallel segment tree against the stock all-reduce, at each TP degree.
+
+    python -m bench.tp_layer [--degrees 2,4,8] [--rows 1,16,64,256,1024,4096] [--out FILE]
+
+One process per rank (NCCL on GPUs, NVLink multicast off; gloo on CPU for a development run), the
+row-parallel layers of Llama-3.1-8B (o_proj: K = 4096, down_proj: K = 14336, N = 4096; each rank holds
+K/k), M token rows. Per row count, median microseconds of:
+- `tree_collective`: all-gather of the ranks' fp32 [M, 4096] subtree nodes + the tree's top levels;
+- `all_reduce_collective`: NCCL all_reduce of one bf16 [M, 4096] tensor (what stock vLLM sums);
+- `tree_layer`: the whole deterministic layer (canonical matmul of the rank's K slice, then the tree);
+- `stock_layer`: cuBLAS matmul of the same slice to bf16, then NCCL all_reduce.
+Degrees above the number of GPUs are reported as not run. Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench import emit
+
+HIDDEN = 4096
+LAYERS = {"o_proj": 4096, "down_proj": 14336}  # K of Llama-3.1-8B's row-parallel linears
+
+
+def _timed_us(fn, device, iters: int) -> float:
+    """Median microseconds per call, every rank in step (a barrier before each call)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _rank(rank: int, k: int, port: int, rows: list[int], iters: int, out_path: str) -> None:
+    from kernels.reference import exact_math as em
+    from kernels.tp import collectives, gather_ranks, row_parallel_matmul
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=k, device_id=device if cuda else None)
+    comm = collectives()
+    g = torch.Generator(device=device).manual_seed(rank)
+    results = []
+    for m in rows:
+        node = torch.randn(m, HIDDEN, device=device, generator=g)
+        part = node.bfloat16()
+        row = dict(rows=m,
+                   tree_collective_us=_timed_us(lambda: em.tree_combine(gather_ranks(node, comm)), device, iters),
+                   all_reduce_collective_us=_timed_us(lambda: dist.all_reduce(part.clone()), device, iters))
+        for name, k_full in LAYERS.items():
+            x = torch.randn(m, k_full // k, device=device, generator=g).bfloat16()
+            w = (torch.randn(HIDDEN, k_full // k, device=device, generator=g) * 0.02).bfloat16()
+            row[f"{name}_tree_layer_us"] = _timed_us(lambda: row_parallel_matmul(x, w, None, comm), device, iters)
+            row[f"{name}_stock_layer_us"] = _timed_us(lambda: dist.all_reduce(x @ w.T), device, iters)
+        for key in [key for key in row if key.endswith("_us")]:
+            row[key] = round(row[key], 1)
+        row["collective_ratio"] = round(row["tree_collective_us"] / row["all_reduce_collective_us"], 3)
+        for name in LAYERS:
+            row[f"{name}_layer_ratio"] = round(row[f"{name}_tree_layer_us"] / row[f"{name}_stock_layer_us"], 3)
+        results.append(row)
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.destroy_process_group()
+
+
+def run_degree(k: int, rows: list[int], iters: int) -> list[dict]:
+    from rollout_service.tp import free_port
+    with tempfile.TemporaryDirectory(prefix="tp-layer-") as tmp:
+        path = os.path.join(tmp, "rows.pt")
+        mp.start_processes(_rank, args=(k, free_port(), rows, iters, path), nprocs=k, start_method="spawn")
+        return torch.load(path)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--degrees", default="2,4,8")
+    p.add_argument("--rows", default="1,16,64,256,1024,4096")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out")
+    args = p.parse_args()
+    rows = [int(m) for m in args.rows.split(",")]
+    gpus = torch.cuda.device_count()
+    report = dict(benchmark="tp_layer", device=torch.cuda.get_device_name() if gpus else "cpu (gloo)", gpus=gpus,
+                  hidden=HIDDEN, layers=LAYERS, degrees={})
+    from tqdm import tqdm
+    for k in tqdm([int(d) for d in args.degrees.split(",")], desc="TP degrees"):
+        if gpus and k > gpus:
+            report["degrees"][k] = dict(not_run=f"needs {k} GPUs, this machine has {gpus}")
+            continue
+        report["degrees"][k] = run_degree(k, rows, args.iters)
+    emit(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
