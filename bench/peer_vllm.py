@@ -274,8 +274,8 @@ def main():
     if not args.model:
         tmp = tempfile.TemporaryDirectory(prefix="peer-vllm-")
         if args.shape:
-            from bench.rollout import build_model
-            build_model(args.shape, "cpu", args.num_layers).save_pretrained(tmp.name)
+            from bench.rollout import save_model
+            save_model(args.shape, tmp.name, args.num_layers)
         else:
             from rollout_service.tiny_models import tiny_model
             tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)

@@ -7,7 +7,8 @@ issued each) and the functions that take the most host time.
 One system per process (as bench.peer_vllm runs them). Prints one JSON object: tokens/s of a plain
 timed generate, the engine's model runner / async scheduling, the distinct synchronising call sites
 (torch's sync debug mode) with their counts per generated step, and cProfile's top functions by own
-time.
+time. `--kernels`: instead, the GPU kernels of one generate by total device time (torch.profiler;
+kernels replayed from CUDA graphs are listed where CUPTI traces them, else use --system *-eager).
 """
 from __future__ import annotations
 
@@ -56,6 +57,26 @@ def _sync_sites(run) -> collections.Counter:
     return sites
 
 
+def _kernel_table(run, top: int) -> list[dict]:
+    """The `top` GPU kernels of run() by total device time (on CPU: torch ops by own CPU time): name,
+    calls, total and mean microseconds, share."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+
+    def own_us(e):
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+    events = sorted((e for e in prof.key_averages() if own_us(e) > 0), key=own_us, reverse=True)
+    total = sum(own_us(e) for e in events) or 1.0
+    return [dict(kernel=e.key[:120], calls=e.count, total_us=round(own_us(e), 1),
+                 mean_us=round(own_us(e) / max(e.count, 1), 2), share=round(own_us(e) / total, 4))
+            for e in events[:top]]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model")
@@ -72,13 +93,15 @@ def main():
     p.add_argument("--kv-cache-mib", type=int, default=512)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--kernels", action="store_true", help="list GPU kernels by device time instead")
     p.add_argument("--out")
     args = p.parse_args()
     tmp = None
     if not args.model:
-        from bench.rollout import build_model
+        from bench.rollout import save_model
         tmp = tempfile.TemporaryDirectory(prefix="step-profile-")
-        build_model(args.shape, "cpu", args.num_layers).save_pretrained(tmp.name)
+        save_model(args.shape, tmp.name, args.num_layers)
         args.model = tmp.name
     import transformers
     prompts = _workload(args, transformers.AutoConfig.from_pretrained(args.model).vocab_size)
@@ -95,17 +118,19 @@ def main():
     outs = generate()
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = args.max_tokens  # decode steps of one generate (prefill steps add a few)
+    common = dict(benchmark="vllm_step_profile", system=args.system, shape=None if tmp is None else args.shape,
+                  prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens, **engine_facts(llm),
+                  tokens_per_s=round(tokens / seconds, 1), ms_per_step=round(1000 * seconds / steps, 3))
+    if args.kernels:
+        emit(dict(common, kernels=_kernel_table(generate, args.top)), args.out)
+        return
     sites = _sync_sites(generate)
     profiler = cProfile.Profile()
     profiler.runcall(generate)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
-    steps = args.max_tokens  # decode steps of one generate (prefill steps add a few)
-    emit(dict(benchmark="vllm_step_profile", system=args.system, shape=None if tmp is None else args.shape,
-              prompts=args.prompts,
-              prompt_len=args.prompt_len, max_tokens=args.max_tokens, **engine_facts(llm),
-              tokens_per_s=round(tokens / seconds, 1), ms_per_step=round(1000 * seconds / steps, 3),
-              sync_sites_per_step={k: round(v / steps, 2) for k, v in sites.most_common(30)},
+    emit(dict(common, sync_sites_per_step={k: round(v / steps, 2) for k, v in sites.most_common(30)},
               host_top=text.getvalue().splitlines()[:args.top + 12]), args.out)
     if tmp is not None:
         tmp.cleanup()
