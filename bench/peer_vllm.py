@@ -3,7 +3,8 @@
     python bench/peer_vllm.py [--model DIR] [--prompts 64] [--max-tokens 64] [--out FILE]
 
 Same checkpoint, prompts and sampling settings for every system; each system runs in its own
-subprocess (VLLM_BATCH_INVARIANT=1 must be set before vLLM starts). Without --model a tiny random
+subprocess (VLLM_BATCH_INVARIANT=1 must be set before vLLM starts); `--repeats N` runs the systems
+round robin N times and reports each system's median run. Without --model a tiny random
 Qwen2 is saved to a temp dir, which is what runs on CPU (`--prompts 8 --max-tokens 16` for a quick
 check). Prints (and with --out writes) one JSON object: generated tokens per second per system, plus
 the acceptance rate of vLLM's proposals in verified mode. Systems that cannot run (e.g. the
@@ -263,6 +264,9 @@ def main():
                    help="vllm* systems: vLLM's tensor parallelism over this many GPUs (the plugin's row-parallel "
                         "outputs combined by the segment tree, stock vLLM's by its all-reduce)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list of {ALL_SYSTEMS}")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the systems round robin this many times (each run its own process); a system's "
+                        "tokens_per_s is then its median run and runs_tokens_per_s lists them in order")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -280,16 +284,19 @@ def main():
             from rollout_service.tiny_models import tiny_model
             tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
         args.model = tmp.name
-    args.passthrough = _strip(sys.argv[1:], ("--out", "--systems", "--model", "--timeout", "--shape", "--num-layers"))
+    args.passthrough = _strip(sys.argv[1:], ("--out", "--systems", "--model", "--timeout", "--shape", "--num-layers",
+                                             "--repeats"))
     args.passthrough += ["--model", args.model]
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(ALL_SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")
-    results = {}
-    for system in systems:  # each result as it comes: a long run that is cut off still reports
-        results[system] = _child(args, system)
-        print(f"{system}: {json.dumps(results[system])}", file=sys.stderr, flush=True)
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for r in range(args.repeats):  # round robin: drift of the machine falls on every system alike
+        for system in systems:  # each result as it comes: a long run that is cut off still reports
+            runs[system].append(_child(args, system))
+            print(f"{system}: {json.dumps(runs[system][-1])}", file=sys.stderr, flush=True)
+    results = {system: _median_run(rs) for system, rs in runs.items()}
     for base in ("vllm", "vllm-batch-invariant"):  # ratios inside this one run
         base_tps = results.get(base, {}).get("tokens_per_s")
         for res in results.values():
@@ -307,6 +314,18 @@ def main():
     emit(report, args.out)
     if tmp is not None:
         tmp.cleanup()
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """One system's runs as one result: the median run by tokens/s (the first error if none ran),
+    with every run's tokens/s in order when there were several."""
+    ok = sorted((r for r in runs if "tokens_per_s" in r), key=lambda r: r["tokens_per_s"])
+    if not ok:
+        return runs[0]
+    out = dict(ok[(len(ok) - 1) // 2])
+    if len(runs) > 1:
+        out["runs_tokens_per_s"] = [round(r.get("tokens_per_s", float("nan")), 1) for r in runs]
+    return out
 
 
 def _strip(argv: list[str], names) -> list[str]:

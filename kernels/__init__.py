@@ -81,6 +81,15 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return add_with_grad(backend_for(a).add, a, b)
 
 
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Writes token n's K and V [Hkv, D] at (blocks[n], offsets[n]) of paged pools [NB, BS, Hkv, D]
+    (strided views allowed); a copy, one launch on GPU."""
+    if k.shape != v.shape or k.dim() != 3 or k_pool.shape[2:] != k.shape[1:]:
+        raise ValueError(f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit pools {tuple(k_pool.shape)}")
+    backend_for(k).write_kv(k_pool, v_pool, blocks, offsets, k, v)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
               block_table: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Canonical causal GQA attention; query (b, t) sees keys 0..positions[b, t] of sequence b.
@@ -113,4 +122,4 @@ __all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TR
            "attention", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
            "kernel_family", "log_softmax", "logprob_temperature", "matmul", "rms_norm", "rotary", "sample",
            "sampling_position", "sampling_positions", "scale_logits", "set_tree_segments", "silu_mul",
-           "token_logprobs", "tree_segments"]
+           "token_logprobs", "tree_segments", "write_kv"]

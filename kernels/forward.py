@@ -6,10 +6,11 @@ runs the very same code with ordinary torch ops. Weights are read from the Huggi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+import kernels as K
 from kernels.moe import MoESpec, is_moe_block, moe_forward, moe_spec
 from kernels.opset import CANONICAL_OPS, OpSet
 from kernels.rope import RopeTable
@@ -74,14 +75,16 @@ class PagedKV:
     v_pools: list[torch.Tensor]
     block_table: torch.Tensor  # [B, max_blocks] int
     slot_mapping: torch.Tensor  # [B, T] flat slot per token (padding tokens: a scratch slot nobody reads)
+    _cache_index: tuple | None = field(default=None, init=False, repr=False)
 
     def attend(self, ops: OpSet, layer_idx: int, q, k, v, positions, scale: float) -> torch.Tensor:
         """Writes this step's K/V at slot_mapping, then attends over the cache."""
         # fixed shapes, no host sync: a forward over this cache can be captured in a CUDA graph
         kp, vp = self.k_pools[layer_idx], self.v_pools[layer_idx]
-        slots = self.slot_mapping.reshape(-1)
-        kp.view(-1, *kp.shape[2:]).index_copy_(0, slots, k.reshape(-1, *k.shape[2:]).to(kp.dtype))
-        vp.view(-1, *vp.shape[2:]).index_copy_(0, slots, v.reshape(-1, *v.shape[2:]).to(vp.dtype))
+        if self._cache_index is None:  # (block, offset) per token, shared by every layer
+            slots = self.slot_mapping.reshape(-1)
+            self._cache_index = (slots // kp.shape[1], slots % kp.shape[1])
+        K.write_kv(kp, vp, *self._cache_index, k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]))
         return ops.attention(q, kp, vp, positions, self.block_table, scale)
 
 

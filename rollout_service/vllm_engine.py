@@ -58,9 +58,6 @@ class VLLMEngine:
                       tensor_parallel_size=tensor_parallel_size, **(vllm_options or {}))
         if self.device.type == "cuda":
             common.setdefault("gpu_memory_utilization", share)
-        # the stock engine first: vLLM's V1 runner (the canonical engine's for MoE models) switches graph
-        # capture off process-wide once it has captured, and the stock engine's V2 runner would then refuse
-        # to capture
         self.stock = VLLMFastPath(self._tmpdir, stock_sampler=True, **common) if stock_for_off else None
         self.canonical = VLLMFastPath(self._tmpdir, hf_overrides=dict(HF_OVERRIDES),
                                       **graph_options(cuda_graphs and self.device.type == "cuda"), **common)

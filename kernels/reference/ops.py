@@ -139,3 +139,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() + b.float()).to(torch.bfloat16)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_pool[blocks[n], offsets[n]] = k[n] (and v): token n's [Hkv, D] into a paged cache (strided views allowed)."""
+    k_pool[blocks, offsets] = k.to(k_pool.dtype)
+    v_pool[blocks, offsets] = v.to(v_pool.dtype)

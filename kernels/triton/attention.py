@@ -133,3 +133,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         HAS_TABLE=block_table is not None, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=block_m, BLOCK_N=BLOCK_KV, num_warps=warps, num_stages=stages)
     return out
+
+
+@triton.jit(do_not_specialize=["N"])
+def _write_kv_kernel(k_ptr, v_ptr, kp_ptr, vp_ptr, blocks_ptr, offsets_ptr, N,
+                     stride_kn, stride_kh, stride_vn, stride_vh,
+                     stride_kpb, stride_kpo, stride_kph, stride_vpb, stride_vpo, stride_vph,
+                     D: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, BLOCK)
+    mask = idx < HD
+    h, d = idx // D, idx % D
+    b = tl.load(blocks_ptr + n).to(tl.int64)
+    o = tl.load(offsets_ptr + n).to(tl.int64)
+    k = tl.load(k_ptr + n * stride_kn + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + n * stride_vn + h * stride_vh + d, mask=mask)
+    tl.store(kp_ptr + b * stride_kpb + o * stride_kpo + h * stride_kph + d, k.to(kp_ptr.dtype.element_ty), mask=mask)
+    tl.store(vp_ptr + b * stride_vpb + o * stride_vpo + h * stride_vph + d, v.to(vp_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Both of a layer's cache writes in one launch (a copy: the reference's index_put, same bits).
+    Pools [NB, BS, Hkv, D] may be strided views (vLLM's layouts); k, v [N, Hkv, D] with unit stride in D."""
+    n, hkv, d = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        from kernels.reference import ops
+        return ops.write_kv(k_pool, v_pool, blocks, offsets, k, v)
+    if n == 0:
+        return
+    _write_kv_kernel[(n,)](k, v, k_pool, v_pool, blocks, offsets, n, k.stride(0), k.stride(1), v.stride(0),
+                           v.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3], D=d, HD=hkv * d,
+                           BLOCK=triton.next_power_of_2(hkv * d), num_warps=4)

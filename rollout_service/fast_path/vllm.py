@@ -23,6 +23,7 @@ import torch
 
 from ..vllm_plugin import HF_OVERRIDES, pick_runner, runner_options
 from ..vllm_plugin.sampling import CAPTURE, EXTRA_ARGS_KEY, PROCESSOR_FQCN
+from ..vllm_plugin import compat
 from ..vllm_plugin.tensor_parallel import tp_options
 from .base import DraftRequest, Proposal
 
@@ -139,6 +140,7 @@ class VLLMFastPath:
         else:
             self.runner = pick_runner(path)
             sampler = runner_options(self.runner)
+        compat.allow_graph_capture()  # an earlier engine of this process may have cleared it
         self.llm = LLM(model=path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        skip_tokenizer_init=True, enable_prefix_caching=True,
                        worker_extension_cls=WORKER_EXTENSION, **sampler, **llm_options)

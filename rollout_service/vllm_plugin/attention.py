@@ -13,6 +13,8 @@ import torch
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                        AttentionMetadataBuilder, CommonAttentionMetadata)
 
+import kernels as K
+
 from . import compat
 
 
@@ -136,8 +138,7 @@ class PagedKVAdapter:
         if self._cache_index is None:
             self._cache_index = (self.slots // kp.shape[1], self.slots % kp.shape[1])
         blocks, offsets = self._cache_index
-        kp[blocks, offsets] = k.to(kp.dtype)  # strided pools: index_put writes through the view
-        vp[blocks, offsets] = v.to(vp.dtype)
+        K.write_kv(kp, vp, blocks, offsets, k, v)  # strided pools: written through the views, one launch
         groups = self.prefill
         if groups is None:
             return ops.attention(q, kp, vp, positions, self.token_block_table, scale)

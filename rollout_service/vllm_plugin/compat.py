@@ -1,4 +1,5 @@
-"""The parts of vLLM's KV-cache API that differ between the versions we run (0.25 on GPU, 0.32 on CPU).
+"""vLLM internals we depend on beyond its public API: the parts of the KV-cache API that differ between
+the versions we run (0.25 on GPU, 0.32 on CPU), and vLLM's process-wide graph-capture flag.
 
 0.25 allocates a layer's cache in the shape the backend's `get_kv_cache_shape` returns; we ask for
 [num_blocks, 2, block_size, Hkv, D] (FlashAttention's blocks-first shape) and unbind K and V.
@@ -33,3 +34,12 @@ def split_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torc
     # 0.32: logical [NB, H, BS, 2D], whatever the physical order
     k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)
     return k, v
+
+
+def allow_graph_capture() -> None:
+    """Restores the process-wide "capture allowed" flag of vllm.compilation.monitor, as a fresh process
+    has it. vLLM's V1 runner clears it after capturing its graphs; a later engine in the same process
+    whose runner does not set it again (V2 with torch.compile's piecewise graphs) would then refuse to
+    capture. Call before building an engine."""
+    from vllm.compilation import monitor
+    monitor.set_cudagraph_capturing_enabled(True)

@@ -434,3 +434,26 @@ def test_rotary_and_add_equal_the_reference_formulas_bitwise(kt):
     a, b = randn(5, 9, 1536, seed=23), randn(5, 9, 1536, seed=24)
     assert same_bits(kt.add(a, b), reference.add(a, b))
     assert not same_bits(kt.add(a, b), reference.add(a, b * 1.01))  # the comparison can fail
+
+
+@pytest.mark.parametrize("layout", ["blocks-first", "kv-interleaved"])
+def test_write_kv_equals_index_put_on_strided_pools(kt, layout):
+    """One launch writes K and V where the reference's index_put does: vLLM 0.25's [NB, 2, BS, H, D]
+    cache unbound into K and V views, and contiguous pools; q/k/v as column splits of one projection."""
+    from kernels.reference import ops
+    g = gen(0)
+    nb, bs, h, d, n = 12, 16, 4, 64, 37
+    if layout == "kv-interleaved":
+        kp, vp = torch.zeros(nb, 2, bs, h, d, device=DEV, dtype=BF).unbind(1)
+    else:
+        kp, vp = (torch.zeros(nb, bs, h, d, device=DEV, dtype=BF) for _ in range(2))
+    qkv = torch.randn(n, 3 * h * d, device=DEV, generator=g).bfloat16()
+    k = qkv[:, : h * d].view(n, h, d)  # non-contiguous rows, as the fused projection's split gives
+    v = qkv[:, h * d: 2 * h * d].view(n, h, d)
+    slots = torch.randperm(nb * bs, device=DEV, generator=g)[:n]
+    blocks, offsets = slots // bs, slots % bs
+    want_k, want_v = kp.clone(), vp.clone()
+    ops.write_kv(want_k, want_v, blocks, offsets, k, v)
+    kt.write_kv(kp, vp, blocks, offsets, k, v)
+    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
+    assert kp.abs().sum() > 0
