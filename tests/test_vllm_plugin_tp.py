@@ -15,9 +15,9 @@ import torch
 pytest.importorskip("vllm")
 
 from rollout_service import Engine, SamplingParams  # noqa: E402
-from rollout_service.fast_path.vllm import VLLMFastPath, WORKER_EXTENSION  # noqa: E402
+from rollout_service.fast_path.vllm import WORKER_EXTENSION  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.vllm_plugin import HF_OVERRIDES, llm_options, register  # noqa: E402
+from rollout_service.vllm_plugin import llm_options, register  # noqa: E402
 from rollout_service.vllm_plugin.tensor_parallel import TP_REDUCE_KEY  # noqa: E402
 from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501
 
@@ -125,23 +125,27 @@ def test_tp4_tied_checkpoint_equals_trainer(tmp_path_factory):
     assert_matches_trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), prompts, params, results)
 
 
-def test_weight_update_reaches_every_rank(checkpoint, policy):
-    """VLLMFastPath's push (files to each worker process, vLLM's in-place reload): each rank loads its
-    slice of the new full weights."""
+def test_worker_engine_at_tp2_with_a_weight_push(checkpoint, policy):
+    """VLLMEngine, a RolloutWorker's engine on vLLM, at tensor_parallel_size=2: its rollouts equal
+    the trainer's; a weight push (files to each worker process, vLLM's in-place reload, each rank
+    loading its slice of the full weights) returns the pushed weights' digest and the new rollouts
+    equal the new trainer's."""
+    from rollout_service.vllm_engine import VLLMEngine
+    from rollout_service.weights import model_digest
     prompts, params = _workload()
-    fast = VLLMFastPath(checkpoint, hf_overrides=dict(HF_OVERRIDES), tensor_parallel_size=2, **{
-        k: v for k, v in ENGINE.items() if k not in ("dtype", "skip_tokenizer_init", "enable_prefix_caching",
-                                                     "seed", "worker_extension_cls")})
+    engine = VLLMEngine(checkpoint, device="cpu", tensor_parallel_size=2, max_model_len=256, max_num_seqs=8,
+                        vllm_options=dict(block_size=16, max_num_batched_tokens=MAX_BATCHED))
     try:
-        assert not fast.in_process  # the ranks are vLLM's worker processes
-        before = vllm_generate(fast.llm, prompts, params)
+        assert not engine.canonical.in_process  # the ranks are vLLM's worker processes
+        before = [(r.token_ids, r.logprobs, 0) for r in engine.generate(prompts, params)]
+        assert_matches_trainer(policy, prompts, params, before)
         new = tiny_model("qwen2", seed=23, **MODEL_KW)
-        fast.update_weights(new.state_dict())
-        after = vllm_generate(fast.llm, prompts, params)
-        assert_matches_trainer(new, prompts, params, after)
-        assert [r[:2] for r in after] != [r[:2] for r in before]
+        assert engine.update_weights(new.state_dict()) == model_digest(new.to(torch.bfloat16))
+        after = [(r.token_ids, r.logprobs, 0) for r in engine.generate(prompts, params)]
     finally:
-        fast.close()
+        engine.close()
+    assert_matches_trainer(new, prompts, params, after)
+    assert [r[:2] for r in after] != [r[:2] for r in before]
 
 
 def test_a_model_that_cannot_be_split_is_refused_before_workers_start(tmp_path_factory):
