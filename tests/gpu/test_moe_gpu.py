@@ -162,7 +162,21 @@ def test_moe_block_grouped_equals_loop_30b_a3b(a3b_block, tokens):
 def test_negative_control_stock_decoding_differs_from_the_training_forward():
     """Stock transformers Qwen3-MoE (bf16, its default attention and experts): the logits of tokens
     decoded one at a time with a KV cache differ in some bit from the training forward's logits of the
-    same sequence. The canonical forward (trainer_patch) makes them equal: the engine tests."""
+    same sequence. The canonical forward (trainer_patch) makes them equal: the engine tests.
+    Run with torch's default SDPA backends, as in a plain training process: importing vLLM (other
+    GPU test modules do, at collection) switches cuDNN attention off process-wide, and with flash
+    attention alone these tiny shapes decode to the training forward's bits."""
+    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        differing = _stock_decoding_mismatches()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
+    assert differing > 0, "stock decoding equalled the training forward bit for bit: this control shows nothing"
+
+
+def _stock_decoding_mismatches() -> int:
+    """Tokens whose logits differ between decoding with a KV cache and the training forward."""
     model = tiny_model("qwen3_moe", seed=3, hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=2,
                        num_layers=4, vocab_size=512, max_positions=1024).to(CUDA).eval()
     ids = torch.randint(0, 512, (4, 96), generator=torch.Generator().manual_seed(4)).to(CUDA)
@@ -175,8 +189,7 @@ def test_negative_control_stock_decoding_differs_from_the_training_forward():
             out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
             steps.append(out.logits[:, -1])
         rollout = torch.stack(steps, dim=1).float()
-    differing = (rollout != train).any(-1).sum().item()
-    assert differing > 0, "stock decoding equalled the training forward bit for bit: this control shows nothing"
+    return (rollout != train).any(-1).sum().item()
 
 
 # --------------------------------------------------------------------------- (e) gradients
