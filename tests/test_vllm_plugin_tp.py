@@ -156,3 +156,21 @@ def test_a_model_that_cannot_be_split_is_refused_before_workers_start(tmp_path_f
         llm_options(path, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         llm_options(path, tensor_parallel_size=0)
+
+
+def test_pool_worker_runs_vllm_tp_from_a_checkpoint_path(checkpoint):
+    """A checkpoint path handed to a pool worker with backend="vllm" and tensor_parallel_size=2: the
+    worker's actor runs vLLM's TP (two worker processes of its own) and its rollouts are the TP = 1
+    native engine's, bit for bit."""
+    import service_shared as shared
+    from rollout_service import start_pool
+    shared.cluster()
+    prompts, params = _workload()
+    pool = start_pool(checkpoint, num_workers=1, name="vllm-tp2", engine_kwargs=dict(
+        backend="vllm", device="cpu", tensor_parallel_size=2, max_model_len=256, max_num_seqs=8,
+        vllm_options=dict(block_size=16, max_num_batched_tokens=MAX_BATCHED)))
+    try:
+        got = pool.generate(prompts, params)
+    finally:
+        pool.shutdown()
+    shared.assert_same(got, Engine(checkpoint, window=4, group=4).generate(prompts, params), "vllm TP=2 worker")
