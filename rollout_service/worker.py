@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
+import torch
 
 from .config import ParallelConfig, split_worker_options
 from .engine import Engine, load_model
@@ -80,7 +81,9 @@ class RolloutWorker:
         if "device" not in kwargs and ray.get_gpu_ids():
             kwargs["device"] = "cuda"  # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPUs
         tp = parallel.tensor_parallel_size
-        backend = engine_backend(parallel.backend, kwargs.get("device", "cpu"), tp, len(ray.get_gpu_ids()))
+        # GPUs this actor may use: Ray's grant, or every visible one where Ray granted none
+        gpus = len(ray.get_gpu_ids()) or (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        backend = engine_backend(parallel.backend, kwargs.get("device", "cpu"), tp, gpus)
         self._tp_group = None
         if backend == "vllm":
             from .vllm_engine import VLLMEngine  # vLLM is optional

@@ -103,7 +103,8 @@ class VLLMFastPath:
     before the first LLM, uniprocess executor); vLLM's CPU worker then makes torch.set_num_threads a
     no-op process-wide. `tensor_parallel_size` > 1: vLLM's worker processes, one per rank
     (vllm_plugin.tensor_parallel); weights then reach them through files. `logits_processor`: the
-    processor class (or "module:Class"); the default applies kernels.sample. `capture()` records what the processor saw (all LLMs of the process).
+    processor class (or "module:Class"); the default applies kernels.sample. `capture()` records what
+    the processor saw (all LLMs of the process).
     """
 
     name = "vllm"

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from kernels.forward import CANONICAL_OPS, OpSet, model_spec
+from kernels.forward import CANONICAL_OPS, ModelSpec, OpSet, model_spec
 from kernels.tp import Collectives, check_tp, local_vocab_rows, localize_config, shard_tensor, tp_ops
 
 TP_REDUCE_KEY = "zerokl_tp_reduce"
@@ -52,12 +52,8 @@ class PluginTP:
         TP=1 numbers kept (kernels.tp.check_tp)."""
         if self.world_size == 1:
             return hf_config
-        import transformers
-        with torch.device("meta"):
-            full = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
-        check_tp(full, self.world_size)
         config = copy.deepcopy(hf_config)
-        localize_config(config, model_spec(full), self.world_size)
+        localize_config(config, check_split(hf_config, self.world_size), self.world_size)
         return config
 
     def shard_lm_head(self, hf: torch.nn.Module, vocab_size: int) -> None:
@@ -96,21 +92,19 @@ CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 _CPU_BINDING: dict[str, str] = {}  # the value tp_options last set (a user's own value is left alone)
 
 
-def check_checkpoint(model: str | os.PathLike, tensor_parallel_size: int) -> None:
-    """ValueError unless checkpoint `model` can run k = tensor_parallel_size ways with the TP=1
-    numbers kept (kernels.tp.check_tp), before any vLLM worker starts."""
+def check_split(hf_config, tensor_parallel_size: int) -> ModelSpec:
+    """The full model's spec; ValueError unless it can run k = tensor_parallel_size ways with the
+    TP=1 numbers kept (kernels.tp.check_tp). Builds the model on the meta device: no memory."""
     import transformers
-    if tensor_parallel_size == 1:
-        return
-    config = transformers.AutoConfig.from_pretrained(str(model))
     with torch.device("meta"):
-        full = transformers.AutoModelForCausalLM.from_config(config)
+        full = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
     check_tp(full, tensor_parallel_size)
+    return model_spec(full)
 
 
 def tp_options(model: str | os.PathLike | None, tensor_parallel_size: int) -> dict:
     """vLLM keywords for the plugin on k = tensor_parallel_size workers: vLLM's multiprocessing
-    executor. Checks the checkpoint first (check_checkpoint). On CPU, sets VLLM_CPU_OMP_THREADS_BIND
+    executor. Checks the checkpoint first (check_split). On CPU, sets VLLM_CPU_OMP_THREADS_BIND
     (unless the user set it) to one core per rank, round robin: vLLM's CPU build otherwise wants a
     NUMA node per rank."""
     k = tensor_parallel_size
@@ -118,8 +112,9 @@ def tp_options(model: str | os.PathLike | None, tensor_parallel_size: int) -> di
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {k!r}")
     if k == 1:
         return {}
-    if model is not None:
-        check_checkpoint(model, k)
+    if model is not None:  # before any vLLM worker starts
+        import transformers
+        check_split(transformers.AutoConfig.from_pretrained(str(model)), k)
     if not torch.cuda.is_available() and os.environ.get(CPU_BIND_ENV) in (None, _CPU_BINDING.get("ours")):
         cores = sorted(os.sched_getaffinity(0))
         os.environ[CPU_BIND_ENV] = _CPU_BINDING["ours"] = "|".join(str(cores[r % len(cores)]) for r in range(k))
