@@ -12,6 +12,7 @@ scaled_dot_product_attention. rms_norm and log_softmax vs torch.
 from __future__ import annotations
 
 import argparse
+import importlib
 import dataclasses
 import json
 import os
@@ -216,31 +217,41 @@ def run_attention(rep: int):
                                       "canonical_tflops": round(flops / t_can / 1e9, 1),
                                       "sdpa_tflops": round(flops / t_sdpa / 1e9, 1)}
         del q, k, v
-    # decode: batch 64, one new token each, 4096 keys in cache
-    bsz, ctx = 64, 4096
-    q = torch.randn(bsz, 1, hq, d, device=dev, dtype=bf)
-    k = torch.randn(bsz, ctx, hkv, d, device=dev, dtype=bf)
-    v = torch.randn(bsz, ctx, hkv, d, device=dev, dtype=bf)
-    pos = torch.full((bsz, 1), ctx - 1, device=dev, dtype=torch.int64)
-    t_can = bench_ms(lambda: kt.attention(q, k, v, pos), rep=rep)
-    fn, backend = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False)
-    t_sdpa = bench_ms(fn, rep=rep)
-    kv_bytes = 2 * k.numel() * k.element_size()
-    entry = {"canonical_ms": round(t_can, 4), "sdpa_ms": round(t_sdpa, 4), "sdpa_backend": backend,
-             "canonical_over_sdpa": round(t_can / t_sdpa, 3),
-             "canonical_GBps": round(kv_bytes / t_can / 1e6, 1), "sdpa_GBps": round(kv_bytes / t_sdpa / 1e6, 1)}
-    # same cache paged (16-token pages, shuffled)
-    bs = 16
-    nb = ctx // bs
-    perm = torch.randperm(bsz * nb, device=dev).reshape(bsz, nb).to(torch.int32)
-    kc = torch.empty(bsz * nb, bs, hkv, d, device=dev, dtype=bf)
-    vc = torch.empty_like(kc)
-    kc[perm.reshape(-1).long()] = k.reshape(bsz * nb, bs, hkv, d)
-    vc[perm.reshape(-1).long()] = v.reshape(bsz * nb, bs, hkv, d)
-    t_paged = bench_ms(lambda: kt.attention(q, kc, vc, pos, block_table=perm), rep=rep)
-    entry["canonical_paged16_ms"] = round(t_paged, 4)
-    entry["canonical_paged16_over_sdpa"] = round(t_paged / t_sdpa, 3)
-    res["decode_64x4096"] = entry
+    # decode, one new token per sequence: (batch, keys in cache, query heads, KV heads) of Llama-8B and
+    # of Qwen2.5-1.5B's long rollouts; canonical with the splits reduced in parallel (what a decode
+    # step runs) and walked in one program (what prefill runs: same bits), against SDPA
+    A = importlib.import_module("kernels.triton.attention")  # the module, not the package's function
+    for bsz, ctx, hq, hkv in ((64, 4096, 32, 8), (32, 8192, 12, 2)):
+        q = torch.randn(bsz, 1, hq, d, device=dev, dtype=bf)
+        k = torch.randn(bsz, ctx, hkv, d, device=dev, dtype=bf)
+        v = torch.randn(bsz, ctx, hkv, d, device=dev, dtype=bf)
+        pos = torch.full((bsz, 1), ctx - 1, device=dev, dtype=torch.int64)
+        t_can = bench_ms(lambda: kt.attention(q, k, v, pos), rep=rep)
+        try:
+            A._FORCED_PARALLEL_SPLITS = False
+            t_walk = bench_ms(lambda: kt.attention(q, k, v, pos), rep=rep)
+        finally:
+            A._FORCED_PARALLEL_SPLITS = None
+        fn, backend = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False)
+        t_sdpa = bench_ms(fn, rep=rep)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        entry = {"canonical_ms": round(t_can, 4), "canonical_walking_splits_ms": round(t_walk, 4),
+                 "sdpa_ms": round(t_sdpa, 4), "sdpa_backend": backend,
+                 "canonical_over_sdpa": round(t_can / t_sdpa, 3),
+                 "canonical_GBps": round(kv_bytes / t_can / 1e6, 1), "sdpa_GBps": round(kv_bytes / t_sdpa / 1e6, 1)}
+        # same cache paged (16-token pages, shuffled)
+        bs = 16
+        nb = ctx // bs
+        perm = torch.randperm(bsz * nb, device=dev).reshape(bsz, nb).to(torch.int32)
+        kc = torch.empty(bsz * nb, bs, hkv, d, device=dev, dtype=bf)
+        vc = torch.empty_like(kc)
+        kc[perm.reshape(-1).long()] = k.reshape(bsz * nb, bs, hkv, d)
+        vc[perm.reshape(-1).long()] = v.reshape(bsz * nb, bs, hkv, d)
+        t_paged = bench_ms(lambda: kt.attention(q, kc, vc, pos, block_table=perm), rep=rep)
+        entry["canonical_paged16_ms"] = round(t_paged, 4)
+        entry["canonical_paged16_over_sdpa"] = round(t_paged / t_sdpa, 3)
+        res[f"decode_{bsz}x{ctx}_{hq}q{hkv}kv"] = entry
+        del q, k, v, kc, vc
     return res
 
 

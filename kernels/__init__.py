@@ -97,7 +97,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     q [B, T, Hq, D] bf16. Contiguous KV: k, v [B, L, Hkv, D] (key j at position j). Paged KV:
     k, v [num_blocks, block_size, Hkv, D] with block_table [B, max_blocks]. Negative positions are
     padding rows. KV is visited in blocks of kernel_family(q.device).attention_block_kv positions from 0,
-    whatever the layout.
+    in splits of attention_split_kv positions merged in order, whatever the layout.
     """
     _check("q", q, dims=4, dtype=torch.bfloat16)
     _check("k", k, dims=4, dtype=torch.bfloat16)
@@ -111,8 +111,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         raise ValueError("contiguous KV must have one sequence per query batch row")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     impl = backend_for(q).attention
+    family = kernel_family(q.device)
     fwd = lambda q_, k_, v_: impl(q_, k_, v_, positions, block_table=block_table, scale=scale,  # noqa: E731
-                                  block_kv=kernel_family(q.device).attention_block_kv)
+                                  block_kv=family.attention_block_kv, split_kv=family.attention_split_kv)
     if block_table is not None:
         return fwd(q, k, v)
     return with_reference_grad(fwd, lambda q_, k_, v_: attention_ref(q_, k_, v_, positions, scale), q, k, v)

@@ -39,4 +39,4 @@ def canonical_config(device: torch.device | str = "cpu") -> CanonicalConfig:
     """The contract of canonical ops run on `device` in this process."""
     family = kernel_family(device)
     return CanonicalConfig(KERNELS_VERSION, torch.device(device).type, family.name, family.matmul_block_k,
-                           family.attention_block_kv, tree_segments())
+                           family.attention_block_kv, family.attention_split_kv, tree_segments())

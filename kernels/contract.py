@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 # Bumped whenever a kernel's arithmetic changes (a new version never promises the old bits).
-KERNELS_VERSION = "0.2.0"
+KERNELS_VERSION = "0.3.0"
 
 # Segments of the row-parallel segment tree: the largest tensor-parallel degree whose forward equals
 # this one. Fewer are faster (1: no tree, the plain canonical matmul) and allow fewer TP degrees.
@@ -26,12 +26,17 @@ class KernelFamily:
     name: str
     matmul_block_k: int  # K elements folded into the fp32 accumulator per step, in order from k = 0
     attention_block_kv: int  # KV positions per online-softmax block, from position 0
+    # KV positions per split, from position 0 (a multiple of attention_block_kv): each split runs its
+    # own online softmax and a row's splits are merged in order. Decode steps reduce the splits of a
+    # long context in parallel (split-KV) and prefill walks them in one program: same bits.
+    attention_split_kv: int
 
 
-# Plain torch (any device): sequential rank-1 updates over K; attention in blocks of 16 keys.
-REFERENCE = KernelFamily("reference", matmul_block_k=1, attention_block_kv=16)
-# Triton on CUDA: one tensor-core dot per 64 K-elements; attention in blocks of 64 keys.
-TRITON = KernelFamily("triton", matmul_block_k=64, attention_block_kv=64)
+# Plain torch (any device): sequential rank-1 updates over K; attention in blocks of 16 keys, splits
+# of 32 (small, so that CPU tests cross split boundaries).
+REFERENCE = KernelFamily("reference", matmul_block_k=1, attention_block_kv=16, attention_split_kv=32)
+# Triton on CUDA: one tensor-core dot per 64 K-elements; attention in blocks of 64 keys, splits of 512.
+TRITON = KernelFamily("triton", matmul_block_k=64, attention_block_kv=64, attention_split_kv=512)
 
 
 def _valid_tree_segments(value, source: str) -> int:
@@ -67,11 +72,13 @@ class CanonicalConfig:
     kernel_family: str
     matmul_block_k: int
     attention_block_kv: int
+    attention_split_kv: int
     tree_segments: int
 
     def describe(self) -> str:
         return (f"kernels {self.kernels_version} on {self.device_type} ({self.kernel_family}, "
                 f"block_k {self.matmul_block_k}, block_kv {self.attention_block_kv}, "
+                f"split_kv {self.attention_split_kv}, "
                 f"tree {self.tree_segments})")
 
     def to_dict(self) -> dict:

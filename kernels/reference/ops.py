@@ -67,16 +67,34 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -
     return blocks.reshape(block_table.shape[0], -1, *cache.shape[2:])
 
 
+def merge_split_state(total, split):
+    """Merge a split's online-softmax state (max, denominator, accumulator) into the running total;
+    an empty split (max -inf) leaves the total exactly as it was, and the first one is taken as is."""
+    m_tot, den_tot, acc_tot = total
+    m_s, den_s, acc_s = split
+    m_new = torch.maximum(m_tot, m_s)
+
+    def weight(m):  # exp(m - m_new), exactly 1 where m is the max and 0 where m is -inf
+        return torch.where(m == m_new, 1.0, torch.where(torch.isinf(m), 0.0, em.exp(m - m_new)))
+    a, b = weight(m_tot), weight(m_s)
+    return m_new, den_s * b + den_tot * a, acc_s * b.unsqueeze(-1) + acc_tot * a.unsqueeze(-1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               block_table: torch.Tensor | None = None, scale: float | None = None,
-              block_kv: int = REFERENCE.attention_block_kv) -> torch.Tensor:
+              block_kv: int = REFERENCE.attention_block_kv,
+              split_kv: int = REFERENCE.attention_split_kv) -> torch.Tensor:
     """Causal GQA attention where query (b, t) at positions[b, t] sees keys 0..positions[b, t] of b.
 
     q [B, T, Hq, D]. Contiguous KV: k, v [B, L, Hkv, D], key j at position j. Paged KV: k, v
     [NB, BS, Hkv, D] with block_table [B, nb]. Negative positions mark padding rows (output 0).
-    KV is visited in blocks of `block_kv` positions from 0 with an fp32 online softmax; blocks with no
-    visible key leave a row's state untouched, so extra blocks (a longer neighbour) change nothing.
+    KV is cut into splits of `split_kv` positions from 0; within a split, blocks of `block_kv`
+    positions run an fp32 online softmax from a fresh state, and the splits' states are merged in
+    order (merge_split_state). Blocks or splits with no visible key leave a row's state untouched, so
+    extra ones (a longer neighbour) change nothing.
     """
+    if split_kv <= 0 or split_kv % block_kv:
+        raise ValueError(f"split_kv ({split_kv}) must be a positive multiple of block_kv ({block_kv})")
     bsz, tq, hq, d = q.shape
     max_pos = int(positions.max().item()) if positions.numel() else -1
     n_keys = max_pos + 1
@@ -104,11 +122,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         scores.addcmul_(qf[..., j:j + 1], kt[:, :, j:j + 1, :])
     scores = scores * scale
 
-    m = torch.full((bsz, hq, tq), float("-inf"), device=q.device)
-    denom = torch.zeros(bsz, hq, tq, device=q.device)
-    acc = torch.zeros(bsz, hq, tq, d, device=q.device)
+    fresh = lambda: (torch.full((bsz, hq, tq), float("-inf"), device=q.device),  # noqa: E731
+                     torch.zeros(bsz, hq, tq, device=q.device), torch.zeros(bsz, hq, tq, d, device=q.device))
+    total, (m, denom, acc) = fresh(), fresh()
     key_pos = torch.arange(n_pad, device=q.device)
     for start in range(0, n_pad, block_kv):
+        if start and start % split_kv == 0:  # a new split: fold the last one in, start afresh
+            total = merge_split_state(total, (m, denom, acc))
+            m, denom, acc = fresh()
         visible = key_pos[start:start + block_kv] <= pos  # [B, 1, T, Bk]
         s = torch.where(visible, scores[..., start:start + block_kv], float("-inf"))
         any_visible = visible.any(-1)  # [B, 1, T]
@@ -124,6 +145,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         m = torch.where(any_visible, m_new, m)
         denom = torch.where(any_visible, new_denom, denom)
         acc = torch.where(any_visible.unsqueeze(-1), new_acc, acc)
+    _, denom, acc = merge_split_state(total, (m, denom, acc))
     out = acc / torch.where(denom > 0, denom, 1.0).unsqueeze(-1)
     out = (out + 0.0).transpose(1, 2)  # + 0.0: canonical sign of zero; back to [B, T, H, D]
     return torch.where((positions >= 0)[..., None, None], out, 0.0).to(torch.bfloat16)

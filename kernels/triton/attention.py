@@ -1,15 +1,19 @@
 """Canonical causal GQA attention over contiguous or paged KV.
 
-For every query row, keys are visited in blocks of BLOCK_KV positions starting at position 0, with an
-fp32 online softmax in that order and P cast to bf16 before P @ V. Nothing else about the launch
-touches a row's numbers:
+For every query row, keys are cut into splits of SPLIT_KV positions from position 0; inside a split
+they are visited in blocks of BLOCK_KV positions with an fp32 online softmax from a fresh state and P
+cast to bf16 before P @ V, and the splits' states are merged in order (`_merge`). Nothing else about
+the launch touches a row's numbers:
 - the rows of a program are (token, query head) pairs of one sequence and one KV head; how many there
   are (a whole sequence, a prefill chunk, a verify window or one decode step) only picks the tile
   height, and tensor-core results do not depend on tile shapes (see matmul.py);
 - the softmax denominator is also taken on the tensor cores (P @ e0, e0 = first unit column) instead
   of a tree reduction whose order would follow the register layout of the tile;
-- blocks where a row sees no key (a longer neighbour row) leave its state exactly as it was;
-- paged and contiguous KV differ only in how a key's address is found.
+- blocks or splits where a row sees no key (a longer neighbour row) leave its state exactly as it was;
+- paged and contiguous KV differ only in how a key's address is found;
+- a tile walks its splits in one program (prefill, training), or one program per split writes the
+  split's state and a second kernel merges them (decode steps: split-KV, parallel over long
+  contexts); both run the same `_attend_split` and `_merge` code, in the same order.
 GPU and CPU results differ (exp2 instead of exp, bf16 P in the denominator); each is invariant.
 """
 from __future__ import annotations
@@ -23,40 +27,36 @@ from ..contract import TRITON
 # KV block visited per step, from position 0 (the contract's, kernels.contract.TRITON). It need not
 # divide the paged block size: each key's page is looked up on its own.
 BLOCK_KV = TRITON.attention_block_kv
+SPLIT_KV = TRITON.attention_split_kv
 _LOG2E = 1.4426950408889634
+_PARALLEL_SPLIT_ROWS = 16  # query rows per (sequence, KV head) up to which splits get programs of their own
+# Split states are sized for the cache's capacity (the block table's width: no host sync, so a
+# captured step fits any length); past this the tile walks its splits instead (same bits, slower).
+_MAX_SPLIT_STATE_BYTES = 256 << 20
 
 
-@triton.jit(do_not_specialize=["T", "L", "BS"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, T, G, HKV, L, BS, qk_scale,
-                      sq_b, sq_t, sq_h, sk_page, sk_pos, sk_h, sv_page, sv_pos, sv_h,
-                      so_b, so_t, so_h, sp_b, sp_t, st_b,
-                      HAS_TABLE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    n_tiles = tl.cdiv(T * G, BLOCK_M)
-    bh = tl.program_id(0)  # (batch, kv head) on the grid's x axis: y and z stop at 65,535
-    tile = n_tiles - 1 - tl.program_id(1)  # causal: the longest rows first
-    b = bh // HKV
-    kvh = bh % HKV
+@triton.jit
+def _rows(pos_ptr, b, kvh, tile, T, G, sp_b, sp_t, BLOCK_M: tl.constexpr):
+    """A tile's rows: (token, query head) pairs of sequence b and KV head kvh, and their positions."""
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = r < T * G
     t = r // G
     h = kvh * G + r % G
     pos = tl.load(pos_ptr + b * sp_b + t * sp_t, mask=rmask, other=-1).to(tl.int32)
-    pmax = tl.max(pos, axis=0)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    if D == BLOCK_D:  # let the compiler see the full-width rows (vector loads)
-        dmask = tl.full([BLOCK_D], 1, dtype=tl.int1)
-    b64 = b.to(tl.int64)
-    q = tl.load(q_ptr + b64 * sq_b + t.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    return r, rmask, t, h, pos
+
+
+@triton.jit
+def _attend_split(q, pos, pmax, blk_lo, blk_hi, k_ptr, v_ptr, table_ptr, b64, kvh, L, BS, qk_scale,
+                  sk_page, sk_pos, sk_h, sv_page, sv_pos, sv_h, st_b, d, dmask,
+                  HAS_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax from a fresh state over KV blocks [blk_lo, blk_hi): (max, denominator, P @ V)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_acc = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     e0 = (tl.zeros([BLOCK_N, 16], dtype=tl.float32) + tl.where(tl.arange(0, 16) == 0, 1.0, 0.0)[None, :])
     e0 = e0.to(tl.bfloat16)
-    n_blocks = (pmax + BLOCK_N) // BLOCK_N  # blocks up to the one holding the tile's last position
-    for blk in range(0, n_blocks):
+    for blk in range(blk_lo, blk_hi):
         j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_ok = j <= pmax  # keys past every row's position may be stale: never read them
         if HAS_TABLE:
@@ -81,12 +81,113 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, T, G, HK
         l_acc = tl.dot(p, e0, l_acc * alpha[:, None])
         acc = tl.dot(p, v, acc * alpha[:, None])
         m_i = m_new
-    l = tl.sum(l_acc, axis=1)  # only column 0 is non-zero: exact
-    l = tl.where(l > 0, l, 1.0)
-    o = tl.math.div_rn(acc, tl.broadcast_to(l[:, None], (BLOCK_M, BLOCK_D)))
+    return m_i, tl.sum(l_acc, axis=1), acc  # only column 0 of l_acc is non-zero: the sum is exact
+
+
+@triton.jit
+def _merge(m_tot, den_tot, acc_tot, m, den, acc):
+    """Fold a split's state into the running one. Weights are exactly 1 for the larger max and 0 for
+    an empty side (max -inf), so the first split is taken as is and empty ones change nothing; the
+    explicit fma fixes the rounding whatever the compiler would contract."""
+    m_new = tl.maximum(m_tot, m)
+    a = tl.where(m_tot == m_new, 1.0, tl.math.exp2(m_tot - m_new))
+    b = tl.where(m == m_new, 1.0, tl.math.exp2(m - m_new))
+    return m_new, tl.fma(den, b, den_tot * a), tl.fma(acc, b[:, None], acc_tot * a[:, None])
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, den, pos, b64, t, h, rmask, d, dmask, so_b, so_t, so_h, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    den = tl.where(den > 0, den, 1.0)
+    o = tl.math.div_rn(acc, tl.broadcast_to(den[:, None], (BLOCK_M, BLOCK_D)))
     o = tl.where((pos >= 0)[:, None], o, 0.0) + 0.0  # + 0.0: one sign for zero
     tl.store(out_ptr + b64 * so_b + t.to(tl.int64)[:, None] * so_t + h[:, None] * so_h + d[None, :],
              o.to(tl.bfloat16), mask=rmask[:, None] & dmask[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "L", "BS"])
+def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, ps_ptr, T, G, HKV, L, BS, qk_scale,
+                      sq_b, sq_t, sq_h, sk_page, sk_pos, sk_h, sv_page, sv_pos, sv_h,
+                      so_b, so_t, so_h, sp_b, sp_t, st_b, ps_bh, ps_r, ps_s,
+                      HAS_TABLE: tl.constexpr, PARALLEL_SPLITS: tl.constexpr, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SPLIT_BLOCKS: tl.constexpr):
+    """PARALLEL_SPLITS=False: a tile walks all its splits and writes the rows. True: program (bh, tile,
+    split) reduces one split; rows with a single split are written here, the others leave their
+    split's state in ps_ptr ([B * HKV, T * G, splits, BLOCK_D + 2] fp32: acc, max, denominator)."""
+    n_tiles = tl.cdiv(T * G, BLOCK_M)
+    bh = tl.program_id(0)  # (batch, kv head) on the grid's x axis: y and z stop at 65,535
+    tile = n_tiles - 1 - tl.program_id(1)  # causal: the longest rows first
+    b = bh // HKV
+    kvh = bh % HKV
+    r, rmask, t, h, pos = _rows(pos_ptr, b, kvh, tile, T, G, sp_b, sp_t, BLOCK_M)
+    pmax = tl.max(pos, axis=0)
+    n_blocks = (pmax + BLOCK_N) // BLOCK_N  # blocks up to the one holding the tile's last position
+    if PARALLEL_SPLITS:
+        split = tl.program_id(2)
+        blk_lo = split * SPLIT_BLOCKS
+        if blk_lo >= tl.maximum(n_blocks, 1):  # past every row's keys (split 0 always runs: padding rows)
+            return
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    if D == BLOCK_D:  # let the compiler see the full-width rows (vector loads)
+        dmask = tl.full([BLOCK_D], 1, dtype=tl.int1)
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * sq_b + t.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    m_tot = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    den_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_tot = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if PARALLEL_SPLITS:
+        m, den, acc = _attend_split(q, pos, pmax, blk_lo, tl.minimum(blk_lo + SPLIT_BLOCKS, n_blocks), k_ptr, v_ptr,
+                                  table_ptr, b64, kvh, L, BS, qk_scale, sk_page, sk_pos, sk_h, sv_page, sv_pos,
+                                  sv_h, st_b, d, dmask, HAS_TABLE, BLOCK_M, BLOCK_D, BLOCK_N)
+        single = pos < SPLIT_BLOCKS * BLOCK_N  # the row's keys fit in split 0: its result is final
+        if split == 0:
+            m_tot, den_tot, acc_tot = _merge(m_tot, den_tot, acc_tot, m, den, acc)
+            _store_rows(out_ptr, acc_tot, den_tot, pos, b64, t, h, rmask & single, d, dmask, so_b, so_t, so_h,
+                        BLOCK_M, BLOCK_D)
+        keep = rmask & (pos >= split * SPLIT_BLOCKS * BLOCK_N) & (pos >= SPLIT_BLOCKS * BLOCK_N)
+        base = ps_ptr + bh.to(tl.int64) * ps_bh + r.to(tl.int64) * ps_r + split * ps_s
+        tl.store(base[:, None] + d[None, :], acc, mask=keep[:, None])
+        tl.store(base + BLOCK_D, m, mask=keep)
+        tl.store(base + BLOCK_D + 1, den, mask=keep)
+    else:
+        for blk_lo in range(0, n_blocks, SPLIT_BLOCKS):
+            m, den, acc = _attend_split(q, pos, pmax, blk_lo, tl.minimum(blk_lo + SPLIT_BLOCKS, n_blocks), k_ptr,
+                                      v_ptr, table_ptr, b64, kvh, L, BS, qk_scale, sk_page, sk_pos, sk_h, sv_page,
+                                      sv_pos, sv_h, st_b, d, dmask, HAS_TABLE, BLOCK_M, BLOCK_D, BLOCK_N)
+            m_tot, den_tot, acc_tot = _merge(m_tot, den_tot, acc_tot, m, den, acc)
+        _store_rows(out_ptr, acc_tot, den_tot, pos, b64, t, h, rmask, d, dmask, so_b, so_t, so_h, BLOCK_M, BLOCK_D)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _merge_splits_kernel(pos_ptr, out_ptr, ps_ptr, T, G, HKV, so_b, so_t, so_h, sp_b, sp_t, ps_bh, ps_r, ps_s,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+    """Rows with more than one split: their splits' states merged in order, then written."""
+    bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = bh // HKV
+    kvh = bh % HKV
+    r, rmask, t, h, pos = _rows(pos_ptr, b, kvh, tile, T, G, sp_b, sp_t, BLOCK_M)
+    rmask = rmask & (pos >= SPLIT_KEYS)
+    n_splits = tl.max(tl.where(rmask, pos, -1), axis=0) // SPLIT_KEYS + 1
+    if n_splits <= 1:
+        return
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    m_tot = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    den_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_tot = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    base = ps_ptr + bh.to(tl.int64) * ps_bh + r.to(tl.int64) * ps_r
+    for split in range(0, n_splits):
+        has = rmask & (pos >= split * SPLIT_KEYS)  # a row's splits past its position are empty
+        acc = tl.load(base[:, None] + split * ps_s + d[None, :], mask=has[:, None], other=0.0)
+        m = tl.load(base + split * ps_s + BLOCK_D, mask=has, other=float("-inf"))
+        den = tl.load(base + split * ps_s + BLOCK_D + 1, mask=has, other=0.0)
+        m_tot, den_tot, acc_tot = _merge(m_tot, den_tot, acc_tot, m, den, acc)
+    _store_rows(out_ptr, acc_tot, den_tot, pos, b.to(tl.int64), t, h, rmask, d, dmask, so_b, so_t, so_h,
+                BLOCK_M, BLOCK_D)
 
 
 def _tile_config(rows: int):
@@ -99,15 +200,19 @@ def _tile_config(rows: int):
 
 
 _FORCED_TILE = None  # tests: force (BLOCK_M, warps, stages) for every call
+_FORCED_PARALLEL_SPLITS = None  # tests: force (True) or forbid (False) one program per split
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               block_table: torch.Tensor | None = None, scale: float | None = None,
-              block_kv: int = BLOCK_KV) -> torch.Tensor:
-    """Same semantics as kernels.reference.attention, for the Triton family's block_kv only."""
+              block_kv: int = BLOCK_KV, split_kv: int = SPLIT_KV) -> torch.Tensor:
+    """Same semantics as kernels.reference.attention, for the Triton family's block_kv only (split_kv:
+    any multiple of it)."""
     if block_kv != BLOCK_KV:
         raise ValueError(f"the Triton attention visits KV in blocks of {BLOCK_KV} (kernels.contract.TRITON), "
                          f"got block_kv={block_kv}")
+    if split_kv <= 0 or split_kv % block_kv:
+        raise ValueError(f"split_kv ({split_kv}) must be a positive multiple of block_kv ({block_kv})")
     bsz, tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -122,16 +227,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     block_m, warps, stages = _FORCED_TILE or _tile_config(tq * g)
     if block_table is not None:
         table, st_b, length, bs = block_table, block_table.stride(0), 0, k.shape[1]
+        capacity = block_table.shape[1] * bs
     else:
         table, st_b, length, bs = positions, 0, k.shape[1], 1
-    grid = (bsz * hkv, triton.cdiv(tq * g, block_m))
+        capacity = length
+    # the choice follows shapes only (no host sync; a captured decode step keeps it): decode-sized
+    # tiles over a cache that can hold more than one split get a program per split
+    block_d = max(16, triton.next_power_of_2(d))
+    n_tiles = triton.cdiv(tq * g, block_m)
+    n_splits = triton.cdiv(max(capacity, 1), split_kv)
+    state_bytes = bsz * hkv * tq * g * n_splits * (block_d + 2) * 4
+    parallel = tq * g <= _PARALLEL_SPLIT_ROWS and 1 < n_splits and state_bytes <= _MAX_SPLIT_STATE_BYTES
+    if _FORCED_PARALLEL_SPLITS is not None:
+        parallel = _FORCED_PARALLEL_SPLITS and n_splits > 1
+    if parallel:
+        states = torch.empty(bsz * hkv, tq * g, n_splits, block_d + 2, dtype=torch.float32, device=q.device)
+        ps = (states.stride(0), states.stride(1), states.stride(2))
+    else:
+        states, ps = out, (0, 0, 0)
+    grid = (bsz * hkv, n_tiles, n_splits if parallel else 1)
     _attention_kernel[grid](
-        q, k, v, positions, table, out, tq, g, hkv, length, bs, float(scale) * _LOG2E,
+        q, k, v, positions, table, out, states, tq, g, hkv, length, bs, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        positions.stride(0), positions.stride(1), st_b,
-        HAS_TABLE=block_table is not None, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_KV, num_warps=warps, num_stages=stages)
+        positions.stride(0), positions.stride(1), st_b, *ps,
+        HAS_TABLE=block_table is not None, PARALLEL_SPLITS=parallel, D=d, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_KV, SPLIT_BLOCKS=split_kv // BLOCK_KV, num_warps=warps, num_stages=stages)
+    if parallel:
+        _merge_splits_kernel[(bsz * hkv, n_tiles)](
+            positions, out, states, tq, g, hkv, out.stride(0), out.stride(1), out.stride(2),
+            positions.stride(0), positions.stride(1), *ps, D=d, BLOCK_D=block_d, BLOCK_M=block_m,
+            SPLIT_KEYS=split_kv, num_warps=4)
     return out
 
 

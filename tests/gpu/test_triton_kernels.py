@@ -285,6 +285,12 @@ def test_silu_mul_invariance_and_closeness(kt):
 
 # ------------------------------------------------------------------------------------------- attention
 
+def _attention_module():
+    """kernels.triton.attention, the module (`import ... as` would give the package's attention
+    function of the same name, and setting the test hooks on it would change nothing)."""
+    return importlib.import_module("kernels.triton.attention")
+
+
 def _attn_case(b, length, hq, hkv, d, seed):
     q = randn(b, length, hq, d, seed=seed)
     k = randn(b, length, hkv, d, seed=seed + 1)
@@ -362,7 +368,7 @@ def test_attention_more_sequences_than_a_grid_axis_holds(kt):
 
 @pytest.mark.parametrize("b,length,hq,hkv,d", ATTN_CASES[:1])
 def test_attention_tile_configs_bitwise_identical(kt, b, length, hq, hkv, d):
-    import kernels.triton.attention as A
+    A = _attention_module()
     q, k, v, pos, _ = _attn_case(b, length, hq, hkv, d, seed=40)
     base = kt.attention(q, k, v, pos)
     try:
@@ -371,6 +377,44 @@ def test_attention_tile_configs_bitwise_identical(kt, b, length, hq, hkv, d):
             assert same_bits(kt.attention(q, k, v, pos), base), f"tile {tile}"
     finally:
         A._FORCED_TILE = None
+
+
+# (b, length, hq, hkv, d, split_kv); None: the contract's split
+SPLIT_CASES = ([(2, 1300, 8, 2, 128, None), (3, 700, 12, 2, 128, 128)] if not INTERPRET
+               else [(2, 150, 4, 2, 32, 64)])
+
+
+@pytest.mark.parametrize("b,length,hq,hkv,d,split", SPLIT_CASES)
+def test_attention_split_kv_decode_equals_prefill(kt, b, length, hq, hkv, d, split):
+    """A decode step reduces a long context's splits in programs of their own and merges them in a
+    second kernel; prefill walks the splits in one program. Same bits at every position tried (around
+    split boundaries and at random), contiguous or paged, on either path; another split size changes
+    the rows past the first split (negative control)."""
+    A = _attention_module()
+    split = split or A.SPLIT_KV
+    q, k, v, pos, lengths = _attn_case(b, length, hq, hkv, d, seed=70)
+    whole = kt.attention(q, k, v, pos, split_kv=split)
+    kc, table = _paged(k, 16, seed=3)
+    vc, _ = _paged(v, 16, seed=3)
+    edges = {0, 1, split - 1, split, split + 1, 2 * split - 1, 2 * split, length - 1}
+    steps = sorted({t for t in edges if t < length} | set(random.Random(length).sample(range(length), 12)))
+    try:
+        for forced in (None, False, True):  # the shape's choice (one program per split here), walk, split
+            A._FORCED_PARALLEL_SPLITS = forced
+            for t in steps:
+                step = kt.attention(q[:, t:t + 1], _stale(k, t), _stale(v, t), pos[:, t:t + 1], split_kv=split)
+                assert same_bits(step, whole[:, t:t + 1]), f"decode t={t} forced={forced}"
+                paged = kt.attention(q[:, t:t + 1], kc, vc, pos[:, t:t + 1], block_table=table, split_kv=split)
+                assert same_bits(paged, whole[:, t:t + 1]), f"paged decode t={t} forced={forced}"
+            t0 = min(split - 2, length - 5)  # a verify window across a split boundary
+            window = kt.attention(q[:, t0:t0 + 5], kc, vc, pos[:, t0:t0 + 5], block_table=table, split_kv=split)
+            assert same_bits(window, whole[:, t0:t0 + 5]), f"window forced={forced}"
+    finally:
+        A._FORCED_PARALLEL_SPLITS = None
+    other = kt.attention(q, k, v, pos, split_kv=2 * split)
+    assert same_bits(other[:, :split], whole[:, :split])  # one split either way
+    if not INTERPRET:  # the interpreter's bf16 scores are garbage-sized: every P is one-hot there
+        assert not same_bits(other[:, split:], whole[:, split:])
 
 
 @pytest.mark.parametrize("b,length,hq,hkv,d", ATTN_CASES)
