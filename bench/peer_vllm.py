@@ -4,7 +4,8 @@
 
 Same checkpoint, prompts and sampling settings for every system; each system runs in its own
 subprocess (VLLM_BATCH_INVARIANT=1 must be set before vLLM starts); `--repeats N` runs the systems
-round robin N times and reports each system's median run. Without --model a tiny random
+round robin N times and reports each system's median run; `--timed-runs N` times N passes inside each
+process and reports their median. Without --model a tiny random
 Qwen2 is saved to a temp dir, which is what runs on CPU (`--prompts 8 --max-tokens 16` for a quick
 check). Prints (and with --out writes) one JSON object: generated tokens per second per system, plus
 the acceptance rate of vLLM's proposals in verified mode. Systems that cannot run (e.g. the
@@ -130,9 +131,19 @@ def _run_vllm(args, prompts, system: str) -> dict:
 
     generate(args.warmup_tokens)  # every prefill shape of the workload (Triton compiles per shape)
     prefill_s, _ = generate(1)
-    elapsed, outs = generate()
-    return dict(seconds=elapsed, prefill_seconds=round(prefill_s, 3),
+    timed, outs = _timed_runs(args, generate)
+    return dict(**timed, prefill_seconds=round(prefill_s, 3),
                 generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs), **engine_facts(llm))
+
+
+def _timed_runs(args, run) -> tuple[dict, list]:
+    """run() -> (seconds, outputs), --timed-runs times in this process: the median's seconds, every
+    run's seconds, and the last run's outputs."""
+    times, outs = [], None
+    for _ in range(args.timed_runs):
+        elapsed, outs = run()
+        times.append(elapsed)
+    return dict(seconds=sorted(times)[len(times) // 2], timed_runs_s=[round(t, 3) for t in times]), outs
 
 
 def _capped(params, max_tokens: int):
@@ -154,14 +165,17 @@ def _run_ours(args, prompts, mode, fast_path) -> dict:
                              seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
     engine.generate(prompts, [dataclasses.replace(p, max_tokens=min(args.warmup_tokens, p.max_tokens))
                               for p in params])  # warm-up: every prefill shape of the workload
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+
+    def run():
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        return time.perf_counter() - start, outs
+    timed, outs = _timed_runs(args, run)
     bad = [o.error for o in outs if not o.ok]
     if bad:
         raise RuntimeError(f"{len(bad)} rollouts failed: {bad[0]}")
     proposed = sum(o.stats.proposed_tokens for o in outs)
-    res = dict(seconds=elapsed, generated_tokens=sum(len(o.token_ids) for o in outs))
+    res = dict(**timed, generated_tokens=sum(len(o.token_ids) for o in outs))
     if mode == "verified":
         res.update(acceptance=sum(o.stats.accepted_tokens for o in outs) / max(proposed, 1),
                    rollbacks=sum(o.stats.rollbacks for o in outs),
@@ -187,18 +201,21 @@ def _run_worker_engine(args, prompts, mode: str) -> dict:
     try:
         engine.generate(prompts, [dataclasses.replace(p, max_tokens=min(args.warmup_tokens, p.max_tokens))
                                   for p in params])
-        for path in (engine.canonical, engine.stock):  # prefill again, as the vllm systems do
-            if path is not None:
-                path.llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        elapsed = time.perf_counter() - start
+
+        def run():
+            for path in (engine.canonical, engine.stock):  # prefill again, as the vllm systems do
+                if path is not None:
+                    path.llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            return time.perf_counter() - start, outs
+        timed, outs = _timed_runs(args, run)
     finally:
         engine.close()
     bad = [o.error for o in outs if not o.ok]
     if bad:
         raise RuntimeError(f"{len(bad)} rollouts failed: {bad[0]}")
-    return dict(seconds=elapsed, generated_tokens=sum(len(o.token_ids) for o in outs))
+    return dict(**timed, generated_tokens=sum(len(o.token_ids) for o in outs))
 
 
 def _worker(args) -> None:
@@ -267,6 +284,9 @@ def main():
     p.add_argument("--repeats", type=int, default=1,
                    help="run the systems round robin this many times (each run its own process); a system's "
                         "tokens_per_s is then its median run and runs_tokens_per_s lists them in order")
+    p.add_argument("--timed-runs", type=int, default=1,
+                   help="timed passes over the workload inside each system's process (caches reset before "
+                        "each); seconds is their median and timed_runs_s lists them")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
