@@ -32,6 +32,12 @@ class KernelFamily:
     attention_split_kv: int
 
 
+def check_attention_blocks(block_kv: int, split_kv: int) -> None:
+    """A split must hold whole KV blocks: both attention families cut their loops on that."""
+    if block_kv <= 0 or split_kv <= 0 or split_kv % block_kv:
+        raise ValueError(f"split_kv ({split_kv}) must be a positive multiple of block_kv ({block_kv})")
+
+
 # Plain torch (any device): sequential rank-1 updates over K; attention in blocks of 16 keys, splits
 # of 32 (small, so that CPU tests cross split boundaries).
 REFERENCE = KernelFamily("reference", matmul_block_k=1, attention_block_kv=16, attention_split_kv=32)

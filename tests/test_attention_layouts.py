@@ -95,3 +95,6 @@ def test_attention_bad_input():
         K.attention(q, k, v, pos[:, :2])
     with pytest.raises(ValueError):
         K.attention(q[:, :, :3], k, v, pos)
+    from kernels.reference.ops import attention
+    with pytest.raises(ValueError, match="split_kv"):  # a split must hold whole KV blocks
+        attention(q, k, v, pos, block_kv=16, split_kv=24)

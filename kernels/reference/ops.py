@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import REFERENCE
+from ..contract import REFERENCE, check_attention_blocks
 from . import exact_math as em
 
 
@@ -93,8 +93,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     order (merge_split_state). Blocks or splits with no visible key leave a row's state untouched, so
     extra ones (a longer neighbour) change nothing.
     """
-    if split_kv <= 0 or split_kv % block_kv:
-        raise ValueError(f"split_kv ({split_kv}) must be a positive multiple of block_kv ({block_kv})")
+    check_attention_blocks(block_kv, split_kv)
     bsz, tq, hq, d = q.shape
     max_pos = int(positions.max().item()) if positions.numel() else -1
     n_keys = max_pos + 1
@@ -122,8 +121,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         scores.addcmul_(qf[..., j:j + 1], kt[:, :, j:j + 1, :])
     scores = scores * scale
 
-    fresh = lambda: (torch.full((bsz, hq, tq), float("-inf"), device=q.device),  # noqa: E731
-                     torch.zeros(bsz, hq, tq, device=q.device), torch.zeros(bsz, hq, tq, d, device=q.device))
+    def fresh():  # an online-softmax state with no key seen: (max, denominator, accumulator)
+        return (torch.full((bsz, hq, tq), float("-inf"), device=q.device),
+                torch.zeros(bsz, hq, tq, device=q.device), torch.zeros(bsz, hq, tq, d, device=q.device))
     total, (m, denom, acc) = fresh(), fresh()
     key_pos = torch.arange(n_pad, device=q.device)
     for start in range(0, n_pad, block_kv):

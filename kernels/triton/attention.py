@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import TRITON
+from ..contract import TRITON, check_attention_blocks
 
 # KV block visited per step, from position 0 (the contract's, kernels.contract.TRITON). It need not
 # divide the paged block size: each key's page is looked up on its own.
@@ -211,8 +211,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     if block_kv != BLOCK_KV:
         raise ValueError(f"the Triton attention visits KV in blocks of {BLOCK_KV} (kernels.contract.TRITON), "
                          f"got block_kv={block_kv}")
-    if split_kv <= 0 or split_kv % block_kv:
-        raise ValueError(f"split_kv ({split_kv}) must be a positive multiple of block_kv ({block_kv})")
+    check_attention_blocks(block_kv, split_kv)
     bsz, tq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
