@@ -366,14 +366,15 @@ _PLAIN_NO_GLUON = [
 # weight-streaming product; the fp32 partials are tiny). From M = 128 on Hopper: the Gluon kernel
 # (matmul_sm90.py: a loader warp whose copy stream never drains, tree nodes held in registers); where
 # output tiles fill the last wave badly, each tile's segments are split over 2 or 4 programs (see
-# _gluon_split). Measured (H100, vs cuBLAS): o 0.84 / 0.83 / 0.78 / 0.55 / 0.54 / 0.68 and down
-# 1.02 / 0.86 / 0.83 / 0.63 / 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not
-# Hopper, segments that end mid-tile as Qwen2.5-1.5B's down, K = 8960, ...) _TREE_NO_GLUON applies.
+# _gluon_split; short segments too, e.g. Qwen2.5-1.5B's o, K = 1536: 0.58 -> 0.68 at M = 256). Measured
+# (H100, vs cuBLAS): o 0.84 / 0.83 / 0.78 / 0.55 / 0.54 / 0.68 and down 1.02 / 0.86 / 0.83 / 0.63 /
+# 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not Hopper, segments that end
+# mid-tile as Qwen2.5-1.5B's down, K = 8960, ...) _TREE_NO_GLUON applies. At M <= 64 a narrow N runs
+# one segment per program (_few_programs; Qwen2.5-1.5B's down at M = 64: 0.73 -> 0.85).
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
     (32, (C(32, 32, 4, 4, seg_per_prog=2),) * 3),
     (64, (C(64, 32, 4, 4, seg_per_prog=2),) * 3),
-    (128, (C(64, 128, 4, 6, gluon=True, seg_per_prog=4),) * 3),
     (256, (C(64, 128, 4, 6, gluon=True),) * 3),
     (None, (C(128, 128, 8, 5, gluon=True),) * 3),
 ]
@@ -404,11 +405,12 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
     cfg = _lookup(_TREE if segments > 1 else _PLAIN, M, N)
     if segments == 1 and M > 64 and _wave_fill(M, N, cfg) < 0.6:
         cfg = next((c for c in _SMALLER_TILES if _wave_fill(M, N, c) >= 0.8), cfg)
-    if cfg.gluon and (segments == 2 or K % (segments * BLOCK_K) or (M <= 256 and K // segments < 4 * BLOCK_K)
-                      or (segments == 1 and out_dtype != torch.bfloat16)):
+    if cfg.gluon and (segments == 2 or K % (segments * BLOCK_K) or (segments == 1 and out_dtype != torch.bfloat16)):
         cfg = _lookup(_TREE_NO_GLUON if segments > 1 else _PLAIN_NO_GLUON, M, N)
-    if cfg.gluon and not cfg.seg_per_prog and M > 256:
+    if cfg.gluon and not cfg.seg_per_prog:
         cfg = dataclasses.replace(cfg, seg_per_prog=segments // _gluon_split(M, N, cfg, segments))
+    if segments > 1 and not cfg.gluon and M <= 64 and cfg.seg_per_prog > 1 and _few_programs(M, N, cfg, segments):
+        cfg = dataclasses.replace(cfg, seg_per_prog=1)  # a narrow N (Qwen2.5-1.5B's 1,536): one segment each
     if out_dtype == torch.float32 and cfg.tma and cfg.block_n > 128:
         cfg = _FP32_WIDE
     return cfg
@@ -419,6 +421,14 @@ def _wave_fill(M: int, N: int, cfg: MMConfig, split: int = 1) -> float:
     items = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * split
     sms = _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
     return items / (triton.cdiv(items, sms) * sms)
+
+
+def _few_programs(M: int, N: int, cfg: MMConfig, segments: int) -> bool:
+    """Fewer than 1.5 programs per SM with cfg's segments per program (weight streaming at small M
+    wants more programs in flight)."""
+    sms = _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    return tiles * (segments // cfg.seg_per_prog) < 1.5 * sms
 
 
 def _gluon_split(M: int, N: int, cfg: MMConfig, segments: int) -> int:
