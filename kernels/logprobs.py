@@ -60,6 +60,12 @@ def token_logprobs(logits: torch.Tensor, temperature: float | Sequence[float], t
         temps = logprob_temperature(temperature)
     else:
         temps = [logprob_temperature(t) for t in temperature]
+    fused = getattr(backend_for(logits), "token_log_softmax", None)
+    if (fused is not None and log_softmax is None and logits.dtype == torch.float32 and logits.dim() == 2
+            and not (torch.is_grad_enabled() and logits.requires_grad)):
+        # the rollout side on GPU: the same bits without the scaled logits or the [N, V] output
+        t = torch.as_tensor(temps, dtype=torch.float32).to(logits.device, non_blocking=True)
+        return fused(logits, t.expand(logits.shape[0]), tokens.to(logits.device))
     scaled = scale_logits(logits, temps)
     logp = (log_softmax or _canonical_log_softmax)(scaled)
     return logp.gather(-1, tokens.unsqueeze(-1).to(logp.device)).squeeze(-1)

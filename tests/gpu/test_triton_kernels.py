@@ -271,6 +271,38 @@ def test_log_softmax_invariance_and_closeness(kt, v):
     torch.testing.assert_close(full[fin], want[fin], rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("v", [151936, 4097, 1000])
+def test_token_log_softmax_equals_the_full_log_softmax_bitwise(kt, v):
+    """The rollout's one-entry-per-row log-prob (kernels.token_logprobs without grad) has the bits of
+    the trainer's full canonical log_softmax of logits / T, gathered; torch's own log_softmax does not."""
+    from kernels.logprobs import scale_logits, token_logprobs
+    if INTERPRET and v > 5000:
+        pytest.skip("slow in the interpreter")
+    n = 64 if not INTERPRET else 6
+    x = randn(n, v, dtype=torch.float32, seed=29, scale=4.0)
+    x[1, ::5] = float("-inf")  # a masked vocabulary
+    temps = [(0.0, 0.7, 1.0, 1.3, 0.35)[i % 5] for i in range(n)]
+    g = gen(31)
+    tokens = torch.randint(0, v, (n,), generator=g, device=DEV)
+    tokens[0] = x[0].argmax()
+    tokens[1] = 5  # a masked id: log-prob -inf
+    t_rows = [t if t > 0 else 1.0 for t in temps]
+    full = kt.log_softmax(scale_logits(x, t_rows)).gather(1, tokens[:, None]).squeeze(1)
+    fused = kt.token_log_softmax(x, torch.tensor(t_rows, device=DEV), tokens)
+    assert same_bits(fused, full) and fused[1] == float("-inf")
+    with torch.no_grad():
+        if INTERPRET:  # CPU tensors: the public op runs the reference
+            return
+        assert same_bits(token_logprobs(x, temps, tokens), full)  # the public op takes the fused kernel
+        one_t = kt.log_softmax(scale_logits(x, 0.7)).gather(1, tokens[:, None]).squeeze(1)
+        assert same_bits(token_logprobs(x, 0.7, tokens), one_t)
+    torch_lp = torch.log_softmax(scale_logits(x, t_rows), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    fin = torch.isfinite(full)
+    torch.testing.assert_close(fused[fin], torch_lp[fin], rtol=1e-5, atol=2e-5)
+    if not INTERPRET:  # the negative control: another log-softmax's rounding shows up
+        assert not same_bits(fused, torch_lp), "torch's log_softmax matched bit for bit: this test cannot fail"
+
+
 def test_silu_mul_invariance_and_closeness(kt):
     from kernels import reference as R
     gu = randn(130, 2 * 3000, seed=24, scale=3.0)
