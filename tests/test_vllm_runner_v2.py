@@ -26,8 +26,9 @@ class RecordingBase:
         self.seen = logits.clone()
         tokens = logits.argmax(-1)
         raw = torch.log_softmax(logits, -1).gather(1, tokens[:, None])
-        return SimpleNamespace(sampled_token_ids=tokens[:, None],
-                               logprobs_tensors=SimpleNamespace(logprobs=torch.cat([raw, raw], 1)))
+        # columns: the sampled token, then the top-1 (the same id: it is the only finite logit)
+        return SimpleNamespace(sampled_token_ids=tokens[:, None], logprobs_tensors=SimpleNamespace(
+            logprob_token_ids=torch.stack([tokens, tokens], 1), logprobs=torch.cat([raw, raw], 1)))
 
 
 def _batch(state_idx, computed, scheduled):
@@ -77,3 +78,33 @@ def test_a_batch_without_params_is_vllms_alone():
 def test_more_rows_than_requests_is_refused():
     with pytest.raises(NotImplementedError, match="speculative"):
         CanonicalSampler(RecordingBase(), {})(torch.randn(3, VOCAB), _batch([0, 1], [3, 4], [1, 1]))
+
+
+class _Dims:
+    def __init__(self, top_k_logprobs):
+        self.top_k_logprobs = top_k_logprobs
+
+    def max_num_logprobs(self, idx_mapping_np):
+        return self.top_k_logprobs
+
+    def max_num_token_ids(self, idx_mapping_np):
+        return 0
+
+
+@pytest.mark.parametrize("compute_nans, top_k_logprobs", [(False, 2), (True, 0)])
+def test_batches_wanting_more_than_the_sampled_logprob_go_through_vllms_sampler(compute_nans, top_k_logprobs):
+    """Where every row is ours, vLLM's output is built without its sampler (on GPU: test_vllm_plugin_gpu)
+    unless the batch asks for what only vLLM's sampler computes: top-k log-probs, NaN counts."""
+    base = RecordingBase()
+    base.compute_nans = compute_nans
+    base.sampling_states = _Dims(top_k_logprobs)
+    base.logprob_token_ids_state = _Dims(0)
+    cfg = dict(seed=4, temperature=0.7, top_k=0, top_p=1.0, position=5)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(1))
+    original = logits.clone()
+    out = CanonicalSampler(base, {0: (cfg, 5)})(logits, _batch([0], [4], [1]))  # the first new token
+    token, logprob = _expected(original[0], cfg, 5)
+    assert base.seen is not None, "vLLM's sampler was skipped"
+    assert torch.isfinite(base.seen[0]).nonzero().flatten().tolist() == [token]
+    assert int(out.sampled_token_ids[0]) == token
+    assert out.logprobs_tensors.logprobs[0].tolist() == [logprob, logprob]  # the top-k column too

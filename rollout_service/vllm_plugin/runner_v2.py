@@ -3,9 +3,11 @@
 The V2 runner asks the model for its ModelState class (`get_model_state_cls`) and lets that state
 replace the sampler (`ModelState.custom_sampler`); both exist in vLLM 0.25 and 0.32. Our state
 records each request's zerokl params and prompt length as vLLM adds it; our sampler applies
-sampling.canonical_rows to the rows that carry params, leaves only the chosen id finite (vLLM runs
-them at temperature 0, so its own sampler picks that id) and then puts our log-prob in the sampled
-token's column of vLLM's log-prob output. Rows without params are vLLM's own.
+sampling.canonical_rows to the rows that carry params. Where every row is ours and asks for no more
+than the sampled token's log-prob (the rollout case), it returns vLLM's SamplerOutput itself
+(own_sampler_output). Otherwise it leaves only the chosen id finite (vLLM runs them at temperature 0,
+so its own sampler picks that id) and then puts our log-prob in the sampled token's column of vLLM's
+log-prob output. Rows without params are vLLM's own.
 
 On this runner vLLM has no admission hook for sampling extensions: malformed zerokl params are not
 refused at submission (the V1 processor's `validate_params` answers 400 there), so such a request is
@@ -55,15 +57,61 @@ class CanonicalSampler:
         rows_at = None if len(index) == n else torch.tensor(index, device=logits.device)
         rows = (logits if rows_at is None else logits[rows_at]).float()
         tokens, logprobs = canonical_rows(rows, cfgs, num_outputs)
+        if rows_at is None:
+            own = own_sampler_output(self.base, input_batch, tokens, logprobs)
+            if own is not None:
+                return own
         keep_only(logits, rows_at, tokens, torch.zeros_like(logprobs))
         out = self.base(logits, input_batch)
-        if out.logprobs_tensors is not None:  # column 0: the sampled token (vLLM's layout)
-            column = out.logprobs_tensors.logprobs[:, 0]
-            if rows_at is None:
-                column.copy_(logprobs.to(column.dtype))
-            else:
-                column.index_copy_(0, rows_at, logprobs.to(column.dtype))
+        if out.logprobs_tensors is not None:
+            _report_ours(out.logprobs_tensors, rows_at, tokens, logprobs)
         return out
+
+
+def _report_ours(tensors, rows_at: torch.Tensor | None, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """Our log-prob wherever vLLM's output lists our sampled token: column 0 (the sampled token, vLLM's
+    layout) and, for requests asking for top-k log-probs, the top-k column holding it too."""
+    ids, values = tensors.logprob_token_ids, tensors.logprobs
+    chosen = torch.full((ids.shape[0],), -1, dtype=ids.dtype, device=ids.device)
+    ours = torch.zeros(ids.shape[0], dtype=values.dtype, device=values.device)
+    if rows_at is None:
+        chosen.copy_(tokens.to(ids.dtype))
+        ours.copy_(logprobs.to(values.dtype))
+    else:
+        chosen.index_copy_(0, rows_at, tokens.to(ids.dtype))
+        ours.index_copy_(0, rows_at, logprobs.to(values.dtype))
+    values.copy_(torch.where(ids == chosen[:, None], ours[:, None], values))
+
+
+def own_sampler_output(base, input_batch, tokens: torch.Tensor, logprobs: torch.Tensor):
+    """vLLM's SamplerOutput for a batch whose every row is ours, built without vLLM's sampler (its
+    fp32 copy of the logits, its argmax and its log-softmax and rank passes over the vocabulary
+    decide nothing here); None where the batch needs more than the sampled token and its log-prob
+    (top-k or per-token log-probs, NaN counts, 0.32's trace replay, sampling masks or thinking
+    budgets), which vLLM's sampler then produces."""
+    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+    thinking = getattr(base, "thinking_budget_state", None)
+    if (base.compute_nans or getattr(base, "trace_replay_state", None) is not None
+            or getattr(base, "return_sampling_mask", False) or getattr(thinking, "enabled", False)):
+        return None
+    idx = input_batch.idx_mapping_np
+    num_logprobs = base.sampling_states.max_num_logprobs(idx)
+    if num_logprobs > 0 or base.logprob_token_ids_state.max_num_token_ids(idx) > 0:
+        return None
+    tokens = tokens.to(torch.int64)
+    logprobs_tensors = None
+    if num_logprobs != NO_LOGPROBS:  # the sampled token's column; it is the only finite logit: rank 1
+        logprobs_tensors = LogprobsTensors(tokens.unsqueeze(1), logprobs.to(torch.float32).unsqueeze(1),
+                                           torch.ones_like(tokens))
+    num_sampled, num_rejected = get_num_sampled_and_rejected(
+        input_batch.seq_lens.new_ones(input_batch.num_reqs), input_batch.seq_lens, input_batch.cu_num_logits,
+        input_batch.idx_mapping, base.req_states.prefill_len.gpu)
+    return SamplerOutput(sampled_token_ids=tokens.view(-1, 1), logprobs_tensors=logprobs_tensors, num_nans=None,
+                         num_sampled=num_sampled, num_rejected=num_rejected)
 
 
 @functools.lru_cache(maxsize=None)

@@ -137,6 +137,60 @@ def test_preemption_with_cuda_graphs(checkpoint, trainer, runner):
     assert_matches_trainer(trainer, prompts, params, results)
 
 
+def test_v2_sampler_output_ours_or_vllms(checkpoint, trainer, monkeypatch):
+    """On the V2 runner our sampler builds vLLM's output itself when every row is ours and wants only
+    the sampled token's log-prob; rows without our params, or asking for top-k log-probs, go through
+    vLLM's sampler. Every one of our rows equals the trainer either way, and plain greedy rows get the
+    canonical argmax (vLLM's own greedy over the same logits)."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from rollout_service.fast_path.vllm import canonical_vllm_params, completion_tokens
+    from rollout_service.vllm_plugin import runner_v2
+
+    built = []
+    original = runner_v2.own_sampler_output
+
+    def counting(*args):
+        out = original(*args)
+        built.append(out is not None)
+        return out
+    monkeypatch.setattr(runner_v2, "own_sampler_output", counting)
+
+    prompts = random_prompts(16, VOCAB, seed=21, lo=5, hi=300)
+    params = _params(len(prompts), 12, seed0=700)
+    greedy = [SamplingParams(max_tokens=12, temperature=0.0) for _ in prompts]
+
+    def generate(llm, vparams):
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
+        return [completion_tokens(o.outputs[0]) for o in outs]
+
+    def work(llm):
+        assert _runner(llm) == "v2"
+        ours = vllm_generate(llm, prompts, params)
+        ours_greedy = vllm_generate(llm, prompts, greedy)
+        built_before_mixed = list(built)
+        plain = VSamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        top2 = [canonical_vllm_params(p, len(q), p.max_tokens) for p, q in zip(params, prompts)]
+        for v in top2:
+            v.logprobs = 2
+        mixed = generate(llm, [plain if i % 2 else canonical_vllm_params(params[i], len(q), 12)
+                               for i, q in enumerate(prompts)])
+        with_top2 = generate(llm, top2)
+        return ours, ours_greedy, built_before_mixed, mixed, with_top2
+
+    ours, ours_greedy, built_before_mixed, mixed, with_top2 = _run(checkpoint, work, runner="v2")
+    assert built_before_mixed and all(built_before_mixed), "our own output was not built for all-ours batches"
+    assert not all(built), "mixed and top-k batches never went through vLLM's sampler"
+    assert_matches_trainer(trainer, prompts, params, ours)
+    assert_matches_trainer(trainer, prompts, greedy, ours_greedy)
+    assert [m for m in mixed[::2]] == [r[:2] for r in ours[::2]]
+    assert [m[0] for m in mixed[1::2]] == [r[0] for r in ours_greedy[1::2]]
+    assert [m[0] for m in with_top2] == [r[0] for r in ours]
+    assert [m[1] for m in with_top2] == [r[1] for r in ours]
+
+
 def test_weight_update_in_place_keeps_graphs_valid(checkpoint, trainer):
     prompts = random_prompts(8, VOCAB, seed=4, lo=5, hi=100)
     params = _params(len(prompts), 16, seed0=400)
