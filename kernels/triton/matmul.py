@@ -366,11 +366,11 @@ _PLAIN_NO_GLUON = [
 # weight-streaming product; the fp32 partials are tiny). From M = 128 on Hopper: the Gluon kernel
 # (matmul_sm90.py: a loader warp whose copy stream never drains, tree nodes held in registers); where
 # output tiles fill the last wave badly, each tile's segments are split over 2 or 4 programs (see
-# _gluon_split; short segments too, e.g. Qwen2.5-1.5B's o, K = 1536: 0.58 -> 0.68 at M = 256). Measured
+# _gluon_split; short segments too, e.g. Qwen2.5-1.5B's o, K = 1536: 0.58 -> 0.69 at M = 256). Measured
 # (H100, vs cuBLAS): o 0.84 / 0.83 / 0.78 / 0.55 / 0.54 / 0.68 and down 1.02 / 0.86 / 0.83 / 0.63 /
 # 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not Hopper, segments that end
 # mid-tile as Qwen2.5-1.5B's down, K = 8960, ...) _TREE_NO_GLUON applies. At M <= 64 a narrow N runs
-# one segment per program (_few_programs; Qwen2.5-1.5B's down at M = 64: 0.73 -> 0.85).
+# one segment per program (_few_programs; Qwen2.5-1.5B's down at M = 64: 0.73 -> 0.89).
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
     (32, (C(32, 32, 4, 4, seg_per_prog=2),) * 3),
