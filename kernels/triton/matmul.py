@@ -416,17 +416,22 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
     return cfg
 
 
+def _current_sms() -> int:
+    """SMs of the current device; an H100's 132 where there is none (launch tables read on CPU)."""
+    return _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+
+
 def _wave_fill(M: int, N: int, cfg: MMConfig, split: int = 1) -> float:
     """Share of the SM slots that the work items keep busy over their waves (1.0: the last wave is full)."""
     items = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * split
-    sms = _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+    sms = _current_sms()
     return items / (triton.cdiv(items, sms) * sms)
 
 
 def _few_programs(M: int, N: int, cfg: MMConfig, segments: int) -> bool:
     """Fewer than 1.5 programs per SM with cfg's segments per program (weight streaming at small M
     wants more programs in flight)."""
-    sms = _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+    sms = _current_sms()
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     return tiles * (segments // cfg.seg_per_prog) < 1.5 * sms
 

@@ -185,7 +185,7 @@ def test_v2_sampler_output_ours_or_vllms(checkpoint, trainer, monkeypatch):
     assert not all(built), "mixed and top-k batches never went through vLLM's sampler"
     assert_matches_trainer(trainer, prompts, params, ours)
     assert_matches_trainer(trainer, prompts, greedy, ours_greedy)
-    assert [m for m in mixed[::2]] == [r[:2] for r in ours[::2]]
+    assert mixed[::2] == [r[:2] for r in ours[::2]]
     assert [m[0] for m in mixed[1::2]] == [r[0] for r in ours_greedy[1::2]]
     assert [m[0] for m in with_top2] == [r[0] for r in ours]
     assert [m[1] for m in with_top2] == [r[1] for r in ours]
