@@ -81,6 +81,38 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return add_with_grad(backend_for(a).add, a, b)
 
 
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s, weight, eps)) with s = add(a, b): the residual add and the next norm, the same
+    bits as the two ops; one launch on GPU when no gradient is needed."""
+    backend = backend_for(a)
+    if backend is reference or _needs_grad(a, b, weight):
+        s = add(a, b)
+        return s, rms_norm(s, weight, eps)
+    for name, t in (("a", a), ("b", b)):
+        _check(name, t, dtype=torch.bfloat16)
+    _check("weight", weight, dims=1, dtype=torch.bfloat16)
+    if a.shape != b.shape or a.shape[-1] != weight.shape[0]:
+        raise ValueError(f"add_rms_norm: a {tuple(a.shape)}, b {tuple(b.shape)}, weight {tuple(weight.shape)}")
+    _same_device(a, b, weight)
+    return backend.add_rms_norm(a, b, weight, eps)
+
+
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotary(q), rotary(k)): one launch on GPU when no gradient is needed, the same bits."""
+    backend = backend_for(q)
+    if backend is reference or _needs_grad(q, k):
+        return rotary(q, cos, sin), rotary(k, cos, sin)
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"rotary_qk: q {tuple(q.shape)} and k {tuple(k.shape)} must be [B, T, H, D] alike")
+    return backend.rotary_qk(q, k, cos, sin)
+
+
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Writes token n's K and V [Hkv, D] at (blocks[n], offsets[n]) of paged pools [NB, BS, Hkv, D]
@@ -119,8 +151,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     return with_reference_grad(fwd, lambda q_, k_, v_: attention_ref(q_, k_, v_, positions, scale), q, k, v)
 
 
-__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add",
+__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm",
            "attention", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
-           "kernel_family", "log_softmax", "logprob_temperature", "matmul", "rms_norm", "rotary", "sample",
+           "kernel_family", "log_softmax", "logprob_temperature", "matmul", "rms_norm", "rotary", "rotary_qk", "sample",
            "sampling_position", "sampling_positions", "scale_logits", "set_tree_segments", "silu_mul",
            "token_logprobs", "tree_segments", "write_kv"]

@@ -93,7 +93,7 @@ class ForwardContext:
     MixedPrecisionPolicy(cast_forward_inputs=True), its default, casts the floating tensors it finds
     in a layer's arguments (inside dataclasses, dicts, tuples) to bf16, and the float32 rotary rows
     must reach the layers as they are."""
-    __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv", "routing")
+    __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv", "routing", "defer_residual", "pending")
 
     def __init__(self, ops: OpSet, spec: ModelSpec, positions: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, kv: PagedKV | None = None, routing: list | None = None):
@@ -102,6 +102,25 @@ class ForwardContext:
         self.cos, self.sin = cos, sin  # float32 rotary rows per token
         self.kv = kv  # None: contiguous KV of this call (training / full sequences)
         self.routing = routing  # a list: each MoE layer appends its expert ids [B, T, k]
+        # Without autograd a layer's last residual add is left to the next norm (one fused launch,
+        # the same bits). With it, every layer adds its own: FSDP2 prepares a layer's backward from
+        # the tensors that layer returns.
+        self.defer_residual = not torch.is_grad_enabled()
+        self.pending: torch.Tensor | None = None  # the previous layer's deferred residual term
+
+    def add_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + the deferred term, if any; rms_norm of that)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return hidden, self.ops.rms_norm(hidden, weight, self.spec.rms_norm_eps)
+        return self.ops.add_rms_norm(hidden, pending, weight, self.spec.rms_norm_eps)
+
+    def residual(self, hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """hidden + delta at a layer's end, or hidden with delta deferred to the next add_norm."""
+        if self.defer_residual:
+            self.pending = delta
+            return hidden
+        return self.ops.add(hidden, delta)
 
 
 def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -113,26 +132,25 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     ops, spec = ctx.ops, ctx.spec
     attn, mlp = layer.self_attn, layer.mlp
     b, t, _ = hidden.shape
-    x = ops.rms_norm(hidden, _bf16(layer.input_layernorm.weight), spec.rms_norm_eps)
+    hidden, x = ctx.add_norm(hidden, _bf16(layer.input_layernorm.weight))
     q, k, v = (p.view(b, t, -1, spec.head_dim) for p in _projections(ops, x, attn, QKV))
     if spec.qk_norm:
         q = ops.rms_norm(q, _bf16(attn.q_norm.weight), spec.rms_norm_eps)
         k = ops.rms_norm(k, _bf16(attn.k_norm.weight), spec.rms_norm_eps)
-    q, k = ops.rotary(q, ctx.cos, ctx.sin), ops.rotary(k, ctx.cos, ctx.sin)
+    q, k = ops.rotary_qk(q, k, ctx.cos, ctx.sin)
     scale = getattr(attn, "scaling", spec.head_dim ** -0.5)
     if ctx.kv is None:
         o = ops.attention(q, k, v, ctx.positions, None, scale)
     else:  # the cache picks the query layout (each query row's numbers do not depend on it)
         o = ctx.kv.attend(ops, attn.layer_idx, q, k, v, ctx.positions, scale)
     o = ops.linear(o.reshape(b, t, -1), _bf16(attn.o_proj.weight), _bf16(attn.o_proj.bias), row_parallel=True)
-    hidden = ops.add(hidden, o)
-    x = ops.rms_norm(hidden, _bf16(layer.post_attention_layernorm.weight), spec.rms_norm_eps)
+    hidden, x = ops.add_rms_norm(hidden, o, _bf16(layer.post_attention_layernorm.weight), spec.rms_norm_eps)
     if spec.moe is not None and is_moe_block(mlp):
-        return ops.add(hidden, moe_forward(mlp, x, spec.moe, ops, _bf16, ctx.routing))
+        return ctx.residual(hidden, moe_forward(mlp, x, spec.moe, ops, _bf16, ctx.routing))
     gate, up = _projections(ops, x, mlp, GATE_UP)
     down = ops.linear(ops.silu_mul(gate, up), _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias),
                       row_parallel=True)
-    return ops.add(hidden, down)
+    return ctx.residual(hidden, down)
 
 
 # Projections that read the same input, run as one canonical matmul where fuse_projections has put
@@ -188,7 +206,7 @@ def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
     hidden = model.model.embed_tokens(input_ids).to(torch.bfloat16)
     for layer in model.model.layers:
         hidden = layer(hidden, ctx) if _is_patched(layer) else decoder_layer_forward(layer, hidden, ctx)
-    return ops.rms_norm(hidden, _bf16(model.model.norm.weight), spec.rms_norm_eps)
+    return ctx.add_norm(hidden, _bf16(model.model.norm.weight))[1]
 
 
 def compute_logits(model: torch.nn.Module, hidden: torch.Tensor, ops: OpSet = CANONICAL_OPS) -> torch.Tensor:

@@ -21,9 +21,24 @@ class OpSet:
     add: Callable = K.add
     rotary: Callable = K.rotary
     log_softmax: Callable = K.log_softmax  # fp32 rows (MoE routing)
+    # one-launch forms of add + rms_norm and of rotary on q and k (same bits as the ops they replace);
+    # None: the forward runs those ops one by one
+    fused_add_rms_norm: Callable | None = None  # (a, b, weight, eps) -> (a + b, rms_norm(a + b))
+    fused_rotary_qk: Callable | None = None  # (q, k, cos, sin) -> (rotary(q), rotary(k))
     # MoE experts may run as the grouped kernels (kernels/triton/moe.py: each row exactly as the
     # canonical matmul computes it, no host sync) where the device has them; else the loop over experts
     grouped_experts: bool = False
+
+    def add_rms_norm(self, a, b, weight, eps):
+        if self.fused_add_rms_norm is not None:
+            return self.fused_add_rms_norm(a, b, weight, eps)
+        s = self.add(a, b)
+        return s, self.rms_norm(s, weight, eps)
+
+    def rotary_qk(self, q, k, cos, sin):
+        if self.fused_rotary_qk is not None:
+            return self.fused_rotary_qk(q, k, cos, sin)
+        return self.rotary(q, cos, sin), self.rotary(k, cos, sin)
 
 
 CANONICAL_OPS = OpSet(
@@ -34,5 +49,7 @@ CANONICAL_OPS = OpSet(
     attention=lambda q, k, v, positions, block_table=None, scale=None: K.attention(
         q, k, v, positions, block_table=block_table, scale=scale),
     silu_mul=K.silu_mul,
+    fused_add_rms_norm=K.add_rms_norm,
+    fused_rotary_qk=K.rotary_qk,
     grouped_experts=True,
 )

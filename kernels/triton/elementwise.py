@@ -17,7 +17,8 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, M, N, stride_gm, stride_um, stride_o
     tl.store(out_ptr + row * stride_om + cols, (g * sig * u).to(tl.bfloat16), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, last dim] with unit stride along the row (a view where it can be)."""
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
@@ -25,7 +26,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    g2, u2 = _rows(gate), _rows(up)
+    g2, u2 = rows_2d(gate), rows_2d(up)
     m, n = g2.shape
     out = torch.empty(m, n, dtype=torch.bfloat16, device=gate.device)
     block = min(2048, max(16, triton.next_power_of_2(n)))
@@ -40,9 +41,9 @@ _NO_FMA = {"enable_fp_fusion": False}
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xr, stride_xh, stride_cr, stride_sr,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rotate_heads(x_ptr, cos_ptr, sin_ptr, out_ptr, row, H, stride_xr, stride_xh, stride_cr, stride_sr,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's H heads, rotated into a contiguous [H, 2 * HALF] output row."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HALF
@@ -58,6 +59,27 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xr, stride_xh, st
 
 
 @triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xr, stride_xh, stride_cr, stride_sr,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    _rotate_heads(x_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0).to(tl.int64), H, stride_xr, stride_xh,
+                  stride_cr, stride_sr, HALF, BLOCK_H, BLOCK_D)
+
+
+@triton.jit
+def _rotary_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, HQ, HK, stride_qr, stride_qh,
+                      stride_kr, stride_kh, stride_cr, stride_sr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                      BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """program_id(1): 0 rotates the token's query heads, 1 its key heads (one launch for both)."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rotate_heads(q_ptr, cos_ptr, sin_ptr, qo_ptr, row, HQ, stride_qr, stride_qh, stride_cr, stride_sr,
+                      HALF, BLOCK_HQ, BLOCK_D)
+    else:
+        _rotate_heads(k_ptr, cos_ptr, sin_ptr, ko_ptr, row, HK, stride_kr, stride_kh, stride_cr, stride_sr,
+                      HALF, BLOCK_HK, BLOCK_D)
+
+
+@triton.jit
 def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -66,21 +88,46 @@ def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, (a + b).to(tl.bfloat16), mask=mask)
 
 
+def _token_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, H, D] as [B * T, H, D] with unit stride along D (a view of a fused projection where it can)."""
+    b, t, h, d = x.shape
+    x3 = x.reshape(b * t, h, d)
+    return x3 if x3.stride(-1) == 1 else x3.contiguous()
+
+
+def _rotary_rows(cos: torch.Tensor, sin: torch.Tensor,
+                 tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return rows_2d(cos.reshape(tokens, -1).float()), rows_2d(sin.reshape(tokens, -1).float())
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: x [B, T, H, D] bf16, cos/sin [B, T, D/2] fp32 (as kernels.reference.rotary)."""
     b, t, h, d = x.shape
-    x3 = x.reshape(b * t, h, d)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
-    c2, s2 = cos.reshape(b * t, -1).float(), sin.reshape(b * t, -1).float()
-    c2 = c2 if c2.stride(-1) == 1 else c2.contiguous()
-    s2 = s2 if s2.stride(-1) == 1 else s2.contiguous()
+    x3 = _token_heads(x)
+    c2, s2 = _rotary_rows(cos, sin, b * t)
     out = torch.empty(b, t, h, d, dtype=torch.bfloat16, device=x.device)
     half = d // 2
     _rotary_kernel[(b * t,)](x3, c2, s2, out, h, x3.stride(0), x3.stride(1), c2.stride(0), s2.stride(0),
                              HALF=half, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(half),
                              num_warps=4, **_NO_FMA)
     return out
+
+
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotary(q), rotary(k)) in one launch; q [B, T, Hq, D], k [B, T, Hkv, D]."""
+    b, t, hq, d = q.shape
+    hk = k.shape[2]
+    q3, k3 = _token_heads(q), _token_heads(k)
+    c2, s2 = _rotary_rows(cos, sin, b * t)
+    q_out = torch.empty(b, t, hq, d, dtype=torch.bfloat16, device=q.device)
+    k_out = torch.empty(b, t, hk, d, dtype=torch.bfloat16, device=k.device)
+    half = d // 2
+    _rotary_qk_kernel[(b * t, 2)](q3, k3, c2, s2, q_out, k_out, hq, hk, q3.stride(0), q3.stride(1), k3.stride(0),
+                                  k3.stride(1), c2.stride(0), s2.stride(0), HALF=half,
+                                  BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
+                                  BLOCK_D=triton.next_power_of_2(half), num_warps=4, **_NO_FMA)
+    return q_out, k_out
 
 
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,20 @@ def _rotary(x, cos, sin):
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def _add_rms_norm(a, b, w, eps):
+    if a.is_cuda:
+        return K.add_rms_norm(a, b, w, eps)
+    s = a + b
+    return s, _rms_norm(s, w, eps)
+
+
+def _rotary_qk(q, k, cos, sin):
+    if q.is_cuda:
+        return K.rotary_qk(q, k, cos, sin)
+    return _rotary(q, cos, sin), _rotary(k, cos, sin)
+
+
 FAST_OPS = OpSet(name="fast", linear=_linear, logits=_logits, rms_norm=_rms_norm, attention=_attention,
-                 silu_mul=_silu_mul, add=_add, rotary=_rotary, log_softmax=lambda x: torch.log_softmax(x, dim=-1),
+                 silu_mul=_silu_mul, add=_add, rotary=_rotary, fused_add_rms_norm=_add_rms_norm,
+                 fused_rotary_qk=_rotary_qk, log_softmax=lambda x: torch.log_softmax(x, dim=-1),
                  grouped_experts=True)  # MoE: the grouped kernels beat a host-synced loop, and graph
