@@ -255,6 +255,53 @@ def run_attention(rep: int):
     return res
 
 
+def _paged_decode_case(bsz: int, ctx: int, hq: int, hkv: int, d: int = 128, page: int = 16, max_len: int = 4096):
+    """One decode step over a shuffled 16-token-page cache whose block table spans max_len positions
+    (as vLLM's does: the step is launched for the cache's capacity, not the sequence's length)."""
+    dev, bf = "cuda", torch.bfloat16
+    pages = max_len // page
+    q = torch.randn(bsz, 1, hq, d, device=dev, dtype=bf)
+    kc = torch.randn(bsz * pages + 1, page, hkv, d, device=dev, dtype=bf)
+    vc = torch.randn_like(kc)
+    table = (torch.randperm(bsz * pages, device=dev) + 1).reshape(bsz, pages).to(torch.int32)
+    pos = torch.full((bsz, 1), ctx - 1, device=dev, dtype=torch.int64)
+    return q, kc, vc, pos, table
+
+
+def run_attention_sweep(rep: int):
+    """Decode steps (Qwen2.5-1.5B: 12 query heads on 2 KV heads; Llama-3.1-8B: 32 on 8) at the
+    contexts of the batch workload, over launch configurations (BLOCK_M, warps, stages), which leave
+    the numbers alone; and over split sizes, which change them (the contract's is attention_split_kv:
+    another size would be a new contract, for the trainer too)."""
+    A = importlib.import_module("kernels.triton.attention")
+    out = []
+    for bsz, ctx, hq, hkv in ((64, 640, 12, 2), (64, 1000, 12, 2), (256, 1000, 12, 2), (64, 1000, 32, 8)):
+        q, kc, vc, pos, table = _paged_decode_case(bsz, ctx, hq, hkv)
+        row = {"batch": bsz, "context": ctx, "q_heads": hq, "kv_heads": hkv}
+        row["contract_ms"] = round(bench_ms(lambda: kt.attention(q, kc, vc, pos, block_table=table), rep=rep), 4)
+        times = {}
+        for warps in (1, 2, 4, 8):
+            for stages in (1, 2, 3, 4, 5):
+                A._FORCED_TILE = (16, warps, stages)
+                try:
+                    times[f"16/{warps}/{stages}"] = bench_ms(
+                        lambda: kt.attention(q, kc, vc, pos, block_table=table), rep=rep)
+                except Exception as exc:  # e.g. out of shared memory
+                    print(f"# tile 16/{warps}/{stages}: {type(exc).__name__}", file=sys.stderr)
+                finally:
+                    A._FORCED_TILE = None
+        best = min(times, key=times.get)
+        row.update(best_tile=best, best_tile_ms=round(times[best], 4),
+                   tiles_ms={k: round(v, 4) for k, v in times.items()})
+        for split in (128, 256, 1024):
+            row[f"split{split}_ms"] = round(bench_ms(
+                lambda: kt.attention(q, kc, vc, pos, block_table=table, split_kv=split), rep=rep), 4)
+        print("# attention sweep", json.dumps({k: v for k, v in row.items() if k != "tiles_ms"}), file=sys.stderr,
+              flush=True)
+        out.append(row)
+    return out
+
+
 def run_norms(rep: int):
     dev = "cuda"
     out = {"rms_norm": [], "log_softmax": []}
@@ -328,6 +375,8 @@ def main():
             doc["sweep"] = sweep_rows
     if "attention" in only:
         doc["attention"] = run_attention(rep)
+        if args.sweep:
+            doc["attention_sweep"] = run_attention_sweep(rep)
     if "norms" in only:
         doc.update(run_norms(rep))
         doc["host_overhead"] = run_host_overhead()

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..contract import TRITON, check_attention_blocks
+from .device import current_sms
 
 # KV block visited per step, from position 0 (the contract's, kernels.contract.TRITON). It need not
 # divide the paged block size: each key's page is looked up on its own.
@@ -199,6 +200,14 @@ def _tile_config(rows: int):
     return 128, 8, 2
 
 
+def _decode_tile(pairs: int):
+    """(BLOCK_M, warps, stages) for a decode step's program-per-split kernel, by its (sequence, KV head)
+    pairs. Measured on H100 (bench/kernels.py --only attention --sweep, 16-token pages): 128 pairs
+    (Qwen2.5-1.5B's 2 KV heads at batch 64) 0.95-0.98x the time of 4 warps / 4 stages with 8 / 2;
+    512 pairs (batch 256, or Llama-3.1-8B's 8 KV heads at 64) 0.91x with 2 / 1."""
+    return (16, 2, 1) if pairs >= 2 * current_sms() else (16, 8, 2)
+
+
 _FORCED_TILE = None  # tests: force (BLOCK_M, warps, stages) for every call
 _FORCED_PARALLEL_SPLITS = None  # tests: force (True) or forbid (False) one program per split
 
@@ -223,7 +232,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     if v.stride(-1) != 1:
         v = v.contiguous()
     out = torch.empty(bsz, tq, hq, d, dtype=torch.bfloat16, device=q.device)
-    block_m, warps, stages = _FORCED_TILE or _tile_config(tq * g)
     if block_table is not None:
         table, st_b, length, bs = block_table, block_table.stride(0), 0, k.shape[1]
         capacity = block_table.shape[1] * bs
@@ -233,12 +241,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     # the choice follows shapes only (no host sync; a captured decode step keeps it): decode-sized
     # tiles over a cache that can hold more than one split get a program per split
     block_d = max(16, triton.next_power_of_2(d))
-    n_tiles = triton.cdiv(tq * g, block_m)
     n_splits = triton.cdiv(max(capacity, 1), split_kv)
     state_bytes = bsz * hkv * tq * g * n_splits * (block_d + 2) * 4
     parallel = tq * g <= _PARALLEL_SPLIT_ROWS and 1 < n_splits and state_bytes <= _MAX_SPLIT_STATE_BYTES
     if _FORCED_PARALLEL_SPLITS is not None:
         parallel = _FORCED_PARALLEL_SPLITS and n_splits > 1
+    block_m, warps, stages = _FORCED_TILE or (_decode_tile(bsz * hkv) if parallel else _tile_config(tq * g))
+    n_tiles = triton.cdiv(tq * g, block_m)
     if parallel:
         states = torch.empty(bsz * hkv, tq * g, n_splits, block_d + 2, dtype=torch.float32, device=q.device)
         ps = (states.stride(0), states.stride(1), states.stride(2))

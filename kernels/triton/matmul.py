@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..contract import TRITON
+from .device import current_sms, num_sms
 
 # Fixed K tile, the contract's (kernels.contract.TRITON): one dot per BLOCK_K K-elements, in order.
 BLOCK_K = TRITON.matmul_block_k
@@ -324,13 +325,6 @@ def _combine_kernel(p_ptr, bias_ptr, out_ptr, M, N, stride_g, stride_pm, stride_
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    if not torch.cuda.is_available():  # Triton interpreter on CPU
-        return 4
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 # Hand-picked launch tables (H100, bf16, from bench/kernels.py --sweep). Each row: (max_M, config);
 # the first row with M <= max_M wins. Columns by N: <= 4096, <= 8192, wider. Small M streams the
 # weight (narrow tiles, deep pipelines, many programs); from M = 128 on Hopper the Gluon kernel
@@ -370,14 +364,18 @@ _PLAIN_NO_GLUON = [
 # (H100, vs cuBLAS): o 0.84 / 0.83 / 0.78 / 0.55 / 0.54 / 0.68 and down 1.02 / 0.86 / 0.83 / 0.63 /
 # 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not Hopper, segments that end
 # mid-tile as Qwen2.5-1.5B's down, K = 8960, ...) _TREE_NO_GLUON applies. At M <= 64 a narrow N runs
-# one segment per program (_few_programs; Qwen2.5-1.5B's down at M = 64: 0.73 -> 0.89).
+# one segment per program (_few_programs; Qwen2.5-1.5B's down at M = 64: 0.73 -> 0.89). 128 x 128 tiles
+# from M = 129 (Llama-3.1-8B's o / down at M = 256 in the sweep: 0.84 / 0.89 for 64 x 128, 0.90 / 1.02).
+_TREE_G64 = C(64, 128, 4, 6, gluon=True)
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
     (32, (C(32, 32, 4, 4, seg_per_prog=2),) * 3),
     (64, (C(64, 32, 4, 4, seg_per_prog=2),) * 3),
-    (256, (C(64, 128, 4, 6, gluon=True),) * 3),
+    (128, (_TREE_G64,) * 3),
     (None, (C(128, 128, 8, 5, gluon=True),) * 3),
 ]
+# ... but 64-row tiles where 128-row ones would be fewer than a quarter of the SMs (Qwen2.5-1.5B's o,
+# N = 1536, at M = 256: 0.69 of cuBLAS for 64 x 128, 0.58 for 128 x 128).
 # Without Gluon (and for 2-segment trees, where it measured 0.59-0.66 against 0.80-0.86 for the pairs
 # kernel at M >= 512, or short segments at small M: Qwen2.5-1.5B's o, K = 1536).
 _TREE_NO_GLUON = [
@@ -385,8 +383,13 @@ _TREE_NO_GLUON = [
     (None, (C(128, 128, 8, 3, pairs=True, hold=False),) * 3),
 ]
 # A plain product whose tiles would leave most SMs idle in their last wave (e.g. N = 2048 at M = 1024:
-# 64 tiles of 128 x 256) takes the first of these that fills the machine (see _wave_fill).
-_SMALLER_TILES = (_G128, _G64)
+# 64 tiles of 128 x 256) takes the first of these whose tiles fill the machine at least as given (see
+# _wave_fill). 128-row tiles at 70% beat 64-row ones at 85% (Qwen2.5-1.5B's gate_up, N = 17920, at
+# M = 256: 0.79 of cuBLAS against 0.74); 64-row ones at 71% lose to 128 x 128 at 53% (M = 128).
+_SMALLER_TILES = ((_G128, 0.7), (_G64, 0.8))
+# ... and at M <= 64 (Qwen2.5-1.5B's gate_up at M = 64: 140 tiles of 64 x 128 on 132 SMs, 0.90 of
+# cuBLAS; 280 of 64 x 64, 0.99).
+_NARROWER_SMALL_M = C(64, 64, 4, 4)
 _FP32_WIDE = C(128, 128, 8, 4, tma=True)  # a 128x256 fp32 epilogue needs more shared memory than there is
 del C, _G64, _G128, _G256
 
@@ -403,8 +406,13 @@ def _lookup(table, m: int, n: int) -> MMConfig:
 def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtype = torch.bfloat16) -> MMConfig:
     """Launch configuration for an [M, K] x [K, N] product (a function of the shape only)."""
     cfg = _lookup(_TREE if segments > 1 else _PLAIN, M, N)
+    if segments > 1 and cfg.block_m == 128 and _tiles(M, N, cfg) < current_sms() // 4:
+        cfg = _TREE_G64
     if segments == 1 and M > 64 and _wave_fill(M, N, cfg) < 0.6:
-        cfg = next((c for c in _SMALLER_TILES if _wave_fill(M, N, c) >= 0.8), cfg)
+        cfg = next((c for c, fill in _SMALLER_TILES if _wave_fill(M, N, c) >= fill), cfg)
+    if (segments == 1 and 32 < M <= 64 and _wave_fill(M, N, cfg) < 0.6
+            and _wave_fill(M, N, _NARROWER_SMALL_M) > _wave_fill(M, N, cfg)):
+        cfg = _NARROWER_SMALL_M
     if cfg.gluon and (segments == 2 or K % (segments * BLOCK_K) or (segments == 1 and out_dtype != torch.bfloat16)):
         cfg = _lookup(_TREE_NO_GLUON if segments > 1 else _PLAIN_NO_GLUON, M, N)
     if cfg.gluon and not cfg.seg_per_prog:
@@ -416,24 +424,22 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
     return cfg
 
 
-def _current_sms() -> int:
-    """SMs of the current device; an H100's 132 where there is none (launch tables read on CPU)."""
-    return _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+def _tiles(M: int, N: int, cfg: MMConfig) -> int:
+    return triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
 
 
 def _wave_fill(M: int, N: int, cfg: MMConfig, split: int = 1) -> float:
     """Share of the SM slots that the work items keep busy over their waves (1.0: the last wave is full)."""
-    items = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * split
-    sms = _current_sms()
+    items = _tiles(M, N, cfg) * split
+    sms = current_sms()
     return items / (triton.cdiv(items, sms) * sms)
 
 
 def _few_programs(M: int, N: int, cfg: MMConfig, segments: int) -> bool:
     """Fewer than 1.5 programs per SM with cfg's segments per program (weight streaming at small M
     wants more programs in flight)."""
-    sms = _current_sms()
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    return tiles * (segments // cfg.seg_per_prog) < 1.5 * sms
+    sms = current_sms()
+    return _tiles(M, N, cfg) * (segments // cfg.seg_per_prog) < 1.5 * sms
 
 
 def _gluon_split(M: int, N: int, cfg: MMConfig, segments: int) -> int:
@@ -494,7 +500,7 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
             return TensorDescriptor(t, [rows, K], [t.stride(0), 1], [block_rows, BLOCK_K])
         x_desc, w_desc = desc(x2, M, cfg.block_m), desc(weight, N, cfg.block_n)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-        progs = min(tiles, _num_sms(out.device.index or 0) * cfg.ctas_per_sm)
+        progs = min(tiles, num_sms(out.device.index or 0) * cfg.ctas_per_sm)
         scratch = torch.empty(progs * 2 * cfg.block_m * cfg.block_n, dtype=torch.float32, device=out.device)
         _mm_pairs_kernel[(progs,)](
             x_desc, w_desc, bias if has_bias else out, out, scratch, M, N, K, seg_len, out.stride(0), out.stride(1),
@@ -507,7 +513,7 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
         x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg.block_m, BLOCK_K])
         w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [cfg.block_n, BLOCK_K])
         items = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * groups
-        progs = min(items, _num_sms(out.device.index or 0) * cfg.ctas_per_sm)
+        progs = min(items, num_sms(out.device.index or 0) * cfg.ctas_per_sm)
         target = out if partial or groups == 1 else torch.empty(groups, M, N, dtype=torch.float32,
                                                                   device=out.device)
         log_nseg = nseg.bit_length() - 1

@@ -27,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..contract import TRITON
+from .device import num_sms
 
 BLOCK_K = TRITON.matmul_block_k  # the contract's K tile, as in matmul.py
 _BK = gl.constexpr(BLOCK_K)  # the kernels' view of it
@@ -274,11 +275,6 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, scratch_ptr,
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
@@ -308,7 +304,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
     x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [block_m, BLOCK_K], x_layout)
     w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K], w_layout)
     items = triton.cdiv(M, block_m) * triton.cdiv(N, block_n) * split
-    progs = min(items, _num_sms(out.device.index or 0))
+    progs = min(items, num_sms(out.device.index or 0))
     # the launch must fit (warps + a loader warpgroup) x 32 threads in the register file; the loader
     # then hands its share to the MMA warps (setmaxnreg)
     maxnreg = 65536 // ((warps + 4) * 32) // 8 * 8

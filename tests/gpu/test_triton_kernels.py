@@ -78,6 +78,7 @@ def test_matmul_row_invariance_small(kt, k_dim, n_dim, segments, out_dtype, bias
 @pytest.mark.parametrize("name,k_dim,n_dim,segments", [
     ("qkv", 4096, 6144, 1), ("o", 4096, 4096, 8), ("gate_up", 4096, 28672, 1), ("down", 14336, 4096, 8),
     ("down_plain", 14336, 4096, 1), ("qwen_down", 8960, 1536, 8),  # Qwen2.5-1.5B: segments end mid-tile
+    ("qwen_gate_up", 1536, 17920, 1), ("qwen_o", 1536, 1536, 8),  # its wave-fill entries of the table
 ])
 def test_matmul_row_invariance_llama(kt, name, k_dim, n_dim, segments):
     """Rows of M = 1..64 and larger batches (every entry of the launch table) equal rows of M = 4096."""
@@ -253,6 +254,59 @@ def test_rms_norm_invariance_and_closeness(kt, n):
         assert (full == want).float().mean().item() > 0.95  # most elements agree exactly
 
 
+@pytest.mark.parametrize("n", [1536, 4096, 128, 300])
+def test_add_rms_norm_equals_add_then_rms_norm_bitwise(kt, n):
+    """The fused residual add + norm gives add's and rms_norm's bits, at any row count and on strided rows."""
+    m_full = 40 if INTERPRET else 700
+    a = randn(m_full, n, seed=31, scale=4.0)
+    b = randn(m_full, 2 * n, seed=32)[:, :n]  # a strided view, as a split projection is
+    w = randn(n, seed=33)
+    for m in ([1, 5, 40] if INTERPRET else [1, 7, 64, 256, 700]):
+        s, y = kt.add_rms_norm(a[:m], b[:m], w, 1e-6)
+        want_s = kt.add(a[:m], b[:m].contiguous())
+        assert same_bits(s, want_s)
+        assert same_bits(y, kt.rms_norm(want_s, w, 1e-6))
+    # the comparison can fail: a norm of the unrounded fp32 sum gives other bits
+    s, y = kt.add_rms_norm(a, b, w, 1e-6)
+    unrounded = (a.float() + b.float()) * torch.rsqrt((a.float() + b.float()).pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert not same_bits(y, (w.float() * unrounded).to(BF))
+
+
+def test_rotary_qk_equals_two_rotary_launches_bitwise(kt):
+    """q and k rotated in one launch, read straight from a fused qkv output (strided views)."""
+    b, t, hq, hkv, d = 3, 5, 12, 2, 128
+    qkv = randn(b, t, (hq + 2 * hkv) * d, seed=41)
+    q, k, _ = (p.view(b, t, -1, d) for p in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    ang = torch.rand(b, t, d // 2, generator=torch.Generator().manual_seed(42)) * 100
+    cos, sin = ang.cos().to(qkv.device), ang.sin().to(qkv.device)
+    q_rot, k_rot = kt.rotary_qk(q, k, cos, sin)
+    assert same_bits(q_rot, kt.rotary(q, cos, sin)) and same_bits(k_rot, kt.rotary(k, cos, sin))
+    assert not same_bits(k_rot, kt.rotary(k, sin, cos))  # the comparison can fail
+
+
+def test_forward_with_fused_ops_equals_the_op_by_op_forward(kt):
+    """The decoder forward without autograd (deferred residual adds, fused launches) against the same
+    forward with the fused forms switched off: the same hidden states, bit for bit."""
+    import dataclasses
+
+    from kernels.forward import forward_hidden
+    from kernels.opset import CANONICAL_OPS
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(DEV, BF).eval()
+    ids = torch.randint(0, 512, (2, 24), generator=gen(43), device=DEV)
+    pos = torch.arange(24, device=DEV).expand(2, -1)
+    op_by_op = dataclasses.replace(CANONICAL_OPS, fused_add_rms_norm=None, fused_rotary_qk=None)
+    with torch.no_grad():
+        fused = forward_hidden(model, ids, pos)
+        plain = forward_hidden(model, ids, pos, ops=op_by_op)
+    with torch.enable_grad():  # the trainer's form: every layer adds its own residual
+        trained = forward_hidden(model, ids, pos)
+    assert same_bits(fused, plain) and same_bits(fused, trained.detach())
+
+
 @pytest.mark.parametrize("v", [128256, 1000])
 def test_log_softmax_invariance_and_closeness(kt, v):
     if INTERPRET and v > 5000:
@@ -409,6 +463,28 @@ def test_attention_tile_configs_bitwise_identical(kt, b, length, hq, hkv, d):
             assert same_bits(kt.attention(q, k, v, pos), base), f"tile {tile}"
     finally:
         A._FORCED_TILE = None
+
+
+def test_attention_decode_tiles_bitwise_identical(kt):
+    """A decode step (a program per split, then the merge) gives the prefill's rows under every decode
+    launch configuration the table picks or could pick."""
+    A = _attention_module()
+    b, length, hq, hkv, d, split = (2, 1300, 12, 2, 128, A.SPLIT_KV) if not INTERPRET else (2, 150, 4, 2, 32, 64)
+    q, k, v, pos, lengths = _attn_case(b, length, hq, hkv, d, seed=44)
+    whole = kt.attention(q, k, v, pos, split_kv=split)
+    seq, last = torch.arange(b, device=DEV), torch.tensor([n - 1 for n in lengths], device=DEV)
+    want = whole[seq, last][:, None]
+    try:
+        A._FORCED_PARALLEL_SPLITS = True
+        for tile in [None, (16, 4, 4), (16, 8, 2), (16, 2, 1), (16, 1, 3)]:
+            A._FORCED_TILE = tile
+            step = kt.attention(q[seq, last][:, None], k, v, last[:, None], split_kv=split)
+            assert same_bits(step, want), f"tile {tile}"
+    finally:
+        A._FORCED_TILE = A._FORCED_PARALLEL_SPLITS = None
+    if not INTERPRET:  # the comparison can fail: another split size gives other bits (the interpreter's
+        # truncating bf16 casts make this small case agree)
+        assert not same_bits(kt.attention(q[seq, last][:, None], k, v, last[:, None], split_kv=2 * split), want)
 
 
 # (b, length, hq, hkv, d, split_kv); None: the contract's split

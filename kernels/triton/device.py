@@ -1,0 +1,19 @@
+"""The device facts launch choices read: how many SMs there are."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(index: int) -> int:
+    """SMs of CUDA device `index` (4 under the Triton interpreter on CPU: small persistent grids)."""
+    if not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def current_sms() -> int:
+    """SMs of the current device; an H100's 132 where there is none (launch tables read on CPU)."""
+    return num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
