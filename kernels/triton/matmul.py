@@ -374,8 +374,6 @@ _TREE = [
     (128, (_TREE_G64,) * 3),
     (None, (C(128, 128, 8, 5, gluon=True),) * 3),
 ]
-# ... but 64-row tiles where 128-row ones would be fewer than a quarter of the SMs (Qwen2.5-1.5B's o,
-# N = 1536, at M = 256: 0.69 of cuBLAS for 64 x 128, 0.58 for 128 x 128).
 # Without Gluon (and for 2-segment trees, where it measured 0.59-0.66 against 0.80-0.86 for the pairs
 # kernel at M >= 512, or short segments at small M: Qwen2.5-1.5B's o, K = 1536).
 _TREE_NO_GLUON = [
@@ -407,6 +405,8 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
     """Launch configuration for an [M, K] x [K, N] product (a function of the shape only)."""
     cfg = _lookup(_TREE if segments > 1 else _PLAIN, M, N)
     if segments > 1 and cfg.block_m == 128 and _tiles(M, N, cfg) < current_sms() // 4:
+        # too few 128-row tiles: 64-row ones (Qwen2.5-1.5B's o, N = 1536, at M = 256: 0.69 of cuBLAS
+        # for 64 x 128, 0.58 for 128 x 128)
         cfg = _TREE_G64
     if segments == 1 and M > 64 and _wave_fill(M, N, cfg) < 0.6:
         cfg = next((c for c, fill in _SMALLER_TILES if _wave_fill(M, N, c) >= fill), cfg)
@@ -499,7 +499,7 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
                                         [1, block_rows, BLOCK_K])
             return TensorDescriptor(t, [rows, K], [t.stride(0), 1], [block_rows, BLOCK_K])
         x_desc, w_desc = desc(x2, M, cfg.block_m), desc(weight, N, cfg.block_n)
-        tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        tiles = _tiles(M, N, cfg)
         progs = min(tiles, num_sms(out.device.index or 0) * cfg.ctas_per_sm)
         scratch = torch.empty(progs * 2 * cfg.block_m * cfg.block_n, dtype=torch.float32, device=out.device)
         _mm_pairs_kernel[(progs,)](
@@ -512,7 +512,7 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
         from triton.tools.tensor_descriptor import TensorDescriptor
         x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg.block_m, BLOCK_K])
         w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [cfg.block_n, BLOCK_K])
-        items = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * groups
+        items = _tiles(M, N, cfg) * groups
         progs = min(items, num_sms(out.device.index or 0) * cfg.ctas_per_sm)
         target = out if partial or groups == 1 else torch.empty(groups, M, N, dtype=torch.float32,
                                                                   device=out.device)
@@ -528,7 +528,7 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
         if not partial and groups > 1:
             _combine(target, bias, out)
         return out
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    tiles = _tiles(M, N, cfg)
     if partial:
         target = out
     elif groups == 1:

@@ -16,6 +16,15 @@ from .elementwise import rows_2d
 
 
 @triton.jit
+def _row_tile(M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's [ROWS, BLOCK] tile: row indices (int64), columns, column mask, element mask."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < N
+    return rows.to(tl.int64), cols, cmask, (rows < M)[:, None] & cmask[None, :]
+
+
+@triton.jit
 def _normalize_rows(x, w_ptr, cols, cmask, n_float, eps, ROWS: tl.constexpr):
     """bf16(w * bf16(x / sqrt(mean(x^2) + eps))) for an fp32 [ROWS, BLOCK] tile (zeros past N)."""
     var = tl.math.div_rn(tl.sum(x * x, axis=1), tl.zeros([ROWS], dtype=tl.float32) + n_float)
@@ -28,11 +37,7 @@ def _normalize_rows(x, w_ptr, cols, cmask, n_float, eps, ROWS: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, N, n_float, stride_xm, stride_om, eps,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    cmask = cols < N
-    mask = (rows < M)[:, None] & cmask[None, :]
-    rows64 = rows.to(tl.int64)
+    rows64, cols, cmask, mask = _row_tile(M, N, ROWS, BLOCK)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = _normalize_rows(x, w_ptr, cols, cmask, n_float, eps, ROWS)
     tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :], y, mask=mask)
@@ -42,11 +47,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, N, n_float, stride_xm, stride_om,
 def _add_rms_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, out_ptr, M, N, n_float, stride_am, stride_bm, stride_om,
                          eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """sum = bf16(a + b) (the residual add), out = rms_norm(sum): the two kernels' numbers in one pass."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    cmask = cols < N
-    mask = (rows < M)[:, None] & cmask[None, :]
-    rows64 = rows.to(tl.int64)
+    rows64, cols, cmask, mask = _row_tile(M, N, ROWS, BLOCK)
     a = tl.load(a_ptr + rows64[:, None] * stride_am + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + rows64[:, None] * stride_bm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = (a + b).to(tl.bfloat16)
