@@ -9,6 +9,11 @@ timed generate, the engine's model runner / async scheduling, the distinct synch
 (torch's sync debug mode) with their counts per generated step, and cProfile's top functions by own
 time. `--kernels`: instead, the GPU kernels of one generate by total device time (torch.profiler;
 kernels replayed from CUDA graphs are listed where CUPTI traces them, else use --system *-eager).
+`--host-times`: instead, host time per engine step in the engine's own functions (scheduler,
+model runner, sampler, output processing; timed by wrapping them), and the time spent waiting for
+the GPU's results, without a profiler's overhead.
+`--timeline`: instead, how busy the GPU is during one generate, its idle gaps and the CUDA runtime
+calls; with `--stacks`, also which host Python functions run while it idles (torch.profiler's trace).
 """
 from __future__ import annotations
 
@@ -77,6 +82,146 @@ def _kernel_table(run, top: int) -> list[dict]:
             for e in events[:top]]
 
 
+# (module, class or None for a module function, name) timed by --host-times; the plugin's sampler
+# replaces vLLM's Sampler (module functions are timed where their caller looks them up)
+HOST_TIMED = (
+    ("vllm.v1.engine.llm_engine", "LLMEngine", "step"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_inputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample_tokens"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "postprocess_sampled"),
+    ("vllm.v1.worker.gpu.sample.sampler", "Sampler", "__call__"),
+    ("rollout_service.vllm_plugin.runner_v2", "CanonicalSampler", "__call__"),
+    ("vllm.v1.worker.gpu.async_utils", "AsyncOutput", "get_output"),  # waits for the GPU's results
+    ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM", "compute_logits"),
+    ("rollout_service.vllm_plugin.model", "ZeroKLForCausalLM", "compute_logits"),
+    ("rollout_service.vllm_plugin.runner_v2", "RequestTable", "rows"),
+    ("rollout_service.vllm_plugin.runner_v2", None, "canonical_rows"),
+    ("rollout_service.vllm_plugin.runner_v2", None, "own_sampler_output"),
+    ("rollout_service.vllm_plugin.sampling", None, "sample_tokens"),
+    ("rollout_service.vllm_plugin.sampling", None, "token_logprobs"),
+)
+
+
+def _time_host_functions() -> dict[str, list[float]]:
+    """Wraps HOST_TIMED (those the installed vLLM has) to append each call's wall seconds to the
+    returned dict's list for "Class.method"; call before building the engine."""
+    import functools
+    import importlib
+    durations: dict[str, list[float]] = collections.defaultdict(list)
+    for module, cls_name, method in HOST_TIMED:
+        try:
+            owner = importlib.import_module(module)
+            owner = owner if cls_name is None else getattr(owner, cls_name)
+        except (ImportError, AttributeError):
+            continue
+        if method not in vars(owner):
+            continue
+        key, inner = f"{cls_name or module.rsplit('.', 1)[-1]}.{method}", vars(owner)[method]
+
+        def timed(*a, _inner=inner, _key=key, **kw):
+            start = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                durations[_key].append(time.perf_counter() - start)
+        setattr(owner, method, functools.wraps(inner)(timed))
+    return durations
+
+
+def _host_table(durations: dict[str, list[float]], steps: int) -> list[dict]:
+    """Per function: calls, mean microseconds per engine step, and the median call (decode steps,
+    which outnumber prefill steps)."""
+    import statistics
+    rows = [dict(function=k, calls=len(v), us_per_step=round(1e6 * sum(v) / steps, 1),
+                 median_call_us=round(1e6 * statistics.median(v), 1)) for k, v in durations.items() if v]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def _idle_gaps(kernels: list[tuple[float, float]], min_us: float) -> list[tuple[float, float]]:
+    """Intervals of at least min_us between the union of the device's kernel intervals."""
+    gaps, end = [], None
+    for start, stop in sorted(kernels):
+        if end is not None and start - end >= min_us:
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    return gaps
+
+
+def _overlap(start: float, stop: float, gaps: list[tuple[float, float]], starts: list[float]) -> float:
+    import bisect
+    total, i = 0.0, max(bisect.bisect_right(starts, start) - 1, 0)
+    while i < len(gaps) and gaps[i][0] < stop:
+        total += max(0.0, min(stop, gaps[i][1]) - max(start, gaps[i][0]))
+        i += 1
+    return total
+
+
+def _timeline(run, top: int, stacks: bool, min_gap_us: float = 20.0) -> dict:
+    """GPU busy share of run(), its idle gaps (>= min_gap_us) by length, and the CUDA runtime calls
+    (count, microseconds). stacks: also the host Python functions that run while the GPU idles
+    (own time, minus nested calls, and inclusive time inside the gaps), from the thread that runs
+    the engine; Python tracing slows the host, so idle shares are then inflated."""
+    import json
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    device = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not device:
+        return dict(error="no device events traced")
+    first, last = min(s for s, _ in device), max(t for _, t in device)
+    gaps = _idle_gaps(device, min_gap_us)
+    starts = [g[0] for g in gaps]
+    own: collections.Counter = collections.Counter()
+    inclusive: collections.Counter = collections.Counter()
+    runtime: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    engine_threads = {(e["pid"], e["tid"]) for e in events if e.get("cat") == "python_function"
+                      and "_run_engine" in e["name"]}
+    for thread in engine_threads:
+        frames = sorted((e for e in events if e.get("cat") == "python_function" and (e["pid"], e["tid"]) == thread),
+                        key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [end, name, gap overlap, children's gap overlap]
+        def close(until: float):
+            while stack and stack[-1][0] <= until:
+                end, name, mine, children = stack.pop()
+                own[name] += mine - children
+                if stack:
+                    stack[-1][3] += mine
+        for e in frames:
+            close(e["ts"])
+            mine = _overlap(e["ts"], e["ts"] + e["dur"], gaps, starts)
+            inclusive[e["name"]] += mine
+            stack.append([e["ts"] + e["dur"], e["name"], mine, 0.0])
+        close(float("inf"))
+    for e in events:
+        if e.get("cat") == "cuda_runtime":
+            runtime[e["name"]] += e["dur"]
+            calls[e["name"]] += 1
+    span = last - first
+    idle = sum(b - a for a, b in gaps)
+    lengths = sorted(b - a for a, b in gaps)
+
+    def table(counter):
+        return [dict(function=k[:140], us=round(v, 1)) for k, v in counter.most_common(top) if v > 0]
+    return dict(device_span_ms=round(span / 1000, 2), idle_ms=round(idle / 1000, 2),
+                idle_share=round(idle / span, 4), gaps=len(gaps), min_gap_us=min_gap_us,
+                gap_us_quantiles={q: round(lengths[int(q * (len(lengths) - 1))], 1) for q in (0.5, 0.9, 0.99)}
+                if lengths else {},
+                cuda_runtime=[dict(call=k, count=calls[k], us=round(v, 1)) for k, v in runtime.most_common(top)],
+                idle_by_own_time=table(own), idle_by_inclusive_time=table(inclusive))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model")
@@ -95,6 +240,9 @@ def main():
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--kernels", action="store_true", help="list GPU kernels by device time instead")
+    p.add_argument("--host-times", action="store_true", help="host time per step in the engine's functions instead")
+    p.add_argument("--timeline", action="store_true", help="GPU idle time and the CUDA runtime calls instead")
+    p.add_argument("--stacks", action="store_true", help="with --timeline: the host functions run while the GPU idles")
     p.add_argument("--out")
     args = p.parse_args()
     tmp = None
@@ -105,6 +253,7 @@ def main():
         args.model = tmp.name
     import transformers
     prompts = _workload(args, transformers.AutoConfig.from_pretrained(args.model).vocab_size)
+    host_totals = _time_host_functions() if args.host_times else None
     llm = build_llm(args, args.system, len(prompts))
     params = request_params(args, args.system, prompts)
     inputs = [{"prompt_token_ids": q} for q in prompts]
@@ -124,6 +273,15 @@ def main():
                   tokens_per_s=round(tokens / seconds, 1), ms_per_step=round(1000 * seconds / steps, 3))
     if args.kernels:
         emit(dict(common, kernels=_kernel_table(generate, args.top)), args.out)
+        return
+    if host_totals is not None:
+        host_totals.clear()
+        generate()
+        steps = len(host_totals["LLMEngine.step"]) or 1
+        emit(dict(common, engine_steps=steps, host_per_step=_host_table(host_totals, steps)), args.out)
+        return
+    if args.timeline:
+        emit(dict(common, timeline=_timeline(generate, args.top, args.stacks)), args.out)
         return
     sites = _sync_sites(generate)
     profiler = cProfile.Profile()
