@@ -48,15 +48,18 @@ def logprob_temperature(temperature: float) -> float:
     return float(temperature) if temperature > 0 else 1.0
 
 
-def token_logprobs(logits: torch.Tensor, temperature: float | Sequence[float], tokens: torch.Tensor,
+def token_logprobs(logits: torch.Tensor, temperature: float | Sequence[float] | torch.Tensor, tokens: torch.Tensor,
                    log_softmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """float32 log-prob of `tokens` under `logits` [..., V] at the rollout's temperature.
 
-    temperature: one number, or one per row of 2-D logits [N, V] (each mapped by logprob_temperature).
+    temperature: one number, or one per row of 2-D logits [N, V] (each mapped by logprob_temperature);
+    a float32 tensor of per-row values >= 0 (checked by its maker) is mapped where it lies, no sync.
     tokens: logits.shape[:-1]. log_softmax: the canonical one (kernels.log_softmax) unless a fast path
     passes its own.
     """
-    if isinstance(temperature, (int, float)):
+    if isinstance(temperature, torch.Tensor):
+        temps = torch.where(temperature > 0, temperature, 1.0)  # logprob_temperature, elementwise
+    elif isinstance(temperature, (int, float)):
         temps = logprob_temperature(temperature)
     else:
         temps = [logprob_temperature(t) for t in temperature]

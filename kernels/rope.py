@@ -170,6 +170,7 @@ class RopeTable:
         self._static_inv_freq = spec.inv_freq(0)
         self.cos = torch.empty(0, spec.rotary_dim // 2)
         self.sin = torch.empty(0, spec.rotary_dim // 2)
+        self.bounded = False  # see bound()
 
     @classmethod
     def from_config(cls, config, chunk: int = 1024) -> RopeTable:
@@ -206,9 +207,17 @@ class RopeTable:
         if device is not None:
             self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
+    def bound(self, num_positions: int, device: torch.device | str | None = None) -> None:
+        """reserve(), for a caller whose positions never reach num_positions (vLLM bounds them by
+        max_model_len): lookups then skip the growth check, a host sync that would hold the host until
+        the GPU has drained (under vLLM's asynchronous scheduling, every eager step). A position past
+        the bound is then an indexing error."""
+        self.reserve(num_positions, device)
+        self.bounded = True
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing:  # the check needs a host sync; a captured forward relies on reserve()
+        if not (capturing or self.bounded):  # the check needs a host sync; captures rely on reserve()
             need = int(positions.max().item()) + 1 if positions.numel() else 0
             if need > self.cos.shape[0]:
                 self._grow(need)

@@ -79,8 +79,18 @@ def allowed_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One token per row of float32 logits [N, V]; per-row temperature (0 = greedy), top_k (<= 0 =
-    off), top_p (1.0 = off), seed and absolute position of the token being sampled."""
+    off), top_p (1.0 = off), seed and absolute position of the token being sampled. The per-row
+    values are checked here: pass host tensors to keep the checks free of device syncs."""
     _check_sample_args(logits, temperature, top_k, top_p, seeds, positions)
+    needs_mask = bool(((top_k > 0) | (top_p < 1.0)).any())
+    return sample_checked(logits, temperature, top_k, top_p, seeds, positions, needs_mask)
+
+
+def sample_checked(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   seeds: torch.Tensor, positions: torch.Tensor, needs_mask: bool) -> torch.Tensor:
+    """sample() for per-row values its callers have checked already (rollout_service.sampler.RowParams
+    does, on the host), on the host or the device: no check and no device sync here. needs_mask: some
+    row has top_k > 0 or top_p < 1."""
     logits = logits.float()
     dev = logits.device
 
@@ -88,7 +98,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         return t.to(dev, dtype, non_blocking=True)
     temperature = to_dev(temperature, torch.float32).reshape(-1, 1)
     greedy = temperature <= 0
-    needs_mask = bool(((top_k > 0) | (top_p < 1.0)).any())
     triton_ops = _triton_sampling(logits)
     scaled = None
     if needs_mask or triton_ops is None:

@@ -1,26 +1,80 @@
 """The one sampler of the service: the seeded Gumbel rule (kernels.sample) and the reported log-prob
 (kernels.logprobs) for rows with per-row parameters. The verifier, the native fast path and the vLLM
-logits processor all sample here."""
+carriers all sample here."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from kernels import sample
 from kernels.logprobs import token_logprobs
+from kernels.sampling import sample_checked
+
+from .staging import stage
 
 
-def sample_tokens(logits: torch.Tensor, temperatures, top_ks, top_ps, seeds, positions) -> torch.Tensor:
-    """kernels.sample with per-row values given as host lists (their argument checks then run without
-    a device sync; the copies to the device are asynchronous)."""
-    return sample(logits, torch.tensor(temperatures, dtype=torch.float32), torch.tensor(top_ks),
-                  torch.tensor(top_ps, dtype=torch.float32), torch.tensor(seeds, dtype=torch.int64),
-                  torch.tensor(positions, dtype=torch.int64))
+@dataclass(frozen=True)
+class RowParams:
+    """Per-row sampling parameters as host arrays, checked when built, so that sampling with them
+    needs no device sync: temperature (0 = greedy), top_k (<= 0 = off), top_p (1 = off), seed and
+    the absolute position of the token being sampled."""
+    temperature: np.ndarray  # float32 [N]
+    top_k: np.ndarray  # int64 [N]
+    top_p: np.ndarray  # float32 [N]
+    seed: np.ndarray  # int64 [N]
+    position: np.ndarray  # int64 [N]
+
+    def __post_init__(self):
+        n = len(self.temperature)
+        if any(len(a) != n for a in (self.top_k, self.top_p, self.seed, self.position)):
+            raise ValueError("RowParams: every parameter needs one value per row")
+        if not (np.isfinite(self.temperature).all() and (self.temperature >= 0).all()):
+            raise ValueError("temperature must be finite and >= 0 (0 means greedy)")
+        if not ((self.top_p > 0) & (self.top_p <= 1)).all():
+            raise ValueError("top_p must be in (0, 1]")
+        if (self.position < 0).any():
+            raise ValueError("positions must be >= 0")
+
+    @classmethod
+    def from_values(cls, temperature, top_k, top_p, seed, position) -> "RowParams":
+        """From per-row sequences (lists or arrays)."""
+        return cls(np.asarray(temperature, dtype=np.float32), np.asarray(top_k, dtype=np.int64),
+                   np.asarray(top_p, dtype=np.float32), np.asarray(seed, dtype=np.int64),
+                   np.asarray(position, dtype=np.int64))
+
+    @classmethod
+    def from_sampling_params(cls, params_rows, positions) -> "RowParams":
+        """From per-row SamplingParams and the positions of the tokens they sample."""
+        return cls.from_values([p.temperature for p in params_rows], [p.top_k for p in params_rows],
+                               [p.top_p for p in params_rows], [p.effective_seed for p in params_rows], positions)
+
+    def __len__(self) -> int:
+        return len(self.temperature)
+
+    def with_seeds(self, seed: np.ndarray) -> "RowParams":
+        return RowParams(self.temperature, self.top_k, self.top_p, np.asarray(seed, dtype=np.int64), self.position)
+
+    @property
+    def needs_mask(self) -> bool:
+        return bool(((self.top_k > 0) | (self.top_p < 1)).any())
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(temperature, top_k, top_p, seed, position) tensors on `device`: two copies, no sync."""
+        temperature, top_p = stage([self.temperature, self.top_p], device)
+        top_k, seed, position = stage([self.top_k, self.seed, self.position], device)
+        return temperature, top_k, top_p, seed, position
+
+
+def sample_tokens(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """kernels.sample over float32 logits rows with per-row `rows` (no device sync)."""
+    temperature, top_k, top_p, seed, position = rows.on(logits.device)
+    return sample_checked(logits, temperature, top_k, top_p, seed, position, rows.needs_mask)
 
 
 def sample_rows(logits: torch.Tensor, params_rows, positions: list[int]) -> torch.Tensor:
     """sample_tokens for rows with per-row SamplingParams."""
-    return sample_tokens(logits, [p.temperature for p in params_rows], [p.top_k for p in params_rows],
-                         [p.top_p for p in params_rows], [p.effective_seed for p in params_rows], positions)
+    return sample_tokens(logits, RowParams.from_sampling_params(params_rows, positions))
 
 
 def token_logprobs_at(logits: torch.Tensor, params_rows, tokens: torch.Tensor, log_softmax) -> torch.Tensor:

@@ -207,6 +207,20 @@ def test_reserve_and_lookup_keep_their_semantics():
     assert torch.equal(cos[0, 0], cos[0, 1]) and torch.equal(cos[0, 1], torch.ones(8))
 
 
+def test_a_bounded_table_never_grows_on_lookup():
+    """bound(n): positions stay below n (vLLM's max_model_len), so lookups skip the growth check (a
+    host sync); the rows are those of a table grown on demand, and a position past them is an error."""
+    config = _llama(hidden=64, heads=4)
+    bounded, grown = RopeTable.from_config(config, chunk=16), RopeTable.from_config(config, chunk=16)
+    bounded.bound(20, "cpu")
+    positions = torch.tensor([[0, 7, 19, -1]])
+    for got, want in zip(bounded.lookup(positions), grown.lookup(positions)):
+        assert_bitwise_equal(got, want, "bounded vs grown")
+    with pytest.raises(IndexError):
+        bounded.lookup(torch.tensor([[40]]))  # 32 rows (whole chunks): no growth
+    assert bounded.cos.shape == (32, 8)
+
+
 def _save(tmp_path, arch="llama", rope=None):
     model = tiny_model(arch, seed=5, dtype=torch.float32)
     if rope is not None:

@@ -32,9 +32,9 @@ SAMPLINGS = {"greedy": dict(temperature=0.0), "T=0.7,top_p=0.9": dict(temperatur
              "T=1,top_k=5": dict(temperature=1.0, top_k=5), "T=1.3": dict(temperature=1.3)}
 
 
-def wrong_sample(logits, temperature, top_k, top_p, seeds, positions):
-    """The right rule with a different hash (the seed enters the hash perturbed); per-row host lists."""
-    return sample_tokens(logits, temperature, top_k, top_p, [s ^ 0x5DEECE66D for s in seeds], positions)
+def wrong_sample(logits, rows):
+    """The right rule with a different hash (the seed enters the hash perturbed)."""
+    return sample_tokens(logits, rows.with_seeds(rows.seed ^ 0x5DEECE66D))
 
 
 class WrongGumbelProcessor(GumbelLogitsProcessor):

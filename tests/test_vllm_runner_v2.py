@@ -10,7 +10,7 @@ import torch
 
 from kernels import sample
 from kernels.logprobs import token_logprobs
-from rollout_service.vllm_plugin.runner_v2 import CanonicalSampler
+from rollout_service.vllm_plugin.runner_v2 import CanonicalSampler, RequestTable
 
 VOCAB = 50
 
@@ -36,6 +36,13 @@ def _batch(state_idx, computed, scheduled):
                            num_computed_tokens_np=np.array(computed), num_scheduled_tokens=np.array(scheduled))
 
 
+def _table(requests: dict[int, tuple[dict, int]]) -> RequestTable:
+    table = RequestTable(size=4)  # slots past 3 make it grow
+    for slot, (cfg, prompt_len) in requests.items():
+        table.set(slot, cfg, prompt_len)
+    return table
+
+
 def _expected(logits, cfg, position):
     token = sample(logits[None], torch.tensor([cfg["temperature"]]), torch.tensor([cfg["top_k"]]),
                    torch.tensor([cfg["top_p"]]), torch.tensor([cfg["seed"]]), torch.tensor([position]))
@@ -48,7 +55,7 @@ def test_rows_with_params_get_the_rule_at_their_positions_others_pass_through():
     # before its prompt's end (position 100 for a 10-token prompt), a greedy one
     requests = {3: (cfg(11, 0.7, 12), 12), 5: (cfg(12, 1.0, 100), 10), 9: (cfg(13, 0.0, 4), 4)}
     base = RecordingBase()
-    sampler = CanonicalSampler(base, requests)
+    sampler = CanonicalSampler(base, _table(requests))
     assert sampler.sampling_states == "vLLM's"  # the runner reads the base sampler's state through ours
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
     original = logits.clone()
@@ -71,13 +78,13 @@ def test_a_batch_without_params_is_vllms_alone():
     base = RecordingBase()
     logits = torch.randn(2, VOCAB)
     original = logits.clone()
-    CanonicalSampler(base, {})(logits, _batch([0, 1], [3, 4], [1, 1]))
+    CanonicalSampler(base, _table({}))(logits, _batch([0, 1], [3, 4], [1, 1]))
     assert torch.equal(base.seen, original)
 
 
 def test_more_rows_than_requests_is_refused():
     with pytest.raises(NotImplementedError, match="speculative"):
-        CanonicalSampler(RecordingBase(), {})(torch.randn(3, VOCAB), _batch([0, 1], [3, 4], [1, 1]))
+        CanonicalSampler(RecordingBase(), _table({}))(torch.randn(3, VOCAB), _batch([0, 1], [3, 4], [1, 1]))
 
 
 class _Dims:
@@ -102,9 +109,21 @@ def test_batches_wanting_more_than_the_sampled_logprob_go_through_vllms_sampler(
     cfg = dict(seed=4, temperature=0.7, top_k=0, top_p=1.0, position=5)
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(1))
     original = logits.clone()
-    out = CanonicalSampler(base, {0: (cfg, 5)})(logits, _batch([0], [4], [1]))  # the first new token
+    out = CanonicalSampler(base, _table({0: (cfg, 5)}))(logits, _batch([0], [4], [1]))  # the first new token
     token, logprob = _expected(original[0], cfg, 5)
     assert base.seen is not None, "vLLM's sampler was skipped"
     assert torch.isfinite(base.seen[0]).nonzero().flatten().tolist() == [token]
     assert int(out.sampled_token_ids[0]) == token
     assert out.logprobs_tensors.logprobs[0].tolist() == [logprob, logprob]  # the top-k column too
+
+
+def test_a_slot_taken_over_by_a_request_without_params_is_vllms():
+    """vLLM reuses a finished request's slot; the new request's row must not keep the old params."""
+    cfg = dict(seed=4, temperature=0.7, top_k=0, top_p=1.0, position=5)
+    table = _table({1: (cfg, 5)})
+    table.clear(1)
+    base = RecordingBase()
+    logits = torch.randn(2, VOCAB)
+    original = logits.clone()
+    CanonicalSampler(base, table)(logits, _batch([0, 1], [3, 6], [1, 1]))
+    assert torch.equal(base.seen, original)

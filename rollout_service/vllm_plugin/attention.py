@@ -15,6 +15,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 
 import kernels as K
 
+from ..staging import stage
 from . import compat
 
 
@@ -41,9 +42,10 @@ class PrefillGroups:
         valid = offsets[None, :] < lens[chunked, None]
         tokens = starts[chunked, None] + np.minimum(offsets[None, :], lens[chunked, None] - 1)
         valid_rows = np.flatnonzero(valid.reshape(-1))
-        arrays = dict(decode_tokens=starts[:-1][lens == 1], tokens=tokens, valid=valid, requests=chunked,
-                      valid_rows=valid_rows, valid_tokens=tokens.reshape(-1)[valid_rows])
-        return cls(**{k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in arrays.items()})
+        arrays = dict(decode_tokens=starts[:-1][lens == 1], tokens=tokens, valid=valid.astype(np.int64),
+                      requests=chunked, valid_rows=valid_rows, valid_tokens=tokens.reshape(-1)[valid_rows])
+        fields = dict(zip(arrays, stage([a.astype(np.int64, copy=False) for a in arrays.values()], device)))
+        return cls(**dict(fields, valid=fields["valid"].bool()))
 
 
 @dataclass

@@ -77,8 +77,8 @@ class ZeroKLForCausalLM(nn.Module):
                 prefix=f"{prefix}model.layers.{i}.self_attn.attn", attn_backend=ZeroKLAttentionBackend)
             attn.append(layer.self_attn.attn)
         self.__dict__["attn_layers"] = attn  # layer_idx order, as kernels.forward indexes them
-        # every position a request can reach, on the device now: a captured forward cannot grow it
-        rope_table(hf).reserve(vllm_config.model_config.max_model_len, torch.device(device))
+        # every position a request can reach, on the device now: no forward grows it or checks for growth
+        rope_table(hf).bound(vllm_config.model_config.max_model_len, torch.device(device))
 
     @classmethod
     def get_model_state_cls(cls):

@@ -19,19 +19,65 @@ from __future__ import annotations
 import functools
 import logging
 
+import numpy as np
 import torch
 
+from kernels.sampling import sampling_position
+
+from ..sampler import RowParams
 from .sampling import canonical_rows, keep_only, request_params
 
 log = logging.getLogger(__name__)
 
 
+class RequestTable:
+    """Each request slot's zerokl params (slots: vLLM's req_state_idx) as host arrays, so that a step
+    gathers its rows' params with array indexing instead of a loop over rows."""
+
+    def __init__(self, size: int = 64):
+        self.ours = np.zeros(size, dtype=bool)
+        self.temperature = np.zeros(size, dtype=np.float32)
+        self.top_p = np.ones(size, dtype=np.float32)
+        self.top_k, self.seed, self.position, self.prompt_len = (np.zeros(size, dtype=np.int64) for _ in range(4))
+
+    def set(self, slot: int, cfg: dict, prompt_len: int) -> None:
+        if slot >= len(self.ours):
+            self._grow(max(slot + 1, 2 * len(self.ours)))
+        self.ours[slot] = True
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = cfg["temperature"], cfg["top_k"], cfg["top_p"]
+        self.seed[slot], self.position[slot], self.prompt_len[slot] = cfg["seed"], cfg["position"], prompt_len
+
+    def clear(self, slot: int) -> None:
+        if slot < len(self.ours):
+            self.ours[slot] = False
+
+    def _grow(self, size: int) -> None:
+        for name in ("ours", "temperature", "top_p", "top_k", "seed", "position", "prompt_len"):
+            old = getattr(self, name)
+            new = np.zeros(size, dtype=old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
+
+    def rows(self, slots: np.ndarray, preceding: np.ndarray) -> tuple[np.ndarray, RowParams | None]:
+        """(batch rows that are ours, their RowParams) for a step whose row r holds slot slots[r] with
+        preceding[r] tokens before the one sampled now."""
+        known = slots < len(self.ours)
+        index = np.flatnonzero(known & self.ours[np.where(known, slots, 0)])
+        if not len(index):
+            return index, None
+        at = slots[index]
+        # a prefill chunk that does not end the prompt samples a token vLLM discards
+        num_outputs = np.maximum(0, preceding[index] - self.prompt_len[at])
+        return index, RowParams(self.temperature[at], self.top_k[at], self.top_p[at], self.seed[at],
+                                sampling_position(self.position[at] + num_outputs))
+
+
 class CanonicalSampler:
     """Wraps vLLM's V2 Sampler (attributes the runner reads pass through to it)."""
 
-    def __init__(self, base, requests: dict[int, tuple[dict, int]]):
+    def __init__(self, base, requests: RequestTable):
         self.base = base
-        self.requests = requests  # req_state_idx -> (zerokl params, prompt length); the model state's
+        self.requests = requests  # the model state's
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -40,23 +86,14 @@ class CanonicalSampler:
         n = input_batch.num_reqs
         if logits.shape[0] != n:
             raise NotImplementedError("the zerokl sampler takes one logits row per request (no speculative decoding)")
-        state_idx = input_batch.idx_mapping_np[:n]
         # tokens before the one sampled now (host counts: no device sync)
         preceding = input_batch.num_computed_tokens_np[:n] + input_batch.num_scheduled_tokens[:n]
-        index, cfgs, num_outputs = [], [], []
-        for row in range(n):
-            entry = self.requests.get(int(state_idx[row]))
-            if entry is not None:
-                cfg, prompt_len = entry
-                index.append(row)
-                cfgs.append(cfg)
-                # a prefill chunk that does not end the prompt samples a token vLLM discards
-                num_outputs.append(max(0, int(preceding[row]) - prompt_len))
-        if not index:
+        index, params = self.requests.rows(input_batch.idx_mapping_np[:n], preceding)
+        if params is None:
             return self.base(logits, input_batch)
-        rows_at = None if len(index) == n else torch.tensor(index, device=logits.device)
+        rows_at = None if len(index) == n else torch.from_numpy(index).to(logits.device, non_blocking=True)
         rows = (logits if rows_at is None else logits[rows_at]).float()
-        tokens, logprobs = canonical_rows(rows, cfgs, num_outputs)
+        tokens, logprobs = canonical_rows(rows, params)
         if rows_at is None:
             own = own_sampler_output(self.base, input_batch, tokens, logprobs)
             if own is not None:
@@ -125,11 +162,11 @@ def model_state_class():
             super().__init__(vllm_config, *args, **kwargs)
             if vllm_config.speculative_config is not None:
                 raise NotImplementedError("ZeroKLForCausalLM does not run with speculative decoding")
-            self.zerokl_requests: dict[int, tuple[dict, int]] = {}
+            self.zerokl_requests = RequestTable(vllm_config.scheduler_config.max_num_seqs)
 
         def add_request(self, req_index, new_req_data) -> None:
             super().add_request(req_index, new_req_data)
-            self.zerokl_requests.pop(req_index, None)
+            self.zerokl_requests.clear(req_index)
             params = new_req_data.sampling_params
             if params is None:
                 return
@@ -147,7 +184,7 @@ def model_state_class():
             prompt_len = len(prompt) if prompt is not None else cfg["position"]
             if cfg["position"] is None:
                 cfg["position"] = prompt_len
-            self.zerokl_requests[req_index] = (cfg, prompt_len)
+            self.zerokl_requests.set(req_index, cfg, prompt_len)
 
         def custom_sampler(self, sampler):
             return CanonicalSampler(sampler, self.zerokl_requests), None

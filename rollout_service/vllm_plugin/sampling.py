@@ -28,7 +28,7 @@ import torch
 from kernels.logprobs import token_logprobs
 from kernels.sampling import sampling_position
 
-from ..sampler import sample_tokens
+from ..sampler import RowParams, sample_tokens
 
 EXTRA_ARGS_KEY = "zerokl"
 XARGS_PREFIX = "zerokl_"  # flat keys, e.g. vllm_xargs={"zerokl_seed": 5, "zerokl_temperature": 0.7}
@@ -42,25 +42,24 @@ STRICT_PROCESSOR_FQCN = f"{__name__}:StrictGumbelLogitsProcessor"
 CAPTURE: dict[str, Any] = {"on": False, "records": []}
 
 
-def row_params(cfg: dict, num_output: int) -> tuple[float, int, float, int, int]:
-    """cfg["position"]: the prompt's length (tokens before the first generated one)."""
-    return (cfg["temperature"], cfg["top_k"], cfg["top_p"], cfg["seed"],
-            sampling_position(cfg["position"] + num_output))
+def rows_from_configs(cfgs: list[dict], num_outputs) -> RowParams:
+    """RowParams of rows with params cfgs[k] that have generated num_outputs[k] tokens so far
+    (cfg["position"]: the tokens before the first generated one, i.e. the prompt's length)."""
+    return RowParams.from_values([c["temperature"] for c in cfgs], [c["top_k"] for c in cfgs],
+                                 [c["top_p"] for c in cfgs], [c["seed"] for c in cfgs],
+                                 [sampling_position(c["position"] + n) for c, n in zip(cfgs, num_outputs)])
 
 
-
-def canonical_rows(rows: torch.Tensor, cfgs: list[dict], num_outputs: list[int],
-                   rule=sample_tokens) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, log-probs) of our rule for float32 logits rows; row k has params cfgs[k] and has
-    generated num_outputs[k] tokens so far. Both carriers (V1 processor, V2 sampler) call this."""
-    params = [row_params(c, n) for c, n in zip(cfgs, num_outputs)]
-    temp, top_k, top_p, seeds, positions = (list(c) for c in zip(*params))
-    tokens = rule(rows, temp, top_k, top_p, seeds, positions)  # per-row host lists
-    logprobs = token_logprobs(rows, temp, tokens)
+def canonical_rows(rows: torch.Tensor, params: RowParams, rule=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, log-probs) of our rule (`rule`: a stand-in for tests) for float32 logits rows with
+    per-row `params`, without a device sync. Both carriers (V1 processor, V2 sampler) call this."""
+    tokens = (rule or sample_tokens)(rows, params)
+    logprobs = token_logprobs(rows, torch.from_numpy(params.temperature), tokens)
     if CAPTURE["on"]:
-        for k in range(len(cfgs)):
+        for k in range(len(params)):
             CAPTURE["records"].append(dict(
-                temperature=temp[k], top_k=top_k[k], top_p=top_p[k], seed=seeds[k], position=positions[k],
+                temperature=float(params.temperature[k]), top_k=int(params.top_k[k]),
+                top_p=float(params.top_p[k]), seed=int(params.seed[k]), position=int(params.position[k]),
                 logits=rows[k].tolist(), token=int(tokens[k]), logprob=float(logprobs[k])))
     return tokens, logprobs
 
@@ -155,9 +154,7 @@ def _build_processor_class():
         """Applies the seeded Gumbel rule to rows whose SamplingParams.extra_args carry our params;
         other rows pass through untouched."""
 
-        @staticmethod
-        def rule(logits, temperature, top_k, top_p, seeds, positions):  # per-row host lists
-            return sample_tokens(logits, temperature, top_k, top_p, seeds, positions)
+        rule = staticmethod(sample_tokens)  # (logits, RowParams) -> tokens
 
         require_params = False  # StrictGumbelLogitsProcessor: refuse requests without our params
 
@@ -207,8 +204,8 @@ def _build_processor_class():
                 return logits
             rows_at = None if len(index) == n else torch.tensor(index, device=logits.device)
             rows = (logits if rows_at is None else logits[rows_at]).float()
-            tokens, logprobs = canonical_rows(rows, [self.rows[i][0] for i in index],
-                                              [len(self.rows[i][1]) for i in index], rule=self.rule)
+            params = rows_from_configs([self.rows[i][0] for i in index], [len(self.rows[i][1]) for i in index])
+            tokens, logprobs = canonical_rows(rows, params, rule=self.rule)
             keep_only(logits, rows_at, tokens, logprobs)  # processed_logits: the finite entry is reported
             return logits
 
