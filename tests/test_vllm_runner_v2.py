@@ -118,12 +118,14 @@ def test_batches_wanting_more_than_the_sampled_logprob_go_through_vllms_sampler(
 
 
 def test_a_slot_taken_over_by_a_request_without_params_is_vllms():
-    """vLLM reuses a finished request's slot; the new request's row must not keep the old params."""
+    """vLLM reuses a finished request's slot; the new request's row must not keep the old params
+    (nor may a masked row, slot -1, take the last slot's)."""
     cfg = dict(seed=4, temperature=0.7, top_k=0, top_p=1.0, position=5)
-    table = _table({1: (cfg, 5)})
+    table = _table({1: (cfg, 5), 3: (cfg, 5)})
     table.clear(1)
     base = RecordingBase()
     logits = torch.randn(2, VOCAB)
     original = logits.clone()
-    CanonicalSampler(base, table)(logits, _batch([0, 1], [3, 6], [1, 1]))
+    # slot -1: a row vLLM masks; it must not read the table's last slot (3, which is ours)
+    CanonicalSampler(base, table)(logits, _batch([1, -1], [3, 6], [1, 1]))
     assert torch.equal(base.seen, original)

@@ -61,7 +61,7 @@ class RequestTable:
     def rows(self, slots: np.ndarray, preceding: np.ndarray) -> tuple[np.ndarray, RowParams | None]:
         """(batch rows that are ours, their RowParams) for a step whose row r holds slot slots[r] with
         preceding[r] tokens before the one sampled now."""
-        known = slots < len(self.ours)
+        known = (slots >= 0) & (slots < len(self.ours))  # vLLM marks masked rows with slot -1
         index = np.flatnonzero(known & self.ours[np.where(known, slots, 0)])
         if not len(index):
             return index, None
