@@ -41,8 +41,11 @@ def scale_logits(logits: torch.Tensor, temperature) -> torch.Tensor:
     return logits / t
 
 
-def logprob_temperature(temperature: float) -> float:
-    """The temperature a token's log-prob is taken at: T when sampling, 1 for greedy (T = 0)."""
+def logprob_temperature(temperature):
+    """The temperature a token's log-prob is taken at: T when sampling, 1 for greedy (T = 0). A
+    tensor of per-row values (checked >= 0 by its maker) is mapped where it lies, without a sync."""
+    if isinstance(temperature, torch.Tensor):
+        return torch.where(temperature > 0, temperature, 1.0)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
     return float(temperature) if temperature > 0 else 1.0
@@ -57,9 +60,7 @@ def token_logprobs(logits: torch.Tensor, temperature: float | Sequence[float] | 
     tokens: logits.shape[:-1]. log_softmax: the canonical one (kernels.log_softmax) unless a fast path
     passes its own.
     """
-    if isinstance(temperature, torch.Tensor):
-        temps = torch.where(temperature > 0, temperature, 1.0)  # logprob_temperature, elementwise
-    elif isinstance(temperature, (int, float)):
+    if isinstance(temperature, (int, float, torch.Tensor)):
         temps = logprob_temperature(temperature)
     else:
         temps = [logprob_temperature(t) for t in temperature]

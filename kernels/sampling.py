@@ -7,6 +7,7 @@ applies this rule to the same logits picks the same token.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .backend import backend_for
@@ -82,8 +83,22 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     off), top_p (1.0 = off), seed and absolute position of the token being sampled. The per-row
     values are checked here: pass host tensors to keep the checks free of device syncs."""
     _check_sample_args(logits, temperature, top_k, top_p, seeds, positions)
-    needs_mask = bool(((top_k > 0) | (top_p < 1.0)).any())
-    return sample_checked(logits, temperature, top_k, top_p, seeds, positions, needs_mask)
+    return sample_checked(logits, temperature, top_k, top_p, seeds, positions, any_row_masked(top_k, top_p))
+
+
+def any_row_masked(top_k, top_p) -> bool:
+    """Whether some row restricts its ids (top_k > 0 or top_p < 1); numpy arrays or tensors."""
+    return bool(((top_k > 0) | (top_p < 1.0)).any())
+
+
+def check_row_values(temperature: np.ndarray, top_p: np.ndarray, positions: np.ndarray) -> None:
+    """sample()'s rules for per-row values (host arrays): ValueError where one is broken."""
+    if not (np.isfinite(temperature).all() and (temperature >= 0).all()):
+        raise ValueError("temperature must be finite and >= 0 (0 means greedy)")
+    if not ((top_p > 0) & (top_p <= 1)).all():
+        raise ValueError("top_p must be in (0, 1]")
+    if (positions < 0).any():
+        raise ValueError("positions must be >= 0")
 
 
 def sample_checked(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -131,9 +146,4 @@ def _check_sample_args(logits, temperature, top_k, top_p, seeds, positions) -> N
                     ("seeds", seeds), ("positions", positions)):
         if not isinstance(t, torch.Tensor) or t.numel() != n:
             raise ValueError(f"{name} must be a tensor with one entry per row ({n})")
-    if bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):
-        raise ValueError("temperature must be finite and >= 0 (0 means greedy)")
-    if bool(((top_p <= 0) | (top_p > 1)).any()):
-        raise ValueError("top_p must be in (0, 1]")
-    if bool((positions < 0).any()):
-        raise ValueError("positions must be >= 0")
+    check_row_values(*(t.detach().to("cpu", torch.float64).numpy() for t in (temperature, top_p, positions)))

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kernels.logprobs import token_logprobs
-from kernels.sampling import sample_checked
+from kernels.sampling import any_row_masked, check_row_values, sample_checked
 
 from .staging import stage
 
@@ -29,12 +29,7 @@ class RowParams:
         n = len(self.temperature)
         if any(len(a) != n for a in (self.top_k, self.top_p, self.seed, self.position)):
             raise ValueError("RowParams: every parameter needs one value per row")
-        if not (np.isfinite(self.temperature).all() and (self.temperature >= 0).all()):
-            raise ValueError("temperature must be finite and >= 0 (0 means greedy)")
-        if not ((self.top_p > 0) & (self.top_p <= 1)).all():
-            raise ValueError("top_p must be in (0, 1]")
-        if (self.position < 0).any():
-            raise ValueError("positions must be >= 0")
+        check_row_values(self.temperature, self.top_p, self.position)
 
     @classmethod
     def from_values(cls, temperature, top_k, top_p, seed, position) -> "RowParams":
@@ -57,7 +52,7 @@ class RowParams:
 
     @property
     def needs_mask(self) -> bool:
-        return bool(((self.top_k > 0) | (self.top_p < 1)).any())
+        return any_row_masked(self.top_k, self.top_p)
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(temperature, top_k, top_p, seed, position) tensors on `device`: two copies, no sync."""
