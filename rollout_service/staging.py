@@ -13,11 +13,20 @@ import numpy as np
 import torch
 
 
+def _flat(arrays: Sequence[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate([np.ascontiguousarray(a).reshape(-1) for a in arrays]))
+
+
+def pinned(arrays: Sequence[np.ndarray]) -> torch.Tensor:
+    """Arrays of one dtype concatenated (flat) into pinned host memory: an asynchronous copy source."""
+    return _flat(arrays).pin_memory()
+
+
 def stage(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
     """Arrays of one dtype as tensors on `device` (same shapes), moved in one copy."""
     device = torch.device(device)
-    flat = torch.from_numpy(np.concatenate([np.ascontiguousarray(a).reshape(-1) for a in arrays]))
     if device.type == "cuda":
-        flat = flat.pin_memory()
-    flat = flat.to(device, non_blocking=True)
+        flat = pinned(arrays).to(device, non_blocking=True)
+    else:
+        flat = _flat(arrays)
     return [part.view(a.shape) for part, a in zip(flat.split([a.size for a in arrays]), arrays)]

@@ -129,3 +129,46 @@ def test_a_slot_taken_over_by_a_request_without_params_is_vllms():
     # slot -1: a row vLLM masks; it must not read the table's last slot (3, which is ours)
     CanonicalSampler(base, table)(logits, _batch([1, -1], [3, 6], [1, 1]))
     assert torch.equal(base.seen, original)
+
+
+def _config(device_graphs: str = "FULL_DECODE_ONLY", enforce_eager: bool = False):
+    return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=device_graphs)),
+                           model_config=SimpleNamespace(enforce_eager=enforce_eager, get_vocab_size=lambda: VOCAB),
+                           scheduler_config=SimpleNamespace(max_num_seqs=8))
+
+
+def test_sampling_is_graphed_only_where_vllm_replays_graphs_on_cuda():
+    from rollout_service.sampler_graphs import SamplerGraphs
+    from rollout_service.vllm_plugin.runner_v2 import sampler_graphs
+
+    assert sampler_graphs(_config(), "cpu") is None
+    assert sampler_graphs(_config("NONE"), "cuda:0") is None
+    assert sampler_graphs(_config(enforce_eager=True), "cuda:0") is None
+    with pytest.raises(ValueError, match="CUDA"):
+        SamplerGraphs(8, VOCAB, "cpu")
+    if torch.cuda.is_available():
+        assert isinstance(sampler_graphs(_config(), "cuda:0"), SamplerGraphs)
+
+
+class FixedGraphs:
+    """Stands in for SamplerGraphs: covers every row and answers with fixed tokens and log-probs."""
+
+    def covers(self, logits, rows):
+        return True
+
+    def __call__(self, logits, rows):
+        return torch.full((len(rows),), 7), torch.full((len(rows),), -1.5)
+
+
+def test_covered_rows_come_from_the_graphs_a_test_rule_never_does():
+    from rollout_service.sampler import RowParams
+    from rollout_service.vllm_plugin.sampling import canonical_rows
+
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    rows = RowParams.from_values([1.0, 0.0], [0, 0], [1.0, 1.0], [1, 2], [5, 5])
+    tokens, logprobs = canonical_rows(logits, rows, graphs=FixedGraphs())
+    assert tokens.tolist() == [7, 7] and logprobs.tolist() == [-1.5, -1.5]
+    eager = canonical_rows(logits, rows)
+    ruled = canonical_rows(logits, rows, rule=lambda lg, r: eager[0], graphs=FixedGraphs())
+    assert torch.equal(ruled[0], eager[0]) and torch.equal(ruled[1], eager[1])
+    assert ruled[0].tolist() != [7, 7]

@@ -25,6 +25,7 @@ import torch
 from kernels.sampling import sampling_position
 
 from ..sampler import RowParams
+from ..sampler_graphs import SamplerGraphs
 from .sampling import canonical_rows, keep_only, request_params
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,10 @@ class RequestTable:
 class CanonicalSampler:
     """Wraps vLLM's V2 Sampler (attributes the runner reads pass through to it)."""
 
-    def __init__(self, base, requests: RequestTable):
+    def __init__(self, base, requests: RequestTable, graphs=None):
         self.base = base
         self.requests = requests  # the model state's
+        self.graphs = graphs  # SamplerGraphs where vLLM replays CUDA graphs, else None (eager)
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -93,7 +95,7 @@ class CanonicalSampler:
             return self.base(logits, input_batch)
         rows_at = None if len(index) == n else torch.from_numpy(index).to(logits.device, non_blocking=True)
         rows = (logits if rows_at is None else logits[rows_at]).float()
-        tokens, logprobs = canonical_rows(rows, params)
+        tokens, logprobs = canonical_rows(rows, params, graphs=self.graphs)
         if rows_at is None:
             own = own_sampler_output(self.base, input_batch, tokens, logprobs)
             if own is not None:
@@ -151,6 +153,15 @@ def own_sampler_output(base, input_batch, tokens: torch.Tensor, logprobs: torch.
                          num_sampled=num_sampled, num_rejected=num_rejected)
 
 
+def sampler_graphs(vllm_config, device) -> SamplerGraphs | None:
+    """Our sampling replayed from CUDA graphs where vLLM replays its own (enforce_eager: eager)."""
+    mode = getattr(vllm_config.compilation_config.cudagraph_mode, "name", "NONE")
+    if torch.device(device).type != "cuda" or vllm_config.model_config.enforce_eager or mode == "NONE":
+        return None
+    return SamplerGraphs(vllm_config.scheduler_config.max_num_seqs, vllm_config.model_config.get_vocab_size(),
+                         device)
+
+
 @functools.lru_cache(maxsize=None)
 def model_state_class():
     """ZeroKLModelState: vLLM's default model state plus our per-request params and sampler (built on
@@ -187,7 +198,7 @@ def model_state_class():
             self.zerokl_requests.set(req_index, cfg, prompt_len)
 
         def custom_sampler(self, sampler):
-            return CanonicalSampler(sampler, self.zerokl_requests), None
+            return CanonicalSampler(sampler, self.zerokl_requests, sampler_graphs(self.vllm_config, self.device)), None
 
     ZeroKLModelState.__module__ = __name__
     return ZeroKLModelState

@@ -50,11 +50,15 @@ def rows_from_configs(cfgs: list[dict], num_outputs) -> RowParams:
                                  [sampling_position(c["position"] + n) for c, n in zip(cfgs, num_outputs)])
 
 
-def canonical_rows(rows: torch.Tensor, params: RowParams, rule=None) -> tuple[torch.Tensor, torch.Tensor]:
+def canonical_rows(rows: torch.Tensor, params: RowParams, rule=None, graphs=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, log-probs) of our rule (`rule`: a stand-in for tests) for float32 logits rows with
-    per-row `params`, without a device sync. Both carriers (V1 processor, V2 sampler) call this."""
-    tokens = (rule or sample_tokens)(rows, params)
-    logprobs = token_logprobs(rows, torch.from_numpy(params.temperature), tokens)
+    per-row `params`, without a device sync; replayed from `graphs` (rollout_service.sampler_graphs)
+    where they cover the rows. Both carriers (V1 processor, V2 sampler) call this."""
+    if rule is None and graphs is not None and graphs.covers(rows, params):
+        tokens, logprobs = graphs(rows, params)
+    else:
+        tokens = (rule or sample_tokens)(rows, params)
+        logprobs = token_logprobs(rows, torch.from_numpy(params.temperature), tokens)
     if CAPTURE["on"]:
         for k in range(len(params)):
             CAPTURE["records"].append(dict(

@@ -191,6 +191,39 @@ def test_v2_sampler_output_ours_or_vllms(checkpoint, trainer, monkeypatch):
     assert [m[1] for m in with_top2] == [r[1] for r in ours]
 
 
+def test_rollout_sampling_replayed_from_graphs(checkpoint, trainer, monkeypatch):
+    """Rollout batches (no top-k / top-p) sample from our CUDA graphs on V2 with CUDA graphs, padded
+    to power-of-two buckets; the bits equal the trainer's and those of the eager sampler (enforce_eager,
+    where the graphs are not used)."""
+    from rollout_service.sampler_graphs import SamplerGraphs
+
+    calls = []
+    original = SamplerGraphs.__call__
+
+    def counting(self, logits, rows):
+        calls.append(len(rows))
+        return original(self, logits, rows)
+    monkeypatch.setattr(SamplerGraphs, "__call__", counting)
+
+    prompts = random_prompts(256, VOCAB, seed=31, lo=5, hi=600)
+    params = _params(len(prompts), 20, seed0=900, samplings=[dict(temperature=0.0), dict(temperature=0.7),
+                                                              dict(temperature=1.0)])
+    sizes = (1, 5, 40, 256)
+
+    def work(llm):
+        assert _runner(llm) == "v2"
+        return [vllm_generate(llm, prompts[:k], params[:k]) for k in sizes]
+
+    graphed = _run(checkpoint, work)
+    graphed_calls = list(calls)
+    eager = _run(checkpoint, work, cuda_graphs=False)
+    assert graphed_calls and len(calls) == len(graphed_calls), "graphs unused with CUDA graphs, or used without"
+    assert any(n & (n - 1) for n in graphed_calls), "no padded bucket was replayed"
+    for k, ours, plain in zip(sizes, graphed, eager):
+        assert_matches_trainer(trainer, prompts[:k], params[:k], ours)
+        assert [r[:2] for r in ours] == [r[:2] for r in plain]
+
+
 def test_weight_update_in_place_keeps_graphs_valid(checkpoint, trainer):
     prompts = random_prompts(8, VOCAB, seed=4, lo=5, hi=100)
     params = _params(len(prompts), 16, seed0=400)
