@@ -1,0 +1,50 @@
+"""Plot bench/peer_vllm.py results: each system's tokens/s as a multiple of stock vLLM in the same run,
+one group of bars per result file.
+
+    python -m bench.plot_peer bench/results/2026-11-25/*.json --out peer.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _label(doc: dict, path: Path) -> str:
+    w = doc["workload"]
+    return f"{path.stem}\n{w['prompts']} x {w['prompt_len']} / {w['max_tokens']}"
+
+
+def plot(paths: list[Path], out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    docs = [json.loads(p.read_text()) for p in paths]
+    systems = sorted({s for d in docs for s, r in d["results"].items() if "x_vllm" in r and s != "vllm"})
+    width = 0.8 / max(len(systems), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.0 * len(docs)), 4.0))
+    for k, system in enumerate(systems):
+        xs = [i + (k - (len(systems) - 1) / 2) * width for i, d in enumerate(docs) if system in d["results"]]
+        ys = [d["results"][system]["x_vllm"] for d in docs if system in d["results"]]
+        ax.bar(xs, ys, width, label=system)
+    ax.axhline(1.0, color="black", linewidth=0.8)  # stock vLLM in the same run
+    ax.set_xticks(range(len(docs)), [_label(d, p) for d, p in zip(docs, paths)], fontsize=7)
+    ax.set_ylabel("tokens/s, x stock vLLM (same run)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", type=Path, help="peer_vllm JSON files")
+    p.add_argument("--out", type=Path, default=Path("peer.png"))
+    args = p.parse_args()
+    print(plot(args.results, args.out))
+
+
+if __name__ == "__main__":
+    main()
