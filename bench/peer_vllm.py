@@ -23,7 +23,8 @@ Systems (--systems, comma list):
 - `ours-verified`, `ours-invariant`, `ours-off`: our engine with the windowed vLLM fast path;
 - `worker-verified`, `worker-off`: VLLMEngine, the engine a RolloutWorker runs on a GPU (vLLM's engine
   loop stepped by the worker; `off` requests on its stock vLLM engine, given the memory share of the
-  `vllm` system).
+  `vllm` system, whose core runs in its own process on GPUs); `worker-off-in-process`: that stock
+  engine's core in this process instead, next to the canonical engine.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ from bench import emit  # noqa: E402
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
 ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-plugin-eager", "vllm-plugin-v1",
                                  "vllm-eager", "vllm-v1",
-                                 "native-verified", "native-invariant", "native-off", "worker-verified", "worker-off")
+                                 "native-verified", "native-invariant", "native-off", "worker-verified", "worker-off",
+                                 "worker-off-in-process")
 TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
 
 
@@ -183,7 +185,7 @@ def _run_ours(args, prompts, mode, fast_path) -> dict:
     return res
 
 
-def _run_worker_engine(args, prompts, mode: str) -> dict:
+def _run_worker_engine(args, prompts, mode: str, stock_in_process: bool | None = None) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rollout_service import SamplingParams
     from rollout_service.vllm_engine import VLLMEngine
@@ -195,7 +197,7 @@ def _run_worker_engine(args, prompts, mode: str) -> dict:
     share = min(0.9, options.pop("gpu_memory_utilization", 0.425) * (2 if stock else 1))
     engine = VLLMEngine(args.model, device="cpu" if _on_cpu() else "cuda", max_model_len=max_model_len,
                         max_num_seqs=len(prompts), stock_for_off=stock, gpu_memory_utilization=share,
-                        vllm_options=options)
+                        stock_in_process=stock_in_process, vllm_options=options)
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
     try:
@@ -226,6 +228,8 @@ def _worker(args) -> None:
     try:
         if system.startswith("vllm"):
             res = _run_vllm(args, prompts, system)
+        elif system == "worker-off-in-process":
+            res = _run_worker_engine(args, prompts, "off", stock_in_process=True)
         elif system.startswith("worker-"):
             res = _run_worker_engine(args, prompts, system.split("-", 1)[1])
         else:
@@ -312,11 +316,22 @@ def main():
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")
     runs: dict[str, list[dict]] = {s: [] for s in systems}
+    model = args.model if tmp is None else f"{args.shape or 'tiny-qwen2'} (random weights)"
     for r in range(args.repeats):  # round robin: drift of the machine falls on every system alike
-        for system in systems:  # each result as it comes: a long run that is cut off still reports
+        for i, system in enumerate(systems):
             runs[system].append(_child(args, system))
             print(f"{system}: {json.dumps(runs[system][-1])}", file=sys.stderr, flush=True)
-    results = {system: _median_run(rs) for system, rs in runs.items()}
+            last = r == args.repeats - 1 and i == len(systems) - 1
+            if args.out and not last:  # each result as it comes: a run that is cut off still reports
+                _report(args, model, runs, args.out)
+    emit(_report(args, model, runs), args.out)
+    if tmp is not None:
+        tmp.cleanup()
+
+
+def _report(args, model: str, runs: dict[str, list[dict]], partial_out: str | None = None) -> dict:
+    """The report of the runs so far; with partial_out, also written there as JSON (not printed)."""
+    results = {system: _median_run(rs) for system, rs in runs.items() if rs}
     for base in ("vllm", "vllm-batch-invariant"):  # ratios inside this one run
         base_tps = results.get(base, {}).get("tokens_per_s")
         for res in results.values():
@@ -324,16 +339,17 @@ def main():
                 res[f"x_{base.replace('-', '_')}"] = round(res["tokens_per_s"] / base_tps, 3)
     import torch
     report = dict(
-        benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(),
-        model=args.model if tmp is None else f"{args.shape or 'tiny-qwen2'} (random weights)",
+        benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(), model=model,
         tensor_parallel_size=args.tensor_parallel_size,
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                       stock_logprobs=args.stock_logprobs,
                       temperature=args.temperature, top_p=args.top_p),
         ours=dict(window=args.window, group=args.group), results=results)
-    emit(report, args.out)
-    if tmp is not None:
-        tmp.cleanup()
+    if partial_out:
+        report["complete"] = False
+        with open(partial_out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
 
 
 def _median_run(runs: list[dict]) -> dict:

@@ -21,6 +21,8 @@ def token_id_list(prompt) -> list[int]:
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
         raise InvalidRequestError(f"prompt must be a sequence of int token ids, got {type(prompt).__name__}")
+    if all(type(t) is int for t in prompt):  # the common case, without the slower ABC checks below
+        return list(prompt)
     for t in prompt:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # numpy bools are not Integral
             raise InvalidRequestError(f"prompt must hold int token ids, got {type(t).__name__} {t!r}")
@@ -32,8 +34,8 @@ def check_prompt(prompt, vocab_size: int, max_model_len: int) -> list[int]:
     prompt = token_id_list(prompt)
     if not prompt:
         raise InvalidRequestError("prompt is empty")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
         raise InvalidRequestError(f"prompt has token ids outside [0, {vocab_size}): {bad[:5]}")
     if len(prompt) >= max_model_len:
         raise InvalidRequestError(f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len}")

@@ -5,7 +5,8 @@
 log-probs are the trainer's bit for bit. With `stock_for_off=True`, `off` requests run on a second
 vLLM engine with vLLM's stock model class and sampler (vLLM's speed, no guarantee) and the GPU's
 memory is split between the two; without it they run on the canonical engine too (canonical tokens,
-which `off` permits).
+which `off` permits). The stock engine's core runs in its own process on GPUs, as vLLM's does by
+default: next to the canonical engine in one process it ran 20% slower (256 prompts, H100).
 
 It has the interface RolloutWorker drives (add_request / abort / step / has_unfinished, weights and
 the canonical contract), like the native Engine. Steps go through `LLM.llm_engine` (vLLM's
@@ -16,7 +17,6 @@ every step runs the canonical forward (see the README for why and what it costs)
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
 import tempfile
 
@@ -34,11 +34,13 @@ class VLLMEngine:
     """model: a checkpoint directory, "tiny:<arch>" or a Hugging Face model object (saved to a temp
     dir for vLLM). tensor_parallel_size: vLLM's workers per engine, one GPU each (the canonical
     engine combines row-parallel outputs by the segment tree). vllm_options go to both vllm.LLM
-    engines (e.g. max_num_batched_tokens)."""
+    engines (e.g. max_num_batched_tokens). stock_in_process: where the stock engine's core runs
+    (default: its own process on CUDA, this one on CPU, where a process costs more than it saves)."""
 
     def __init__(self, model, *, device: str = "cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
-                 copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None):
+                 copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None,
+                 stock_in_process: bool | None = None):
         from .vllm_plugin import HF_OVERRIDES, graph_options, register
 
         self.device = torch.device(device)
@@ -51,14 +53,16 @@ class VLLMEngine:
         self.model.save_pretrained(self._tmpdir)
         self.max_model_len = max_model_len or self.model.config.max_position_embeddings
         self.vocab_size = self.model.config.vocab_size
-        register()  # in-process engine core: the entry point may not have run here
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        register()  # the canonical engine's core runs here: the entry point may not have run here
         share = gpu_memory_utilization / (2 if stock_for_off else 1)
         common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                       tensor_parallel_size=tensor_parallel_size, **(vllm_options or {}))
         if self.device.type == "cuda":
             common.setdefault("gpu_memory_utilization", share)
-        self.stock = VLLMFastPath(self._tmpdir, stock_sampler=True, **common) if stock_for_off else None
+        if stock_in_process is None:
+            stock_in_process = self.device.type != "cuda"
+        self.stock = VLLMFastPath(self._tmpdir, stock_sampler=True, in_process=stock_in_process,
+                                  **common) if stock_for_off else None
         self.canonical = VLLMFastPath(self._tmpdir, hf_overrides=dict(HF_OVERRIDES),
                                       **graph_options(cuda_graphs and self.device.type == "cuda"), **common)
         self._ids = itertools.count()

@@ -125,6 +125,45 @@ def test_weight_push_with_digest_and_mismatch(engine, checkpoint):
     assert [r.token_ids for r in engine.generate(prompts, params)] == [r.token_ids for r in before]
 
 
+@pytest.fixture(scope="module")
+def split_engine(checkpoint):
+    """A stock engine whose core runs in a process of its own (the default on GPUs). Module-scoped:
+    closing an in-process vLLM engine tears down state every in-process engine shares."""
+    import multiprocessing
+    before = {p.pid for p in multiprocessing.active_children()}
+    eng = VLLMEngine(checkpoint, device="cpu", max_model_len=256, max_num_seqs=8, stock_for_off=True,
+                     stock_in_process=False, vllm_options=dict(VLLM_OPTIONS, block_size=32))
+    eng.engine_core_pids = {p.pid for p in multiprocessing.active_children()} - before
+    yield eng
+    eng.close()
+
+
+def test_off_engine_core_in_its_own_process(split_engine, engine, checkpoint):
+    """`off` requests are served in the stock engine's own process, next to canonical ones here, with
+    the in-process stock engine's tokens and log-probs; a weight push reaches it through files with the
+    same effect as the in-process tensor handover; closing it ends its process."""
+    import multiprocessing
+    eng = split_engine
+    assert eng.engine_core_pids and not eng.stock.in_process and eng.canonical.in_process
+    prompts = random_prompts(4, VOCAB, seed=37, lo=5, hi=60)
+    greedy = [SamplingParams(max_tokens=8, temperature=0.0, determinism="off") for _ in prompts]
+    new = tiny_model("qwen2", seed=24, **MODEL_KW)
+    try:
+        mixed = eng.generate(prompts + prompts, greedy + _params(4, seed0=900))
+        here = engine.generate(prompts, greedy) + engine.generate(prompts, _params(4, seed0=900))
+        assert all(r.ok and len(r.token_ids) == 8 for r in mixed)
+        assert [(r.token_ids, r.logprobs) for r in mixed] == [(r.token_ids, r.logprobs) for r in here]
+        assert eng.update_weights(new.state_dict()) == engine.update_weights(new.state_dict())
+        pushed = eng.generate(prompts, greedy)
+        assert [(r.token_ids, r.logprobs) for r in pushed] == \
+            [(r.token_ids, r.logprobs) for r in engine.generate(prompts, greedy)]
+        assert [r.token_ids for r in pushed] != [r.token_ids for r in mixed[:4]]
+    finally:
+        engine.update_weights(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).state_dict())
+    eng.stock.close()
+    assert not eng.engine_core_pids & {p.pid for p in multiprocessing.active_children()}, "close() left it running"
+
+
 def test_worker_backend_choice():
     assert engine_backend("auto", "cpu") == "native"
     # vLLM's tensor parallelism runs every rank inside the worker: only where it holds a GPU per rank
@@ -136,10 +175,11 @@ def test_worker_backend_choice():
         engine_backend("fast", "cpu")
 
 
-def test_pool_worker_on_vllm_from_a_checkpoint_path(checkpoint):
+def test_pool_worker_on_vllm_from_a_checkpoint_path(checkpoint, engine):
     """A checkpoint path handed to a pool worker with backend="vllm": the worker steps vLLM's engine
     in its own process and its rollouts are the native engine's, bit for bit; a pushed state dict
-    returns the trainer's digest."""
+    returns the trainer's digest. Its `off` requests go to a stock engine whose core the worker
+    starts in a process of its own, as on GPUs."""
     import service_shared as shared
     from rollout_service import start_pool
     ray = shared.cluster()
@@ -147,14 +187,17 @@ def test_pool_worker_on_vllm_from_a_checkpoint_path(checkpoint):
     params = _params(4)
     pool = start_pool(checkpoint, num_workers=1, name="vllm-backend", engine_kwargs=dict(
         backend="vllm", device="cpu", max_model_len=256, max_num_seqs=8, window=4,  # window: native-only, ignored
-        vllm_options=dict(VLLM_OPTIONS, block_size=32)))
+        stock_for_off=True, stock_in_process=False, vllm_options=dict(VLLM_OPTIONS, block_size=32)))
+    greedy_off = [SamplingParams(max_tokens=8, temperature=0.0, determinism="off") for _ in prompts]
     try:
         got = pool.generate(prompts, params)
+        got_off = pool.generate(prompts, greedy_off)
         new = tiny_model("qwen2", seed=23, **MODEL_KW).to(torch.bfloat16)
         assert pool.update_weights(new.state_dict()) == model_digest(new)
         after = pool.generate(prompts, params)
     finally:
         pool.shutdown()
     shared.assert_same(got, Engine(checkpoint, window=4, group=4).generate(prompts, params), "vllm worker")
+    shared.assert_same(got_off, engine.generate(prompts, greedy_off), "off in the worker's stock engine")
     shared.assert_same(after, Engine(new, window=4, group=4).generate(prompts, params), "after the push")
     assert ray.is_initialized()

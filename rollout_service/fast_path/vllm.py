@@ -94,7 +94,7 @@ def sized_options(llm_options: dict, gpu_share: float) -> dict:
 
 
 class VLLMFastPath:
-    """FastPath on an in-process vllm.LLM built from the verifier's checkpoint.
+    """FastPath on a vllm.LLM built from the verifier's checkpoint.
 
     model: a checkpoint directory / hub id, or a Hugging Face model object (saved to a temp dir).
     Options go to vllm.LLM; defaults here: dtype bfloat16, prefix caching on, no tokenizer; on CPU
@@ -103,9 +103,10 @@ class VLLMFastPath:
     `stock_sampler=True`: vLLM's own sampler and log-probs instead of our rule. With the plugin's
     model class (`hf_overrides=HF_OVERRIDES`) the rule runs on the model runner vLLM picks
     (`self.runner`, vllm_plugin.pick_runner); a stock class takes it as a V1 logits processor.
-    `in_process=True` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
-    before the first LLM, uniprocess executor); vLLM's CPU worker then makes torch.set_num_threads a
-    no-op process-wide. `tensor_parallel_size` > 1: vLLM's worker processes, one per rank
+    `in_process=True` runs vLLM's engine core in this process (uniprocess executor: weights pass as
+    tensors); vLLM's CPU worker then makes torch.set_num_threads a no-op process-wide. False gives it
+    its own process, as vLLM does by default (the plugin's model class is then found through the
+    package's entry point). `tensor_parallel_size` > 1: vLLM's worker processes, one per rank
     (vllm_plugin.tensor_parallel); weights then reach them through files. `logits_processor`: the
     processor class (or "module:Class"); the default applies kernels.sample. `capture()` records what
     the processor saw (all LLMs of the process).
@@ -128,10 +129,9 @@ class VLLMFastPath:
         # k > 1: vLLM's worker processes (mp executor), the checkpoint checked for a k-way split first
         llm_options.update(tp_options(path if canonical else None, tensor_parallel_size))
         if in_process:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             llm_options.setdefault("distributed_executor_backend", "uni")
-        self.in_process = (os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-                           and llm_options.get("distributed_executor_backend") == "uni")
+        # tensors can be handed over only to an engine core and model runner in this process
+        self.in_process = in_process and llm_options.get("distributed_executor_backend") == "uni"
         llm_options = sized_options(llm_options, gpu_share=0.4)  # the verifier shares the GPU
         from vllm import LLM
         self.weight_chunk_bytes = weight_chunk_bytes
@@ -146,9 +146,10 @@ class VLLMFastPath:
             self.runner = pick_runner(path)
             sampler = runner_options(self.runner)
         compat.allow_graph_capture()  # an earlier engine of this process may have cleared it
-        self.llm = LLM(model=path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                       skip_tokenizer_init=True, enable_prefix_caching=True,
-                       worker_extension_cls=WORKER_EXTENSION, **sampler, **llm_options)
+        with compat.engine_core_placement(own_process=not in_process):
+            self.llm = LLM(model=path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                           skip_tokenizer_init=True, enable_prefix_caching=True,
+                           worker_extension_cls=WORKER_EXTENSION, **sampler, **llm_options)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     # -- FastPath protocol --------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """vLLM internals we depend on beyond its public API: the parts of the KV-cache API that differ between
-the versions we run (0.25 on GPU, 0.32 on CPU), and vLLM's process-wide graph-capture flag.
+the versions we run (0.25 on GPU, 0.32 on CPU), vLLM's process-wide graph-capture flag, and how an
+engine's core is placed in or out of this process.
 
 0.25 allocates a layer's cache in the shape the backend's `get_kv_cache_shape` returns; we ask for
 [num_blocks, 2, block_size, Hkv, D] (FlashAttention's blocks-first shape) and unbind K and V.
@@ -10,7 +11,12 @@ Either way the result is two [num_blocks, block_size, Hkv, D] pools (strided vie
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
+
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 class KVLayoutMixin:
@@ -43,3 +49,25 @@ def allow_graph_capture() -> None:
     capture. Call before building an engine."""
     from vllm.compilation import monitor
     monitor.set_cudagraph_capturing_enabled(True)
+
+
+@contextlib.contextmanager
+def engine_core_placement(own_process: bool):
+    """Build one vllm.LLM inside this block to place its engine core in its own process (vLLM's
+    default) or in this one. vLLM reads the choice from VLLM_ENABLE_V1_MULTIPROCESSING when an LLM is
+    built, through vllm.envs, which freezes its reads once an in-process engine core has started; so
+    the variable is set for this block only, with the freeze lifted meanwhile."""
+    from vllm import envs
+    frozen = hasattr(envs.__getattr__, "cache_clear")  # envs.enable_envs_cache wraps it in functools.cache
+    saved = os.environ.get(MULTIPROCESSING_ENV)
+    os.environ[MULTIPROCESSING_ENV] = "1" if own_process else "0"
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(MULTIPROCESSING_ENV, None)
+        else:
+            os.environ[MULTIPROCESSING_ENV] = saved
+        if frozen and not hasattr(envs.__getattr__, "cache_clear"):
+            envs.enable_envs_cache()  # a fresh cache: it reads the restored variable

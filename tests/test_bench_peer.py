@@ -1,0 +1,45 @@
+"""bench.peer_vllm on CPU with its embedded tiny model: each system runs in its own process and the
+report holds every system's tokens/s and its ratio to stock vLLM in the same run; a run cut off after
+some systems has still written what it measured."""
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from bench.peer_vllm import _report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_two_systems_in_one_run(tmp_path):
+    out = tmp_path / "peer.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.peer_vllm", "--prompts", "3", "--prompt-len", "12",
+                           "--max-tokens", "6", "--systems", "vllm,vllm-plugin", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == report and "complete" not in report
+    results = report["results"]
+    assert set(results) == {"vllm", "vllm-plugin"}, results
+    for res in results.values():
+        assert "error" not in res, res
+        assert res["generated_tokens"] == 3 * 6 and res["tokens_per_s"] > 0
+    assert results["vllm"]["x_vllm"] == 1.0
+    assert results["vllm-plugin"]["x_vllm"] == round(
+        results["vllm-plugin"]["tokens_per_s"] / results["vllm"]["tokens_per_s"], 3)
+
+
+def test_partial_report_is_written_and_marked(tmp_path):
+    args = argparse.Namespace(tensor_parallel_size=1, prompts=2, prompt_len=4, max_tokens=3, stock_logprobs=True,
+                              temperature=1.0, top_p=1.0, window=8, group=8)
+    runs = {"vllm": [dict(generated_tokens=6, seconds=2.0, tokens_per_s=3.0)], "vllm-plugin": []}
+    path = tmp_path / "partial.json"
+    report = _report(args, "tiny", runs, str(path))
+    assert json.loads(path.read_text()) == report
+    assert report["complete"] is False and set(report["results"]) == {"vllm"}
+    assert report["results"]["vllm"]["x_vllm"] == 1.0
