@@ -72,7 +72,6 @@ def _vllm_options(args) -> dict:
 def build_llm(args, system: str, max_num_seqs: int):
     """The vllm.LLM of a `vllm*` system, in this process (VLLM_BATCH_INVARIANT comes from the env).
     vllm-plugin*: the canonical model class and our seeded sampling rule."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if system == "vllm-v1":  # stock on the model runner the plugin uses (vLLM 0.25 defaults to V2)
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     from vllm import LLM
@@ -89,9 +88,13 @@ def build_llm(args, system: str, max_num_seqs: int):
         from rollout_service.vllm_plugin.tensor_parallel import tp_options
         options.update(tp_options(None, k))
     # k > 1: vLLM's worker processes, which find the plugin through its entry point (pip install -e .)
-    options.setdefault("distributed_executor_backend", "uni" if k == 1 else "mp")
-    return LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
-               max_num_seqs=max(max_num_seqs, 1), **options)
+    own_process = getattr(args, "engine_core", "in-process") == "own-process"  # vllm_step_profile: in-process
+    if not own_process:
+        options.setdefault("distributed_executor_backend", "uni" if k == 1 else "mp")
+    from rollout_service.vllm_plugin.compat import engine_core_placement
+    with engine_core_placement(own_process):  # own process: the plugin is found through its entry point
+        return LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
+                   max_num_seqs=max(max_num_seqs, 1), **options)
 
 
 def request_params(args, system: str, prompts) -> list:
@@ -284,6 +287,9 @@ def main():
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="vllm* systems: vLLM's tensor parallelism over this many GPUs (the plugin's row-parallel "
                         "outputs combined by the segment tree, stock vLLM's by its all-reduce)")
+    p.add_argument("--engine-core", default="in-process", choices=("in-process", "own-process"),
+                   help="vllm* systems: vLLM's engine core in the benchmark's process, or in its own (vLLM's "
+                        "default; the plugin then needs the package installed, for its entry point)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list of {ALL_SYSTEMS}")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the systems round robin this many times (each run its own process); a system's "
@@ -340,7 +346,7 @@ def _report(args, model: str, runs: dict[str, list[dict]], partial_out: str | No
     import torch
     report = dict(
         benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(), model=model,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, engine_core=args.engine_core,
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                       stock_logprobs=args.stock_logprobs,
                       temperature=args.temperature, top_p=args.top_p),

@@ -16,14 +16,17 @@ from bench.peer_vllm import _report  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_two_systems_in_one_run(tmp_path):
+@pytest.mark.parametrize("engine_core", ["in-process", "own-process"])
+def test_two_systems_in_one_run(tmp_path, engine_core):
+    """own-process is vLLM's default placement; the plugin is then found through its entry point."""
     out = tmp_path / "peer.json"
     proc = subprocess.run([sys.executable, "-m", "bench.peer_vllm", "--prompts", "3", "--prompt-len", "12",
-                           "--max-tokens", "6", "--systems", "vllm,vllm-plugin", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--max-tokens", "6", "--systems", "vllm,vllm-plugin", "--engine-core", engine_core,
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert json.loads(proc.stdout) == report and "complete" not in report
+    assert report["engine_core"] == engine_core
     results = report["results"]
     assert set(results) == {"vllm", "vllm-plugin"}, results
     for res in results.values():
@@ -35,8 +38,8 @@ def test_two_systems_in_one_run(tmp_path):
 
 
 def test_partial_report_is_written_and_marked(tmp_path):
-    args = argparse.Namespace(tensor_parallel_size=1, prompts=2, prompt_len=4, max_tokens=3, stock_logprobs=True,
-                              temperature=1.0, top_p=1.0, window=8, group=8)
+    args = argparse.Namespace(tensor_parallel_size=1, engine_core="in-process", prompts=2, prompt_len=4,
+                              max_tokens=3, stock_logprobs=True, temperature=1.0, top_p=1.0, window=8, group=8)
     runs = {"vllm": [dict(generated_tokens=6, seconds=2.0, tokens_per_s=3.0)], "vllm-plugin": []}
     path = tmp_path / "partial.json"
     report = _report(args, "tiny", runs, str(path))
