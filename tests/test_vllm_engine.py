@@ -30,10 +30,19 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+def _engine_with_core_pids(checkpoint, **kw) -> VLLMEngine:
+    """A VLLMEngine on CPU, noting the processes its construction started (`engine_core_pids`)."""
+    import multiprocessing
+    before = {p.pid for p in multiprocessing.active_children()}
+    eng = VLLMEngine(checkpoint, device="cpu", max_model_len=256, max_num_seqs=8, stock_for_off=True,
+                     vllm_options=dict(VLLM_OPTIONS, block_size=32), **kw)
+    eng.engine_core_pids = {p.pid for p in multiprocessing.active_children()} - before
+    return eng
+
+
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    eng = VLLMEngine(checkpoint, device="cpu", max_model_len=256, max_num_seqs=8, stock_for_off=True,
-                     vllm_options=dict(VLLM_OPTIONS, block_size=32))
+    eng = _engine_with_core_pids(checkpoint)  # CPU default: both engine cores in this process
     yield eng
     eng.close()
 
@@ -129,11 +138,7 @@ def test_weight_push_with_digest_and_mismatch(engine, checkpoint):
 def split_engine(checkpoint):
     """A stock engine whose core runs in a process of its own (the default on GPUs). Module-scoped:
     closing an in-process vLLM engine tears down state every in-process engine shares."""
-    import multiprocessing
-    before = {p.pid for p in multiprocessing.active_children()}
-    eng = VLLMEngine(checkpoint, device="cpu", max_model_len=256, max_num_seqs=8, stock_for_off=True,
-                     stock_in_process=False, vllm_options=dict(VLLM_OPTIONS, block_size=32))
-    eng.engine_core_pids = {p.pid for p in multiprocessing.active_children()} - before
+    eng = _engine_with_core_pids(checkpoint, stock_in_process=False)
     yield eng
     eng.close()
 
@@ -145,6 +150,7 @@ def test_off_engine_core_in_its_own_process(split_engine, engine, checkpoint):
     import multiprocessing
     eng = split_engine
     assert eng.engine_core_pids and not eng.stock.in_process and eng.canonical.in_process
+    assert not engine.engine_core_pids and engine.stock.in_process  # the control: no process started
     prompts = random_prompts(4, VOCAB, seed=37, lo=5, hi=60)
     greedy = [SamplingParams(max_tokens=8, temperature=0.0, determinism="off") for _ in prompts]
     new = tiny_model("qwen2", seed=24, **MODEL_KW)
