@@ -69,9 +69,9 @@ def _vllm_options(args) -> dict:
     return opts
 
 
-def build_llm(args, system: str, max_num_seqs: int):
-    """The vllm.LLM of a `vllm*` system, in this process (VLLM_BATCH_INVARIANT comes from the env).
-    vllm-plugin*: the canonical model class and our seeded sampling rule."""
+def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
+    """The vllm.LLM of a `vllm*` system, its engine core in this process or its own (VLLM_BATCH_INVARIANT
+    comes from the env). vllm-plugin*: the canonical model class and our seeded sampling rule."""
     if system == "vllm-v1":  # stock on the model runner the plugin uses (vLLM 0.25 defaults to V2)
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     from vllm import LLM
@@ -88,7 +88,6 @@ def build_llm(args, system: str, max_num_seqs: int):
         from rollout_service.vllm_plugin.tensor_parallel import tp_options
         options.update(tp_options(None, k))
     # k > 1: vLLM's worker processes, which find the plugin through its entry point (pip install -e .)
-    own_process = getattr(args, "engine_core", "in-process") == "own-process"  # vllm_step_profile: in-process
     if not own_process:
         options.setdefault("distributed_executor_backend", "uni" if k == 1 else "mp")
     from rollout_service.vllm_plugin.compat import engine_core_placement
@@ -123,7 +122,7 @@ def engine_facts(llm) -> dict:
 
 
 def _run_vllm(args, prompts, system: str) -> dict:
-    llm = build_llm(args, system, len(prompts))
+    llm = build_llm(args, system, len(prompts), own_process=args.engine_core == "own-process")
     params = request_params(args, system, prompts)
     inputs = [{"prompt_token_ids": p} for p in prompts]
 
@@ -158,7 +157,6 @@ def _capped(params, max_tokens: int):
 
 
 def _run_ours(args, prompts, mode, fast_path) -> dict:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rollout_service import Engine, SamplingParams
     device = "cpu" if _on_cpu() else "cuda"
     engine = Engine(args.model, fast_path=fast_path, window=args.window, group=args.group, device=device,
@@ -189,7 +187,6 @@ def _run_ours(args, prompts, mode, fast_path) -> dict:
 
 
 def _run_worker_engine(args, prompts, mode: str, stock_in_process: bool | None = None) -> dict:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rollout_service import SamplingParams
     from rollout_service.vllm_engine import VLLMEngine
     options = _vllm_options(args)
@@ -324,11 +321,10 @@ def main():
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     model = args.model if tmp is None else f"{args.shape or 'tiny-qwen2'} (random weights)"
     for r in range(args.repeats):  # round robin: drift of the machine falls on every system alike
-        for i, system in enumerate(systems):
+        for system in systems:
             runs[system].append(_child(args, system))
             print(f"{system}: {json.dumps(runs[system][-1])}", file=sys.stderr, flush=True)
-            last = r == args.repeats - 1 and i == len(systems) - 1
-            if args.out and not last:  # each result as it comes: a run that is cut off still reports
+            if args.out:  # each result as it comes: a run that is cut off still reports
                 _report(args, model, runs, args.out)
     emit(_report(args, model, runs), args.out)
     if tmp is not None:

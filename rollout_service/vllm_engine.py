@@ -35,7 +35,8 @@ class VLLMEngine:
     dir for vLLM). tensor_parallel_size: vLLM's workers per engine, one GPU each (the canonical
     engine combines row-parallel outputs by the segment tree). vllm_options go to both vllm.LLM
     engines (e.g. max_num_batched_tokens). stock_in_process: where the stock engine's core runs
-    (default: its own process on CUDA, this one on CPU, where a process costs more than it saves)."""
+    (default: its own process on CUDA; this one on CPU, where engines serve tests and small runs and
+    a process would add only start-up time)."""
 
     def __init__(self, model, *, device: str = "cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
@@ -53,7 +54,7 @@ class VLLMEngine:
         self.model.save_pretrained(self._tmpdir)
         self.max_model_len = max_model_len or self.model.config.max_position_embeddings
         self.vocab_size = self.model.config.vocab_size
-        register()  # the canonical engine's core runs here: the entry point may not have run here
+        register()  # the canonical engine's core runs in this process, where the entry point may not have run
         share = gpu_memory_utilization / (2 if stock_for_off else 1)
         common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                       tensor_parallel_size=tensor_parallel_size, **(vllm_options or {}))
