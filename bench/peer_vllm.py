@@ -259,7 +259,8 @@ def _child(args, system: str) -> dict:
     return dict(error=f"exit {proc.returncode}: " + " | ".join(tail))
 
 
-def main():
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint dir (default: a tiny random Qwen2 in a temp dir)")
     p.add_argument("--shape", help="instead of --model: random weights of a bench.rollout shape (qwen1.5b, llama8b)")
@@ -297,7 +298,7 @@ def main():
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.worker:
         return _worker(args)
 
@@ -311,7 +312,7 @@ def main():
             from rollout_service.tiny_models import tiny_model
             tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
         args.model = tmp.name
-    args.passthrough = _strip(sys.argv[1:], ("--out", "--systems", "--model", "--timeout", "--shape", "--num-layers",
+    args.passthrough = _strip(argv, ("--out", "--systems", "--model", "--timeout", "--shape", "--num-layers",
                                              "--repeats"))
     args.passthrough += ["--model", args.model]
     systems = [s for s in args.systems.split(",") if s]

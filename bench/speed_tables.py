@@ -1,0 +1,85 @@
+"""The speed tables of the README, one name each: the one home of their workloads and systems.
+
+    python -m bench.speed_tables --list
+    python -m bench.speed_tables qwen1.5b-64 --out qwen1.5b_64.json
+    python -m bench.speed_tables llama8b-256 --systems vllm,vllm-plugin --out part.json
+
+Each table is one run of bench.peer_vllm: every system in its own process on the same checkpoint
+(random weights of the table's shape) and the same prompts, with ratios to stock vLLM and to
+VLLM_BATCH_INVARIANT=1 taken inside that run. Options after the table's name go to bench.peer_vllm
+and win over the table's own (argparse keeps the last value), e.g. fewer `--systems`, or `--model DIR
+--prompts 2` (a checkpoint instead of the table's shape) for a quick check on CPU. `--dry-run` prints
+the bench.peer_vllm arguments only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+# stock vLLM, its batch-invariant mode, ours through vLLM (the plugin, and the worker's engine serving
+# verified and off) and ours native: every system the tables compare
+ROLLOUT_SYSTEMS = ("vllm", "vllm-batch-invariant", "vllm-plugin", "worker-verified", "worker-off", "native-verified")
+
+
+@dataclass(frozen=True)
+class Table:
+    shape: str  # a bench.rollout shape, random weights
+    prompts: int
+    prompt_len: int
+    max_tokens: int
+    systems: tuple[str, ...] = ROLLOUT_SYSTEMS
+    timed_runs: int = 3  # timed passes per system process; the report holds their median
+    tensor_parallel_size: int = 1
+    about: str = ""
+
+    def peer_args(self) -> list[str]:
+        """bench.peer_vllm's arguments for this table (T = 1, log-probs returned by every system)."""
+        return ["--shape", self.shape, "--prompts", str(self.prompts), "--prompt-len", str(self.prompt_len),
+                "--max-tokens", str(self.max_tokens), "--stock-logprobs", "--systems", ",".join(self.systems),
+                "--timed-runs", str(self.timed_runs), "--tensor-parallel-size", str(self.tensor_parallel_size)]
+
+
+def _tables() -> dict[str, Table]:
+    tables = {}
+    for shape in ("qwen1.5b", "llama8b"):
+        tables[f"{shape}-64"] = Table(shape, 64, 512, 512, timed_runs=5, about="batch: 64 prompts x 512 in / 512 out")
+        tables[f"{shape}-256"] = Table(shape, 256, 512, 512, about="batch: 256 prompts x 512 in / 512 out")
+        tables[f"{shape}-long"] = Table(shape, 32, 1024, 8192, timed_runs=1,
+                                        about="long reasoning rollouts: 32 prompts x 1,024 in / 8,192 out")
+    tables["worker-off-placement"] = Table(
+        "qwen1.5b", 256, 512, 256, systems=("vllm", "worker-off", "worker-off-in-process"),
+        about="off through the worker: its stock engine's core in its own process against this one")
+    for k in (2, 4, 8):
+        tables[f"llama8b-tp{k}"] = Table(
+            "llama8b", 256, 512, 512, systems=("vllm", "vllm-plugin"), tensor_parallel_size=k,
+            about=f"TP = {k} on {k} GPUs: the plugin's segment tree against stock vLLM's all-reduce")
+    return tables
+
+
+TABLES = _tables()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("table", nargs="?", choices=sorted(TABLES), metavar="TABLE", help="one of --list")
+    p.add_argument("--list", action="store_true", help="print the tables and their settings as JSON")
+    p.add_argument("--dry-run", action="store_true", help="print the bench.peer_vllm arguments, run nothing")
+    args, peer_overrides = p.parse_known_args(argv)
+    if args.list:
+        print(json.dumps({name: dict(about=t.about, peer_vllm=t.peer_args()) for name, t in TABLES.items()},
+                         indent=1))
+        return
+    if args.table is None:
+        p.error("name a table (see --list)")
+    peer_args = TABLES[args.table].peer_args() + peer_overrides
+    if args.dry_run:
+        print(json.dumps(peer_args))
+        return
+    from bench import peer_vllm
+    peer_vllm.main(peer_args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
