@@ -5,16 +5,8 @@ the native Engine for the same seeds; bad requests get a 400 and the server keep
 One server (a subprocess on 127.0.0.1) serves the module; runs wherever `import vllm` works (CPU build).
 """
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -23,17 +15,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-import trainer_patch  # noqa: E402
 from rollout_service import Engine, SamplingParams  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.vllm_plugin.serve import serve_argv  # noqa: E402
+from serve_shared import call, complete, complete_all, running_server, save_word_tokenizer  # noqa: E402
+from vllm_shared import trainer_logprobs  # noqa: E402
 
 MODEL_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
 VOCAB = 96
 MAX_BATCHED = 48  # longer prompts are prefilled in chunks
-STARTUP_S = 180
-REQUEST_S = 120
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _prompts(n, seed=0, lo=1, hi=40):
@@ -41,24 +31,11 @@ def _prompts(n, seed=0, lo=1, hi=40):
     return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def _save_tokenizer(path):
-    """A word-level tokenizer over the model's ids: with a tokenizer vLLM rejects out-of-vocabulary ids
-    (400); with --skip-tokenizer-init it skips that check and the engine dies on the embedding lookup."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB - 1)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
-    # transformers loads it as Qwen2's tokenizer, which appends <|endoftext|>: VOCAB ids in all
-    loaded = AutoTokenizer.from_pretrained(path)
-    assert max(loaded.get_vocab().values()) == VOCAB - 1, loaded.get_vocab()
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("zerokl-serve"))
     tiny_model("qwen2", seed=7, **MODEL_KW).save_pretrained(path)
-    _save_tokenizer(path)
+    save_word_tokenizer(path, VOCAB)
     return path
 
 
@@ -68,94 +45,16 @@ def policy(checkpoint):
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _call(url, body=None, timeout=REQUEST_S):
-    """(status, parsed JSON) of a GET (body None) or JSON POST."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw, status = r.read(), r.status
-    except urllib.error.HTTPError as e:
-        raw, status = e.read(), e.code
-    try:
-        return status, json.loads(raw) if raw else None
-    except json.JSONDecodeError:
-        return status, raw.decode(errors="replace")
-
-
-def _stop(proc):
-    """The server and its engine / worker processes (its own process group)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("zerokl-serve-log") / "server.log"
-    argv = serve_argv(checkpoint, "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
-                      "--block-size", "16", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "256",
-                      "--max-num-seqs", "8", "--max-num-batched-tokens", str(MAX_BATCHED))
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # set by other tests
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if _call(base + "/health", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_S} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
-        yield base
-    finally:
-        _stop(proc)
-
-
-def complete(base, prompt, max_tokens, **xargs):
-    """(tokens, log-probs) of one /v1/completions request with our params in vllm_xargs."""
-    status, body = _call(base + "/v1/completions", dict(
-        prompt=list(prompt), max_tokens=max_tokens, logprobs=0, return_token_ids=True, ignore_eos=True,
-        vllm_xargs={f"zerokl_{k}": v for k, v in xargs.items()}))
-    assert status == 200, body
-    choice = body["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
-
-
-def complete_all(base, prompts, params):
-    """Concurrent requests (vLLM batches them), one per prompt, with native SamplingParams' seeds."""
-    def one(args):
-        prompt, p = args
-        return complete(base, prompt, p.max_tokens, temperature=p.temperature, seed=p.effective_seed)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, zip(prompts, params)))
-
-
-def trainer_logprobs(policy, prompt, tokens, temperature):
-    ids = torch.tensor([list(prompt) + list(tokens)])
-    return trainer_patch.token_logprobs(policy, ids, temperature=temperature)[0, -len(tokens):].tolist()
+        with running_server(checkpoint, log_path, "--block-size", "16", "--kv-cache-memory-bytes", str(64 << 20),
+                            "--max-model-len", "256", "--max-num-seqs", "8",
+                            "--max-num-batched-tokens", str(MAX_BATCHED)) as base:
+            yield base
+    except RuntimeError as err:  # the server did not come up: the log says why
+        pytest.fail(str(err))
 
 
 CASES = {"T=0.7,seeds 1000+": (0.7, 1000), "T=0.7,seeds 2000+": (0.7, 2000), "greedy": (0.0, 0)}
@@ -185,7 +84,7 @@ def test_seed_and_position_fields(server):
     assert complete(server, prompt, 6, temperature=0.7, seed=42, position=len(prompt) + 1) != ref
     assert complete(server, prompt, 6, temperature=0.7, seed=43) != ref
     # the request's own seed field stands in for zerokl_seed
-    status, body = _call(server + "/v1/completions", dict(
+    status, body = call(server + "/v1/completions", dict(
         prompt=prompt, max_tokens=6, logprobs=0, return_token_ids=True, ignore_eos=True, seed=42,
         vllm_xargs={"zerokl_temperature": 0.7}))
     assert status == 200, body
@@ -212,10 +111,10 @@ def test_bad_requests_get_400_and_server_keeps_serving(server):
     good = dict(prompt=prompt, max_tokens=4, logprobs=0, ignore_eos=True,
                 vllm_xargs={"zerokl_temperature": 0.7, "zerokl_seed": 9})
     for name, change in BAD.items():
-        status, body = _call(server + "/v1/completions", {**good, **change})
+        status, body = call(server + "/v1/completions", {**good, **change})
         assert status == 400, (name, status, body)
         assert isinstance(body, dict) and body.get("error", {}).get("message"), (name, body)
-    assert _call(server + "/health", timeout=10)[0] == 200
+    assert call(server + "/health", timeout=10)[0] == 200
     assert complete(server, prompt, 4, temperature=0.7, seed=9) == before
 
 
@@ -229,3 +128,15 @@ def test_serve_argv_flags():
     assert json.loads(flags["--override-generation-config"]) == {"temperature": 0}
     assert json.loads(flags["--compilation-config"])["cudagraph_mode"] == "FULL_DECODE_ONLY"
     assert "--enforce-eager" in serve_argv("/ckpt", eager=True)
+
+
+def test_readme_vllm_serve_command_is_the_plugins():
+    """The README's plain `vllm serve` line carries exactly the flags the serve module passes."""
+    import re
+    import shlex
+    from rollout_service.vllm_plugin.serve import plugin_args
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    [command] = re.findall(r"^(vllm serve CHECKPOINT .*?)\n```", readme, flags=re.S | re.M)
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:5] == ["vllm", "serve", "CHECKPOINT", "--port", "8000"]
+    assert argv[5:] == plugin_args()
