@@ -131,22 +131,6 @@ def test_batch_compositions_are_bitwise_equal(llm, policy):
     assert strip(mixed) == strip(together)
 
 
-def test_batch_of_256_mixed_requests(checkpoint, policy, llm):
-    """256 requests in one engine of 256 slots (greedy, T = 0.7, T = 1 with top-k/top-p, one in three
-    each; prefill chunked under the token budget): every log-prob is the trainer's, and the tokens
-    equal those of the 8-slot engine, which runs the same requests in batches of at most 8."""
-    prompts = _prompts(256, seed=21, lo=1, hi=24)
-    params = [SamplingParams(max_tokens=4, seed=3000 + i, **SAMPLINGS[name])
-              for i, name in zip(range(256), list(SAMPLINGS) * 86)]
-    wide = make_llm(checkpoint, max_num_seqs=256, max_num_batched_tokens=512)
-    try:
-        results = vllm_generate(wide, prompts, params)
-    finally:
-        close(wide)
-    assert_matches_trainer(policy, prompts, params, results)
-    assert [r[:2] for r in vllm_generate(llm, prompts, params)] == [r[:2] for r in results]
-
-
 def test_chunked_prefill_and_prefix_cache_hits(llm, policy):
     rng = random.Random(6)
     shared = [rng.randrange(VOCAB) for _ in range(100)]  # > MAX_BATCHED: prefilled in chunks
@@ -194,6 +178,23 @@ def _dummy_runs(worker):
 
 def test_dummy_runs_do_not_crash(llm):
     assert llm.collective_rpc(_dummy_runs) == [[True, True]]
+
+
+def test_batch_of_256_mixed_requests(checkpoint, policy, llm):
+    """256 requests in one engine of 256 slots (greedy, T = 0.7, T = 1 with top-k/top-p, one in three
+    each; prefill chunked under the token budget): every log-prob is the trainer's, and the tokens
+    equal those of the 8-slot engine, which runs the same requests in batches of at most 8."""
+    prompts = _prompts(256, seed=21, lo=1, hi=24)
+    params = [SamplingParams(max_tokens=4, seed=3000 + i, **SAMPLINGS[name])
+              for i, name in zip(range(256), list(SAMPLINGS) * 86)]
+    narrow = vllm_generate(llm, prompts, params)  # first: closing an in-process engine ends `llm`'s state
+    wide = make_llm(checkpoint, max_num_seqs=256, max_num_batched_tokens=512)
+    try:
+        results = vllm_generate(wide, prompts, params)
+    finally:
+        close(wide)
+    assert_matches_trainer(policy, prompts, params, results)
+    assert [r[:2] for r in narrow] == [r[:2] for r in results]
 
 
 def test_preemption(checkpoint, policy):
