@@ -67,6 +67,14 @@ def sample_tokens(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return sample_checked(logits, temperature, top_k, top_p, seed, position, rows.needs_mask)
 
 
+def sample_with_logprobs(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sample_tokens, their kernels.logprobs.token_logprobs at each row's temperature), the params
+    staged to the device once for both (no device sync)."""
+    temperature, top_k, top_p, seed, position = rows.on(logits.device)
+    tokens = sample_checked(logits, temperature, top_k, top_p, seed, position, rows.needs_mask)
+    return tokens, token_logprobs(logits, temperature, tokens)
+
+
 def sample_rows(logits: torch.Tensor, params_rows, positions: list[int]) -> torch.Tensor:
     """sample_tokens for rows with per-row SamplingParams."""
     return sample_tokens(logits, RowParams.from_sampling_params(params_rows, positions))

@@ -28,7 +28,7 @@ import torch
 from kernels.logprobs import token_logprobs
 from kernels.sampling import sampling_position
 
-from ..sampler import RowParams, sample_tokens
+from ..sampler import RowParams, sample_with_logprobs
 
 EXTRA_ARGS_KEY = "zerokl"
 XARGS_PREFIX = "zerokl_"  # flat keys, e.g. vllm_xargs={"zerokl_seed": 5, "zerokl_temperature": 0.7}
@@ -54,11 +54,13 @@ def canonical_rows(rows: torch.Tensor, params: RowParams, rule=None, graphs=None
     """(tokens, log-probs) of our rule (`rule`: a stand-in for tests) for float32 logits rows with
     per-row `params`, without a device sync; replayed from `graphs` (rollout_service.sampler_graphs)
     where they cover the rows. Both carriers (V1 processor, V2 sampler) call this."""
-    if rule is None and graphs is not None and graphs.covers(rows, params):
+    if rule is not None:
+        tokens = rule(rows, params)
+        logprobs = token_logprobs(rows, torch.from_numpy(params.temperature), tokens)
+    elif graphs is not None and graphs.covers(rows, params):
         tokens, logprobs = graphs(rows, params)
     else:
-        tokens = (rule or sample_tokens)(rows, params)
-        logprobs = token_logprobs(rows, torch.from_numpy(params.temperature), tokens)
+        tokens, logprobs = sample_with_logprobs(rows, params)
     if CAPTURE["on"]:
         for k in range(len(params)):
             CAPTURE["records"].append(dict(
@@ -158,7 +160,7 @@ def _build_processor_class():
         """Applies the seeded Gumbel rule to rows whose SamplingParams.extra_args carry our params;
         other rows pass through untouched."""
 
-        rule = staticmethod(sample_tokens)  # (logits, RowParams) -> tokens
+        rule = None  # the seeded Gumbel rule; tests set a stand-in (logits, RowParams) -> tokens
 
         require_params = False  # StrictGumbelLogitsProcessor: refuse requests without our params
 
