@@ -1,0 +1,25 @@
+"""bench.tp_layer on CPU (gloo, two rank processes): the report has, per row count, the tree's and the
+all-reduce's collective and layer times and their ratios (the GPU run compares them over NCCL)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tree_against_all_reduce_at_tp2(tmp_path):
+    out = tmp_path / "tp_layer.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.tp_layer", "--degrees", "2", "--rows", "1,3", "--iters", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu (gloo)" and list(report["degrees"]) == ["2"]
+    rows = report["degrees"]["2"]
+    assert [r["rows"] for r in rows] == [1, 3]
+    for r in rows:
+        times = {k: v for k, v in r.items() if k.endswith("_us")}
+        assert len(times) == 6 and all(v > 0 for v in times.values()), r
+        assert r["collective_ratio"] == round(r["tree_collective_us"] / r["all_reduce_collective_us"], 3)
+        for layer in ("o_proj", "down_proj"):
+            assert r[f"{layer}_layer_ratio"] == round(r[f"{layer}_tree_layer_us"] / r[f"{layer}_stock_layer_us"], 3)
