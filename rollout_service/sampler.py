@@ -61,17 +61,21 @@ class RowParams:
         return temperature, top_k, top_p, seed, position
 
 
+def _sample_staged(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, the rows' temperatures on the device): the params staged once, no device sync."""
+    temperature, top_k, top_p, seed, position = rows.on(logits.device)
+    return sample_checked(logits, temperature, top_k, top_p, seed, position, rows.needs_mask), temperature
+
+
 def sample_tokens(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     """kernels.sample over float32 logits rows with per-row `rows` (no device sync)."""
-    temperature, top_k, top_p, seed, position = rows.on(logits.device)
-    return sample_checked(logits, temperature, top_k, top_p, seed, position, rows.needs_mask)
+    return _sample_staged(logits, rows)[0]
 
 
 def sample_with_logprobs(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
     """(sample_tokens, their kernels.logprobs.token_logprobs at each row's temperature), the params
     staged to the device once for both (no device sync)."""
-    temperature, top_k, top_p, seed, position = rows.on(logits.device)
-    tokens = sample_checked(logits, temperature, top_k, top_p, seed, position, rows.needs_mask)
+    tokens, temperature = _sample_staged(logits, rows)
     return tokens, token_logprobs(logits, temperature, tokens)
 
 

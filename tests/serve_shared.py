@@ -69,11 +69,11 @@ def _stop(proc):
 
 
 @contextlib.contextmanager
-def running_server(checkpoint, log_path, *vllm_args, eager: bool = False):
+def running_server(checkpoint, log_path, *vllm_args):
     """The plugin's `vllm serve` on a free local port, healthy; yields its base URL. Raises
     RuntimeError with the log's tail if it exits or is not healthy within STARTUP_S."""
     port = _free_port()
-    argv = serve_argv(checkpoint, "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *vllm_args, eager=eager)
+    argv = serve_argv(checkpoint, "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *vllm_args)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # set by other tests
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
