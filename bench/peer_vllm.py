@@ -80,14 +80,15 @@ def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
         options["enforce_eager"] = True
     k = args.tensor_parallel_size
     if system.startswith("vllm-plugin"):
-        from rollout_service.vllm_plugin import llm_options, register
+        from rollout_service.vllm_plugin import llm_options, register, require_entry_point
         register()  # in-process engine core: the entry point may not be installed
+        if own_process:
+            require_entry_point()  # vLLM's engine-core process builds the model
         options.update(llm_options(args.model, cuda_graphs=system != "vllm-plugin-eager" and not _on_cpu(),
                                    runner="v1" if system == "vllm-plugin-v1" else None, tensor_parallel_size=k))
     else:
         from rollout_service.vllm_plugin.tensor_parallel import tp_options
         options.update(tp_options(None, k))
-    # k > 1: vLLM's worker processes, which find the plugin through its entry point (pip install -e .)
     if not own_process:
         options.setdefault("distributed_executor_backend", "uni" if k == 1 else "mp")
     from rollout_service.vllm_plugin.compat import engine_core_placement
@@ -221,7 +222,9 @@ def _run_worker_engine(args, prompts, mode: str, stock_in_process: bool | None =
 
 
 def _worker(args) -> None:
+    import faulthandler
     import transformers
+    faulthandler.dump_traceback_later(max(args.timeout - 30, 1), exit=False)  # a hang shows where it waits
     vocab = transformers.AutoConfig.from_pretrained(args.model).vocab_size
     prompts = _workload(args, vocab)
     system = args.worker
@@ -242,21 +245,65 @@ def _worker(args) -> None:
 
 
 def _child(args, system: str) -> dict:
+    """One system in its own process group, which is killed when the system ends (vLLM's engine-core
+    and worker processes must not outlive it: the next system's memory profiling would see their memory
+    come back). With --out, the process's output is kept in `<out>.<system>.log`; a failed system's
+    result names the error lines of that output (vLLM's "see root cause above")."""
     env = dict(os.environ)
     env.pop("VLLM_BATCH_INVARIANT", None)
     if system == "vllm-batch-invariant":
         env["VLLM_BATCH_INVARIANT"] = "1"
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system] + args.passthrough
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--timeout", str(args.timeout)]
+    cmd += args.passthrough
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.perf_counter() - start
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            out = json.loads(line[len("RESULT "):])
-            out["process_wall_s"] = round(wall, 1)
-            return out
-    tail = (proc.stderr + proc.stdout).strip().splitlines()[-3:]
-    return dict(error=f"exit {proc.returncode}: " + " | ".join(tail))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=args.timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        output, _ = proc.communicate()
+        timed_out = True
+    finally:
+        _kill_group(proc.pid)
+    wall = round(time.perf_counter() - start, 1)
+    if args.out:
+        with open(f"{os.path.splitext(args.out)[0]}.{system}.log", "w") as f:
+            f.write(output)
+    result = next((json.loads(line[len("RESULT "):]) for line in output.splitlines()
+                   if line.startswith("RESULT ")), None)
+    if result is None:
+        why = f"timed out after {args.timeout} s" if timed_out else f"exit {proc.returncode}"
+        result = dict(error=why)
+    if "error" in result:
+        result["causes"] = error_lines(output)
+    result["process_wall_s"] = wall
+    return result
+
+
+def error_lines(output: str, keep: int = 6) -> list[str]:
+    """The last distinct lines of a process's output that name an error (exception lines, vLLM's
+    ERROR log records), oldest first."""
+    marks = ("Error", "Exception", "ERROR", "Timeout", "Killed")
+    seen, picked = set(), []
+    for line in reversed(output.splitlines()):
+        line = line.strip()
+        if line.startswith("RESULT ") or line in seen or not any(m in line for m in marks):
+            continue
+        seen.add(line)
+        picked.append(line[:400])
+        if len(picked) == keep:
+            break
+    return picked[::-1]
+
+
+def _kill_group(pgid: int) -> None:
+    import signal
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def main(argv: list[str] | None = None):

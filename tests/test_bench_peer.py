@@ -46,3 +46,39 @@ def test_partial_report_is_written_and_marked(tmp_path):
     assert json.loads(path.read_text()) == report
     assert report["complete"] is False and set(report["results"]) == {"vllm"}
     assert report["results"]["vllm"]["x_vllm"] == 1.0
+
+
+def test_a_failed_system_names_its_error_and_keeps_its_log(tmp_path):
+    """A system that dies reports the error lines of its output (not only vLLM's "see root cause
+    above"), its whole output stays in <out>.<system>.log, and the systems after it still run."""
+    (tmp_path / "not-a-checkpoint").mkdir()
+    out = tmp_path / "peer.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.peer_vllm", "--model", str(tmp_path / "not-a-checkpoint"),
+                           "--systems", "vllm,native-off", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"vllm", "native-off"}
+    for system, res in results.items():
+        assert res["error"].startswith("exit "), res
+        assert any("config.json" in line for line in res["causes"]), res["causes"]
+        assert "Traceback" in (tmp_path / f"peer.{system}.log").read_text()
+
+
+def test_a_hung_system_is_stopped_at_its_timeout(tmp_path):
+    out = tmp_path / "peer.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.peer_vllm", "--prompts", "2", "--prompt-len", "8",
+                           "--max-tokens", "4", "--systems", "vllm", "--timeout", "2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())["results"]["vllm"]
+    assert res["error"] == "timed out after 2 s" and res["process_wall_s"] < 60, res
+
+
+def test_error_lines_keep_the_last_distinct_errors_in_order():
+    from bench.peer_vllm import error_lines
+    output = "\n".join(["INFO start", "Traceback (most recent call last):", "ValueError: first",
+                        "INFO more", "RuntimeError: Engine core initialization failed", "ValueError: first",
+                        'RESULT {"error": "RuntimeError"}'])
+    assert error_lines(output) == ["RuntimeError: Engine core initialization failed", "ValueError: first"]
+    assert error_lines(output, keep=1) == ["ValueError: first"]
