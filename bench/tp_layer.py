@@ -1,6 +1,7 @@
 """The per-layer cost of the row-parallel segment tree against the stock all-reduce, at each TP degree.
 
-    python -m bench.tp_layer [--degrees 2,4,8] [--rows 1,16,64,256,1024,4096] [--out FILE]
+    python -m bench.tp_layer [--degrees 2,4,8] [--rows 1,16,64,256,1024,4096] [--out FILE] [--plot PNG]
+    python -m bench.tp_layer --plot PNG --from FILE   # plot a saved report
 
 One process per rank (NCCL on GPUs, NVLink multicast off; gloo on CPU for a development run), the
 row-parallel layers of Llama-3.1-8B (o_proj: K = 4096, down_proj: K = 14336, N = 4096; each rank holds
@@ -14,6 +15,7 @@ Degrees above the number of GPUs are reported as not run. Prints one JSON object
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -90,13 +92,47 @@ def run_degree(k: int, rows: list[int], iters: int) -> list[dict]:
         return torch.load(path)
 
 
+def plot(report: dict, out: str) -> str:
+    """Per TP degree, the tree's time over the stock one against the row count: the collective and
+    each layer (1 = as fast as cuBLAS and NCCL's all-reduce)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    degrees = {k: rows for k, rows in report["degrees"].items() if isinstance(rows, list)}
+    fig, axes = plt.subplots(1, max(len(degrees), 1), figsize=(4.5 * max(len(degrees), 1), 3.6), squeeze=False)
+    for ax, (k, rows) in zip(axes[0], degrees.items()):
+        ms = [r["rows"] for r in rows]
+        ax.plot(ms, [r["collective_ratio"] for r in rows], marker="o", label="collective")
+        for name in report["layers"]:
+            ax.plot(ms, [r[f"{name}_layer_ratio"] for r in rows], marker="o", label=f"{name} layer")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("token rows")
+        ax.set_title(f"TP = {k}, {report['device']}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("tree / stock time")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--degrees", default="2,4,8")
     p.add_argument("--rows", default="1,16,64,256,1024,4096")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out")
+    p.add_argument("--plot", help="also draw the ratios to this PNG")
+    p.add_argument("--from", dest="from_file", help="with --plot: draw this saved report, run nothing")
     args = p.parse_args()
+    if args.from_file:
+        if not args.plot:
+            p.error("--from needs --plot")
+        with open(args.from_file) as f:
+            print(plot(json.load(f), args.plot))
+        return
     rows = [int(m) for m in args.rows.split(",")]
     gpus = torch.cuda.device_count()
     report = dict(benchmark="tp_layer", device=torch.cuda.get_device_name() if gpus else "cpu (gloo)", gpus=gpus,
@@ -108,6 +144,8 @@ def main():
             continue
         report["degrees"][k] = run_degree(k, rows, args.iters)
     emit(report, args.out)
+    if args.plot:
+        plot(json.loads(json.dumps(report)), args.plot)  # the JSON form: degree keys as strings
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """bench.plot_peer draws the committed peer_vllm results (a ratio per system, stock vLLM as 1)."""
+import json
 from pathlib import Path
 
 from bench.plot_peer import plot
 
-RESULTS = sorted((Path(__file__).resolve().parents[1] / "bench" / "results").glob("*/*.json"))
+# the results folder holds several benchmarks' files; each names its benchmark
+RESULTS = [p for p in sorted((Path(__file__).resolve().parents[1] / "bench" / "results").glob("*/*.json"))
+           if json.loads(p.read_text()).get("benchmark") == "peer_vllm"]
 
 
 def test_plots_the_committed_results(tmp_path):

@@ -71,9 +71,25 @@ def _checkpoint(tmp_path_factory, arch, seed):
 
 
 def test_entry_point_is_installed():
-    from importlib.metadata import entry_points
-    values = {ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert "rollout_service.vllm_plugin:register" in values, "reinstall: pip install -e . --no-deps"
+    from rollout_service.vllm_plugin import require_entry_point
+    require_entry_point()  # raises if the package is not installed
+
+
+def test_processes_of_vllm_need_the_entry_point(monkeypatch):
+    """Without the entry point, an engine whose model vLLM's own processes build (tensor parallel
+    workers, an engine core of its own) is refused before any process starts; vLLM left to itself
+    hangs, the other ranks waiting for the one that cannot build the model."""
+    import importlib.metadata
+    from rollout_service import vllm_plugin
+    from rollout_service.fast_path.vllm import VLLMFastPath
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    with pytest.raises(RuntimeError, match="entry point"):
+        vllm_plugin.require_entry_point()
+    with pytest.raises(RuntimeError, match="entry point"):
+        vllm_plugin.llm_options(None, tensor_parallel_size=2)
+    with pytest.raises(RuntimeError, match="entry point"):
+        VLLMFastPath("/nonexistent", hf_overrides=dict(vllm_plugin.HF_OVERRIDES), in_process=False)
+    assert vllm_plugin.llm_options(None)["hf_overrides"] == vllm_plugin.HF_OVERRIDES  # in-process, one rank
 
 
 @pytest.fixture(scope="module")

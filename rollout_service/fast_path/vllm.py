@@ -21,7 +21,7 @@ import tempfile
 
 import torch
 
-from ..vllm_plugin import HF_OVERRIDES, pick_runner, runner_options
+from ..vllm_plugin import HF_OVERRIDES, pick_runner, require_entry_point, runner_options
 from ..vllm_plugin.sampling import CAPTURE, EXTRA_ARGS_KEY, PROCESSOR_FQCN
 from ..vllm_plugin import compat
 from ..vllm_plugin.tensor_parallel import tp_options
@@ -126,6 +126,8 @@ class VLLMFastPath:
             model.save_pretrained(self._tmpdir)
             path = self._tmpdir
         canonical = llm_options.get("hf_overrides") == HF_OVERRIDES
+        if canonical and (tensor_parallel_size != 1 or not in_process):
+            require_entry_point()  # vLLM's own processes find the canonical model through it
         # k > 1: vLLM's worker processes (mp executor), the checkpoint checked for a k-way split first
         llm_options.update(tp_options(path if canonical else None, tensor_parallel_size))
         if in_process:

@@ -22,6 +22,7 @@ ARCHITECTURE = "ZeroKLForCausalLM"
 MODEL_QUALNAME = f"{__name__}.model:ZeroKLForCausalLM"
 BACKEND_QUALNAME = f"{__name__}.attention.ZeroKLAttentionBackend"
 HF_OVERRIDES = {"architectures": [ARCHITECTURE]}
+ENTRY_POINT = f"{__name__}:register"  # pyproject.toml's vllm.general_plugins entry
 # Decode steps replay full CUDA graphs; nothing is compiled (mode 0: the canonical ops are Triton kernels)
 CUDA_GRAPH_COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 RUNNERS = ("v1", "v2")
@@ -63,8 +64,21 @@ def llm_options(model: str | os.PathLike | None = None, *, cuda_graphs: bool = T
     our seeded sampling rule, on `runner` (default: pick_runner(model)), over `tensor_parallel_size`
     workers (vllm_plugin.tensor_parallel: row-parallel outputs combined by the segment tree)."""
     from .tensor_parallel import tp_options
+    if tensor_parallel_size != 1:
+        require_entry_point()
     return dict(hf_overrides=dict(HF_OVERRIDES), **runner_options(runner or pick_runner(model)),
                 **graph_options(cuda_graphs), **tp_options(model, tensor_parallel_size))
+
+
+def require_entry_point() -> None:
+    """Raises unless the package's `vllm.general_plugins` entry point is installed. Processes vLLM
+    starts (an engine core of its own, tensor-parallel workers) learn the canonical model only
+    through it; without it they fail to build the model while the others wait for them."""
+    from importlib.metadata import entry_points
+    if ENTRY_POINT not in {ep.value for ep in entry_points(group="vllm.general_plugins")}:
+        raise RuntimeError(f"the vLLM plugin's entry point ({ENTRY_POINT}) is not installed, so vLLM's own "
+                           "processes cannot build the canonical model: install this package "
+                           "(pip install -e .) in the environment that runs vLLM")
 
 
 def register() -> None:
@@ -80,4 +94,4 @@ def register() -> None:
 
 
 __all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "HF_OVERRIDES", "RUNNERS", "graph_options", "llm_options",
-           "pick_runner", "register", "runner_options"]
+           "pick_runner", "register", "require_entry_point", "runner_options"]

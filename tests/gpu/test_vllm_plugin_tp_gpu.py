@@ -25,7 +25,7 @@ import transformers  # noqa: E402
 from rollout_service import SamplingParams  # noqa: E402
 from rollout_service.fast_path.vllm import WORKER_EXTENSION  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.vllm_plugin import llm_options, register  # noqa: E402
+from rollout_service.vllm_plugin import llm_options, register, require_entry_point  # noqa: E402
 from rollout_service.vllm_plugin.tensor_parallel import TP_REDUCE_KEY  # noqa: E402
 from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501
 
@@ -42,12 +42,9 @@ MIXED = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.0, top
 
 @pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda k: f"tp{k}")
 def k(request):
-    from importlib.metadata import entry_points
     if torch.cuda.device_count() < request.param:
         pytest.skip(f"needs {request.param} CUDA GPUs, this machine has {torch.cuda.device_count()}")
-    plugins = {ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert "rollout_service.vllm_plugin:register" in plugins, \
-        "vLLM's worker processes load the plugin by its entry point: pip install -e . --no-deps"
+    require_entry_point()  # vLLM's worker processes load the plugin by it: pip install -e . --no-deps
     return request.param
 
 
