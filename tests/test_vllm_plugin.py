@@ -92,6 +92,15 @@ def test_processes_of_vllm_need_the_entry_point(monkeypatch):
     assert vllm_plugin.llm_options(None)["hf_overrides"] == vllm_plugin.HF_OVERRIDES  # in-process, one rank
 
 
+def test_vllm_plugins_allow_list_must_name_the_plugin(monkeypatch):
+    from rollout_service.vllm_plugin import require_entry_point
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    with pytest.raises(RuntimeError, match="VLLM_PLUGINS"):
+        require_entry_point()
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver,zerokl")
+    require_entry_point()
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return _checkpoint(tmp_path_factory, "qwen2", seed=7)

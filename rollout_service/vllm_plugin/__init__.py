@@ -71,14 +71,20 @@ def llm_options(model: str | os.PathLike | None = None, *, cuda_graphs: bool = T
 
 
 def require_entry_point() -> None:
-    """Raises unless the package's `vllm.general_plugins` entry point is installed. Processes vLLM
+    """Raises unless vLLM's own processes will load this plugin: its `vllm.general_plugins` entry point
+    installed, and not left out by VLLM_PLUGINS (vLLM's allow-list of plugin names). Processes vLLM
     starts (an engine core of its own, tensor-parallel workers) learn the canonical model only
-    through it; without it they fail to build the model while the others wait for them."""
+    through it."""
     from importlib.metadata import entry_points
-    if ENTRY_POINT not in {ep.value for ep in entry_points(group="vllm.general_plugins")}:
+    names = [ep.name for ep in entry_points(group="vllm.general_plugins") if ep.value == ENTRY_POINT]
+    if not names:
         raise RuntimeError(f"the vLLM plugin's entry point ({ENTRY_POINT}) is not installed, so vLLM's own "
                            "processes cannot build the canonical model: install this package "
                            "(pip install -e .) in the environment that runs vLLM")
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and names[0] not in allowed.split(","):
+        raise RuntimeError(f"VLLM_PLUGINS={allowed!r} leaves out this package's vLLM plugin {names[0]!r}, so "
+                           "vLLM's own processes cannot build the canonical model: add it to VLLM_PLUGINS")
 
 
 def register() -> None:
