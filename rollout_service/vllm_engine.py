@@ -5,8 +5,10 @@
 log-probs are the trainer's bit for bit. With `stock_for_off=True`, `off` requests run on a second
 vLLM engine with vLLM's stock model class and sampler (vLLM's speed, no guarantee) and the GPU's
 memory is split between the two; without it they run on the canonical engine too (canonical tokens,
-which `off` permits). The stock engine's core runs in its own process on GPUs, as vLLM's does by
-default: next to the canonical engine in one process it ran 20% slower (256 prompts, H100).
+which `off` permits). The stock engine's core runs in this process unless `stock_in_process=False`
+gives it its own (vLLM's default; weights then reach it through files). On an H100 the in-process
+stock engine ran `off` at 0.74x and 1.07x stock vLLM in two runs (docs/performance.md); its own
+process has not run on a GPU yet.
 
 It has the interface RolloutWorker drives (add_request / abort / step / has_unfinished, weights and
 the canonical contract), like the native Engine. Steps go through `LLM.llm_engine` (vLLM's
@@ -35,13 +37,12 @@ class VLLMEngine:
     dir for vLLM). tensor_parallel_size: vLLM's workers per engine, one GPU each (the canonical
     engine combines row-parallel outputs by the segment tree). vllm_options go to both vllm.LLM
     engines (e.g. max_num_batched_tokens). stock_in_process: where the stock engine's core runs
-    (default: its own process on CUDA; this one on CPU, where engines serve tests and small runs and
-    a process would add only start-up time)."""
+    (default: this process; False: its own, started by spawning on CUDA, compat.core_start_method)."""
 
     def __init__(self, model, *, device: str = "cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
                  copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None,
-                 stock_in_process: bool | None = None):
+                 stock_in_process: bool = True):
         from .vllm_plugin import HF_OVERRIDES, graph_options, register
 
         self.device = torch.device(device)
@@ -60,8 +61,6 @@ class VLLMEngine:
                       tensor_parallel_size=tensor_parallel_size, **(vllm_options or {}))
         if self.device.type == "cuda":
             common.setdefault("gpu_memory_utilization", share)
-        if stock_in_process is None:
-            stock_in_process = self.device.type != "cuda"
         self.stock = VLLMFastPath(self._tmpdir, stock_sampler=True, in_process=stock_in_process,
                                   **common) if stock_for_off else None
         self.canonical = VLLMFastPath(self._tmpdir, hf_overrides=dict(HF_OVERRIDES),

@@ -3,6 +3,8 @@ vLLM's own engine loop stepping; `verified` / `invariant` rollouts equal the nat
 trainer's log-probs bit for bit, bad input is refused per request without losing the others, weight
 pushes keep the digest check, and `off` can go to a stock vLLM engine (which does not match the trainer).
 """
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from rollout_service import Engine, InvalidRequestError, SamplingParams  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.vllm_engine import VLLMEngine  # noqa: E402
+from rollout_service.vllm_plugin import compat  # noqa: E402
 from rollout_service.weights import WeightMismatchError, model_digest  # noqa: E402
 from rollout_service.worker import engine_backend  # noqa: E402
 from vllm_shared import random_prompts, trainer_logprobs  # noqa: E402
@@ -136,11 +139,29 @@ def test_weight_push_with_digest_and_mismatch(engine, checkpoint):
 
 @pytest.fixture(scope="module")
 def split_engine(checkpoint):
-    """A stock engine whose core runs in a process of its own (the default on GPUs). Module-scoped:
-    closing an in-process vLLM engine tears down state every in-process engine shares."""
-    eng = _engine_with_core_pids(checkpoint, stock_in_process=False)
+    """A stock engine whose core runs in a process of its own, started by spawning, as it is on GPUs
+    (compat.core_start_method; on CPU vLLM would fork it). Module-scoped: closing an in-process vLLM
+    engine tears down state every in-process engine shares."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(compat.START_METHOD_ENV, "spawn")
+        eng = _engine_with_core_pids(checkpoint, stock_in_process=False)
     yield eng
     eng.close()
+
+
+def test_own_process_cores_are_spawned_on_cuda(monkeypatch):
+    """A forked engine core cannot use CUDA once this process has touched it, which vLLM does not
+    always see: on CUDA our own-process cores are spawned, unless the user chose a start method."""
+    monkeypatch.delenv(compat.START_METHOD_ENV, raising=False)
+    assert compat.core_start_method(own_process=True) is None  # CPU: vLLM decides (it forks)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compat.core_start_method(own_process=True) == "spawn"
+    assert compat.core_start_method(own_process=False) is None  # no process to start
+    with compat.engine_core_placement(own_process=True):
+        assert os.environ[compat.START_METHOD_ENV] == "spawn"
+    assert compat.START_METHOD_ENV not in os.environ  # set for the one engine only
+    monkeypatch.setenv(compat.START_METHOD_ENV, "fork")
+    assert compat.core_start_method(own_process=True) is None
 
 
 def test_off_engine_core_in_its_own_process(split_engine, engine, checkpoint):
@@ -150,6 +171,9 @@ def test_off_engine_core_in_its_own_process(split_engine, engine, checkpoint):
     import multiprocessing
     eng = split_engine
     assert eng.engine_core_pids and not eng.stock.in_process and eng.canonical.in_process
+    cores = [p for p in multiprocessing.active_children() if p.pid in eng.engine_core_pids]
+    # spawned: a fresh interpreter, not a fork of this one (the Popen class multiprocessing chose)
+    assert cores and all(type(p._popen).__module__ == "multiprocessing.popen_spawn_posix" for p in cores)
     assert not engine.engine_core_pids and engine.stock.in_process  # the control: no process started
     prompts = random_prompts(4, VOCAB, seed=37, lo=5, hi=60)
     greedy = [SamplingParams(max_tokens=8, temperature=0.0, determinism="off") for _ in prompts]

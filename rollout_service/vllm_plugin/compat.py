@@ -1,6 +1,6 @@
 """vLLM internals we depend on beyond its public API: the parts of the KV-cache API that differ between
 the versions we run (0.25 on GPU, 0.32 on CPU), vLLM's process-wide graph-capture flag, and how an
-engine's core is placed in or out of this process.
+engine's core is placed in or out of this process (and how that process is started).
 
 0.25 allocates a layer's cache in the shape the backend's `get_kv_cache_shape` returns; we ask for
 [num_blocks, 2, block_size, Hkv, D] (FlashAttention's blocks-first shape) and unbind K and V.
@@ -17,6 +17,7 @@ import os
 import torch
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 class KVLayoutMixin:
@@ -51,23 +52,39 @@ def allow_graph_capture() -> None:
     monitor.set_cudagraph_capturing_enabled(True)
 
 
+def core_start_method(own_process: bool) -> str | None:
+    """How vLLM should start an engine core of its own: "spawn" on CUDA, unless the user chose a method
+    (VLLM_WORKER_MULTIPROC_METHOD). vLLM forks unless torch.cuda.is_initialized(), but a process can
+    have touched CUDA without that (vLLM 0.25 on an H100 forked the stock engine's core of a worker
+    and the child failed with "Cannot re-initialize CUDA in forked subprocess"). None: vLLM decides."""
+    if not own_process or START_METHOD_ENV in os.environ or not torch.cuda.is_available():
+        return None
+    return "spawn"
+
+
 @contextlib.contextmanager
 def engine_core_placement(own_process: bool):
     """Build one vllm.LLM inside this block to place its engine core in its own process (vLLM's
-    default) or in this one. vLLM reads the choice from VLLM_ENABLE_V1_MULTIPROCESSING when an LLM is
-    built, through vllm.envs, which freezes its reads once an in-process engine core has started; so
-    the variable is set for this block only, with the freeze lifted meanwhile."""
+    default; started as core_start_method says) or in this one. vLLM reads the choice from
+    VLLM_ENABLE_V1_MULTIPROCESSING when an LLM is built, through vllm.envs, which freezes its reads
+    once an in-process engine core has started; so the variables are set for this block only, with
+    the freeze lifted meanwhile."""
     from vllm import envs
     frozen = hasattr(envs.__getattr__, "cache_clear")  # envs.enable_envs_cache wraps it in functools.cache
-    saved = os.environ.get(MULTIPROCESSING_ENV)
-    os.environ[MULTIPROCESSING_ENV] = "1" if own_process else "0"
+    block = {MULTIPROCESSING_ENV: "1" if own_process else "0"}
+    start_method = core_start_method(own_process)
+    if start_method is not None:
+        block[START_METHOD_ENV] = start_method
+    saved = {name: os.environ.get(name) for name in block}
+    os.environ.update(block)
     envs.disable_envs_cache()
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop(MULTIPROCESSING_ENV, None)
-        else:
-            os.environ[MULTIPROCESSING_ENV] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if frozen and not hasattr(envs.__getattr__, "cache_clear"):
-            envs.enable_envs_cache()  # a fresh cache: it reads the restored variable
+            envs.enable_envs_cache()  # a fresh cache: it reads the restored variables
