@@ -23,8 +23,8 @@ Systems (--systems, comma list):
 - `ours-verified`, `ours-invariant`, `ours-off`: our engine with the windowed vLLM fast path;
 - `worker-verified`, `worker-off`: VLLMEngine, the engine a RolloutWorker runs on a GPU (vLLM's engine
   loop stepped by the worker; `off` requests on its stock vLLM engine, given the memory share of the
-  `vllm` system, whose core runs in its own process on GPUs); `worker-off-in-process`: that stock
-  engine's core in this process instead, next to the canonical engine.
+  `vllm` system, whose core runs in this process, next to the canonical engine);
+  `worker-off-own-process`: that stock engine's core in a process of its own (vLLM's default).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -46,7 +47,8 @@ DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
 ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-plugin-eager", "vllm-plugin-v1",
                                  "vllm-eager", "vllm-v1",
                                  "native-verified", "native-invariant", "native-off", "worker-verified", "worker-off",
-                                 "worker-off-in-process")
+                                 "worker-off-own-process")
+TEARDOWN_GRACE_S = 60  # a system's process gets this long to exit once it has printed its result
 TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
 
 
@@ -187,7 +189,7 @@ def _run_ours(args, prompts, mode, fast_path) -> dict:
     return res
 
 
-def _run_worker_engine(args, prompts, mode: str, stock_in_process: bool | None = None) -> dict:
+def _run_worker_engine(args, prompts, mode: str, stock_in_process: bool = True) -> dict:
     from rollout_service import SamplingParams
     from rollout_service.vllm_engine import VLLMEngine
     options = _vllm_options(args)
@@ -231,8 +233,8 @@ def _worker(args) -> None:
     try:
         if system.startswith("vllm"):
             res = _run_vllm(args, prompts, system)
-        elif system == "worker-off-in-process":
-            res = _run_worker_engine(args, prompts, "off", stock_in_process=True)
+        elif system == "worker-off-own-process":
+            res = _run_worker_engine(args, prompts, "off", stock_in_process=False)
         elif system.startswith("worker-"):
             res = _run_worker_engine(args, prompts, system.split("-", 1)[1])
         else:
@@ -248,7 +250,9 @@ def _child(args, system: str) -> dict:
     """One system in its own process group, which is killed when the system ends (vLLM's engine-core
     and worker processes must not outlive it: the next system's memory profiling would see their memory
     come back). With --out, the process's output is kept in `<out>.<system>.log`; a failed system's
-    result names the error lines of that output (vLLM's "see root cause above")."""
+    result names the error lines of that output (vLLM's "see root cause above"). A process that has
+    printed its result but not exited within TEARDOWN_GRACE_S is killed: its figures stand, and its
+    result's `teardown` says so."""
     env = dict(os.environ)
     env.pop("VLLM_BATCH_INVARIANT", None)
     if system == "vllm-batch-invariant":
@@ -256,17 +260,7 @@ def _child(args, system: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--timeout", str(args.timeout)]
     cmd += args.passthrough
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=args.timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        output, _ = proc.communicate()
-        timed_out = True
-    finally:
-        _kill_group(proc.pid)
+    output, stopped, returncode = supervise(cmd, env, args.timeout)
     wall = round(time.perf_counter() - start, 1)
     if args.out:
         with open(f"{os.path.splitext(args.out)[0]}.{system}.log", "w") as f:
@@ -274,12 +268,45 @@ def _child(args, system: str) -> dict:
     result = next((json.loads(line[len("RESULT "):]) for line in output.splitlines()
                    if line.startswith("RESULT ")), None)
     if result is None:
-        why = f"timed out after {args.timeout} s" if timed_out else f"exit {proc.returncode}"
-        result = dict(error=why)
+        result = dict(error=stopped or f"exit {returncode}")
+    elif stopped:  # measured, then stuck in teardown: the figures stand, the hang is reported
+        result["teardown"] = stopped
     if "error" in result:
         result["causes"] = error_lines(output)
     result["process_wall_s"] = wall
     return result
+
+
+def supervise(cmd: list[str], env: dict, timeout: float, grace: float = TEARDOWN_GRACE_S):
+    """Runs cmd in a process group of its own and kills the group when it ends, at `timeout`, or
+    `grace` seconds after a RESULT line (a process stuck in teardown after measuring). Returns
+    (output, why it was stopped or None, exit code or None)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines, result_at = [], []
+
+    def read():  # vLLM's processes may keep the pipe open after the worker: read in a thread
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("RESULT ") and not result_at:
+                result_at.append(time.perf_counter())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    stopped = None
+    while proc.poll() is None:
+        now = time.perf_counter()
+        if now - start > timeout:
+            stopped = f"timed out after {timeout} s"
+            break
+        if result_at and now - result_at[0] > grace:
+            stopped = f"killed {grace} s after its result: the process had not exited"
+            break
+        time.sleep(0.2)
+    _kill_group(proc.pid)
+    reader.join(timeout=30)
+    return "".join(lines), stopped, proc.poll()
 
 
 def error_lines(output: str, keep: int = 6) -> list[str]:
@@ -348,6 +375,8 @@ def main(argv: list[str] | None = None):
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     tmp = None
     if not args.model:

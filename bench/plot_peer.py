@@ -1,5 +1,5 @@
 """Plot bench/peer_vllm.py results: each system's tokens/s as a multiple of stock vLLM in the same run,
-one group of bars per result file.
+one group of bars per result file; a system that failed in a run is marked "failed" in its slot.
 
     python -m bench.plot_peer bench/results/2026-11-25/*.json --out peer.png
 """
@@ -21,13 +21,17 @@ def plot(paths: list[Path], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     docs = [json.loads(p.read_text()) for p in paths]
-    systems = sorted({s for d in docs for s, r in d["results"].items() if "x_vllm" in r and s != "vllm"})
+    systems = sorted({s for d in docs for s, r in d["results"].items() if s != "vllm"})
     width = 0.8 / max(len(systems), 1)
     fig, ax = plt.subplots(figsize=(max(6.0, 2.0 * len(docs)), 4.0))
     for k, system in enumerate(systems):
-        xs = [i + (k - (len(systems) - 1) / 2) * width for i, d in enumerate(docs) if system in d["results"]]
-        ys = [d["results"][system]["x_vllm"] for d in docs if system in d["results"]]
-        ax.bar(xs, ys, width, label=system)
+        slots = [(i + (k - (len(systems) - 1) / 2) * width, d["results"].get(system)) for i, d in enumerate(docs)]
+        ran = [(x, r["x_vllm"]) for x, r in slots if r is not None and "x_vllm" in r]
+        bars = ax.bar([x for x, _ in ran], [y for _, y in ran], width, label=system)
+        for x, r in slots:  # a system that failed in a run keeps its slot, marked
+            if r is not None and "error" in r:
+                ax.text(x, 0.02, "failed", rotation=90, ha="center", va="bottom", fontsize=6,
+                        color=bars.patches[0].get_facecolor() if bars.patches else "black")
     ax.axhline(1.0, color="black", linewidth=0.8)  # stock vLLM in the same run
     ax.set_xticks(range(len(docs)), [_label(d, p) for d, p in zip(docs, paths)], fontsize=7)
     ax.set_ylabel("tokens/s, x stock vLLM (same run)")

@@ -51,8 +51,8 @@ def _tables() -> dict[str, Table]:
         tables[f"{shape}-long"] = Table(shape, 32, 1024, 8192, timed_runs=1, timeout_s=3600,
                                         about="long reasoning rollouts: 32 prompts x 1,024 in / 8,192 out")
     tables["worker-off-placement"] = Table(
-        "qwen1.5b", 256, 512, 256, systems=("vllm", "worker-off", "worker-off-in-process"),
-        about="off through the worker: its stock engine's core in its own process against this one")
+        "qwen1.5b", 256, 512, 256, systems=("vllm", "worker-off", "worker-off-own-process"),
+        about="off through the worker: its stock engine's core in this process against one of its own")
     for k in (2, 4, 8):
         tables[f"llama8b-tp{k}"] = Table(
             "llama8b", 256, 512, 512, systems=("vllm", "vllm-plugin"), tensor_parallel_size=k,

@@ -3,8 +3,10 @@ report holds every system's tokens/s and its ratio to stock vLLM in the same run
 some systems has still written what it measured."""
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,13 +68,31 @@ def test_a_failed_system_names_its_error_and_keeps_its_log(tmp_path):
 
 
 def test_a_hung_system_is_stopped_at_its_timeout(tmp_path):
-    out = tmp_path / "peer.json"
+    out = tmp_path / "results" / "peer.json"  # --out may name a folder that does not exist yet
     proc = subprocess.run([sys.executable, "-m", "bench.peer_vllm", "--prompts", "2", "--prompt-len", "8",
                            "--max-tokens", "4", "--systems", "vllm", "--timeout", "2", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())["results"]["vllm"]
     assert res["error"] == "timed out after 2 s" and res["process_wall_s"] < 60, res
+
+
+def test_a_process_stuck_after_its_result_is_killed_and_its_result_kept():
+    """A system that measured but does not exit (seen: vLLM's TP = 4 teardown) is killed `grace`
+    seconds after its RESULT line, not at the timeout; one that exits is not stopped, even while a
+    child of its own keeps the output pipe open."""
+    from bench.peer_vllm import supervise
+    stuck = "import time; print('RESULT {}', flush=True); time.sleep(120)"
+    start = time.perf_counter()
+    output, stopped, _ = supervise([sys.executable, "-c", stuck], dict(os.environ), timeout=300, grace=1)
+    assert "RESULT {}" in output and stopped.startswith("killed 1 s after its result"), stopped
+    assert time.perf_counter() - start < 60
+    orphan = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
+              "print('RESULT {}', flush=True)")
+    start = time.perf_counter()
+    output, stopped, returncode = supervise([sys.executable, "-c", orphan], dict(os.environ), timeout=300, grace=100)
+    assert "RESULT {}" in output and stopped is None and returncode == 0
+    assert time.perf_counter() - start < 60
 
 
 def test_error_lines_keep_the_last_distinct_errors_in_order():
