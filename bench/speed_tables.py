@@ -55,8 +55,9 @@ def _tables() -> dict[str, Table]:
         about="off through the worker: its stock engine's core in this process against one of its own")
     for k in (2, 4, 8):
         tables[f"llama8b-tp{k}"] = Table(
-            "llama8b", 256, 512, 512, systems=("vllm", "vllm-plugin"), tensor_parallel_size=k,
-            about=f"TP = {k} on {k} GPUs: the plugin's segment tree against stock vLLM's all-reduce")
+            "llama8b", 256, 512, 512, systems=("vllm", "vllm-plugin", "vllm-plugin-scatter"), tensor_parallel_size=k,
+            about=f"TP = {k} on {k} GPUs: the plugin's segment tree (all-gathered, and split by columns) "
+                  "against stock vLLM's all-reduce")
     return tables
 
 

@@ -7,8 +7,11 @@ One process per rank (NCCL on GPUs, NVLink multicast off; gloo on CPU for a deve
 row-parallel layers of Llama-3.1-8B (o_proj: K = 4096, down_proj: K = 14336, N = 4096; each rank holds
 K/k), M token rows. Per row count, median microseconds of:
 - `tree_collective`: all-gather of the ranks' fp32 [M, 4096] subtree nodes + the tree's top levels;
+- `scatter_collective`: the same adds split by columns (reduce="tree_scatter": all-to-all of fp32
+  column slices, the tree's top levels on this rank's slice, all-gather of the bf16 slices);
 - `all_reduce_collective`: NCCL all_reduce of one bf16 [M, 4096] tensor (what stock vLLM sums);
-- `tree_layer`: the whole deterministic layer (canonical matmul of the rank's K slice, then the tree);
+- `tree_layer` / `scatter_layer`: the whole deterministic layer (canonical matmul of the rank's K
+  slice, then either reduction);
 - `stock_layer`: cuBLAS matmul of the same slice to bf16, then NCCL all_reduce.
 Degrees above the number of GPUs are reported as not run. Prints one JSON object.
 """
@@ -50,7 +53,7 @@ def _timed_us(fn, device, iters: int) -> float:
 
 def _rank(rank: int, k: int, port: int, rows: list[int], iters: int, out_path: str) -> None:
     from kernels.reference import exact_math as em
-    from kernels.tp import collectives, gather_ranks, row_parallel_matmul
+    from kernels.tp import collectives, gather_ranks, row_parallel_matmul, tree_scatter_combine
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -67,17 +70,24 @@ def _rank(rank: int, k: int, port: int, rows: list[int], iters: int, out_path: s
         part = node.bfloat16()
         row = dict(rows=m,
                    tree_collective_us=_timed_us(lambda: em.tree_combine(gather_ranks(node, comm)), device, iters),
+                   scatter_collective_us=_timed_us(lambda: tree_scatter_combine(node, None, comm, torch.bfloat16),
+                                                   device, iters),
                    all_reduce_collective_us=_timed_us(lambda: dist.all_reduce(part.clone()), device, iters))
         for name, k_full in LAYERS.items():
             x = torch.randn(m, k_full // k, device=device, generator=g).bfloat16()
             w = (torch.randn(HIDDEN, k_full // k, device=device, generator=g) * 0.02).bfloat16()
             row[f"{name}_tree_layer_us"] = _timed_us(lambda: row_parallel_matmul(x, w, None, comm), device, iters)
+            row[f"{name}_scatter_layer_us"] = _timed_us(
+                lambda: row_parallel_matmul(x, w, None, comm, reduce="tree_scatter"), device, iters)
             row[f"{name}_stock_layer_us"] = _timed_us(lambda: dist.all_reduce(x @ w.T), device, iters)
         for key in [key for key in row if key.endswith("_us")]:
             row[key] = round(row[key], 1)
         row["collective_ratio"] = round(row["tree_collective_us"] / row["all_reduce_collective_us"], 3)
+        row["scatter_collective_ratio"] = round(row["scatter_collective_us"] / row["all_reduce_collective_us"], 3)
         for name in LAYERS:
             row[f"{name}_layer_ratio"] = round(row[f"{name}_tree_layer_us"] / row[f"{name}_stock_layer_us"], 3)
+            row[f"{name}_scatter_layer_ratio"] = round(
+                row[f"{name}_scatter_layer_us"] / row[f"{name}_stock_layer_us"], 3)
         results.append(row)
     if rank == 0:
         torch.save(results, out_path)
@@ -103,9 +113,13 @@ def plot(report: dict, out: str) -> str:
     fig, axes = plt.subplots(1, max(len(degrees), 1), figsize=(4.5 * max(len(degrees), 1), 3.6), squeeze=False)
     for ax, (k, rows) in zip(axes[0], degrees.items()):
         ms = [r["rows"] for r in rows]
-        ax.plot(ms, [r["collective_ratio"] for r in rows], marker="o", label="collective")
-        for name in report["layers"]:
-            ax.plot(ms, [r[f"{name}_layer_ratio"] for r in rows], marker="o", label=f"{name} layer")
+        for prefix, style, what in (("", "-", ""), ("scatter_", "--", ", tree_scatter")):
+            if f"{prefix}collective_ratio" not in rows[0]:  # reports from before tree_scatter
+                continue
+            ax.plot(ms, [r[f"{prefix}collective_ratio"] for r in rows], style, marker="o", label=f"collective{what}")
+            for name in report["layers"]:
+                ax.plot(ms, [r[f"{name}_{prefix}layer_ratio"] for r in rows], style, marker="o",
+                        label=f"{name} layer{what}")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("token rows")

@@ -13,6 +13,11 @@ combined by the same tree, in fp32), the k nodes are all-gathered, and every ran
 top levels of the same tree, then adds the bias and rounds once. That is the TP=1 tree node for node,
 and moves S/k times less data than gathering all S segment partials.
 
+reduce="tree_scatter" does the same adds split by output columns: an all-to-all hands rank r every
+rank's node for its N/k columns, rank r combines them by the tree, adds the bias and rounds, and the
+rounded slices are all-gathered. Same bits; per output element each rank receives (k-1)/k * (4 + 2)
+bytes instead of (k-1) * 4 (4.5 against 12 at k=4; a bf16 ring all-reduce moves about 3).
+
 Negative control: reduce="all_reduce" sums the same fp32 nodes with dist.all_reduce, whose association
 order is the library's (ring, chunked...). For k=2 that is a single commutative add, hence still exact;
 for k>=4 the order differs from the tree. reduce_dtype=torch.bfloat16 rounds each rank's result before
@@ -151,11 +156,15 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 class Collectives:
     """How one tensor-parallel group moves tensors. `all_gather`: [M, ...] -> [world_size * M, ...],
     rank order; `all_reduce`: the elementwise sum in the library's own order (a new tensor or the
-    input). collectives(group) builds it over a torch process group; a serving engine passes its
-    own communicator (the vLLM plugin: vLLM's TP group, which CUDA graphs can capture)."""
+    input); `all_to_all`: [world_size * M, ...] -> the same shape, block j of the input goes to rank j
+    and block r of the output came from rank r (None: not offered). collectives(group) builds it over
+    a torch process group; a serving engine passes its own communicator (the vLLM plugin: vLLM's TP
+    group, which CUDA graphs can capture)."""
     world_size: int
     all_gather: Callable[[torch.Tensor], torch.Tensor]
     all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    all_to_all: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rank: int = 0
 
 
 def collectives(group=None) -> Collectives:
@@ -175,7 +184,18 @@ def collectives(group=None) -> Collectives:
         dist.all_reduce(t, group=group)
         return t
 
-    return Collectives(k, all_gather, all_reduce)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    return Collectives(k, all_gather, all_reduce, all_to_all_over(group), rank)
+
+
+def all_to_all_over(group) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Collectives.all_to_all over a torch process group (equal blocks along dim 0)."""
+    def all_to_all(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t, group=group)
+        return out
+    return all_to_all
 
 
 def gather_ranks(t: torch.Tensor, comm: Collectives) -> list[torch.Tensor]:
@@ -188,21 +208,45 @@ def _subtree(x2: torch.Tensor, w: torch.Tensor, segments: int, out_dtype: torch.
     return K.backend_for(x2).matmul(x2, w, None, segments=segments, out_dtype=out_dtype)
 
 
+TREE_REDUCES = ("tree", "tree_scatter")  # the exact reductions; both give kernels.matmul's bits
+
+
+def tree_scatter_combine(node: torch.Tensor, bias: torch.Tensor | None, comm: Collectives,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """The tree's top levels split by output columns (module docstring): node [M, N] fp32 -> [M, N]."""
+    if comm.all_to_all is None:
+        raise ValueError("reduce='tree_scatter' needs Collectives with an all_to_all")
+    k, (m, n) = comm.world_size, node.shape
+    pad = -n % k  # zero columns, cut off at the end
+    if pad:
+        node = torch.nn.functional.pad(node, (0, pad))
+        bias = None if bias is None else torch.nn.functional.pad(bias, (0, pad))
+    cols = (n + pad) // k
+    blocks = node.view(m, k, cols).transpose(0, 1).reshape(k * m, cols)  # block j: rank j's columns
+    mine = em.tree_combine(list(comm.all_to_all(blocks).view(k, m, cols).unbind(0)))
+    if bias is not None:
+        mine = mine + bias[comm.rank * cols:(comm.rank + 1) * cols].float()
+    slices = comm.all_gather(mine.to(out_dtype)).view(k, m, cols)
+    return slices.transpose(0, 1).reshape(m, k * cols)[:, :n]
+
+
 def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group=None, *,
                         reduce: str = "tree", reduce_dtype: torch.dtype = torch.float32,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Canonical x @ W.T (+ bias) with W's K split across `group` (a process group or Collectives):
-    x [..., K/k], weight [N, K/k] is this rank's K-slice, bias [N] replicated. reduce="tree" equals
-    kernels.matmul(row_parallel=True) on the full K bit for bit; "all_reduce" is the negative control
-    (see the module docstring)."""
+    x [..., K/k], weight [N, K/k] is this rank's K-slice, bias [N] replicated. reduce="tree" and
+    "tree_scatter" equal kernels.matmul(row_parallel=True) on the full K bit for bit; "all_reduce" is
+    the negative control (see the module docstring)."""
     comm = collectives(group)
     k = comm.world_size
     segments = K.tree_segments() // k
     x2 = x.reshape(-1, x.shape[-1])
-    if reduce == "tree":
+    if reduce in TREE_REDUCES:
         if reduce_dtype != torch.float32:
             raise ValueError("the tree reduction keeps fp32 partials (reduce_dtype=torch.float32)")
         node = _subtree(x2, weight, segments, torch.float32)
+        if reduce == "tree_scatter" and k > 1:
+            return tree_scatter_combine(node, bias, comm, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
         out = em.tree_combine(gather_ranks(node, comm)) if k > 1 else node
     elif reduce == "all_reduce":
         out = _subtree(x2, weight, segments, reduce_dtype)
@@ -210,7 +254,7 @@ def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             out = comm.all_reduce(out)
         out = out.float()
     else:
-        raise ValueError(f"reduce must be 'tree' or 'all_reduce', got {reduce!r}")
+        raise ValueError(f"reduce must be one of {TREE_REDUCES + ('all_reduce',)}, got {reduce!r}")
     if bias is not None:
         out = out + bias.float()
     return out.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
@@ -222,16 +266,17 @@ def tp_ops(base_ops: OpSet, group=None, *, vocab_size: int | None = None, reduce
 
     Column-parallel linears and attention run locally on the rank's heads; row-parallel linears reduce
     across the group; logits are the rank's vocab rows all-gathered (then cut to vocab_size).
-    CANONICAL_OPS get the exact tree reduction by default; other op sets (fast paths) a plain
-    all_reduce in their own dtype, with no guarantee.
+    CANONICAL_OPS get the exact tree reduction by default ("tree", or "tree_scatter": the same bits,
+    less data moved); other op sets (fast paths) a plain all_reduce in their own dtype, with no
+    guarantee.
     """
     canonical = base_ops.name == CANONICAL_OPS.name
     reduce = reduce or ("tree" if canonical else "all_reduce")
-    if reduce not in ("tree", "all_reduce"):
-        raise ValueError(f"reduce must be 'tree' or 'all_reduce', got {reduce!r}")
-    if reduce == "tree" and not canonical:
+    if reduce not in TREE_REDUCES + ("all_reduce",):
+        raise ValueError(f"reduce must be one of {TREE_REDUCES + ('all_reduce',)}, got {reduce!r}")
+    if reduce in TREE_REDUCES and not canonical:
         raise ValueError("the tree reduction reproduces the canonical matmul; use it with CANONICAL_OPS")
-    if reduce == "tree" and reduce_dtype not in (None, torch.float32):
+    if reduce in TREE_REDUCES and reduce_dtype not in (None, torch.float32):
         raise ValueError("the tree reduction keeps fp32 partials (reduce_dtype=torch.float32)")
     comm = collectives(group)
     k = comm.world_size
@@ -261,6 +306,6 @@ def tp_ops(base_ops: OpSet, group=None, *, vocab_size: int | None = None, reduce
     return dataclasses.replace(base_ops, name=name, linear=linear, logits=logits, grouped_experts=False)
 
 
-__all__ = ["COLUMN_PARALLEL", "Collectives", "ROW_PARALLEL", "TPShard", "check_tp", "collectives", "gather_ranks",
-           "local_vocab_rows", "localize_config", "row_parallel_matmul", "supported_degrees", "shard_model",
-           "shard_state_dict", "shard_tensor", "tp_ops", "tp_shard_info"]
+__all__ = ["COLUMN_PARALLEL", "Collectives", "ROW_PARALLEL", "TPShard", "TREE_REDUCES", "all_to_all_over", "check_tp",
+           "collectives", "gather_ranks", "local_vocab_rows", "localize_config", "row_parallel_matmul", "supported_degrees", "shard_model",
+           "shard_state_dict", "shard_tensor", "tp_ops", "tp_shard_info", "tree_scatter_combine"]

@@ -1,6 +1,6 @@
-"""bench.tp_layer on CPU (gloo, two rank processes): the report has, per row count, the tree's and the
-all-reduce's collective and layer times and their ratios (the GPU run compares them over NCCL), and
-the ratios are plotted."""
+"""bench.tp_layer on CPU (gloo, two rank processes): the report has, per row count, the tree's (both
+ways: all-gathered, and split by columns) and the all-reduce's collective and layer times and their
+ratios (the GPU run compares them over NCCL), and the ratios are plotted."""
 import json
 import subprocess
 import sys
@@ -21,10 +21,13 @@ def test_tree_against_all_reduce_at_tp2(tmp_path):
     assert [r["rows"] for r in rows] == [1, 3]
     for r in rows:
         times = {k: v for k, v in r.items() if k.endswith("_us")}
-        assert len(times) == 6 and all(v > 0 for v in times.values()), r
-        assert r["collective_ratio"] == round(r["tree_collective_us"] / r["all_reduce_collective_us"], 3)
-        for layer in ("o_proj", "down_proj"):
-            assert r[f"{layer}_layer_ratio"] == round(r[f"{layer}_tree_layer_us"] / r[f"{layer}_stock_layer_us"], 3)
+        assert len(times) == 9 and all(v > 0 for v in times.values()), r
+        for tree in ("", "scatter_"):  # the tree all-gathered, and split by columns (reduce="tree_scatter")
+            collective = "tree_collective_us" if not tree else "scatter_collective_us"
+            assert r[f"{tree}collective_ratio"] == round(r[collective] / r["all_reduce_collective_us"], 3)
+            for layer in ("o_proj", "down_proj"):
+                layer_us = r[f"{layer}_{tree or 'tree_'}layer_us"]
+                assert r[f"{layer}_{tree}layer_ratio"] == round(layer_us / r[f"{layer}_stock_layer_us"], 3)
     assert (tmp_path / "tp.png").read_bytes()[:8] == PNG
 
 

@@ -51,10 +51,11 @@ def make_gqa_model():
                       vocab_size=90)
 
 
-def layer_inputs():
+def layer_inputs(n=LAYER_SHAPE[2]):
     g = torch.Generator().manual_seed(0)
-    m, k, n = LAYER_SHAPE
-    return (torch.randn(m, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.05).bfloat16())
+    m, k, _ = LAYER_SHAPE
+    return (torch.randn(m, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.05).bfloat16(),
+            torch.randn(n, generator=g).bfloat16())
 
 
 def verifier_logits(model, ops) -> list[torch.Tensor]:
@@ -68,14 +69,19 @@ def _run_group(model, model2, gqa, ctx: TPContext) -> dict:
     """Everything one TP group computes; every rank runs it, rank 0's results are kept."""
     k, rank = ctx.world_size, ctx.rank
     out = {}
-    x, w = layer_inputs()
+    x, w, _ = layer_inputs()
     cols = slice(rank * x.shape[1] // k, (rank + 1) * x.shape[1] // k)
-    for reduce in ("tree", "all_reduce"):
+    for reduce in ("tree", "tree_scatter", "all_reduce"):
         out[f"layer_{reduce}"] = row_parallel_matmul(x[:, cols], w[:, cols].contiguous(), None, ctx.group,
                                                      reduce=reduce, out_dtype=torch.float32)
+    x, w, b = layer_inputs(n=LAYER_SHAPE[2] + 2)  # N not a multiple of k, and a bias: rounded once, to bf16
+    out["layer_odd_tree_scatter"] = row_parallel_matmul(x[:, cols], w[:, cols].contiguous(), b, ctx.group,
+                                                        reduce="tree_scatter")
     local = shard_model(model, rank, k)
     vocab = model.config.vocab_size
     out["logits_tree"] = verifier_logits(local, tp_ops(CANONICAL_OPS, ctx.group, vocab_size=vocab))
+    out["logits_tree_scatter"] = verifier_logits(local, tp_ops(CANONICAL_OPS, ctx.group, vocab_size=vocab,
+                                                               reduce="tree_scatter"))
     out["logits_bf16_all_reduce"] = verifier_logits(local, tp_ops(
         CANONICAL_OPS, ctx.group, vocab_size=vocab, reduce="all_reduce", reduce_dtype=torch.bfloat16))
     out["logits_gqa"] = verifier_logits(shard_model(gqa, rank, k), tp_ops(CANONICAL_OPS, ctx.group, vocab_size=90))
@@ -131,8 +137,10 @@ def tp1(models):
     out["logits"] = verifier_logits(model, CANONICAL_OPS)
     out["logits_tp_ops"] = verifier_logits(shard_model(model, 0, 1), tp_ops(CANONICAL_OPS))
     out["logits_gqa"] = verifier_logits(models[2], CANONICAL_OPS)
-    x, w = layer_inputs()
+    x, w, _ = layer_inputs()
     out["layer"] = K.matmul(x, w, row_parallel=True, out_dtype=torch.float32)
+    x, w, b = layer_inputs(n=LAYER_SHAPE[2] + 2)
+    out["layer_odd"] = K.matmul(x, w, b, row_parallel=True)
     return out
 
 
@@ -144,6 +152,16 @@ def trainer_logprobs(model, seq, prompt_len=1, temperature=1.0):
 @pytest.mark.parametrize("k", [2, 4])
 def test_row_parallel_tree_all_reduce_equals_tp1(tp, tp1, k):
     assert same_bits(tp[k]["layer_tree"], tp1["layer"])
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_tree_scatter_equals_tp1(tp, tp1, k):
+    """The tree's top levels split by columns (all-to-all, combine, all-gather of rounded columns):
+    the TP=1 bits for the layer, with a bias and N not a multiple of k, and for the whole model."""
+    assert same_bits(tp[k]["layer_tree_scatter"], tp1["layer"])
+    assert tp[k]["layer_odd_tree_scatter"].dtype == torch.bfloat16
+    assert same_bits(tp[k]["layer_odd_tree_scatter"], tp1["layer_odd"])
+    assert all(same_bits(a, b) for a, b in zip(tp[k]["logits_tree_scatter"], tp1["logits"]))
 
 
 def test_plain_all_reduce_negative_control(tp, tp1):

@@ -112,6 +112,19 @@ def test_bf16_all_reduce_control_differs(checkpoint, policy):
     assert count_trainer_mismatches(policy, prompts, params, results) > 0
 
 
+def test_tree_scatter_reduce_at_tp4_equals_trainer(checkpoint, policy):
+    """The tree split by output columns (an all-to-all over vLLM's TP group, then an all-gather of the
+    rounded columns) gives the trainer's bits at TP = 4, where the tree's association matters."""
+    prompts, params = _workload()
+    llm = make_llm(checkpoint, 4, additional_config={TP_REDUCE_KEY: "tree_scatter"})
+    try:
+        results = vllm_generate(llm, prompts, params)
+    finally:
+        del llm
+        gc.collect()
+    assert_matches_trainer(policy, prompts, params, results)
+
+
 def test_tp4_tied_checkpoint_equals_trainer(tmp_path_factory):
     from transformers import AutoModelForCausalLM
     path = _checkpoint(tmp_path_factory, "zerokl-tp4-tied", seed=22, tied=True)

@@ -7,8 +7,11 @@ combined by the tree through vLLM's TP group: the ranks' fp32 subtree nodes are 
 summed in the tree's order, so every rank holds the TP=1 result bit for bit. vLLM's all-reduce never
 touches them.
 
-`additional_config={TP_REDUCE_KEY: "bf16_all_reduce"}` is the negative control: each rank rounds its
-row-parallel output to bf16 and vLLM's all-reduce sums them, as stock vLLM models do.
+`additional_config={TP_REDUCE_KEY: "tree_scatter"}` does the same adds split by output columns (an
+all-to-all, each rank combining its columns by the tree, then an all-gather of the rounded columns:
+the same bits with less data moved, kernels.tp). `additional_config={TP_REDUCE_KEY:
+"bf16_all_reduce"}` is the negative control: each rank rounds its row-parallel output to bf16 and
+vLLM's all-reduce sums them, as stock vLLM models do.
 """
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ import os
 import torch
 
 from kernels.forward import CANONICAL_OPS, ModelSpec, OpSet, model_spec
-from kernels.tp import Collectives, check_tp, local_vocab_rows, localize_config, shard_tensor, tp_ops
+from kernels.tp import (TREE_REDUCES, Collectives, all_to_all_over, check_tp, local_vocab_rows, localize_config,
+                        shard_tensor, tp_ops)
 
 TP_REDUCE_KEY = "zerokl_tp_reduce"
-TP_REDUCES = ("tree", "bf16_all_reduce")
+TP_REDUCES = ("tree", "tree_scatter", "bf16_all_reduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,18 +78,20 @@ class PluginTP:
     def ops(self, vocab_size: int) -> OpSet:
         if self.world_size == 1:
             return CANONICAL_OPS
-        if self.reduce == "tree":
-            return tp_ops(CANONICAL_OPS, vllm_collectives(), vocab_size=vocab_size)
+        if self.reduce in TREE_REDUCES:
+            return tp_ops(CANONICAL_OPS, vllm_collectives(), vocab_size=vocab_size, reduce=self.reduce)
         return tp_ops(CANONICAL_OPS, vllm_collectives(), vocab_size=vocab_size, reduce="all_reduce",
                       reduce_dtype=torch.bfloat16)
 
 
 def vllm_collectives() -> Collectives:
-    """vLLM's TP group as kernels.tp Collectives (its communicators: NCCL / custom all-reduce on GPU,
-    shared memory or gloo on CPU; usable while vLLM captures CUDA graphs)."""
+    """vLLM's TP group as kernels.tp Collectives: its own all-gather and all-reduce (NCCL / custom
+    all-reduce on GPU, shared memory or gloo on CPU; usable while vLLM captures CUDA graphs), and an
+    all-to-all over its torch device group (vLLM's group offers none)."""
     from vllm.distributed.parallel_state import get_tp_group
     group = get_tp_group()
-    return Collectives(group.world_size, lambda t: group.all_gather(t, dim=0), group.all_reduce)
+    return Collectives(group.world_size, lambda t: group.all_gather(t, dim=0), group.all_reduce,
+                       all_to_all_over(group.device_group), group.rank_in_group)
 
 
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"

@@ -142,12 +142,16 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None, arch="qwen2"
     x, w, b = _layer_inputs(device)
     cols = slice(rank * x.shape[1] // k, (rank + 1) * x.shape[1] // k)
     wl = w[:, cols].contiguous()
-    for key in ("layer_tree", "layer_tree_fp32", "layer_all_reduce_fp32", "node_is_subtree"):
+    for key in ("layer_tree", "layer_tree_fp32", "layer_tree_scatter", "layer_tree_scatter_fp32",
+                "layer_all_reduce_fp32", "node_is_subtree"):
         out[key] = {}
     for m in LAYER_ROWS:
         xl = x[:m, cols].contiguous()
         out["layer_tree"][m] = row_parallel_matmul(xl, wl, b, ctx.group).cpu()
         out["layer_tree_fp32"][m] = row_parallel_matmul(xl, wl, None, ctx.group, out_dtype=torch.float32).cpu()
+        out["layer_tree_scatter"][m] = row_parallel_matmul(xl, wl, b, ctx.group, reduce="tree_scatter").cpu()
+        out["layer_tree_scatter_fp32"][m] = row_parallel_matmul(xl, wl, None, ctx.group, reduce="tree_scatter",
+                                                                out_dtype=torch.float32).cpu()
         out["layer_all_reduce_fp32"][m] = row_parallel_matmul(xl, wl, None, ctx.group, reduce="all_reduce",
                                                               out_dtype=torch.float32).cpu()
         # the fused kernel's node for this rank's segments == the tree over its unfused segment partials
@@ -215,6 +219,9 @@ def test_row_parallel_layer(tp, m):
     assert out["node_is_subtree"][m], f"TP={k} M={m}: fused subtree node != tree of the rank's segment partials"
     assert same_bits(out["layer_tree"][m], ref["layer"][m]), f"TP={k} M={m}: tree all-reduce != TP=1 matmul"
     assert same_bits(out["layer_tree_fp32"][m], ref["layer_fp32"][m])
+    # the tree split by columns over NCCL's all-to-all: the same bits
+    assert same_bits(out["layer_tree_scatter"][m], ref["layer"][m])
+    assert same_bits(out["layer_tree_scatter_fp32"][m], ref["layer_fp32"][m])
     same = same_bits(out["layer_all_reduce_fp32"][m], ref["layer_fp32"][m])
     print(f"\nTP={k} M={m}: NCCL all_reduce of the fp32 subtree nodes {'equals' if same else 'differs from'} "
           "the tree (at k=2 it is one commutative add)")

@@ -2,7 +2,8 @@
 run the canonical model's shards and combine row-parallel outputs by the segment tree over vLLM's TP
 group (rollout_service.vllm_plugin.tensor_parallel). Every token's log-prob equals the TP = 1 trainer's
 (`from_pretrained` in bf16, one GPU) bit for bit, with decode steps from CUDA graphs and without, through
-chunked prefill, prefix-cache hits and mixed batches; an in-place weight push reaches every rank. The
+chunked prefill, prefix-cache hits and mixed batches, also with the tree split by output columns
+(`tree_scatter`: an all-to-all, then an all-gather); an in-place weight push reaches every rank. The
 control, each rank's output rounded to bf16 and summed by vLLM's all-reduce (stock vLLM's way), differs.
 
 vLLM's worker processes find the plugin through its entry point: the package must be installed
@@ -106,6 +107,15 @@ def test_tp_equals_tp1_trainer_with_and_without_graphs(checkpoint, trainer, k):
     assert strip(alone) == strip(together[:2]) and strip(again) == strip(together[-8:])
     eager = _run(checkpoint, k, work, cuda_graphs=False)
     assert strip(eager[0]) == strip(together)
+
+
+def test_tree_scatter_equals_tp1_trainer_with_graphs(checkpoint, trainer, k):
+    """The tree split by output columns (an all-to-all over vLLM's TP group, captured in the decode
+    graphs, then an all-gather of the rounded columns): the trainer's bits."""
+    prompts, params = _workload()
+    results = _run(checkpoint, k, lambda llm: vllm_generate(llm, prompts, params),
+                   additional_config={TP_REDUCE_KEY: "tree_scatter"})
+    assert_matches_trainer(trainer, prompts, params, results)
 
 
 def test_weight_push_reaches_every_rank(checkpoint, trainer, k):
