@@ -212,7 +212,7 @@ TREE_REDUCES = ("tree", "tree_scatter")  # the exact reductions; both give kerne
 
 
 def tree_scatter_combine(node: torch.Tensor, bias: torch.Tensor | None, comm: Collectives,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+                         out_dtype: torch.dtype) -> torch.Tensor:
     """The tree's top levels split by output columns (module docstring): node [M, N] fp32 -> [M, N]."""
     if comm.all_to_all is None:
         raise ValueError("reduce='tree_scatter' needs Collectives with an all_to_all")
