@@ -101,14 +101,19 @@ def test_tp2_batch_compositions_and_prefix_hits(tp2, policy):
     assert_matches_trainer(policy, prompts, params, alone)
 
 
-def test_bf16_all_reduce_control_differs(checkpoint, policy):
-    prompts, params = _workload()
-    llm = make_llm(checkpoint, 2, additional_config={TP_REDUCE_KEY: "bf16_all_reduce"})
+def _generate_once(path, k, prompts, params, **options):
+    """The workload on a fresh k-rank engine, shut down before this returns."""
+    llm = make_llm(path, k, **options)
     try:
-        results = vllm_generate(llm, prompts, params)
+        return vllm_generate(llm, prompts, params)
     finally:
         del llm
         gc.collect()
+
+
+def test_bf16_all_reduce_control_differs(checkpoint, policy):
+    prompts, params = _workload()
+    results = _generate_once(checkpoint, 2, prompts, params, additional_config={TP_REDUCE_KEY: "bf16_all_reduce"})
     assert count_trainer_mismatches(policy, prompts, params, results) > 0
 
 
@@ -116,12 +121,7 @@ def test_tree_scatter_reduce_at_tp4_equals_trainer(checkpoint, policy):
     """The tree split by output columns (an all-to-all over vLLM's TP group, then an all-gather of the
     rounded columns) gives the trainer's bits at TP = 4, where the tree's association matters."""
     prompts, params = _workload()
-    llm = make_llm(checkpoint, 4, additional_config={TP_REDUCE_KEY: "tree_scatter"})
-    try:
-        results = vllm_generate(llm, prompts, params)
-    finally:
-        del llm
-        gc.collect()
+    results = _generate_once(checkpoint, 4, prompts, params, additional_config={TP_REDUCE_KEY: "tree_scatter"})
     assert_matches_trainer(policy, prompts, params, results)
 
 
@@ -129,12 +129,7 @@ def test_tp4_tied_checkpoint_equals_trainer(tmp_path_factory):
     from transformers import AutoModelForCausalLM
     path = _checkpoint(tmp_path_factory, "zerokl-tp4-tied", seed=22, tied=True)
     prompts, params = _workload()
-    llm = make_llm(path, 4)
-    try:
-        results = vllm_generate(llm, prompts, params)
-    finally:
-        del llm
-        gc.collect()
+    results = _generate_once(path, 4, prompts, params)
     assert_matches_trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), prompts, params, results)
 
 
