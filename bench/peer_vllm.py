@@ -231,7 +231,8 @@ def _run_worker_engine(args, prompts, mode: str, stock_in_process: bool = True) 
 def _worker(args) -> None:
     import faulthandler
     import transformers
-    faulthandler.dump_traceback_later(max(args.timeout - 30, 1), exit=False)  # a hang shows where it waits
+    if args.timeout > 60:  # a hang shows where it waits, 30 s before the kill (a dump during start-up can crash)
+        faulthandler.dump_traceback_later(args.timeout - 30, exit=False)
     vocab = transformers.AutoConfig.from_pretrained(args.model).vocab_size
     prompts = _workload(args, vocab)
     system = args.worker
