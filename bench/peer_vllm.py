@@ -20,6 +20,8 @@ Systems (--systems, comma list):
   from CUDA graphs; `vllm-plugin-eager`: the same without; `vllm-plugin-v1`: with graphs, on vLLM's
   V1 runner (the rule as a logits processor); `vllm-plugin-scatter`: at TP > 1, row-parallel outputs
   combined by the tree split by output columns (all-to-all, then an all-gather: kernels.tp);
+  `vllm-plugin-p2p`: at TP > 1, by one kernel reading the peers' nodes from symmetric memory
+  (kernels.symm_tree);
 - `native-verified`, `native-invariant`, `native-off`: our native engine (rollout_service.Engine);
 - `ours-verified`, `ours-invariant`, `ours-off`: our engine with the windowed vLLM fast path;
 - `worker-verified`, `worker-off`: VLLMEngine, the engine a RolloutWorker runs on a GPU (vLLM's engine
@@ -46,7 +48,7 @@ from bench import emit  # noqa: E402
 
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
 ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-plugin-eager", "vllm-plugin-v1",
-                                 "vllm-plugin-scatter",
+                                 "vllm-plugin-scatter", "vllm-plugin-p2p",
                                  "vllm-eager", "vllm-v1",
                                  "native-verified", "native-invariant", "native-off", "worker-verified", "worker-off",
                                  "worker-off-own-process")
@@ -90,9 +92,10 @@ def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
             require_entry_point()  # vLLM's engine-core process builds the model
         options.update(llm_options(args.model, cuda_graphs=system != "vllm-plugin-eager" and not _on_cpu(),
                                    runner="v1" if system == "vllm-plugin-v1" else None, tensor_parallel_size=k))
-        if system == "vllm-plugin-scatter":  # TP > 1: the tree split by output columns
+        reduce = {"vllm-plugin-scatter": "tree_scatter", "vllm-plugin-p2p": "tree_p2p"}.get(system)
+        if reduce:  # TP > 1: the same tree, scheduled otherwise
             from rollout_service.vllm_plugin.tensor_parallel import TP_REDUCE_KEY
-            options["additional_config"] = {TP_REDUCE_KEY: "tree_scatter"}
+            options["additional_config"] = {TP_REDUCE_KEY: reduce}
     else:
         from rollout_service.vllm_plugin.tensor_parallel import tp_options
         options.update(tp_options(None, k))

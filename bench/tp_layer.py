@@ -13,14 +13,22 @@ K/k), M token rows. Per row count, median microseconds of:
 - `tree_layer` / `scatter_layer`: the whole deterministic layer (canonical matmul of the rank's K
   slice, then either reduction);
 - `stock_layer`: cuBLAS matmul of the same slice to bf16, then NCCL all_reduce.
-Degrees above the number of GPUs are reported as not run. Prints one JSON object.
+- `p2p_collective` / `p2p_layer`: the same adds with no NCCL (reduce="tree_p2p": one kernel reads the
+  peers' nodes from symmetric memory over NVLink, combines, adds the bias and rounds; GPUs only);
+- `p2p_all_reduce_collective`: torch's symmetric-memory one-shot all-reduce of the bf16 tensor (a
+  peer-to-peer sum in the library's order, like vLLM's custom all-reduce; GPUs only).
+On GPUs each figure is one call inside a CUDA graph (REPS calls captured, replayed, timed with CUDA
+events), as a decode step runs them; on CPU, eager calls. Degrees above the number of GPUs are reported
+as not run. Prints one JSON object.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -34,8 +42,38 @@ HIDDEN = 4096
 LAYERS = {"o_proj": 4096, "down_proj": 14336}  # K of Llama-3.1-8B's row-parallel linears
 
 
+REPS = 20  # calls per captured graph
+
+
+def _graph_us(fn, iters: int) -> float:
+    """Median microseconds per call of `fn` replayed from a CUDA graph of REPS calls, ranks in step."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / REPS)
+    del graph
+    return statistics.median(times)
+
+
 def _timed_us(fn, device, iters: int) -> float:
-    """Median microseconds per call, every rank in step (a barrier before each call)."""
+    """Median microseconds per call, every rank in step (a barrier before each call); on GPUs from a
+    CUDA graph (_graph_us)."""
+    if device.type == "cuda":
+        return _graph_us(fn, iters)
     for _ in range(3):
         fn()
     times = []
@@ -54,6 +92,7 @@ def _timed_us(fn, device, iters: int) -> float:
 def _rank(rank: int, k: int, port: int, rows: list[int], iters: int, out_path: str) -> None:
     from kernels.reference import exact_math as em
     from kernels.tp import collectives, gather_ranks, row_parallel_matmul, tree_scatter_combine
+    from kernels.symm_tree import SymmetricTree
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -63,6 +102,8 @@ def _rank(rank: int, k: int, port: int, rows: list[int], iters: int, out_path: s
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=k, device_id=device if cuda else None)
     comm = collectives()
+    p2p = SymmetricTree(dist.group.WORLD, device, capacity=max(rows) * HIDDEN) if cuda else None
+    p2p_comm = dataclasses.replace(comm, peer_tree=p2p)
     g = torch.Generator(device=device).manual_seed(rank)
     results = []
     for m in rows:
@@ -73,6 +114,9 @@ def _rank(rank: int, k: int, port: int, rows: list[int], iters: int, out_path: s
                    scatter_collective_us=_timed_us(lambda: tree_scatter_combine(node, None, comm, torch.bfloat16),
                                                    device, iters),
                    all_reduce_collective_us=_timed_us(lambda: dist.all_reduce(part.clone()), device, iters))
+        if cuda:
+            row["p2p_collective_us"] = _timed_us(lambda: p2p(node, None, torch.bfloat16), device, iters)
+            row["p2p_all_reduce_collective_us"] = _p2p_all_reduce_us(part, iters)
         for name, k_full in LAYERS.items():
             x = torch.randn(m, k_full // k, device=device, generator=g).bfloat16()
             w = (torch.randn(HIDDEN, k_full // k, device=device, generator=g) * 0.02).bfloat16()
@@ -80,18 +124,37 @@ def _rank(rank: int, k: int, port: int, rows: list[int], iters: int, out_path: s
             row[f"{name}_scatter_layer_us"] = _timed_us(
                 lambda: row_parallel_matmul(x, w, None, comm, reduce="tree_scatter"), device, iters)
             row[f"{name}_stock_layer_us"] = _timed_us(lambda: dist.all_reduce(x @ w.T), device, iters)
-        for key in [key for key in row if key.endswith("_us")]:
+            if cuda:
+                row[f"{name}_p2p_layer_us"] = _timed_us(
+                    lambda: row_parallel_matmul(x, w, None, p2p_comm, reduce="tree_p2p"), device, iters)
+        for key in [key for key in row if key.endswith("_us") and row[key] is not None]:
             row[key] = round(row[key], 1)
-        row["collective_ratio"] = round(row["tree_collective_us"] / row["all_reduce_collective_us"], 3)
-        row["scatter_collective_ratio"] = round(row["scatter_collective_us"] / row["all_reduce_collective_us"], 3)
-        for name in LAYERS:
-            row[f"{name}_layer_ratio"] = round(row[f"{name}_tree_layer_us"] / row[f"{name}_stock_layer_us"], 3)
-            row[f"{name}_scatter_layer_ratio"] = round(
-                row[f"{name}_scatter_layer_us"] / row[f"{name}_stock_layer_us"], 3)
+        for prefix in [p for p in ("", "scatter_", "p2p_") if f"{p or 'tree_'}collective_us" in row]:
+            row[f"{prefix}collective_ratio"] = round(
+                row[f"{prefix or 'tree_'}collective_us"] / row["all_reduce_collective_us"], 3)
+            for name in LAYERS:
+                row[f"{name}_{prefix}layer_ratio"] = round(
+                    row[f"{name}_{prefix or 'tree_'}layer_us"] / row[f"{name}_stock_layer_us"], 3)
         results.append(row)
     if rank == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()
+
+
+def _p2p_all_reduce_us(part: torch.Tensor, iters: int) -> float | None:
+    """torch's symmetric-memory one-shot all-reduce of `part` (None where this torch lacks it)."""
+    import torch.distributed._symmetric_memory as symm_mem
+    op = getattr(torch.ops.symm_mem, "one_shot_all_reduce", None)
+    if op is None:
+        return None
+    try:
+        buf = symm_mem.empty(part.numel(), dtype=part.dtype, device=part.device).view(part.shape)
+        symm_mem.rendezvous(buf, dist.group.WORLD)
+        buf.copy_(part)
+        return _graph_us(lambda: op(buf, "sum", dist.group.WORLD.group_name), iters)
+    except RuntimeError as exc:  # a figure for comparison only: report it missing, keep the run
+        print(f"torch's one-shot all-reduce did not run: {exc}", file=sys.stderr)
+        return None
 
 
 def run_degree(k: int, rows: list[int], iters: int) -> list[dict]:
@@ -113,7 +176,7 @@ def plot(report: dict, out: str) -> str:
     fig, axes = plt.subplots(1, max(len(degrees), 1), figsize=(4.5 * max(len(degrees), 1), 3.6), squeeze=False)
     for ax, (k, rows) in zip(axes[0], degrees.items()):
         ms = [r["rows"] for r in rows]
-        for prefix, style, what in (("", "-", ""), ("scatter_", "--", ", tree_scatter")):
+        for prefix, style, what in (("", "-", ""), ("scatter_", "--", ", tree_scatter"), ("p2p_", ":", ", tree_p2p")):
             if f"{prefix}collective_ratio" not in rows[0]:  # reports from before tree_scatter
                 continue
             ax.plot(ms, [r[f"{prefix}collective_ratio"] for r in rows], style, marker="o", label=f"collective{what}")

@@ -18,6 +18,10 @@ rank's node for its N/k columns, rank r combines them by the tree, adds the bias
 rounded slices are all-gathered. Same bits; per output element each rank receives (k-1)/k * (4 + 2)
 bytes instead of (k-1) * 4 (4.5 against 12 at k=4; a bf16 ring all-reduce moves about 3).
 
+reduce="tree_p2p" does the same adds with no NCCL at all: the ranks' nodes sit in symmetric memory and
+one kernel per rank reads them through NVLink, combines, adds the bias and rounds (kernels.symm_tree;
+CUDA only). Same bits again.
+
 Negative control: reduce="all_reduce" sums the same fp32 nodes with dist.all_reduce, whose association
 order is the library's (ring, chunked...). For k=2 that is a single commutative add, hence still exact;
 for k>=4 the order differs from the tree. reduce_dtype=torch.bfloat16 rounds each rank's result before
@@ -157,7 +161,9 @@ class Collectives:
     """How one tensor-parallel group moves tensors. `all_gather`: [M, ...] -> [world_size * M, ...],
     rank order; `all_reduce`: the elementwise sum in the library's own order (a new tensor or the
     input); `all_to_all`: [world_size * M, ...] -> the same shape, block j of the input goes to rank j
-    and block r of the output came from rank r (None: not offered). collectives(group) builds it over
+    and block r of the output came from rank r (None: not offered); `peer_tree(node, bias, out_dtype)`:
+    the tree's top levels over peers' memory (kernels.symm_tree; None where it cannot run; it returns
+    None for a call it cannot take, which then takes the all-gather). collectives(group) builds it over
     a torch process group; a serving engine passes its own communicator (the vLLM plugin: vLLM's TP
     group, which CUDA graphs can capture)."""
     world_size: int
@@ -165,6 +171,7 @@ class Collectives:
     all_reduce: Callable[[torch.Tensor], torch.Tensor]
     all_to_all: Callable[[torch.Tensor], torch.Tensor] | None = None
     rank: int = 0
+    peer_tree: Callable[[torch.Tensor, torch.Tensor | None, torch.dtype], torch.Tensor | None] | None = None
 
 
 def collectives(group=None) -> Collectives:
@@ -185,7 +192,7 @@ def collectives(group=None) -> Collectives:
         return t
 
     rank = dist.get_rank(group) if dist.is_initialized() else 0
-    return Collectives(k, all_gather, all_reduce, all_to_all_over(group), rank)
+    return Collectives(k, all_gather, all_reduce, all_to_all_over(group), rank, peer_tree_over(group))
 
 
 def all_to_all_over(group) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -198,6 +205,22 @@ def all_to_all_over(group) -> Callable[[torch.Tensor], torch.Tensor]:
     return all_to_all
 
 
+_PEER_TREES: dict = {}  # process group name -> its SymmetricTree (one set of shared buffers per group)
+
+
+def peer_tree_over(group) -> Callable[[torch.Tensor, torch.Tensor | None, torch.dtype], torch.Tensor | None]:
+    """Collectives.peer_tree over a torch process group: its SymmetricTree, made at the first call
+    (ValueError there when the group's tensors are not on CUDA)."""
+    def peer_tree(node, bias, out_dtype):
+        from .symm_tree import SymmetricTree
+        g = group if group is not None else dist.group.WORLD
+        tree = _PEER_TREES.get(g.group_name)
+        if tree is None:
+            tree = _PEER_TREES[g.group_name] = SymmetricTree(g, node.device)
+        return tree(node, bias, out_dtype)
+    return peer_tree
+
+
 def gather_ranks(t: torch.Tensor, comm: Collectives) -> list[torch.Tensor]:
     """[t of group rank 0, t of rank 1, ...]."""
     return list(comm.all_gather(t.contiguous()).view(comm.world_size, *t.shape).unbind(0))
@@ -208,7 +231,7 @@ def _subtree(x2: torch.Tensor, w: torch.Tensor, segments: int, out_dtype: torch.
     return K.backend_for(x2).matmul(x2, w, None, segments=segments, out_dtype=out_dtype)
 
 
-TREE_REDUCES = ("tree", "tree_scatter")  # the exact reductions; both give kernels.matmul's bits
+TREE_REDUCES = ("tree", "tree_scatter", "tree_p2p")  # the exact reductions; all give kernels.matmul's bits
 
 
 def tree_scatter_combine(node: torch.Tensor, bias: torch.Tensor | None, comm: Collectives,
@@ -235,7 +258,7 @@ def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Canonical x @ W.T (+ bias) with W's K split across `group` (a process group or Collectives):
     x [..., K/k], weight [N, K/k] is this rank's K-slice, bias [N] replicated. reduce="tree" and
-    "tree_scatter" equal kernels.matmul(row_parallel=True) on the full K bit for bit; "all_reduce" is
+    "tree_scatter" and "tree_p2p" equal kernels.matmul(row_parallel=True) on the full K bit for bit; "all_reduce" is
     the negative control (see the module docstring)."""
     comm = collectives(group)
     k = comm.world_size
@@ -247,6 +270,12 @@ def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         node = _subtree(x2, weight, segments, torch.float32)
         if reduce == "tree_scatter" and k > 1:
             return tree_scatter_combine(node, bias, comm, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        if reduce == "tree_p2p" and k > 1:
+            if comm.peer_tree is None:
+                raise ValueError("reduce='tree_p2p' needs Collectives with a peer_tree")
+            out = comm.peer_tree(node, bias, out_dtype)
+            if out is not None:
+                return out.reshape(*x.shape[:-1], weight.shape[0])
         out = em.tree_combine(gather_ranks(node, comm)) if k > 1 else node
     elif reduce == "all_reduce":
         out = _subtree(x2, weight, segments, reduce_dtype)
@@ -266,8 +295,8 @@ def tp_ops(base_ops: OpSet, group=None, *, vocab_size: int | None = None, reduce
 
     Column-parallel linears and attention run locally on the rank's heads; row-parallel linears reduce
     across the group; logits are the rank's vocab rows all-gathered (then cut to vocab_size).
-    CANONICAL_OPS get the exact tree reduction by default ("tree", or "tree_scatter": the same bits,
-    less data moved); other op sets (fast paths) a plain all_reduce in their own dtype, with no
+    CANONICAL_OPS get the exact tree reduction by default ("tree", or "tree_scatter" / "tree_p2p": the
+    same bits, less data moved); other op sets (fast paths) a plain all_reduce in their own dtype, with no
     guarantee.
     """
     canonical = base_ops.name == CANONICAL_OPS.name
@@ -301,11 +330,11 @@ def tp_ops(base_ops: OpSet, group=None, *, vocab_size: int | None = None, reduce
             full = full[..., :vocab_size].contiguous()
         return full
 
-    name = f"{base_ops.name}-tp{k}" + ("" if reduce == "tree" or not canonical else "-all_reduce")
+    name = f"{base_ops.name}-tp{k}" + ("" if reduce in TREE_REDUCES or not canonical else "-all_reduce")
     # experts are not sharded: the grouped kernels would see shards as whole experts
     return dataclasses.replace(base_ops, name=name, linear=linear, logits=logits, grouped_experts=False)
 
 
 __all__ = ["COLUMN_PARALLEL", "Collectives", "ROW_PARALLEL", "TPShard", "TREE_REDUCES", "all_to_all_over", "check_tp",
-           "collectives", "gather_ranks", "local_vocab_rows", "localize_config", "row_parallel_matmul", "supported_degrees", "shard_model",
+           "collectives", "gather_ranks", "peer_tree_over", "local_vocab_rows", "localize_config", "row_parallel_matmul", "supported_degrees", "shard_model",
            "shard_state_dict", "shard_tensor", "tp_ops", "tp_shard_info", "tree_scatter_combine"]

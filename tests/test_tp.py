@@ -74,6 +74,11 @@ def _run_group(model, model2, gqa, ctx: TPContext) -> dict:
     for reduce in ("tree", "tree_scatter", "all_reduce"):
         out[f"layer_{reduce}"] = row_parallel_matmul(x[:, cols], w[:, cols].contiguous(), None, ctx.group,
                                                      reduce=reduce, out_dtype=torch.float32)
+    try:  # the peer-to-peer tree reads GPU memory: refused on gloo, with the reason
+        row_parallel_matmul(x[:, cols], w[:, cols].contiguous(), None, ctx.group, reduce="tree_p2p")
+        out["p2p_error"] = None
+    except ValueError as exc:
+        out["p2p_error"] = str(exc)
     x, w, b = layer_inputs(n=LAYER_SHAPE[2] + 2)  # N not a multiple of k, and a bias: rounded once, to bf16
     out["layer_odd_tree_scatter"] = row_parallel_matmul(x[:, cols], w[:, cols].contiguous(), b, ctx.group,
                                                         reduce="tree_scatter")
@@ -162,6 +167,11 @@ def test_tree_scatter_equals_tp1(tp, tp1, k):
     assert tp[k]["layer_odd_tree_scatter"].dtype == torch.bfloat16
     assert same_bits(tp[k]["layer_odd_tree_scatter"], tp1["layer_odd"])
     assert all(same_bits(a, b) for a, b in zip(tp[k]["logits_tree_scatter"], tp1["logits"]))
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_peer_tree_needs_cuda(tp, k):
+    assert "needs CUDA tensors" in tp[k]["p2p_error"], tp[k]["p2p_error"]
 
 
 def test_plain_all_reduce_negative_control(tp, tp1):

@@ -182,3 +182,18 @@ def test_pool_worker_runs_vllm_tp_from_a_checkpoint_path(checkpoint):
     finally:
         pool.shutdown()
     shared.assert_same(got, Engine(checkpoint, window=4, group=4).generate(prompts, params), "vllm TP=2 worker")
+
+
+def test_reduce_setting_is_checked_before_the_model_is_built():
+    """additional_config's reduce: an unknown name, and the peer-to-peer tree without CUDA, are refused
+    with the reason when vLLM builds the model (PluginTP.from_vllm reads vLLM's config)."""
+    from types import SimpleNamespace
+    from rollout_service.vllm_plugin.tensor_parallel import PluginTP
+
+    def config(reduce):
+        return SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=2),
+                               additional_config={TP_REDUCE_KEY: reduce})
+    with pytest.raises(ValueError, match="must be one of"):
+        PluginTP.from_vllm(config("ring"))
+    with pytest.raises(ValueError, match="needs CUDA"):
+        PluginTP.from_vllm(config("tree_p2p"))

@@ -9,7 +9,8 @@ touches them.
 
 `additional_config={TP_REDUCE_KEY: "tree_scatter"}` does the same adds split by output columns (an
 all-to-all, each rank combining its columns by the tree, then an all-gather of the rounded columns:
-the same bits with less data moved, kernels.tp). `additional_config={TP_REDUCE_KEY:
+the same bits with less data moved, kernels.tp); "tree_p2p" reads the peers' nodes through NVLink
+from symmetric memory in one kernel, with no NCCL (kernels.symm_tree; CUDA only). `additional_config={TP_REDUCE_KEY:
 "bf16_all_reduce"}` is the negative control: each rank rounds its row-parallel output to bf16 and
 vLLM's all-reduce sums them, as stock vLLM models do.
 """
@@ -23,10 +24,10 @@ import torch
 
 from kernels.forward import CANONICAL_OPS, ModelSpec, OpSet, model_spec
 from kernels.tp import (TREE_REDUCES, Collectives, all_to_all_over, check_tp, local_vocab_rows, localize_config,
-                        shard_tensor, tp_ops)
+                        peer_tree_over, shard_tensor, tp_ops)
 
 TP_REDUCE_KEY = "zerokl_tp_reduce"
-TP_REDUCES = ("tree", "tree_scatter", "bf16_all_reduce")
+TP_REDUCES = ("tree", "tree_scatter", "tree_p2p", "bf16_all_reduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,9 @@ class PluginTP:
         k = parallel.tensor_parallel_size
         if k == 1:
             return cls(reduce=reduce)
+        if reduce == "tree_p2p" and not torch.cuda.is_available():
+            raise ValueError(f"additional_config[{TP_REDUCE_KEY!r}]='tree_p2p' reads peer GPUs' memory and needs "
+                             "CUDA; use 'tree' or 'tree_scatter' here")
         from vllm.distributed.parallel_state import get_tp_group
         return cls(get_tp_group().rank_in_group, k, reduce)
 
@@ -87,11 +91,11 @@ class PluginTP:
 def vllm_collectives() -> Collectives:
     """vLLM's TP group as kernels.tp Collectives: its own all-gather and all-reduce (NCCL / custom
     all-reduce on GPU, shared memory or gloo on CPU; usable while vLLM captures CUDA graphs), and an
-    all-to-all over its torch device group (vLLM's group offers none)."""
+    all-to-all and the peer-to-peer tree over its torch device group (vLLM's group offers neither)."""
     from vllm.distributed.parallel_state import get_tp_group
     group = get_tp_group()
     return Collectives(group.world_size, lambda t: group.all_gather(t, dim=0), group.all_reduce,
-                       all_to_all_over(group.device_group), group.rank_in_group)
+                       all_to_all_over(group.device_group), group.rank_in_group, peer_tree_over(group.device_group))
 
 
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"

@@ -10,6 +10,7 @@ of `verified` vs `off` at this TP degree (a small model: figures, not assertions
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import random
 import time
@@ -35,6 +36,7 @@ PARAMS = [dict(max_tokens=24, temperature=t, seed=s, determinism=m)
           for m in ("verified", "invariant") for t, s in ((0.0, None), (0.7, 11))]
 LAYER = (600, 4096, 512)  # M, K, N of the row-parallel layer check
 LAYER_ROWS = (1, 64, 600)  # row counts that pick different kernel configurations
+GRAPH_ROWS, GRAPH_STARTS = 64, (0, 200, 536)  # the captured layer's rows, and where its replays read them
 TIMING_ROWS = (1, 16, 256, 2048)
 
 
@@ -114,6 +116,40 @@ def _layer_inputs(device):
     return x.to(device), w.to(device), b.to(device)
 
 
+def _peer_tree_layer(ctx, device, xl, wl, b) -> dict:
+    """The layer through the peer-to-peer tree (reduce="tree_p2p"): both schedules, eager at every
+    LAYER_ROWS; then captured in a CUDA graph and replayed on other rows, once with buffers that fit and
+    once with buffers too small, where the captured call takes the all-gather path instead."""
+    from kernels.symm_tree import SCHEDULES, SymmetricTree
+    from kernels.tp import collectives, row_parallel_matmul
+    comm = collectives(ctx.group)
+    out = {}
+    for schedule in SCHEDULES:
+        c = dataclasses.replace(comm, peer_tree=SymmetricTree(ctx.group, device, schedule=schedule))
+        out[f"layer_p2p_{schedule}"] = {m: row_parallel_matmul(xl[:m], wl, b, c, reduce="tree_p2p").cpu()
+                                        for m in LAYER_ROWS}
+        out[f"layer_p2p_{schedule}_fp32"] = {
+            m: row_parallel_matmul(xl[:m], wl, None, c, reduce="tree_p2p", out_dtype=torch.float32).cpu()
+            for m in LAYER_ROWS}
+    for name, capacity in (("fits", GRAPH_ROWS * wl.shape[0]), ("too_small", 16 * wl.shape[0])):
+        c = dataclasses.replace(comm, peer_tree=SymmetricTree(ctx.group, device, capacity=capacity))
+        static_x = xl[:GRAPH_ROWS].clone()
+        # outside capture: compiles the kernels (a too-small buffer would grow here, so warm the fallback)
+        row_parallel_matmul(static_x, wl, b, c, reduce="tree_p2p" if name == "fits" else "tree")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = row_parallel_matmul(static_x, wl, b, c, reduce="tree_p2p")
+        replays = {}
+        for start in GRAPH_STARTS:
+            static_x.copy_(xl[start:start + GRAPH_ROWS])
+            graph.replay()
+            replays[start] = static_out.cpu()
+        out[f"layer_p2p_graph_{name}"] = replays
+        del graph
+    return out
+
+
 def _worker(rank, k, port, path, device_type="cuda", model_kw=None, arch="qwen2"):
     """One rank. device_type="cpu" runs the same steps with gloo (a development check of this file)."""
     import kernels as K
@@ -159,6 +195,8 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None, arch="qwen2"
         node = K.backend_for(xl).matmul(xl, wl, None, segments=segs, out_dtype=torch.float32)
         parts = list(K.backend_for(xl).matmul_partials(xl, wl, segs).unbind(0))
         out["node_is_subtree"][m] = all(ctx.all_gather_object(same_bits(node, em.tree_combine(parts))))
+    if device_type == "cuda":
+        out.update(_peer_tree_layer(ctx, device, x[:, cols].contiguous(), wl, b))
 
     # verifier forward on the shard: tree (exact) and bf16 all_reduce (what ordinary TP engines do)
     local = shard_model(model, rank, k).to(device)
@@ -222,9 +260,23 @@ def test_row_parallel_layer(tp, m):
     # the tree split by columns over NCCL's all-to-all: the same bits
     assert same_bits(out["layer_tree_scatter"][m], ref["layer"][m])
     assert same_bits(out["layer_tree_scatter_fp32"][m], ref["layer_fp32"][m])
+    # no NCCL: one kernel reads the peers' nodes from symmetric memory (both schedules)
+    for schedule in ("one_shot", "two_shot"):
+        assert same_bits(out[f"layer_p2p_{schedule}"][m], ref["layer"][m]), f"TP={k} M={m}: tree_p2p {schedule}"
+        assert same_bits(out[f"layer_p2p_{schedule}_fp32"][m], ref["layer_fp32"][m])
     same = same_bits(out["layer_all_reduce_fp32"][m], ref["layer_fp32"][m])
     print(f"\nTP={k} M={m}: NCCL all_reduce of the fp32 subtree nodes {'equals' if same else 'differs from'} "
           "the tree (at k=2 it is one commutative add)")
+
+
+def test_row_parallel_layer_peer_tree_in_cuda_graphs(tp):
+    """Replays of a captured tree_p2p layer on other rows: the TP=1 rows (the canonical matmul is row
+    invariant), with buffers that fit and with the all-gather fallback taken during capture."""
+    k, out = tp
+    full = out["ref"]["layer"][LAYER[0]]
+    for name in ("fits", "too_small"):
+        for start, got in out[f"layer_p2p_graph_{name}"].items():
+            assert same_bits(got, full[start:start + GRAPH_ROWS]), f"TP={k} {name} replay at row {start}"
 
 
 def test_verifier_forward_equals_tp1_and_trainer(tp):

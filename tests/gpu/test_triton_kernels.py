@@ -609,3 +609,37 @@ def test_write_kv_equals_index_put_on_strided_pools(kt, layout):
     kt.write_kv(kp, vp, blocks, offsets, k, v)
     assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
     assert kp.abs().sum() > 0
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("out_dtype", [BF, torch.float32])
+def test_peer_tree_kernels_equal_tree_combine(kt, k, out_dtype):
+    """The peer-to-peer tree's kernels (kernels.symm_tree) on k local "peer" nodes: the same bits as
+    exact_math.tree_combine + bias, rounded once, for the whole matrix (one shot) and column by column
+    (two shots, N not a multiple of k)."""
+    from kernels.reference import exact_math as em
+    from kernels.triton import peer_tree
+    m, n = 37, 4096 + 6
+    nodes = [randn(m, n, dtype=torch.float32, seed=40 + j) * (10.0 ** (j % 3)) for j in range(k)]
+    bias = randn(n, seed=50)
+    want = (em.tree_combine(nodes) + bias.float()).to(out_dtype)
+    out = peer_tree.combine_peers(nodes, bias, torch.empty(m, n, dtype=out_dtype, device=DEV))
+    assert same_bits(out, want)
+    assert same_bits(peer_tree.combine_peers(nodes, None, torch.empty(m, n, dtype=out_dtype, device=DEV)),
+                     em.tree_combine(nodes).to(out_dtype))
+    # a left fold is another association: the comparison can fail
+    fold = nodes[0]
+    for t in nodes[1:]:
+        fold = fold + t
+    if k >= 4:
+        assert not same_bits((fold + bias.float()).to(out_dtype), want)
+    if out_dtype != BF:
+        return
+    cols = -(-n // k)
+    rounded = []
+    for r in range(k):  # each rank rounds its own columns into its own buffer
+        mine = torch.zeros(m, n, dtype=BF, device=DEV)
+        peer_tree.combine_peer_columns(nodes, bias, mine, r * cols, cols)
+        assert not mine[:, :r * cols].any() and not mine[:, (r + 1) * cols:].any()
+        rounded.append(mine)
+    assert same_bits(peer_tree.gather_peer_columns(rounded, torch.empty(m, n, dtype=BF, device=DEV), cols), want)
