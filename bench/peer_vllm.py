@@ -18,10 +18,11 @@ Systems (--systems, comma list):
 - `vllm-plugin`: vLLM's own engine running the canonical forward (rollout_service.vllm_plugin) with
   the seeded Gumbel rule, on the model runner vLLM picks (V2 for dense models on GPU), decode steps
   from CUDA graphs; `vllm-plugin-eager`: the same without; `vllm-plugin-v1`: with graphs, on vLLM's
-  V1 runner (the rule as a logits processor); `vllm-plugin-scatter`: at TP > 1, row-parallel outputs
-  combined by the tree split by output columns (all-to-all, then an all-gather: kernels.tp);
-  `vllm-plugin-p2p`: at TP > 1, by one kernel reading the peers' nodes from symmetric memory
-  (kernels.symm_tree);
+  V1 runner (the rule as a logits processor). At TP > 1, row-parallel outputs are
+  combined by the plugin's default (on GPUs "tree_p2p": one kernel reads the peers' nodes from
+  symmetric memory, kernels.symm_tree); `vllm-plugin-gather`: by the tree over NCCL's all-gather
+  ("tree"); `vllm-plugin-scatter`: by the tree split by output columns (all-to-all, then an
+  all-gather: kernels.tp);
 - `native-verified`, `native-invariant`, `native-off`: our native engine (rollout_service.Engine);
 - `ours-verified`, `ours-invariant`, `ours-off`: our engine with the windowed vLLM fast path;
 - `worker-verified`, `worker-off`: VLLMEngine, the engine a RolloutWorker runs on a GPU (vLLM's engine
@@ -48,7 +49,7 @@ from bench import emit  # noqa: E402
 
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
 ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "vllm-plugin-eager", "vllm-plugin-v1",
-                                 "vllm-plugin-scatter", "vllm-plugin-p2p",
+                                 "vllm-plugin-gather", "vllm-plugin-scatter",
                                  "vllm-eager", "vllm-v1",
                                  "native-verified", "native-invariant", "native-off", "worker-verified", "worker-off",
                                  "worker-off-own-process")
@@ -92,7 +93,7 @@ def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
             require_entry_point()  # vLLM's engine-core process builds the model
         options.update(llm_options(args.model, cuda_graphs=system != "vllm-plugin-eager" and not _on_cpu(),
                                    runner="v1" if system == "vllm-plugin-v1" else None, tensor_parallel_size=k))
-        reduce = {"vllm-plugin-scatter": "tree_scatter", "vllm-plugin-p2p": "tree_p2p"}.get(system)
+        reduce = {"vllm-plugin-gather": "tree", "vllm-plugin-scatter": "tree_scatter"}.get(system)
         if reduce:  # TP > 1: the same tree, scheduled otherwise
             from rollout_service.vllm_plugin.tensor_parallel import TP_REDUCE_KEY
             options["additional_config"] = {TP_REDUCE_KEY: reduce}

@@ -55,10 +55,10 @@ def _tables() -> dict[str, Table]:
         about="off through the worker: its stock engine's core in this process against one of its own")
     for k in (2, 4, 8):
         tables[f"llama8b-tp{k}"] = Table(
-            "llama8b", 256, 512, 512, systems=("vllm", "vllm-plugin", "vllm-plugin-scatter", "vllm-plugin-p2p"),
+            "llama8b", 256, 512, 512, systems=("vllm", "vllm-plugin", "vllm-plugin-gather", "vllm-plugin-scatter"),
             tensor_parallel_size=k,
-            about=f"TP = {k} on {k} GPUs: the plugin's segment tree (all-gathered, split by columns, and read "
-                  "from the peers' memory) against stock vLLM's all-reduce")
+            about=f"TP = {k} on {k} GPUs: the plugin's segment tree (read from the peers' memory, the default; "
+                  "all-gathered; split by columns) against stock vLLM's all-reduce")
     return tables
 
 

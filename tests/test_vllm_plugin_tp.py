@@ -185,14 +185,17 @@ def test_pool_worker_runs_vllm_tp_from_a_checkpoint_path(checkpoint):
 
 
 def test_reduce_setting_is_checked_before_the_model_is_built():
-    """additional_config's reduce: an unknown name, and the peer-to-peer tree without CUDA, are refused
-    with the reason when vLLM builds the model (PluginTP.from_vllm reads vLLM's config)."""
+    """additional_config's reduce (PluginTP.from_vllm reads vLLM's config when vLLM builds the model):
+    "tree" without GPUs by default; an unknown name, and the peer-to-peer tree without CUDA, are
+    refused with the reason."""
     from types import SimpleNamespace
     from rollout_service.vllm_plugin.tensor_parallel import PluginTP
 
-    def config(reduce):
-        return SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=2),
-                               additional_config={TP_REDUCE_KEY: reduce})
+    def config(reduce=None, k=2):
+        return SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=k),
+                               additional_config={TP_REDUCE_KEY: reduce} if reduce else {})
+    assert PluginTP.from_vllm(config(k=1)).reduce == "tree"  # the default without GPUs
+    assert PluginTP.from_vllm(config("tree_scatter", k=1)).reduce == "tree_scatter"
     with pytest.raises(ValueError, match="must be one of"):
         PluginTP.from_vllm(config("ring"))
     with pytest.raises(ValueError, match="needs CUDA"):

@@ -1,10 +1,11 @@
 """vLLM's own tensor parallelism on several GPUs (the 0.25 bundle): k worker processes, one GPU each,
-run the canonical model's shards and combine row-parallel outputs by the segment tree over vLLM's TP
-group (rollout_service.vllm_plugin.tensor_parallel). Every token's log-prob equals the TP = 1 trainer's
+run the canonical model's shards and combine row-parallel outputs by the segment tree
+(rollout_service.vllm_plugin.tensor_parallel; on GPUs by default one kernel reading the peers' nodes
+from symmetric memory, `tree_p2p`). Every token's log-prob equals the TP = 1 trainer's
 (`from_pretrained` in bf16, one GPU) bit for bit, with decode steps from CUDA graphs and without, through
 chunked prefill, prefix-cache hits and mixed batches, also with the tree split by output columns
-(`tree_scatter`: an all-to-all, then an all-gather) and read from the peers' symmetric memory
-(`tree_p2p`); an in-place weight push reaches every rank. The
+(`tree_scatter`: an all-to-all, then an all-gather) and all-gathered over vLLM's TP group (`tree`);
+an in-place weight push reaches every rank. The
 control, each rank's output rounded to bf16 and summed by vLLM's all-reduce (stock vLLM's way), differs.
 
 vLLM's worker processes find the plugin through its entry point: the package must be installed
@@ -110,11 +111,16 @@ def test_tp_equals_tp1_trainer_with_and_without_graphs(checkpoint, trainer, k):
     assert strip(eager[0]) == strip(together)
 
 
-@pytest.mark.parametrize("reduce", ["tree_scatter", "tree_p2p"])
+def test_default_reduce_on_gpus_is_the_peer_tree():
+    from rollout_service.vllm_plugin.tensor_parallel import default_reduce
+    assert default_reduce() == "tree_p2p"
+
+
+@pytest.mark.parametrize("reduce", ["tree", "tree_scatter"])
 def test_other_tree_schedules_equal_tp1_trainer_with_graphs(checkpoint, trainer, k, reduce):
-    """The same adds scheduled otherwise, captured in the decode graphs: split by output columns (an
-    all-to-all over vLLM's TP group, then an all-gather of the rounded columns), or read from the
-    peers' symmetric memory by one kernel (no NCCL). The trainer's bits."""
+    """The same adds scheduled otherwise than the default (the peers' nodes read from symmetric memory
+    by one kernel), captured in the decode graphs: all-gathered over vLLM's TP group, or split by
+    output columns (an all-to-all, then an all-gather of the rounded columns). The trainer's bits."""
     prompts, params = _workload()
     results = _run(checkpoint, k, lambda llm: vllm_generate(llm, prompts, params),
                    additional_config={TP_REDUCE_KEY: reduce})
