@@ -162,8 +162,9 @@ class Collectives:
     rank order; `all_reduce`: the elementwise sum in the library's own order (a new tensor or the
     input); `all_to_all`: [world_size * M, ...] -> the same shape, block j of the input goes to rank j
     and block r of the output came from rank r (None: not offered); `peer_tree(node, bias, out_dtype)`:
-    the tree's top levels over peers' memory (kernels.symm_tree; None where it cannot run; it returns
-    None for a call it cannot take, which then takes the all-gather). collectives(group) builds it over
+    the tree's top levels over peers' memory (kernels.symm_tree; None: not offered; ValueError on
+    devices it cannot run on; it returns None for a call it cannot take, which then takes the
+    all-gather). collectives(group) builds it over
     a torch process group; a serving engine passes its own communicator (the vLLM plugin: vLLM's TP
     group, which CUDA graphs can capture)."""
     world_size: int
