@@ -45,6 +45,8 @@ class SymmetricTree:
             raise ValueError(f"schedule must be one of {SCHEDULES} or None (by size), got {schedule!r}")
         if not symmetric_memory_available(device):
             raise ValueError(f"the peer-to-peer tree needs CUDA tensors and torch symmetric memory, got {device}")
+        from .triton import peer_tree  # CUDA only, so not at module level (default_reduce imports this module)
+        self._kernels = peer_tree
         self.group = group if group is not None else dist.group.WORLD
         self.device = torch.device(device)
         self.world_size = dist.get_world_size(self.group)
@@ -94,7 +96,7 @@ class SymmetricTree:
     def __call__(self, node: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
         """round(tree over the ranks' fp32 nodes [M, N] + bias) as [M, N] out_dtype; None when the call
         does not fit the buffers during CUDA graph capture."""
-        from .triton import peer_tree
+        peer_tree = self._kernels
         m, n = node.shape
         numel = m * n
         if not self._ensure(numel):

@@ -213,10 +213,10 @@ def peer_tree_over(group) -> Callable[[torch.Tensor, torch.Tensor | None, torch.
     """Collectives.peer_tree over a torch process group: its SymmetricTree, made at the first call
     (ValueError there when the group's tensors are not on CUDA)."""
     def peer_tree(node, bias, out_dtype):
-        from .symm_tree import SymmetricTree
         g = group if group is not None else dist.group.WORLD
         tree = _PEER_TREES.get(g.group_name)
-        if tree is None:
+        if tree is None:  # imported here: kernels.tp stays importable without torch's symmetric memory
+            from .symm_tree import SymmetricTree
             tree = _PEER_TREES[g.group_name] = SymmetricTree(g, node.device)
         return tree(node, bias, out_dtype)
     return peer_tree
