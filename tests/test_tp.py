@@ -1,7 +1,8 @@
-"""Tensor parallelism: TP = 1, 2, 4 give the same bits as the unsharded trainer (CPU, gloo).
+"""Tensor parallelism: TP = 1, 2, 4 and 8 give the same bits as the unsharded trainer (CPU, gloo).
 
-One group of 4 processes runs every TP=4 and TP=2 case (TP=2 on ranks 0-1 in a subgroup); the TP=1
-references are computed here.
+One group of 4 processes runs every TP=4 and TP=2 case (TP=2 on ranks 0-1 in a subgroup), and one
+group of 8 processes the TP=8 cases, on models with 8 KV heads (at the default tree width of 8 each
+rank then holds one segment of every row-parallel product); the TP=1 references are computed here.
 """
 from __future__ import annotations
 
@@ -41,14 +42,17 @@ LAYER_SHAPE = (16, 512, 48)  # M, K, N of the row-parallel layer check
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_model(seed=3):
-    return tiny_model("qwen2", seed=seed, **MODEL_KW)
+MODEL8_KW = dict(num_heads=8, num_kv_heads=8, hidden_size=64, intermediate_size=128)  # splits 8 ways
 
 
-def make_gqa_model():
-    """Llama with 2 query heads per KV head and a vocabulary that 4 does not divide (padded lm_head)."""
-    return tiny_model("llama", seed=5, num_heads=8, num_kv_heads=4, hidden_size=64, intermediate_size=128,
-                      vocab_size=90)
+def make_model(seed=3, **kw):
+    return tiny_model("qwen2", seed=seed, **(kw or MODEL_KW))
+
+
+def make_gqa_model(num_kv_heads=4):
+    """Llama with 2 query heads per KV head and a vocabulary that 4 and 8 do not divide (padded lm_head)."""
+    return tiny_model("llama", seed=5, num_heads=2 * num_kv_heads, num_kv_heads=num_kv_heads,
+                      hidden_size=16 * num_kv_heads, intermediate_size=128, vocab_size=90)
 
 
 def layer_inputs(n=LAYER_SHAPE[2]):
@@ -92,7 +96,7 @@ def _run_group(model, model2, gqa, ctx: TPContext) -> dict:
     out["logits_gqa"] = verifier_logits(shard_model(gqa, rank, k), tp_ops(CANONICAL_OPS, ctx.group, vocab_size=90))
     if rank == 0:
         engine = TPEngine(model, ctx, **ENGINE_KW)
-        assert engine.cache.k[0].shape[2] == MODEL_KW["num_kv_heads"] // k  # local heads only
+        assert engine.cache.k[0].shape[2] == model.config.num_key_value_heads // k  # local heads only
         out["rollouts"] = engine.generate(*REQUESTS)
         out["digest"] = engine.update_weights(model2.state_dict())
         out["rollouts_updated"] = engine.generate(*UPDATED)
@@ -102,16 +106,28 @@ def _run_group(model, model2, gqa, ctx: TPContext) -> dict:
     return out
 
 
-def _worker(rank, world, port, model, model2, gqa, path):
+def _worker(rank, world, port, models, path):
     torch.set_num_threads(1)
     init_tp_group(rank, world, port)
-    tp2 = TPContext(dist.new_group([0, 1]))  # every rank takes part in creating a subgroup
-    results = {4: _run_group(model, model2, gqa, TPContext())}
-    if rank < 2:
-        results[2] = _run_group(model, model2, gqa, tp2)
+    groups = {world: TPContext()}
+    if world == 4:
+        groups[2] = TPContext(dist.new_group([0, 1]))  # every rank takes part in creating a subgroup
+    results = {k: _run_group(*models, ctx) for k, ctx in groups.items() if rank < k}
     if rank == 0:
         torch.save(results, path)
     dist.destroy_process_group()
+
+
+def _run_tp_groups(world, models, tmp_path_factory) -> dict:
+    """{k: rank 0's results} of the TP groups that `world` processes run."""
+    path = tmp_path_factory.mktemp(f"tp{world}") / "results.pt"
+    # fork: the children start with everything imported and the models in memory (spawning fresh
+    # interpreters costs far more CPU than the test itself); spawn where fork does not exist
+    ray = sys.modules.get("ray")
+    forkable = "fork" in mp.get_all_start_methods() and not (ray is not None and ray.is_initialized())
+    method = "fork" if forkable else "spawn"
+    mp.start_processes(_worker, args=(world, free_port(), models, str(path)), nprocs=world, start_method=method)
+    return torch.load(path, weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +136,40 @@ def models():
 
 
 @pytest.fixture(scope="module")
+def models8():
+    return make_model(3, **MODEL8_KW), make_model(4, **MODEL8_KW), make_gqa_model(num_kv_heads=8)
+
+
+@pytest.fixture(scope="module")
 def tp(models, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tp") / "results.pt"
-    # fork: the children start with everything imported and the models in memory (spawning 4 fresh
-    # interpreters costs far more CPU than the test itself); spawn where fork does not exist
-    ray = sys.modules.get("ray")
-    forkable = "fork" in mp.get_all_start_methods() and not (ray is not None and ray.is_initialized())
-    method = "fork" if forkable else "spawn"
-    mp.start_processes(_worker, args=(4, free_port(), *models, str(path)), nprocs=4, start_method=method)
-    return torch.load(path, weights_only=False)
+    return _run_tp_groups(4, models, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tp8(models8, tmp_path_factory):
+    return _run_tp_groups(8, models8, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def tp1(models):
+    return _tp1_reference(models)
+
+
+@pytest.fixture(scope="module")
+def tp1_8(models8):
+    return _tp1_reference(models8)
+
+
+@pytest.fixture(params=[2, 4, 8], ids=lambda k: f"tp{k}")
+def case(request):
+    """(k, the TP=k group's results, the TP=1 references, the models) for k = 2, 4 and 8."""
+    k = request.param
+    names = ("tp8", "tp1_8", "models8") if k == 8 else ("tp", "tp1", "models")
+    results, reference, models = (request.getfixturevalue(name) for name in names)
+    return k, results[k], reference, models
+
+
+def _tp1_reference(models) -> dict:
     """TP=1: the unsharded engine and verifier, and the trainer's log-probs."""
     model, model2, _ = models
     engine = Engine(model, **ENGINE_KW)
@@ -154,61 +191,69 @@ def trainer_logprobs(model, seq, prompt_len=1, temperature=1.0):
     return trainer_patch.token_logprobs(train, torch.tensor([seq]), temperature=temperature)[0, prompt_len - 1:]
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_row_parallel_tree_all_reduce_equals_tp1(tp, tp1, k):
-    assert same_bits(tp[k]["layer_tree"], tp1["layer"])
+def test_row_parallel_tree_all_reduce_equals_tp1(case):
+    k, got, tp1, _ = case
+    assert same_bits(got["layer_tree"], tp1["layer"])
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_tree_scatter_equals_tp1(tp, tp1, k):
+def test_tree_scatter_equals_tp1(case):
     """The tree's top levels split by columns (all-to-all, combine, all-gather of rounded columns):
     the TP=1 bits for the layer, with a bias and N not a multiple of k, and for the whole model."""
-    assert same_bits(tp[k]["layer_tree_scatter"], tp1["layer"])
-    assert tp[k]["layer_odd_tree_scatter"].dtype == torch.bfloat16
-    assert same_bits(tp[k]["layer_odd_tree_scatter"], tp1["layer_odd"])
-    assert all(same_bits(a, b) for a, b in zip(tp[k]["logits_tree_scatter"], tp1["logits"]))
+    k, got, tp1, _ = case
+    assert same_bits(got["layer_tree_scatter"], tp1["layer"])
+    assert got["layer_odd_tree_scatter"].dtype == torch.bfloat16
+    assert same_bits(got["layer_odd_tree_scatter"], tp1["layer_odd"])
+    assert all(same_bits(a, b) for a, b in zip(got["logits_tree_scatter"], tp1["logits"]))
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_peer_tree_needs_cuda(tp, k):
-    assert "needs CUDA tensors" in tp[k]["p2p_error"], tp[k]["p2p_error"]
+def test_peer_tree_needs_cuda(case):
+    _, got, _, _ = case
+    assert "needs CUDA tensors" in got["p2p_error"], got["p2p_error"]
 
 
-def test_plain_all_reduce_negative_control(tp, tp1):
+def test_plain_all_reduce_negative_control(tp, tp1, tp8, tp1_8):
     """Summing the ranks' fp32 subtree nodes with dist.all_reduce: at k=2 that is the tree's single root
-    add (commutative, so exact); at k=4 gloo's ring associates differently from the tree."""
+    add (commutative, so exact); at k=4 and 8 gloo's ring associates differently from the tree."""
     assert same_bits(tp[2]["layer_all_reduce"], tp1["layer"])
     assert not same_bits(tp[4]["layer_all_reduce"], tp1["layer"])
+    assert not same_bits(tp8[8]["layer_all_reduce"], tp1_8["layer"])
     # bf16 partials summed by all_reduce (what ordinary TP engines do) change the model's logits
-    for k in (2, 4):
-        differ = [not same_bits(a, b) for a, b in zip(tp[k]["logits_bf16_all_reduce"], tp1["logits"])]
+    for k, got, want in ((2, tp[2], tp1), (4, tp[4], tp1), (8, tp8[8], tp1_8)):
+        differ = [not same_bits(a, b) for a, b in zip(got["logits_bf16_all_reduce"], want["logits"])]
         assert any(differ), f"TP={k}: bf16 all_reduce gave the canonical logits"
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_verifier_forward_equals_tp1_and_trainer(tp, tp1, models, k):
-    logits = tp1["logits_tp_ops"] if k == 1 else tp[k]["logits_tree"]
+def test_verifier_forward_at_tp1_equals_trainer(tp1, models):
+    _check_verifier_logits(tp1["logits_tp_ops"], tp1, models[0], "TP=1")
+
+
+def test_verifier_forward_equals_tp1_and_trainer(case):
+    k, got, tp1, models = case
+    _check_verifier_logits(got["logits_tree"], tp1, models[0], f"TP={k}")
+    # GQA heads split across ranks, padded vocab shards
+    assert all(same_bits(a, b) for a, b in zip(got["logits_gqa"], tp1["logits_gqa"])), f"TP={k}: GQA model"
+
+
+def _check_verifier_logits(logits, tp1, model, label):
     for i, (got, want, seq) in enumerate(zip(logits, tp1["logits"], SEQS)):
-        assert same_bits(got, want), f"TP={k} sequence {i}: logits differ"
+        assert same_bits(got, want), f"{label} sequence {i}: logits differ"
         logp = K.log_softmax(got[:-1]).gather(1, torch.tensor(seq[1:]).unsqueeze(1)).squeeze(1)
-        assert same_bits(logp, trainer_logprobs(models[0], seq)), f"TP={k} sequence {i}: log-probs differ"
-    if k > 1:  # GQA heads split across ranks, padded vocab shards
-        assert all(same_bits(a, b) for a, b in zip(tp[k]["logits_gqa"], tp1["logits_gqa"])), f"TP={k}: GQA model"
+        assert same_bits(logp, trainer_logprobs(model, seq)), f"{label} sequence {i}: log-probs differ"
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_rollouts_equal_tp1_and_trainer(tp, tp1, models, k):
+def test_rollouts_equal_tp1_and_trainer(case):
+    k, got_all, tp1, models = case
     n = len(PARAMS)
     for key in ("rollouts", "rollouts_updated"):
-        got, want = tp[k][key], tp1[key]
+        got, want = got_all[key], tp1[key]
         assert [rollout_bits(r) for r in got] == [rollout_bits(r) for r in want], f"TP={k} {key}"
-    for j, r in enumerate(tp[k]["rollouts"]):
+    for j, r in enumerate(got_all["rollouts"]):
         assert r.ok and len(r.token_ids) == 8
         assert (r.stats.verify_windows > 0) == (PARAMS[j % n].determinism == "verified")
         prompt, p = PROMPTS[j // n], PARAMS[j % n]
         train = trainer_logprobs(models[0], prompt + r.token_ids, len(prompt), p.temperature or 1.0)
         assert same_bits(torch.tensor(r.logprobs, dtype=torch.float32), train), f"TP={k} request {j}: KL != 0"
-    assert tp[k]["digest"] == model_digest(models[1])
+    assert got_all["digest"] == model_digest(models[1])
 
 
 def test_sharding_rules():

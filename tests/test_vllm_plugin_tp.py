@@ -1,5 +1,5 @@
 """vLLM's own tensor parallelism running the canonical model (rollout_service.vllm_plugin.tensor_parallel),
-on vLLM's CPU build: TP = 2 and 4 worker processes (vLLM's multiprocessing executor and its CPU
+on vLLM's CPU build: TP = 2, 4 and 8 worker processes (vLLM's multiprocessing executor and its CPU
 communicator) give tokens and log-probs bitwise equal to the TP = 1 trainer (`from_pretrained` in bf16)
 and to the TP = 1 native engine, through chunked prefill, prefix-cache hits, batch compositions and an
 in-place weight update. The negative control runs the same shards with each rank's row-parallel output
@@ -21,7 +21,7 @@ from rollout_service.vllm_plugin import llm_options, register  # noqa: E402
 from rollout_service.vllm_plugin.tensor_parallel import TP_REDUCE_KEY  # noqa: E402
 from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501
 
-# 8 heads, 4 KV heads: TP up to 4. A vocabulary of 97 pads each rank's lm_head shard with zero rows.
+# 8 heads, 4 KV heads: TP up to 4 (the TP = 8 checkpoint has 8 KV heads). A vocabulary of 97 pads each rank's lm_head shard with zero rows.
 MODEL_KW = dict(hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=512, vocab_size=97)
 VOCAB = 97
 MAX_BATCHED = 48  # prompts longer than this are prefilled in chunks
@@ -131,6 +131,19 @@ def test_tp4_tied_checkpoint_equals_trainer(tmp_path_factory):
     prompts, params = _workload()
     results = _generate_once(path, 4, prompts, params)
     assert_matches_trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), prompts, params, results)
+
+
+def test_tp8_equals_trainer_and_its_control_differs(tmp_path_factory):
+    """TP = 8, the tree's full width: each rank holds one segment of every row-parallel product, so the
+    combine is the whole tree. Equal to the trainer; the bf16 all-reduce control over the same 8 ranks
+    differs."""
+    from transformers import AutoModelForCausalLM
+    path = _checkpoint(tmp_path_factory, "zerokl-tp8", seed=25, num_kv_heads=8)  # vocab 97: 8 shards of 13
+    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    prompts, params = _workload()
+    assert_matches_trainer(trainer, prompts, params, _generate_once(path, 8, prompts, params))
+    control = _generate_once(path, 8, prompts, params, additional_config={TP_REDUCE_KEY: "bf16_all_reduce"})
+    assert count_trainer_mismatches(trainer, prompts, params, control) > 0
 
 
 def test_worker_engine_at_tp2_with_a_weight_push(checkpoint, policy):
