@@ -6,9 +6,9 @@ log-probs are the trainer's bit for bit. With `stock_for_off=True`, `off` reques
 vLLM engine with vLLM's stock model class and sampler (vLLM's speed, no guarantee) and the GPU's
 memory is split between the two; without it they run on the canonical engine too (canonical tokens,
 which `off` permits). The stock engine's core runs in this process unless `stock_in_process=False`
-gives it its own (vLLM's default; weights then reach it through files). On an H100 the in-process
-stock engine ran `off` at 0.74x and 1.07x stock vLLM in two runs (docs/performance.md); its own
-process has not run on a GPU yet.
+gives it its own (vLLM's default; weights then reach it through files). On H100s `off` ran at 0.74x
+to 1.07x stock vLLM with the in-process core, and at 0.99x and 1.32x (1.07x by fastest passes) with
+a core of its own (README, "Speed").
 
 It has the interface RolloutWorker drives (add_request / abort / step / has_unfinished, weights and
 the canonical contract), like the native Engine. Steps go through `LLM.llm_engine` (vLLM's
