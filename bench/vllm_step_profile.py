@@ -62,6 +62,15 @@ def _sync_sites(run) -> collections.Counter:
     return sites
 
 
+def _import_relative(text: str) -> str:
+    """Source paths as seen from the import path (vllm/v1/..., rollout_service/...): the report names
+    modules, not where this machine installed them."""
+    roots = {r for p in sys.path if p and os.path.isdir(p) for r in (p.rstrip(os.sep), os.path.normpath(p))}
+    for root in sorted(roots, key=len, reverse=True):
+        text = text.replace(root + os.sep, "")
+    return text
+
+
 def _kernel_table(run, top: int) -> list[dict]:
     """The `top` GPU kernels of run() by total device time (on CPU: torch ops by own CPU time): name,
     calls, total and mean microseconds, share."""
@@ -289,7 +298,7 @@ def main():
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
     emit(dict(common, sync_sites_per_step={k: round(v / steps, 2) for k, v in sites.most_common(30)},
-              host_top=text.getvalue().splitlines()[:args.top + 12]), args.out)
+              host_top=_import_relative(text.getvalue()).splitlines()[:args.top + 12]), args.out)
     if tmp is not None:
         tmp.cleanup()
 
