@@ -31,6 +31,7 @@ from rollout_service.weights import model_digest
 from conftest import rollout_bits, same_bits
 
 MODEL_KW = dict(num_heads=4, num_kv_heads=4, hidden_size=64, intermediate_size=128)
+MODEL8_KW = dict(num_heads=8, num_kv_heads=8, hidden_size=64, intermediate_size=128)  # splits 8 ways
 ENGINE_KW = dict(window=4, group=4, kv_cache_tokens=512, verified_decode="dvr")
 SEQS = [[random.Random(i).randrange(96) for _ in range(n)] for i, n in enumerate((7, 12, 5))]
 PROMPTS = [[random.Random(10 + i).randrange(96) for _ in range(n)] for i, n in enumerate((5, 9))]
@@ -40,9 +41,6 @@ REQUESTS = ([p for p in PROMPTS for _ in PARAMS], PARAMS * len(PROMPTS))  # ever
 UPDATED = (PROMPTS[:1] * 2, PARAMS[:2])  # requests after a weight update
 LAYER_SHAPE = (16, 512, 48)  # M, K, N of the row-parallel layer check
 REPO = Path(__file__).resolve().parents[1]
-
-
-MODEL8_KW = dict(num_heads=8, num_kv_heads=8, hidden_size=64, intermediate_size=128)  # splits 8 ways
 
 
 def make_model(seed=3, **kw):
@@ -192,14 +190,14 @@ def trainer_logprobs(model, seq, prompt_len=1, temperature=1.0):
 
 
 def test_row_parallel_tree_all_reduce_equals_tp1(case):
-    k, got, tp1, _ = case
+    _, got, tp1, _ = case
     assert same_bits(got["layer_tree"], tp1["layer"])
 
 
 def test_tree_scatter_equals_tp1(case):
     """The tree's top levels split by columns (all-to-all, combine, all-gather of rounded columns):
     the TP=1 bits for the layer, with a bias and N not a multiple of k, and for the whole model."""
-    k, got, tp1, _ = case
+    _, got, tp1, _ = case
     assert same_bits(got["layer_tree_scatter"], tp1["layer"])
     assert got["layer_odd_tree_scatter"].dtype == torch.bfloat16
     assert same_bits(got["layer_odd_tree_scatter"], tp1["layer_odd"])
