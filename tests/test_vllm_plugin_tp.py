@@ -21,7 +21,8 @@ from rollout_service.vllm_plugin import llm_options, register  # noqa: E402
 from rollout_service.vllm_plugin.tensor_parallel import TP_REDUCE_KEY  # noqa: E402
 from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501
 
-# 8 heads, 4 KV heads: TP up to 4 (the TP = 8 checkpoint has 8 KV heads). A vocabulary of 97 pads each rank's lm_head shard with zero rows.
+# 8 heads, 4 KV heads: TP up to 4 (the TP = 8 checkpoint has 8 KV heads). A vocabulary of 97 pads
+# each rank's lm_head shard with zero rows.
 MODEL_KW = dict(hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=512, vocab_size=97)
 VOCAB = 97
 MAX_BATCHED = 48  # prompts longer than this are prefilled in chunks
