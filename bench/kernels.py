@@ -7,7 +7,8 @@ matmul: Llama-3.1-8B shapes x M in {1 .. 8192}; canonical TFLOP/s (launch table)
 are measured with the 8-segment tree too ("segments": 8). --sweep also times a grid of launch
 configurations per (shape, M) and reports the best (used to write the launch table in
 kernels/triton/matmul.py). attention: prefill 4k and decode batch 64 x 4k context vs
-scaled_dot_product_attention. rms_norm and log_softmax vs torch.
+scaled_dot_product_attention. decode (--only decode): the speed tables' decode steps against vLLM's
+FA3, in both split schedules over launch tiles. rms_norm and log_softmax vs torch.
 """
 from __future__ import annotations
 
@@ -302,6 +303,70 @@ def run_attention_sweep(rep: int):
     return out
 
 
+# Decode steps of the speed tables (Llama-3.1-8B: 32 query heads on 8 KV heads; Qwen2.5-1.5B: 12 on 2),
+# (batch, context, q heads, KV heads, cache capacity = the workload's max_model_len)
+DECODE_CASES = ((256, 560, 32, 8, 1040), (256, 1000, 32, 8, 1040), (64, 1000, 32, 8, 1040),
+                (64, 1000, 12, 2, 1040), (256, 1000, 12, 2, 1040), (32, 4096, 32, 8, 9232),
+                (32, 8192, 32, 8, 9232), (32, 8192, 12, 2, 9232))
+
+
+def _fa3_paged_decode(q, kc, vc, ctx: int, table):
+    """vLLM's own decode attention (FA3 through vllm_flash_attn, as its FlashAttention backend calls it)
+    on the same paged cache, or None where this vLLM build has no FA3."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    bsz, _, hq, d = q.shape
+    q2 = q.reshape(bsz, hq, d)
+    cu_q = torch.arange(bsz + 1, device=q.device, dtype=torch.int32)
+    used = torch.full((bsz,), ctx, device=q.device, dtype=torch.int32)
+    out = torch.empty_like(q2)
+    return lambda: flash_attn_varlen_func(q=q2, k=kc, v=vc, out=out, cu_seqlens_q=cu_q, max_seqlen_q=1,
+                                          seqused_k=used, max_seqlen_k=ctx, softmax_scale=d ** -0.5,
+                                          causal=True, block_table=table, fa_version=3)
+
+
+def run_decode_attention(rep: int):
+    """One decode step at the speed tables' shapes: the canonical attention as launched (the rule in
+    kernels/triton/attention.py), and forced into each schedule (a program per split, then the merge
+    kernel; or one program walking its splits: the same bits) over tiles (BLOCK_M, warps, stages),
+    against vLLM's FA3 on the same 16-token-page cache."""
+    A = importlib.import_module("kernels.triton.attention")
+    out = []
+    for bsz, ctx, hq, hkv, capacity in DECODE_CASES:
+        q, kc, vc, pos, table = _paged_decode_case(bsz, ctx, hq, hkv, max_len=capacity + (-capacity) % 16)
+        call = lambda: kt.attention(q, kc, vc, pos, block_table=table)  # noqa: E731
+        row = {"batch": bsz, "context": ctx, "q_heads": hq, "kv_heads": hkv, "capacity": capacity,
+               "as_launched_ms": round(bench_ms(call, rep=rep), 4)}
+        fa3 = _fa3_paged_decode(q, kc, vc, ctx, table)
+        if fa3 is not None:
+            row["fa3_ms"] = round(bench_ms(fa3, rep=rep), 4)
+            row["as_launched_over_fa3"] = round(row["as_launched_ms"] / row["fa3_ms"], 3)
+        kv_bytes = 2 * bsz * ctx * hkv * q.shape[-1] * 2
+        row["as_launched_GBps"] = round(kv_bytes / row["as_launched_ms"] / 1e6, 1)
+        for schedule, parallel in (("per_split", True), ("walk", False)):
+            times = {}
+            for warps in (1, 2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    A._FORCED_TILE, A._FORCED_PARALLEL_SPLITS = (16, warps, stages), parallel
+                    try:
+                        times[f"16/{warps}/{stages}"] = bench_ms(call, rep=rep)
+                    except Exception as exc:  # e.g. out of shared memory
+                        print(f"# {schedule} 16/{warps}/{stages}: {type(exc).__name__}", file=sys.stderr)
+                    finally:
+                        A._FORCED_TILE = A._FORCED_PARALLEL_SPLITS = None
+            best = min(times, key=times.get)
+            row[schedule] = {"best_tile": best, "best_ms": round(times[best], 4),
+                             "tiles_ms": {k: round(v, 4) for k, v in times.items()}}
+        print("# decode", json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}),
+              {s: (row[s]["best_tile"], row[s]["best_ms"]) for s in ("per_split", "walk")}, file=sys.stderr,
+              flush=True)
+        out.append(row)
+        del q, kc, vc
+    return out
+
+
 def run_norms(rep: int):
     dev = "cuda"
     out = {"rms_norm": [], "log_softmax": []}
@@ -352,7 +417,7 @@ def main():
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer M values and shorter timing")
     ap.add_argument("--sweep", action="store_true", help="time a grid of launch configs per (shape, M)")
-    ap.add_argument("--only", choices=["matmul", "attention", "norms"], action="append")
+    ap.add_argument("--only", choices=["matmul", "attention", "decode", "norms"], action="append")
     ap.add_argument("--shapes", help="matmul shapes to run, e.g. o/8,down/8 (name/segments)")
     ap.add_argument("--model", default="llama8b", choices=["llama8b", "qwen1.5b"], help="matmul shapes")
     ap.add_argument("--ms", help="matmul M values, e.g. 512,2048,8192")
@@ -377,6 +442,8 @@ def main():
         doc["attention"] = run_attention(rep)
         if args.sweep:
             doc["attention_sweep"] = run_attention_sweep(rep)
+    if "decode" in only:  # not in the default set: a sweep, about a minute
+        doc["decode_attention"] = run_decode_attention(rep)
     if "norms" in only:
         doc.update(run_norms(rep))
         doc["host_overhead"] = run_host_overhead()
