@@ -30,7 +30,7 @@ from .device import current_sms
 BLOCK_KV = TRITON.attention_block_kv
 SPLIT_KV = TRITON.attention_split_kv
 _LOG2E = 1.4426950408889634
-_PARALLEL_SPLIT_ROWS = 16  # query rows per (sequence, KV head) up to which splits get programs of their own
+_PARALLEL_SPLIT_ROWS = 16  # query rows per (sequence, KV head) up to which a step is decode-sized
 # Split states are sized for the cache's capacity (the block table's width: no host sync, so a
 # captured step fits any length); past this the tile walks its splits instead (same bits, slower).
 _MAX_SPLIT_STATE_BYTES = 256 << 20
@@ -200,12 +200,18 @@ def _tile_config(rows: int):
     return 128, 8, 2
 
 
-def _decode_tile(pairs: int):
-    """(BLOCK_M, warps, stages) for a decode step's program-per-split kernel, by its (sequence, KV head)
-    pairs. Measured on H100 (bench/kernels.py --only attention --sweep, 16-token pages): 128 pairs
-    (Qwen2.5-1.5B's 2 KV heads at batch 64) 0.95-0.98x the time of 4 warps / 4 stages with 8 / 2;
-    512 pairs (batch 256, or Llama-3.1-8B's 8 KV heads at 64) 0.91x with 2 / 1."""
-    return (16, 2, 1) if pairs >= 2 * current_sms() else (16, 8, 2)
+def _decode_schedule(pairs: int, n_splits: int):
+    """(a program per split?, (BLOCK_M, warps, stages)) for a decode-sized step over a cache of n_splits
+    splits, by its (sequence, KV head) pairs: shapes only, so a captured step keeps its choice. Both
+    schedules give the same bits. Measured on H100 against vLLM's FA3 (bench/kernels.py --only decode,
+    16-token pages): at 2,048 pairs (Llama-3.1-8B at batch 256) walking the splits with 2 warps is
+    0.95-0.98x the time of a program per split (no split states, no merge kernel); with fewer pairs a
+    program per split fills the GPU, 2 warps / 1 stage once there are 4 programs per SM (0.93x the
+    time of 8 / 2 at 32 x 8,192 keys), 8 / 2 below (Qwen2.5-1.5B at batch 64, 1,040 positions)."""
+    sms = current_sms()
+    if pairs >= 4 * sms:
+        return False, (16, 2, 1)
+    return True, ((16, 2, 1) if pairs * n_splits >= 4 * sms else (16, 8, 2))
 
 
 _FORCED_TILE = None  # tests: force (BLOCK_M, warps, stages) for every call
@@ -243,10 +249,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     block_d = max(16, triton.next_power_of_2(d))
     n_splits = triton.cdiv(max(capacity, 1), split_kv)
     state_bytes = bsz * hkv * tq * g * n_splits * (block_d + 2) * 4
-    parallel = tq * g <= _PARALLEL_SPLIT_ROWS and 1 < n_splits and state_bytes <= _MAX_SPLIT_STATE_BYTES
+    parallel, tile = False, _tile_config(tq * g)
+    if tq * g <= _PARALLEL_SPLIT_ROWS and 1 < n_splits:
+        parallel, tile = _decode_schedule(bsz * hkv, n_splits)
+        if parallel and state_bytes > _MAX_SPLIT_STATE_BYTES:
+            parallel, tile = False, _tile_config(tq * g)
     if _FORCED_PARALLEL_SPLITS is not None:
         parallel = _FORCED_PARALLEL_SPLITS and n_splits > 1
-    block_m, warps, stages = _FORCED_TILE or (_decode_tile(bsz * hkv) if parallel else _tile_config(tq * g))
+    block_m, warps, stages = _FORCED_TILE or tile
     n_tiles = triton.cdiv(tq * g, block_m)
     if parallel:
         states = torch.empty(bsz * hkv, tq * g, n_splits, block_d + 2, dtype=torch.float32, device=q.device)

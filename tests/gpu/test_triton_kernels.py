@@ -466,8 +466,8 @@ def test_attention_tile_configs_bitwise_identical(kt, b, length, hq, hkv, d):
 
 
 def test_attention_decode_tiles_bitwise_identical(kt):
-    """A decode step (a program per split, then the merge) gives the prefill's rows under every decode
-    launch configuration the table picks or could pick."""
+    """A decode step (a program per split, then the merge; or one program walking the splits) gives the
+    prefill's rows under every decode launch configuration the schedule picks or could pick."""
     A = _attention_module()
     b, length, hq, hkv, d, split = (2, 1300, 12, 2, 128, A.SPLIT_KV) if not INTERPRET else (2, 150, 4, 2, 32, 64)
     q, k, v, pos, lengths = _attn_case(b, length, hq, hkv, d, seed=44)
@@ -475,11 +475,12 @@ def test_attention_decode_tiles_bitwise_identical(kt):
     seq, last = torch.arange(b, device=DEV), torch.tensor([n - 1 for n in lengths], device=DEV)
     want = whole[seq, last][:, None]
     try:
-        A._FORCED_PARALLEL_SPLITS = True
-        for tile in [None, (16, 4, 4), (16, 8, 2), (16, 2, 1), (16, 1, 3)]:
-            A._FORCED_TILE = tile
-            step = kt.attention(q[seq, last][:, None], k, v, last[:, None], split_kv=split)
-            assert same_bits(step, want), f"tile {tile}"
+        for parallel in (True, False):  # a program per split, or one walking them (many sequences)
+            A._FORCED_PARALLEL_SPLITS = parallel
+            for tile in [None, (16, 4, 4), (16, 8, 2), (16, 2, 1), (16, 1, 3)]:
+                A._FORCED_TILE = tile
+                step = kt.attention(q[seq, last][:, None], k, v, last[:, None], split_kv=split)
+                assert same_bits(step, want), f"tile {tile} parallel={parallel}"
     finally:
         A._FORCED_TILE = A._FORCED_PARALLEL_SPLITS = None
     if not INTERPRET:  # the comparison can fail: another split size gives other bits (the interpreter's
