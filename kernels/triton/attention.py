@@ -11,9 +11,10 @@ the launch touches a row's numbers:
   of a tree reduction whose order would follow the register layout of the tile;
 - blocks or splits where a row sees no key (a longer neighbour row) leave its state exactly as it was;
 - paged and contiguous KV differ only in how a key's address is found;
-- a tile walks its splits in one program (prefill, training), or one program per split writes the
-  split's state and a second kernel merges them (decode steps: split-KV, parallel over long
-  contexts); both run the same `_attend_split` and `_merge` code, in the same order.
+- a tile walks its splits in one program (prefill, training, decode steps with enough sequences to
+  fill the GPU), or one program per split writes the split's state and a second kernel merges them
+  (other decode steps: split-KV, parallel over long contexts); both run the same `_attend_split` and
+  `_merge` code, in the same order.
 GPU and CPU results differ (exp2 instead of exp, bf16 P in the denominator); each is invariant.
 """
 from __future__ import annotations
