@@ -127,10 +127,13 @@ def request_params(args, system: str, prompts) -> list:
 
 
 def engine_facts(llm) -> dict:
-    """Which model runner and scheduling the engine ended up with (vLLM picks them per config)."""
+    """Which model runner and scheduling the engine ended up with (vLLM picks them per config), and
+    its KV cache in tokens: what memory profiling left it, which caps how many sequences run at once."""
     config = llm.llm_engine.vllm_config
+    cache = config.cache_config
     return dict(model_runner="v2" if getattr(config, "use_v2_model_runner", False) else "v1",
-                async_scheduling=bool(config.scheduler_config.async_scheduling))
+                async_scheduling=bool(config.scheduler_config.async_scheduling),
+                kv_cache_tokens=(cache.num_gpu_blocks or 0) * cache.block_size)
 
 
 def _run_vllm(args, prompts, system: str) -> dict:
@@ -210,6 +213,7 @@ def _run_worker_engine(args, prompts, mode: str, stock_in_process: bool = True) 
     engine = VLLMEngine(args.model, device="cpu" if _on_cpu() else "cuda", max_model_len=max_model_len,
                         max_num_seqs=len(prompts), stock_for_off=stock, gpu_memory_utilization=share,
                         stock_in_process=stock_in_process, vllm_options=options)
+    facts = engine_facts((engine.stock if stock else engine.canonical).llm)
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
     try:
@@ -229,7 +233,7 @@ def _run_worker_engine(args, prompts, mode: str, stock_in_process: bool = True) 
     bad = [o.error for o in outs if not o.ok]
     if bad:
         raise RuntimeError(f"{len(bad)} rollouts failed: {bad[0]}")
-    return dict(**timed, generated_tokens=sum(len(o.token_ids) for o in outs))
+    return dict(**timed, generated_tokens=sum(len(o.token_ids) for o in outs), **facts)
 
 
 def _worker(args) -> None:

@@ -143,13 +143,19 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
         o = ops.attention(q, k, v, ctx.positions, None, scale)
     else:  # the cache picks the query layout (each query row's numbers do not depend on it)
         o = ctx.kv.attend(ops, attn.layer_idx, q, k, v, ctx.positions, scale)
+    # Each intermediate is dropped once used: a prefill step's peak memory is what vLLM leaves out of
+    # its KV cache (autograd keeps what backward needs either way).
+    del q, k, v
     o = ops.linear(o.reshape(b, t, -1), _bf16(attn.o_proj.weight), _bf16(attn.o_proj.bias), row_parallel=True)
     hidden, x = ops.add_rms_norm(hidden, o, _bf16(layer.post_attention_layernorm.weight), spec.rms_norm_eps)
+    del o
     if spec.moe is not None and is_moe_block(mlp):
         return ctx.residual(hidden, moe_forward(mlp, x, spec.moe, ops, _bf16, ctx.routing))
     gate, up = _projections(ops, x, mlp, GATE_UP)
-    down = ops.linear(ops.silu_mul(gate, up), _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias),
-                      row_parallel=True)
+    del x
+    act = ops.silu_mul(gate, up)
+    del gate, up
+    down = ops.linear(act, _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias), row_parallel=True)
     return ctx.residual(hidden, down)
 
 

@@ -34,6 +34,7 @@ def test_two_systems_in_one_run(tmp_path, engine_core):
     for res in results.values():
         assert "error" not in res, res
         assert res["generated_tokens"] == 3 * 6 and res["tokens_per_s"] > 0
+        assert res["kv_cache_tokens"] >= 3 * (12 + 6), res  # the KV cache vLLM sized, in tokens
     assert results["vllm"]["x_vllm"] == 1.0
     assert results["vllm-plugin"]["x_vllm"] == round(
         results["vllm-plugin"]["tokens_per_s"] / results["vllm"]["tokens_per_s"], 3)

@@ -1,0 +1,56 @@
+"""A decoder layer frees each intermediate once it is used. In vLLM the peak of the profiling prefill
+step is left out of the KV cache, so every intermediate still alive during the MLP is cache capacity
+lost to the plugin."""
+import dataclasses
+import weakref
+
+import pytest
+import torch
+import transformers
+
+from kernels.forward import CANONICAL_OPS, forward_hidden, fuse_projections
+from rollout_service.tiny_models import tiny_model
+
+
+def _storage_ref(t: torch.Tensor) -> weakref.ref:
+    """Alive while any view of t is (split projections are views of one matmul output)."""
+    return weakref.ref(t.untyped_storage())
+
+
+def _alive_at_down_proj(model, ids) -> list[list[str]]:
+    """Per layer: which earlier outputs of the layer (q/k/v and gate/up projections, their SiLU
+    product's inputs, the attention output) are still referenced when down_proj's matmul starts."""
+    outputs: list[tuple[str, weakref.ref]] = []
+    report: list[list[str]] = []
+
+    def linear(x, w, b=None, row_parallel=False):
+        out = CANONICAL_OPS.linear(x, w, b, row_parallel=row_parallel)
+        if row_parallel and w.shape[0] == model.config.hidden_size and w.shape[1] == model.config.intermediate_size:
+            report.append([name for name, ref in outputs if ref() is not None])
+            outputs.clear()
+            return out
+        outputs.append((("o_proj" if row_parallel else f"projection {w.shape[0]}"), _storage_ref(out)))
+        return out
+
+    def attention(*args, **kwargs):
+        out = CANONICAL_OPS.attention(*args, **kwargs)
+        outputs.append(("attention", _storage_ref(out)))
+        return out
+
+    ops = dataclasses.replace(CANONICAL_OPS, linear=linear, attention=attention)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        forward_hidden(model, ids, positions, ops=ops)
+    return report
+
+
+@pytest.mark.parametrize("fused", [False, True])  # the trainer's model; the vLLM plugin's (fused projections)
+def test_layer_frees_intermediates_before_down_proj(tmp_path, fused):
+    tiny_model("llama", seed=1, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    if fused:
+        fuse_projections(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    report = _alive_at_down_proj(model, ids)
+    assert len(report) == model.config.num_hidden_layers
+    assert report == [[]] * len(report), report  # e.g. ['projection 128', ...] if gate/up outlive their use
