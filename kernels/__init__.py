@@ -151,8 +151,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     return with_reference_grad(fwd, lambda q_, k_, v_: attention_ref(q_, k_, v_, positions, scale), q, k, v)
 
 
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     block_table: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor,
+                     max_query_len: int, *, out: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """`attention` over paged KV for B sequences whose queries lie back to back in one flat batch, read
+    and written in place (no padded copy): sequence b's are rows query_start[b] .. query_start[b] +
+    query_len[b] - 1 of q [N, Hq, D] bf16 (1 <= query_len[b] <= max_query_len), positions [N], keys
+    behind block_table[b] of k, v [num_blocks, block_size, Hkv, D]. Writes those rows of out [N, Hq, D]
+    (a new tensor when None; other rows are left as they are), each with the numbers `attention` gives
+    it. Inference only: no gradient."""
+    _check("q", q, dims=3, dtype=torch.bfloat16)
+    _check("k", k, dims=4, dtype=torch.bfloat16)
+    _check("v", v, dims=4, dtype=torch.bfloat16)
+    _same_device(q, k, v, positions, block_table, query_start, query_len, out)
+    if positions.shape != q.shape[:1]:
+        raise ValueError(f"positions {tuple(positions.shape)} must be [N] = {tuple(q.shape[:1])}")
+    if q.shape[1] % k.shape[2] or q.shape[2] != k.shape[3] or k.shape != v.shape:
+        raise ValueError(f"bad GQA shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    if query_start.dim() != 1 or query_len.shape != query_start.shape or block_table.shape[0] != query_start.shape[0]:
+        raise ValueError(f"query_start {tuple(query_start.shape)}, query_len {tuple(query_len.shape)} and "
+                         f"block_table {tuple(block_table.shape)} must describe the same B sequences")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be bf16 of q's shape {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    if query_start.numel() == 0:
+        return out
+    family = kernel_family(q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return backend_for(q).attention_packed(q, k, v, positions, block_table, query_start, query_len,
+                                           int(max_query_len), out, scale, family.attention_block_kv,
+                                           family.attention_split_kv)
+
+
 __all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm",
-           "attention", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
+           "attention", "attention_packed", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
            "kernel_family", "log_softmax", "logprob_temperature", "matmul", "rms_norm", "rotary", "rotary_qk", "sample",
            "sampling_position", "sampling_positions", "scale_logits", "set_tree_segments", "silu_mul",
            "token_logprobs", "tree_segments", "write_kv"]

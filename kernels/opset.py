@@ -28,6 +28,9 @@ class OpSet:
     # MoE experts may run as the grouped kernels (kernels/triton/moe.py: each row exactly as the
     # canonical matmul computes it, no host sync) where the device has them; else the loop over experts
     grouped_experts: bool = False
+    # paged attention over packed query rows, in place (kernels.attention_packed); None: an op set that
+    # cannot attend over vLLM's paged cache
+    attention_packed: Callable | None = None
 
     def add_rms_norm(self, a, b, weight, eps):
         if self.fused_add_rms_norm is not None:
@@ -52,4 +55,5 @@ CANONICAL_OPS = OpSet(
     fused_add_rms_norm=K.add_rms_norm,
     fused_rotary_qk=K.rotary_qk,
     grouped_experts=True,
+    attention_packed=K.attention_packed,
 )

@@ -66,6 +66,31 @@ def test_attention_rows_do_not_depend_on_batch_neighbours():
         assert bool((batched[i, n:] == 0).all()), "padding rows must be zero"
 
 
+def test_attention_packed_rows_equal_the_padded_layout():
+    """vLLM's flat token batch: query pieces of several sequences back to back (chunks, single decode
+    tokens, in no particular order) attend in place over a paged cache; each row has the padded
+    layout's bits and rows of no sequence are left as they were."""
+    q, k, v = _qkv(3, 40, 4, 2, 16, seed=3)
+    lens = [40, 31, 12]
+    pos = torch.stack([torch.where(torch.arange(40) < n, torch.arange(40), -1) for n in lens])
+    whole = K.attention(q, k, v, pos)
+    kp, table = _paged(k, 4, seed=3)
+    vp, _ = _paged(v, 4, seed=3)
+    for pieces in ([(2, 3, 12), (0, 30, 40), (1, 0, 7)], [(1, 30, 31), (0, 39, 40), (2, 11, 12)]):
+        rows = [(i, t) for i, s, e in pieces for t in range(s, e)] + [(0, 0)] * 2  # 2 padding rows
+        seqs, ts = (torch.tensor(x) for x in zip(*rows))
+        n = torch.tensor([e - s for _, s, e in pieces])
+        starts = torch.cumsum(n, 0) - n
+        out = torch.full((len(rows), 4, 16), float("nan"), dtype=torch.bfloat16)
+        K.attention_packed(q[seqs, ts], kp, vp, pos[seqs, ts], table[[i for i, _, _ in pieces]], starts, n,
+                           int(n.max()), out=out)
+        for (i, s, e), start in zip(pieces, starts.tolist()):
+            assert_bitwise_equal(out[start:start + e - s], whole[i, s:e], f"piece {(i, s, e)}")
+        assert out[-2:].isnan().all(), "rows of no sequence must be left as they were"
+    with pytest.raises(ValueError, match="same B sequences"):
+        K.attention_packed(q[0], kp, vp, pos[0], table, starts[:2], n[:2], 10)
+
+
 def test_attention_is_close_to_sdpa():
     q, k, v = _qkv(2, 33, 4, 2, 16, seed=5)
     out = K.attention(q, k, v, torch.arange(33).expand(2, 33)).float()

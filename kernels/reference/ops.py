@@ -151,6 +151,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     return torch.where((positions >= 0)[..., None, None], out, 0.0).to(torch.bfloat16)
 
 
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     block_table: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor,
+                     max_query_len: int, out: torch.Tensor, scale: float | None = None,
+                     block_kv: int = REFERENCE.attention_block_kv,
+                     split_kv: int = REFERENCE.attention_split_kv) -> torch.Tensor:
+    """Paged attention for B sequences whose queries lie back to back in one flat batch: sequence b's
+    are rows query_start[b] .. query_start[b] + query_len[b] - 1 of q [N, Hq, D] (positions [N]), its
+    keys behind block_table[b]. Writes those rows of out [N, Hq, D] (the others are left as they are)
+    with the numbers `attention` gives them in the padded [B, max_query_len] layout."""
+    offsets = torch.arange(max_query_len, device=q.device)
+    valid = offsets[None, :] < query_len[:, None]
+    rows = query_start[:, None] + torch.minimum(offsets[None, :], query_len[:, None] - 1)  # clamped inside
+    o = attention(q[rows], k, v, torch.where(valid, positions[rows], -1), block_table, scale, block_kv, split_kv)
+    out[rows[valid]] = o[valid]
+    return out
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: x [B, T, H, D] bf16, cos/sin [B, T, D/2] fp32."""
     xf = x.float()

@@ -24,7 +24,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     raise ImportError("kernels.triton needs a CUDA device")
 
-from .attention import BLOCK_KV, attention, write_kv  # noqa: E402
+from .attention import BLOCK_KV, attention, attention_packed, write_kv  # noqa: E402
 from .elementwise import add, rotary, rotary_qk, silu_mul  # noqa: E402
 from .matmul import BLOCK_K, MMConfig, matmul, matmul_partials, matmul_with_config, pick_config  # noqa: E402
 from . import moe  # noqa: E402  (grouped expert matmuls; kernels.moe dispatches to it)
@@ -32,6 +32,6 @@ from .norm import add_rms_norm, rms_norm  # noqa: E402
 from .softmax import log_softmax, token_log_softmax  # noqa: E402
 from . import sampling  # noqa: E402  (fused Gumbel-max sampling; kernels.sampling dispatches to it)
 
-__all__ = ["BLOCK_K", "BLOCK_KV", "MMConfig", "add", "add_rms_norm", "attention", "log_softmax", "matmul",
+__all__ = ["BLOCK_K", "BLOCK_KV", "MMConfig", "add", "add_rms_norm", "attention", "attention_packed", "log_softmax", "matmul",
            "matmul_partials", "matmul_with_config", "moe", "pick_config", "rms_norm", "rotary", "rotary_qk",
            "sampling", "silu_mul", "token_log_softmax", "write_kv"]

@@ -38,14 +38,22 @@ _MAX_SPLIT_STATE_BYTES = 256 << 20
 
 
 @triton.jit
-def _rows(pos_ptr, b, kvh, tile, T, G, sp_b, sp_t, BLOCK_M: tl.constexpr):
-    """A tile's rows: (token, query head) pairs of sequence b and KV head kvh, and their positions."""
+def _rows(pos_ptr, qstart_ptr, qlen_ptr, b, kvh, tile, T, G, sp_b, sp_t, BLOCK_M: tl.constexpr,
+          PACKED: tl.constexpr):
+    """A tile's rows: (token, query head) pairs of sequence b and KV head kvh, each row's token index
+    along the T axis (PACKED: sequence b's queries are the rows qstart[b] .. qstart[b] + qlen[b] - 1 of
+    one flat batch, and the b strides are 0), and their positions."""
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = r < T * G
     t = r // G
     h = kvh * G + r % G
-    pos = tl.load(pos_ptr + b * sp_b + t * sp_t, mask=rmask, other=-1).to(tl.int32)
-    return r, rmask, t, h, pos
+    if PACKED:
+        rmask = t < tl.load(qlen_ptr + b)
+        tok = tl.load(qstart_ptr + b).to(tl.int64) + t
+    else:
+        rmask = r < T * G
+        tok = t.to(tl.int64)
+    pos = tl.load(pos_ptr + b * sp_b + tok * sp_t, mask=rmask, other=-1).to(tl.int32)
+    return r, rmask, tok, h, pos
 
 
 @triton.jit
@@ -98,20 +106,20 @@ def _merge(m_tot, den_tot, acc_tot, m, den, acc):
 
 
 @triton.jit
-def _store_rows(out_ptr, acc, den, pos, b64, t, h, rmask, d, dmask, so_b, so_t, so_h, BLOCK_M: tl.constexpr,
+def _store_rows(out_ptr, acc, den, pos, b64, tok, h, rmask, d, dmask, so_b, so_t, so_h, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     den = tl.where(den > 0, den, 1.0)
     o = tl.math.div_rn(acc, tl.broadcast_to(den[:, None], (BLOCK_M, BLOCK_D)))
     o = tl.where((pos >= 0)[:, None], o, 0.0) + 0.0  # + 0.0: one sign for zero
-    tl.store(out_ptr + b64 * so_b + t.to(tl.int64)[:, None] * so_t + h[:, None] * so_h + d[None, :],
+    tl.store(out_ptr + b64 * so_b + tok[:, None] * so_t + h[:, None] * so_h + d[None, :],
              o.to(tl.bfloat16), mask=rmask[:, None] & dmask[None, :])
 
 
 @triton.jit(do_not_specialize=["T", "L", "BS"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, ps_ptr, T, G, HKV, L, BS, qk_scale,
-                      sq_b, sq_t, sq_h, sk_page, sk_pos, sk_h, sv_page, sv_pos, sv_h,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, ps_ptr, qstart_ptr, qlen_ptr, T, G, HKV,
+                      L, BS, qk_scale, sq_b, sq_t, sq_h, sk_page, sk_pos, sk_h, sv_page, sv_pos, sv_h,
                       so_b, so_t, so_h, sp_b, sp_t, st_b, ps_bh, ps_r, ps_s,
-                      HAS_TABLE: tl.constexpr, PARALLEL_SPLITS: tl.constexpr, D: tl.constexpr,
+                      HAS_TABLE: tl.constexpr, PARALLEL_SPLITS: tl.constexpr, PACKED: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT_BLOCKS: tl.constexpr):
     """PARALLEL_SPLITS=False: a tile walks all its splits and writes the rows. True: program (bh, tile,
@@ -122,7 +130,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, ps_ptr, 
     tile = n_tiles - 1 - tl.program_id(1)  # causal: the longest rows first
     b = bh // HKV
     kvh = bh % HKV
-    r, rmask, t, h, pos = _rows(pos_ptr, b, kvh, tile, T, G, sp_b, sp_t, BLOCK_M)
+    r, rmask, tok, h, pos = _rows(pos_ptr, qstart_ptr, qlen_ptr, b, kvh, tile, T, G, sp_b, sp_t, BLOCK_M, PACKED)
     pmax = tl.max(pos, axis=0)
     n_blocks = (pmax + BLOCK_N) // BLOCK_N  # blocks up to the one holding the tile's last position
     if PARALLEL_SPLITS:
@@ -135,7 +143,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, ps_ptr, 
     if D == BLOCK_D:  # let the compiler see the full-width rows (vector loads)
         dmask = tl.full([BLOCK_D], 1, dtype=tl.int1)
     b64 = b.to(tl.int64)
-    q = tl.load(q_ptr + b64 * sq_b + t.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
+    q = tl.load(q_ptr + b64 * sq_b + tok[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
     m_tot = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     den_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -147,7 +155,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, ps_ptr, 
         single = pos < SPLIT_BLOCKS * BLOCK_N  # the row's keys fit in split 0: its result is final
         if split == 0:
             m_tot, den_tot, acc_tot = _merge(m_tot, den_tot, acc_tot, m, den, acc)
-            _store_rows(out_ptr, acc_tot, den_tot, pos, b64, t, h, rmask & single, d, dmask, so_b, so_t, so_h,
+            _store_rows(out_ptr, acc_tot, den_tot, pos, b64, tok, h, rmask & single, d, dmask, so_b, so_t, so_h,
                         BLOCK_M, BLOCK_D)
         keep = rmask & (pos >= split * SPLIT_BLOCKS * BLOCK_N) & (pos >= SPLIT_BLOCKS * BLOCK_N)
         base = ps_ptr + bh.to(tl.int64) * ps_bh + r.to(tl.int64) * ps_r + split * ps_s
@@ -160,18 +168,19 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, ps_ptr, 
                                       v_ptr, table_ptr, b64, kvh, L, BS, qk_scale, sk_page, sk_pos, sk_h, sv_page,
                                       sv_pos, sv_h, st_b, d, dmask, HAS_TABLE, BLOCK_M, BLOCK_D, BLOCK_N)
             m_tot, den_tot, acc_tot = _merge(m_tot, den_tot, acc_tot, m, den, acc)
-        _store_rows(out_ptr, acc_tot, den_tot, pos, b64, t, h, rmask, d, dmask, so_b, so_t, so_h, BLOCK_M, BLOCK_D)
+        _store_rows(out_ptr, acc_tot, den_tot, pos, b64, tok, h, rmask, d, dmask, so_b, so_t, so_h, BLOCK_M, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _merge_splits_kernel(pos_ptr, out_ptr, ps_ptr, T, G, HKV, so_b, so_t, so_h, sp_b, sp_t, ps_bh, ps_r, ps_s,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+def _merge_splits_kernel(pos_ptr, out_ptr, ps_ptr, qstart_ptr, qlen_ptr, T, G, HKV, so_b, so_t, so_h, sp_b, sp_t,
+                         ps_bh, ps_r, ps_s, PACKED: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, SPLIT_KEYS: tl.constexpr):
     """Rows with more than one split: their splits' states merged in order, then written."""
     bh = tl.program_id(0)
     tile = tl.program_id(1)
     b = bh // HKV
     kvh = bh % HKV
-    r, rmask, t, h, pos = _rows(pos_ptr, b, kvh, tile, T, G, sp_b, sp_t, BLOCK_M)
+    r, rmask, tok, h, pos = _rows(pos_ptr, qstart_ptr, qlen_ptr, b, kvh, tile, T, G, sp_b, sp_t, BLOCK_M, PACKED)
     rmask = rmask & (pos >= SPLIT_KEYS)
     n_splits = tl.max(tl.where(rmask, pos, -1), axis=0) // SPLIT_KEYS + 1
     if n_splits <= 1:
@@ -188,7 +197,7 @@ def _merge_splits_kernel(pos_ptr, out_ptr, ps_ptr, T, G, HKV, so_b, so_t, so_h, 
         m = tl.load(base + split * ps_s + BLOCK_D, mask=has, other=float("-inf"))
         den = tl.load(base + split * ps_s + BLOCK_D + 1, mask=has, other=0.0)
         m_tot, den_tot, acc_tot = _merge(m_tot, den_tot, acc_tot, m, den, acc)
-    _store_rows(out_ptr, acc_tot, den_tot, pos, b.to(tl.int64), t, h, rmask, d, dmask, so_b, so_t, so_h,
+    _store_rows(out_ptr, acc_tot, den_tot, pos, b.to(tl.int64), tok, h, rmask, d, dmask, so_b, so_t, so_h,
                 BLOCK_M, BLOCK_D)
 
 
@@ -224,21 +233,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
               block_kv: int = BLOCK_KV, split_kv: int = SPLIT_KV) -> torch.Tensor:
     """Same semantics as kernels.reference.attention, for the Triton family's block_kv only (split_kv:
     any multiple of it)."""
+    bsz, tq, hq, d = q.shape
+    out = torch.empty(bsz, tq, hq, d, dtype=torch.bfloat16, device=q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    _launch(q, q.stride()[:3], k, v, positions, positions.stride()[:2], block_table, out, out.stride()[:3],
+            bsz, tq, scale, block_kv, split_kv)
+    return out
+
+
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     block_table: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor,
+                     max_query_len: int, out: torch.Tensor, scale: float | None = None,
+                     block_kv: int = BLOCK_KV, split_kv: int = SPLIT_KV) -> torch.Tensor:
+    """kernels.reference.attention_packed: the sequences' query rows read from and written to the flat
+    q and out [N, Hq, D] in place (no padded copy), each row's numbers those of `attention`."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    _launch(q, (0, q.stride(0), q.stride(1)), k, v, positions, (0, positions.stride(0)), block_table, out,
+            (0, out.stride(0), out.stride(1)), query_start.shape[0], max_query_len, scale, block_kv, split_kv,
+            packed=(query_start, query_len))
+    return out
+
+
+def _launch(q, q_strides, k, v, positions, pos_strides, block_table, out, out_strides, bsz: int, tq: int,
+            scale, block_kv: int, split_kv: int, packed=None) -> None:
+    """Fill out's rows: bsz sequences of up to tq query rows each; *_strides are (sequence, row[, head])."""
     if block_kv != BLOCK_KV:
         raise ValueError(f"the Triton attention visits KV in blocks of {BLOCK_KV} (kernels.contract.TRITON), "
                          f"got block_kv={block_kv}")
     check_attention_blocks(block_kv, split_kv)
-    bsz, tq, hq, d = q.shape
+    hq, d = q.shape[-2:]
     hkv = k.shape[2]
     g = hq // hkv
     scale = d ** -0.5 if scale is None else scale
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    out = torch.empty(bsz, tq, hq, d, dtype=torch.bfloat16, device=q.device)
     if block_table is not None:
         table, st_b, length, bs = block_table, block_table.stride(0), 0, k.shape[1]
         capacity = block_table.shape[1] * bs
@@ -264,20 +294,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         ps = (states.stride(0), states.stride(1), states.stride(2))
     else:
         states, ps = out, (0, 0, 0)
+    qstart, qlen = packed if packed is not None else (positions, positions)  # unread unless packed
     grid = (bsz * hkv, n_tiles, n_splits if parallel else 1)
     _attention_kernel[grid](
-        q, k, v, positions, table, out, states, tq, g, hkv, length, bs, float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        positions.stride(0), positions.stride(1), st_b, *ps,
-        HAS_TABLE=block_table is not None, PARALLEL_SPLITS=parallel, D=d, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_KV, SPLIT_BLOCKS=split_kv // BLOCK_KV, num_warps=warps, num_stages=stages)
+        q, k, v, positions, table, out, states, qstart, qlen, tq, g, hkv, length, bs, float(scale) * _LOG2E,
+        *q_strides, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        *out_strides, *pos_strides, st_b, *ps,
+        HAS_TABLE=block_table is not None, PARALLEL_SPLITS=parallel, PACKED=packed is not None, D=d,
+        BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=BLOCK_KV, SPLIT_BLOCKS=split_kv // BLOCK_KV, num_warps=warps,
+        num_stages=stages)
     if parallel:
         _merge_splits_kernel[(bsz * hkv, n_tiles)](
-            positions, out, states, tq, g, hkv, out.stride(0), out.stride(1), out.stride(2),
-            positions.stride(0), positions.stride(1), *ps, D=d, BLOCK_D=block_d, BLOCK_M=block_m,
-            SPLIT_KEYS=split_kv, num_warps=4)
-    return out
+            positions, out, states, qstart, qlen, tq, g, hkv, *out_strides, *pos_strides, *ps,
+            PACKED=packed is not None, D=d, BLOCK_D=block_d, BLOCK_M=block_m, SPLIT_KEYS=split_kv, num_warps=4)
 
 
 @triton.jit(do_not_specialize=["N"])

@@ -21,31 +21,29 @@ from . import compat
 
 @dataclass
 class PrefillGroups:
-    """Query layout of an eager step that has prefill chunks: those requests' tokens attend as
-    [requests, longest chunk] rows (each key block loaded once per tile of queries, as in training),
-    the single-token (decode) requests as [tokens, 1]. Built on the host from the step's query
-    lengths; a row's numbers do not depend on the layout."""
-    decode_tokens: torch.Tensor  # [D] tokens of one-token requests
-    tokens: torch.Tensor  # [P, T] token of each (chunk, offset), clamped inside the chunk past its end
-    valid: torch.Tensor  # [P, T] offset < chunk length
-    requests: torch.Tensor  # [P] request row of each chunk (its block table)
-    valid_rows: torch.Tensor  # [M] flat indices of the valid (chunk, offset) pairs
-    valid_tokens: torch.Tensor  # [M] their tokens
+    """Query layout of an eager step that has prefill chunks, for kernels.attention_packed: the chunks
+    (requests with more than one query token) attend as sequences of up to `longest` rows (each key
+    block loaded once per tile of queries, as in training), the one-token (decode) requests as
+    sequences of one row, both read from and written to vLLM's flat token batch in place. Built on the
+    host from the step's query lengths; a row's numbers do not depend on the layout."""
+    chunk_starts: torch.Tensor  # [P] first token of each chunk
+    chunk_lens: torch.Tensor  # [P]
+    chunk_requests: torch.Tensor  # [P] request row of each chunk (its block table)
+    decode_starts: torch.Tensor  # [D] the token of each one-token request
+    decode_lens: torch.Tensor  # [D] ones
+    decode_requests: torch.Tensor  # [D]
+    longest: int  # the longest chunk
+    num_scheduled: int  # tokens of the step's requests; vLLM's padding tokens follow them
 
     @classmethod
     def from_query_starts(cls, query_start_loc_cpu: torch.Tensor, device) -> "PrefillGroups":
         starts = query_start_loc_cpu.numpy().astype(np.int64)
         lens = np.diff(starts)
-        chunked = np.flatnonzero(lens > 1)
-        longest = int(lens[chunked].max())
-        offsets = np.arange(longest)
-        valid = offsets[None, :] < lens[chunked, None]
-        tokens = starts[chunked, None] + np.minimum(offsets[None, :], lens[chunked, None] - 1)
-        valid_rows = np.flatnonzero(valid.reshape(-1))
-        arrays = dict(decode_tokens=starts[:-1][lens == 1], tokens=tokens, valid=valid.astype(np.int64),
-                      requests=chunked, valid_rows=valid_rows, valid_tokens=tokens.reshape(-1)[valid_rows])
+        chunked, decode = np.flatnonzero(lens > 1), np.flatnonzero(lens == 1)
+        arrays = dict(chunk_starts=starts[chunked], chunk_lens=lens[chunked], chunk_requests=chunked,
+                      decode_starts=starts[decode], decode_lens=lens[decode], decode_requests=decode)
         fields = dict(zip(arrays, stage([a.astype(np.int64, copy=False) for a in arrays.values()], device)))
-        return cls(**dict(fields, valid=fields["valid"].bool()))
+        return cls(**fields, longest=int(lens[chunked].max()), num_scheduled=int(starts[-1]))
 
 
 @dataclass
@@ -117,19 +115,20 @@ class PagedKVAdapter:
     (the forward sees it as [N, 1]: every token its own row, at its own position).
 
     Built inside the forward from the metadata's buffers with device ops only (no host sync), so a
-    decode step is captured whole; a step with prefill chunks regroups their queries
-    (PrefillGroups).
+    decode step is captured whole; a step with prefill chunks attends per chunk over the flat batch
+    (PrefillGroups, kernels.attention_packed).
     """
 
     def __init__(self, kv_caches: list[torch.Tensor], metadata: ZeroKLAttentionMetadata, head_size: int,
                  num_tokens: int):
         self.kv_caches, self.head_size = kv_caches, head_size
         self.block_table, self.prefill = metadata.block_table, metadata.prefill
-        ends = metadata.query_start_loc[1: metadata.num_reqs + 1]
-        token = torch.arange(num_tokens, device=ends.device, dtype=ends.dtype)
-        # each token's request; padding tokens past the last request take the last (padding) row
-        req = torch.searchsorted(ends, token, right=True).clamp_max_(metadata.num_reqs - 1)
-        self.token_block_table = metadata.block_table.index_select(0, req)
+        if self.prefill is None:  # [N, 1] rows: each token's request's block table
+            ends = metadata.query_start_loc[1: metadata.num_reqs + 1]
+            token = torch.arange(num_tokens, device=ends.device, dtype=ends.dtype)
+            # padding tokens past the last request take the last (padding) row
+            req = torch.searchsorted(ends, token, right=True).clamp_max_(metadata.num_reqs - 1)
+            self.token_block_table = metadata.block_table.index_select(0, req)
         # padding tokens (slot -1) write into block 0, vLLM's null block, which no request reads
         self.slots = metadata.slot_mapping[:num_tokens].clamp_min(0)
         self._cache_index = None  # (block, offset) per token: every layer's pool has the same block size
@@ -144,13 +143,16 @@ class PagedKVAdapter:
         groups = self.prefill
         if groups is None:
             return ops.attention(q, kp, vp, positions, self.token_block_table, scale)
-        out = torch.zeros_like(q)
-        one = groups.decode_tokens
-        if one.numel():
-            out[one] = ops.attention(q[one], kp, vp, positions[one], self.token_block_table[one], scale)
+        if ops.attention_packed is None:
+            raise ValueError(f"op set {ops.name!r} has no attention_packed: it cannot attend over vLLM's paged cache")
         rows = q.shape[0]
-        q_flat, pos_flat = q.reshape(rows, *q.shape[2:]), positions.reshape(rows)
-        pos = torch.where(groups.valid, pos_flat[groups.tokens], -1)  # -1: a padding query row
-        o = ops.attention(q_flat[groups.tokens], kp, vp, pos, self.block_table[groups.requests], scale)
-        out.view(rows, *q.shape[2:])[groups.valid_tokens] = o.reshape(-1, *o.shape[2:])[groups.valid_rows]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        q_flat, out_flat, pos_flat = q.reshape(rows, *q.shape[2:]), out.view(rows, *q.shape[2:]), positions.reshape(rows)
+        out_flat[groups.num_scheduled:].zero_()  # vLLM's padding tokens: no request attends for them
+        for starts, lens, requests, longest in (
+                (groups.decode_starts, groups.decode_lens, groups.decode_requests, 1),
+                (groups.chunk_starts, groups.chunk_lens, groups.chunk_requests, groups.longest)):
+            if starts.numel():
+                ops.attention_packed(q_flat, kp, vp, pos_flat, self.block_table[requests], starts, lens, longest,
+                                     out=out_flat, scale=scale)
         return out

@@ -440,6 +440,7 @@ def test_attention_whole_equals_decode_chunks_paged(kt, b, length, hq, hkv, d):
         assert same_bits(alone, whole[i:i + 1])
 
 
+@needs_cuda  # 65,600 programs: far too many for the interpreter
 def test_attention_more_sequences_than_a_grid_axis_holds(kt):
     """vLLM's profiling run feeds every token as its own sequence: 16,400 sequences x 4 KV heads are
     65,600 (batch, head) programs, past the 65,535 a CUDA grid's y axis holds."""
@@ -486,6 +487,45 @@ def test_attention_decode_tiles_bitwise_identical(kt):
     if not INTERPRET:  # the comparison can fail: another split size gives other bits (the interpreter's
         # truncating bf16 casts make this small case agree)
         assert not same_bits(kt.attention(q[seq, last][:, None], k, v, last[:, None], split_kv=2 * split), want)
+
+
+def _pack(q, pos, table, pieces):
+    """vLLM's flat token batch: the (sequence, start, end) query pieces back to back, then 3 padding
+    rows; returns (q, positions, block table rows, starts, lens) for attention_packed."""
+    idx = [(i, t) for i, s, e in pieces for t in range(s, e)] + [(0, 0)] * 3
+    seqs, ts = (torch.tensor(x, device=q.device) for x in zip(*idx))
+    lens = torch.tensor([e - s for _, s, e in pieces], device=q.device)
+    starts = torch.cumsum(lens, 0) - lens
+    return q[seqs, ts], pos[seqs, ts], table[torch.tensor([i for i, _, _ in pieces], device=q.device)], starts, lens
+
+
+@pytest.mark.parametrize("b,length,hq,hkv,d", ATTN_CASES[:1])
+def test_attention_packed_equals_padded(kt, b, length, hq, hkv, d):
+    """vLLM's prefill steps: chunks of several sequences, or single decode tokens, back to back in one
+    flat batch attend in place over the paged cache. Every row equals the padded layout's, rows of no
+    sequence are left untouched, under each split schedule and tile."""
+    A = _attention_module()
+    q, k, v, pos, lengths = _attn_case(b, length, hq, hkv, d, seed=80)
+    whole = kt.attention(q, k, v, pos)
+    kc, table = _paged(k, 16, seed=5)
+    vc, _ = _paged(v, 16, seed=5)
+    rng = random.Random(length)
+    chunks = [(i, s, s + rng.randint(2, 20)) for i, n in enumerate(lengths) for s in [rng.randrange(0, n - 20)]]
+    singles = [(i, n - 1, n) for i, n in enumerate(lengths)]
+    cases = [(chunks, None, None), (chunks, None, (128, 8, 2)), (singles, None, None), (singles, True, None),
+             (singles, False, None)]
+    try:
+        for pieces, parallel, tile in cases:
+            pieces = rng.sample(pieces, len(pieces))  # the batch's order is not the sequences'
+            fq, fpos, ftable, starts, lens = _pack(q, pos, table, pieces)
+            out = torch.full_like(fq, float("nan"))
+            A._FORCED_PARALLEL_SPLITS, A._FORCED_TILE = parallel, tile
+            kt.attention_packed(fq, kc, vc, fpos, ftable, starts, lens, int(lens.max()), out)
+            for (i, s, e), start in zip(pieces, starts.tolist()):
+                assert same_bits(out[start:start + e - s], whole[i, s:e]), f"{(i, s, e)} {parallel} {tile}"
+            assert out[-3:].isnan().all(), "rows of no sequence must be left as they were"
+    finally:
+        A._FORCED_PARALLEL_SPLITS = A._FORCED_TILE = None
 
 
 # (b, length, hq, hkv, d, split_kv); None: the contract's split

@@ -264,8 +264,8 @@ def test_stock_model_class_differs(checkpoint, trainer):
 
 def test_worker_engine_serves_verified_and_off_side_by_side(checkpoint, trainer):
     """VLLMEngine, the engine of a GPU RolloutWorker, with stock_for_off: two vLLM engines, the
-    canonical one in this process and stock vLLM (its own sampler) for `off` with its core in a
-    process of its own, both on the V2 runner with CUDA graphs. Verified requests equal the trainer
+    canonical one and stock vLLM (its own sampler) for `off`, both with their cores in this process
+    (the default placement), on the V2 runner with CUDA graphs. Verified requests equal the trainer
     bit for bit; off ones do not."""
     from rollout_service.vllm_engine import VLLMEngine
 
@@ -278,7 +278,7 @@ def test_worker_engine_serves_verified_and_off_side_by_side(checkpoint, trainer)
                                  **MIXED[i % 3]) for i in range(len(prompts))]
         outs = engine.generate(prompts, params)
         assert all(o.ok and len(o.token_ids) == 24 for o in outs), [o.error for o in outs if not o.ok]
-        assert engine.canonical.runner == "v2" and engine.canonical.in_process and not engine.stock.in_process
+        assert engine.canonical.runner == "v2" and engine.canonical.in_process and engine.stock.in_process
         results = [(o.token_ids, o.logprobs, 0) for o in outs]
         assert_matches_trainer(trainer, prompts[::2], params[::2], results[::2])
         assert count_trainer_mismatches(trainer, prompts[1::2], params[1::2], results[1::2]) > 0
