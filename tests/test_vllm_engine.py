@@ -4,6 +4,7 @@ trainer's log-probs bit for bit, bad input is refused per request without losing
 pushes keep the digest check, and `off` can go to a stock vLLM engine (which does not match the trainer).
 """
 import os
+import time
 
 import pytest
 import torch
@@ -191,6 +192,10 @@ def test_off_engine_core_in_its_own_process(split_engine, engine, checkpoint):
     finally:
         engine.update_weights(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).state_dict())
     eng.stock.close()
+    # vLLM sends SIGTERM, then SIGKILL after a grace period, without waiting for the kill to land
+    deadline = time.monotonic() + 30
+    while eng.engine_core_pids & {p.pid for p in multiprocessing.active_children()} and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not eng.engine_core_pids & {p.pid for p in multiprocessing.active_children()}, "close() left it running"
 
 
