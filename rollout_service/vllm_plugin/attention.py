@@ -45,6 +45,14 @@ class PrefillGroups:
         fields = dict(zip(arrays, stage([a.astype(np.int64, copy=False) for a in arrays.values()], device)))
         return cls(**fields, longest=int(lens[chunked].max()), num_scheduled=int(starts[-1]))
 
+    def attention_calls(self, block_table: torch.Tensor) -> list[tuple]:
+        """(query starts, lengths, block tables, longest) of each kernels.attention_packed call: the
+        one-token requests, then the chunks; none for an empty group."""
+        groups = ((self.decode_starts, self.decode_lens, self.decode_requests, 1),
+                  (self.chunk_starts, self.chunk_lens, self.chunk_requests, self.longest))
+        return [(starts, lens, block_table[requests], longest)
+                for starts, lens, requests, longest in groups if starts.numel()]
+
 
 @dataclass
 class ZeroKLAttentionMetadata:
@@ -123,6 +131,8 @@ class PagedKVAdapter:
                  num_tokens: int):
         self.kv_caches, self.head_size = kv_caches, head_size
         self.block_table, self.prefill = metadata.block_table, metadata.prefill
+        # block tables gathered once per step, not per layer
+        self._packed = [] if self.prefill is None else self.prefill.attention_calls(metadata.block_table)
         if self.prefill is None:  # [N, 1] rows: each token's request's block table
             ends = metadata.query_start_loc[1: metadata.num_reqs + 1]
             token = torch.arange(num_tokens, device=ends.device, dtype=ends.dtype)
@@ -149,10 +159,6 @@ class PagedKVAdapter:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q_flat, out_flat, pos_flat = q.reshape(rows, *q.shape[2:]), out.view(rows, *q.shape[2:]), positions.reshape(rows)
         out_flat[groups.num_scheduled:].zero_()  # vLLM's padding tokens: no request attends for them
-        for starts, lens, requests, longest in (
-                (groups.decode_starts, groups.decode_lens, groups.decode_requests, 1),
-                (groups.chunk_starts, groups.chunk_lens, groups.chunk_requests, groups.longest)):
-            if starts.numel():
-                ops.attention_packed(q_flat, kp, vp, pos_flat, self.block_table[requests], starts, lens, longest,
-                                     out=out_flat, scale=scale)
+        for starts, lens, tables, longest in self._packed:
+            ops.attention_packed(q_flat, kp, vp, pos_flat, tables, starts, lens, longest, out=out_flat, scale=scale)
         return out
