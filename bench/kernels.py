@@ -99,11 +99,16 @@ def candidates(m: int, segments: int):
         out = [C(bm, bn, 4, st, seg_per_prog=s) for bn in (32, 64) for st in (4, 6) for s in (1, 2)]
         return out + [C(bm, bn, 4, st, pairs=True) for bn in (32, 64) for st in (2, 3)]
     if segments > 1:
-        return [C(128, 128, 8, 4, gluon=True), C(128, 128, 8, 5, gluon=True), C(128, 64, 4, 4, gluon=True),
-                C(64, 128, 4, 6, gluon=True), C(128, 128, 8, 5, gluon=True, seg_per_prog=4),
-                C(64, 128, 4, 6, gluon=True, seg_per_prog=4), C(128, 128, 8, 5, gluon=True, seg_per_prog=2),
-                C(64, 128, 4, 6, gluon=True, seg_per_prog=2), C(128, 128, 8, 3, pairs=True),
-                C(128, 128, 8, 3, pairs=True, hold=False),
+        gluon = [C(128, 128, 8, 4, gluon=True), C(128, 128, 8, 5, gluon=True), C(128, 64, 4, 4, gluon=True),
+                 C(64, 128, 4, 6, gluon=True), C(128, 128, 8, 5, gluon=True, seg_per_prog=4),
+                 C(64, 128, 4, 6, gluon=True, seg_per_prog=4), C(128, 128, 8, 5, gluon=True, seg_per_prog=2),
+                 C(64, 128, 4, 6, gluon=True, seg_per_prog=2)]
+        if m <= 256:  # decode-sized M (Hopper): whole-batch row tiles, narrow columns, the tree split over programs
+            return gluon + [C(256, 64, 8, 4, gluon=True), C(256, 64, 8, 4, gluon=True, seg_per_prog=4),
+                            C(256, 64, 8, 3, gluon=True, seg_per_prog=2), C(128, 64, 4, 6, gluon=True, seg_per_prog=4),
+                            C(64, 64, 4, 8, gluon=True, seg_per_prog=4), C(64, 64, 4, 8, gluon=True, seg_per_prog=2)]
+        return gluon + [
+                C(128, 128, 8, 3, pairs=True), C(128, 128, 8, 3, pairs=True, hold=False),
                 C(64, 128, 4, 3, pairs=True), C(64, 128, 4, 2, pairs=True, ctas_per_sm=2),
                 C(128, 64, 4, 3, pairs=True), C(128, 64, 4, 2, pairs=True, ctas_per_sm=2),
                 C(64, 256, 8, 2, pairs=True, hold=False), C(64, 64, 4, 3, pairs=True),
@@ -118,11 +123,25 @@ def candidates(m: int, segments: int):
         out += [C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=g) for g in (8, 16)]
     if m <= 512:
         out += [C(64, 64, 4, 4), C(128, 64, 4, 4), C(128, 128, 4, 4)]
+    if m <= 256:  # decode-sized M: one row tile for the whole batch, or narrow column tiles
+        out += [C(256, 64, 8, 4, gluon=True, tma_store=True), C(256, 128, 8, 3, gluon=True, tma_store=True),
+                C(256, 128, 8, 3, gluon=True), C(128, 256, 8, 3, gluon=True, tma_store=True),
+                C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=16), C(64, 256, 4, 4, gluon=True, tma_store=True),
+                C(128, 64, 4, 6, gluon=True, tma_store=True), C(64, 64, 4, 8, gluon=True, tma_store=True),
+                C(128, 128, 8, 3), C(256, 64, 8, 3), C(256, 128, 8, 3, tma=True)]
     return out
 
 
 def cfg_dict(cfg: MMConfig):
     return dataclasses.asdict(cfg)
+
+
+def cfg_label(cfg: MMConfig) -> str:
+    """Short name of a launch config: block_m x block_n / warps / stages and the fields set off default."""
+    default = MMConfig(cfg.block_m, cfg.block_n, cfg.warps, cfg.stages)
+    extra = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+             if getattr(cfg, f.name) != getattr(default, f.name)]
+    return " ".join([f"{cfg.block_m}x{cfg.block_n}/{cfg.warps}/{cfg.stages}"] + extra)
 
 
 def run_matmul(ms_list, sweep: bool, rep: int, shapes=None, model: str = "llama8b"):
@@ -146,7 +165,7 @@ def run_matmul(ms_list, sweep: bool, rep: int, shapes=None, model: str = "llama8
                    "cublas_tflops": round(tflops(m, k, n, t_cublas), 1),
                    "ratio": round(t_cublas / t_can, 3), "config": cfg_dict(cfg)}
             if sweep:
-                best = None
+                best, tried = None, {}
                 for c in candidates(m, segments):
                     try:
                         t = bench_ms(lambda: kt.matmul_with_config(x, w, None, segments, torch.bfloat16, c),
@@ -154,12 +173,14 @@ def run_matmul(ms_list, sweep: bool, rep: int, shapes=None, model: str = "llama8
                     except Exception as exc:  # a config that does not compile is just skipped
                         print(f"# {name} M={m} {c}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
                         continue
+                    tried[cfg_label(c)] = round(t_cublas / t, 3)
                     if best is None or t < best[0]:
                         best = (t, c)
                 if best is not None:
                     sweep_rows.append({"shape": name, "M": m, "segments": segments, "best": cfg_dict(best[1]),
                                        "best_ratio": round(t_cublas / best[0], 3),
-                                       "best_tflops": round(tflops(m, k, n, best[0]), 1)})
+                                       "best_tflops": round(tflops(m, k, n, best[0]), 1),
+                                       "ratio_by_config": tried})
                     print("# sweep", json.dumps(sweep_rows[-1]), file=sys.stderr, flush=True)
             rows.append(row)
             print("#", json.dumps(row), file=sys.stderr, flush=True)
@@ -305,7 +326,8 @@ def run_attention_sweep(rep: int):
 
 # Decode steps of the speed tables (Llama-3.1-8B: 32 query heads on 8 KV heads; Qwen2.5-1.5B: 12 on 2),
 # (batch, context, q heads, KV heads, cache capacity = the workload's max_model_len)
-DECODE_CASES = ((256, 560, 32, 8, 1040), (256, 1000, 32, 8, 1040), (64, 1000, 32, 8, 1040),
+DECODE_CASES = ((256, 560, 32, 8, 1040), (256, 1000, 32, 8, 1040), (128, 1000, 32, 8, 1040),
+                (160, 1000, 32, 8, 1040), (200, 1000, 32, 8, 1040), (232, 1000, 32, 8, 1040), (64, 1000, 32, 8, 1040),
                 (64, 1000, 12, 2, 1040), (256, 1000, 12, 2, 1040), (32, 4096, 32, 8, 9232),
                 (32, 8192, 32, 8, 9232), (32, 8192, 12, 2, 9232))
 

@@ -329,6 +329,9 @@ def _combine_kernel(p_ptr, bias_ptr, out_ptr, M, N, stride_g, stride_pm, stride_
 # the first row with M <= max_M wins. Columns by N: <= 4096, <= 8192, wider. Small M streams the
 # weight (narrow tiles, deep pipelines, many programs); from M = 128 on Hopper the Gluon kernel
 # (matmul_sm90.py with one segment: a loader warp, the epilogue through a TMA store) does most shapes.
+# Decode-sized M (65-160): 64 x 64 Gluon tiles for N <= 4096 (o and down as plain products at M = 96 / 128:
+# 0.72 / 0.73 -> 0.85 / 0.88 and 0.85 / 0.88 -> 0.91 / 1.01 of cuBLAS), 128 x 256 for the widest N at
+# M <= 96 (gate_up 0.83 -> 0.98, lm_head 0.90 -> 1.01), 64 x 256 Gluon at 129-160 (gate_up 0.89 -> 0.91).
 # Measured vs cuBLAS (Llama-3.1-8B shapes, M = 128 / 256 / 512 / 1024 / 2048 / 4096 / 8192):
 # qkv 0.87 / 0.82 / 0.83 / 0.92 / 0.97 / 1.02 / 1.04, o 0.74 / 0.91 / 0.91 / 0.99 / 0.94 / 0.98 / 0.96,
 # down 0.88 / 0.96 / 0.92 / 0.96 / 1.00 / 1.00 / 1.01, gate_up 1.02 / 0.98 / 0.93 / 0.97 / 1.01 / 1.11 / 1.05.
@@ -337,11 +340,14 @@ C = MMConfig
 _G64 = C(64, 128, 4, 6, gluon=True, tma_store=True)
 _G128 = C(128, 128, 4, 5, gluon=True, tma_store=True)
 _G256 = C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=16)
+_G64N = C(64, 64, 4, 8, gluon=True, tma_store=True)
 _PLAIN = [
     (16, (C(16, 64, 4, 6), C(16, 64, 4, 6), C(16, 128, 4, 6))),
     (32, (C(32, 32, 4, 6), C(32, 64, 4, 6), C(32, 64, 4, 6))),
     (64, (C(64, 32, 4, 6), C(64, 32, 4, 6), C(64, 128, 4, 6))),
-    (128, (_G64, _G64, C(128, 128, 8, 3))),
+    (96, (_G64N, _G64, C(128, 256, 8, 4, tma=True))),
+    (128, (_G64N, _G64, C(128, 128, 8, 3))),
+    (160, (_G64, _G128, C(64, 256, 4, 4, gluon=True, tma_store=True))),
     (256, (_G64, _G128, C(128, 256, 8, 4, tma=True))),
     (512, (_G128, C(128, 256, 8, 4, tma=True), _G128)),
     (1024, (C(128, 256, 8, 4, tma=True), _G128, C(128, 256, 8, 4, tma=True))),
@@ -389,7 +395,7 @@ _SMALLER_TILES = ((_G128, 0.7), (_G64, 0.8))
 # cuBLAS; 280 of 64 x 64, 0.99).
 _NARROWER_SMALL_M = C(64, 64, 4, 4)
 _FP32_WIDE = C(128, 128, 8, 4, tma=True)  # a 128x256 fp32 epilogue needs more shared memory than there is
-del C, _G64, _G128, _G256
+del C, _G64, _G64N, _G128, _G256
 
 
 def _lookup(table, m: int, n: int) -> MMConfig:

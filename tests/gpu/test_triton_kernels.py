@@ -145,6 +145,30 @@ def test_matmul_tile_configs_bitwise_identical(kt, segments, k_dim):
         assert same_bits(out, base), f"config {v} differs"
 
 
+def _table_configs(tree: bool):
+    """Every launch configuration matmul.py's dispatch can pick for plain products or segment trees."""
+    mm = importlib.import_module("kernels.triton.matmul")
+    tables = (mm._TREE, mm._TREE_NO_GLUON) if tree else (mm._PLAIN, mm._PLAIN_NO_GLUON)
+    cfgs = {c for table in tables for _, row in table for c in row}
+    cfgs |= {mm._TREE_G64} if tree else {c for c, _ in mm._SMALLER_TILES} | {mm._NARROWER_SMALL_M, mm._FP32_WIDE}
+    return sorted(cfgs, key=repr)
+
+
+@needs_cuda
+@pytest.mark.parametrize("segments", [1, 8])
+def test_launch_table_configs_bitwise_identical(kt, segments):
+    """Each configuration the tables hold gives the same bits as a plain 64 x 64 launch, whatever it
+    is picked for, at a decode-sized and a prefill-sized M (a table entry added untested fails here)."""
+    w = randn(6144, 4096, seed=7, scale=0.02)
+    b = randn(6144, seed=8)
+    for m in (200, 1100):
+        x = randn(m, 4096, seed=6)
+        base = kt.matmul_with_config(x, w, b, segments, BF, kt.MMConfig(64, 64, 4, 2))
+        for cfg in _table_configs(tree=segments > 1):
+            out = kt.matmul_with_config(x, w, b, segments, BF, cfg)
+            assert same_bits(out, base), f"M={m}: config {cfg} differs"
+
+
 @needs_cuda
 def test_gluon_tree_kernel_runs_on_hopper(kt):
     """On an H100/H200 the launch table's entries for M >= 128 really take the Gluon kernel
