@@ -210,16 +210,28 @@ def _tile_config(rows: int):
     return 128, 8, 2
 
 
+# Decode tiles (16 rows, 2 warps) take 255 registers a thread on H100: 4 programs fit on an SM at once.
+_DECODE_PROGRAMS_PER_SM = 4
+
+
+def _wave_fill(programs: int, slots: int) -> float:
+    """Share of the program slots kept busy over the waves programs take (1.0: the last wave is full)."""
+    return programs / (triton.cdiv(programs, slots) * slots)
+
+
 def _decode_schedule(pairs: int, n_splits: int):
     """(a program per split?, (BLOCK_M, warps, stages)) for a decode-sized step over a cache of n_splits
     splits, by its (sequence, KV head) pairs: shapes only, so a captured step keeps its choice. Both
-    schedules give the same bits. Measured on H100 against vLLM's FA3 (bench/kernels.py --only decode,
-    16-token pages): at 2,048 pairs (Llama-3.1-8B at batch 256) walking the splits with 2 warps is
-    0.95-0.98x the time of a program per split (no split states, no merge kernel); with fewer pairs a
-    program per split fills the GPU, 2 warps / 1 stage once there are 4 programs per SM (0.93x the
-    time of 8 / 2 at 32 x 8,192 keys), 8 / 2 below (Qwen2.5-1.5B at batch 64, 1,040 positions)."""
+    schedules give the same bits. One program per pair walking its splits saves the split states and
+    the merge kernel, but its long programs run in waves of 4 per SM: where the last wave is far from
+    full, a program per split (shorter programs, more of them) finishes first. Measured on H100
+    (bench/kernels.py, Llama-3.1-8B heads, 1,000 keys): with walk fills of 0.73-0.82 (batch 144, 160,
+    200, 216, 272) a program per split took 0.91-0.95x the time; at fills of 0.85-0.89 the two tie,
+    from 0.94 walking is 2-7% faster. With a program per split, 2 warps / 1 stage once there are 4
+    programs per SM (0.93x the time of 8 / 2 at 32 x 8,192 keys), 8 / 2 below (Qwen2.5-1.5B at batch
+    64, 1,040 positions)."""
     sms = current_sms()
-    if pairs >= 4 * sms:
+    if _wave_fill(pairs, _DECODE_PROGRAMS_PER_SM * sms) >= 0.85:
         return False, (16, 2, 1)
     return True, ((16, 2, 1) if pairs * n_splits >= 4 * sms else (16, 8, 2))
 
