@@ -71,9 +71,10 @@ def _import_relative(text: str) -> str:
     return text
 
 
-def _kernel_table(run, top: int) -> list[dict]:
+def _kernel_table(run, top: int) -> tuple[list[dict], float]:
     """The `top` GPU kernels of run() by total device time (on CPU: torch ops by own CPU time): name,
-    calls, total and mean microseconds, share."""
+    calls, total and mean microseconds, share; and the total over all kernels, listed or not (compare
+    systems by that, not by sums over their top lists)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     cuda = torch.cuda.is_available()
@@ -86,9 +87,10 @@ def _kernel_table(run, top: int) -> list[dict]:
         return e.self_device_time_total if cuda else e.self_cpu_time_total
     events = sorted((e for e in prof.key_averages() if own_us(e) > 0), key=own_us, reverse=True)
     total = sum(own_us(e) for e in events) or 1.0
-    return [dict(kernel=e.key[:120], calls=e.count, total_us=round(own_us(e), 1),
+    rows = [dict(kernel=e.key[:120], calls=e.count, total_us=round(own_us(e), 1),
                  mean_us=round(own_us(e) / max(e.count, 1), 2), share=round(own_us(e) / total, 4))
             for e in events[:top]]
+    return rows, total
 
 
 # (module, class or None for a module function, name) timed by --host-times; the plugin's sampler
@@ -281,7 +283,8 @@ def main():
                   prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens, **engine_facts(llm),
                   tokens_per_s=round(tokens / seconds, 1), ms_per_step=round(1000 * seconds / steps, 3))
     if args.kernels:
-        emit(dict(common, kernels=_kernel_table(generate, args.top)), args.out)
+        rows, total_us = _kernel_table(generate, args.top)
+        emit(dict(common, kernel_time_s=round(total_us / 1e6, 3), kernels=rows), args.out)
         return
     if host_totals is not None:
         host_totals.clear()
