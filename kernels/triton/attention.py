@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..contract import TRITON, check_attention_blocks
-from .device import current_sms
+from .device import current_sms, wave_fill
 
 # KV block visited per step, from position 0 (the contract's, kernels.contract.TRITON). It need not
 # divide the paged block size: each key's page is looked up on its own.
@@ -214,11 +214,6 @@ def _tile_config(rows: int):
 _DECODE_PROGRAMS_PER_SM = 4
 
 
-def _wave_fill(programs: int, slots: int) -> float:
-    """Share of the program slots kept busy over the waves programs take (1.0: the last wave is full)."""
-    return programs / (triton.cdiv(programs, slots) * slots)
-
-
 def _decode_schedule(pairs: int, n_splits: int):
     """(a program per split?, (BLOCK_M, warps, stages)) for a decode-sized step over a cache of n_splits
     splits, by its (sequence, KV head) pairs: shapes only, so a captured step keeps its choice. Both
@@ -231,7 +226,7 @@ def _decode_schedule(pairs: int, n_splits: int):
     programs per SM (0.93x the time of 8 / 2 at 32 x 8,192 keys), 8 / 2 below (Qwen2.5-1.5B at batch
     64, 1,040 positions)."""
     sms = current_sms()
-    if _wave_fill(pairs, _DECODE_PROGRAMS_PER_SM * sms) >= 0.85:
+    if wave_fill(pairs, _DECODE_PROGRAMS_PER_SM * sms) >= 0.85:
         return False, (16, 2, 1)
     return True, ((16, 2, 1) if pairs * n_splits >= 4 * sms else (16, 8, 2))
 

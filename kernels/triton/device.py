@@ -1,4 +1,4 @@
-"""The device facts launch choices read: how many SMs there are."""
+"""The device facts launch choices read: how many SMs there are, and how full their last wave is."""
 from __future__ import annotations
 
 import functools
@@ -17,3 +17,10 @@ def num_sms(index: int) -> int:
 def current_sms() -> int:
     """SMs of the current device; an H100's 132 where there is none (launch tables read on CPU)."""
     return num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+
+
+def wave_fill(programs: int, slots: int) -> float:
+    """Share of `slots` concurrent program slots kept busy over the waves `programs` take (1.0: the
+    last wave is full)."""
+    waves = -(-programs // slots)
+    return programs / (waves * slots)

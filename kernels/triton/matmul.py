@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..contract import TRITON
-from .device import current_sms, num_sms
+from .device import current_sms, num_sms, wave_fill
 
 # Fixed K tile, the contract's (kernels.contract.TRITON): one dot per BLOCK_K K-elements, in order.
 BLOCK_K = TRITON.matmul_block_k
@@ -436,9 +436,7 @@ def _tiles(M: int, N: int, cfg: MMConfig) -> int:
 
 def _wave_fill(M: int, N: int, cfg: MMConfig, split: int = 1) -> float:
     """Share of the SM slots that the work items keep busy over their waves (1.0: the last wave is full)."""
-    items = _tiles(M, N, cfg) * split
-    sms = current_sms()
-    return items / (triton.cdiv(items, sms) * sms)
+    return wave_fill(_tiles(M, N, cfg) * split, current_sms())
 
 
 def _few_programs(M: int, N: int, cfg: MMConfig, segments: int) -> bool:
