@@ -329,9 +329,10 @@ def _combine_kernel(p_ptr, bias_ptr, out_ptr, M, N, stride_g, stride_pm, stride_
 # the first row with M <= max_M wins. Columns by N: <= 4096, <= 8192, wider. Small M streams the
 # weight (narrow tiles, deep pipelines, many programs); from M = 128 on Hopper the Gluon kernel
 # (matmul_sm90.py with one segment: a loader warp, the epilogue through a TMA store) does most shapes.
-# Decode-sized M (65-160): 64 x 64 Gluon tiles for N <= 4096 (o and down as plain products at M = 96 / 128:
-# 0.72 / 0.73 -> 0.85 / 0.88 and 0.85 / 0.88 -> 0.91 / 1.01 of cuBLAS), 128 x 256 for the widest N at
-# M <= 96 (gate_up 0.83 -> 0.98, lm_head 0.90 -> 1.01), 64 x 256 Gluon at 129-160 (gate_up 0.89 -> 0.91).
+# Decode-sized M (65-160, bench/results/2026-11-26-h100-waves): 64 x 64 Gluon tiles for N <= 4096 at
+# 65-128 (o and down as plain products at M = 96 / 128: 0.72 / 0.73 -> 0.85 / 0.88 and 0.85 / 0.88 ->
+# 0.91 / 1.01 of cuBLAS), 128 x 256 for the widest N at 65-96 (gate_up 0.83 -> 0.98, lm_head 0.90 ->
+# 1.01), 64 x 256 Gluon at 129-160 (gate_up 0.89 -> 0.91).
 # Measured vs cuBLAS (Llama-3.1-8B shapes, M = 128 / 256 / 512 / 1024 / 2048 / 4096 / 8192):
 # qkv 0.87 / 0.82 / 0.83 / 0.92 / 0.97 / 1.02 / 1.04, o 0.74 / 0.91 / 0.91 / 0.99 / 0.94 / 0.98 / 0.96,
 # down 0.88 / 0.96 / 0.92 / 0.96 / 1.00 / 1.00 / 1.01, gate_up 1.02 / 0.98 / 0.93 / 0.97 / 1.01 / 1.11 / 1.05.
