@@ -332,6 +332,12 @@ DECODE_CASES = ((256, 560, 32, 8, 1040), (256, 1000, 32, 8, 1040), (128, 1000, 3
                 (32, 8192, 32, 8, 9232), (32, 8192, 12, 2, 9232))
 
 
+# (BLOCK_M, warps, stages) tried per decode case: 16-row tiles run mma.sync with K and V in registers;
+# 64-row tiles (one warpgroup, 4 warps) run wgmma with K and V staged in shared memory by async copies
+DECODE_TILES = tuple((16, w, s) for w in (1, 2, 4, 8) for s in (1, 2, 3, 4)) + (
+    (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2), (64, 8, 3))
+
+
 def _fa3_paged_decode(q, kc, vc, ctx: int, table):
     """vLLM's own decode attention (FA3 through vllm_flash_attn, as its FlashAttention backend calls it)
     on the same paged cache, or None where this vLLM build has no FA3."""
@@ -369,15 +375,15 @@ def run_decode_attention(rep: int):
         row["as_launched_GBps"] = round(kv_bytes / row["as_launched_ms"] / 1e6, 1)
         for schedule, parallel in (("per_split", True), ("walk", False)):
             times = {}
-            for warps in (1, 2, 4, 8):
-                for stages in (1, 2, 3, 4):
-                    A._FORCED_TILE, A._FORCED_PARALLEL_SPLITS = (16, warps, stages), parallel
-                    try:
-                        times[f"16/{warps}/{stages}"] = bench_ms(call, rep=rep)
-                    except Exception as exc:  # e.g. out of shared memory
-                        print(f"# {schedule} 16/{warps}/{stages}: {type(exc).__name__}", file=sys.stderr)
-                    finally:
-                        A._FORCED_TILE = A._FORCED_PARALLEL_SPLITS = None
+            for tile in DECODE_TILES:
+                A._FORCED_TILE, A._FORCED_PARALLEL_SPLITS = tile, parallel
+                label = "/".join(map(str, tile))
+                try:
+                    times[label] = bench_ms(call, rep=rep)
+                except Exception as exc:  # e.g. out of shared memory
+                    print(f"# {schedule} {label}: {type(exc).__name__}", file=sys.stderr)
+                finally:
+                    A._FORCED_TILE = A._FORCED_PARALLEL_SPLITS = None
             best = min(times, key=times.get)
             row[schedule] = {"best_tile": best, "best_ms": round(times[best], 4),
                              "tiles_ms": {k: round(v, 4) for k, v in times.items()}}

@@ -73,6 +73,8 @@ def _vllm_options(args) -> dict:
         opts.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20)
     else:
         opts.update(gpu_memory_utilization=args.gpu_memory_utilization)
+        if args.num_gpu_blocks:  # the same KV cache for every system, whatever profiling would leave it
+            opts.update(num_gpu_blocks_override=args.num_gpu_blocks)
     return opts
 
 
@@ -370,6 +372,9 @@ def main(argv: list[str] | None = None):
     p.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM KV cache on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
                    help="vLLM's share of GPU memory (the verifier shares the GPU)")
+    p.add_argument("--num-gpu-blocks", type=int,
+                   help="GPU: every vLLM engine gets this many KV blocks (vLLM's num_gpu_blocks_override) "
+                        "instead of what its memory profile leaves; compares speed at equal KV capacity")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="vllm* systems: vLLM's tensor parallelism over this many GPUs (the plugin's row-parallel "
                         "outputs combined by the segment tree, stock vLLM's by its all-reduce)")
@@ -436,7 +441,8 @@ def _report(args, model: str, runs: dict[str, list[dict]], partial_out: str | No
         tensor_parallel_size=args.tensor_parallel_size, engine_core=args.engine_core,
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                       stock_logprobs=args.stock_logprobs,
-                      temperature=args.temperature, top_p=args.top_p),
+                      temperature=args.temperature, top_p=args.top_p,
+                      gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks),
         ours=dict(window=args.window, group=args.group), results=results)
     if partial_out:
         report["complete"] = False

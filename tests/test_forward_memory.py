@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+import kernels.forward as forward_module
 from kernels.forward import CANONICAL_OPS, forward_hidden, fuse_projections
 from rollout_service.tiny_models import tiny_model
 
@@ -54,3 +55,33 @@ def test_layer_frees_intermediates_before_down_proj(tmp_path, fused):
     report = _alive_at_down_proj(model, ids)
     assert len(report) == model.config.num_hidden_layers
     assert report == [[]] * len(report), report  # e.g. ['projection 128', ...] if gate/up outlive their use
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_long_steps_run_the_mlp_in_row_chunks_with_the_same_bits(tmp_path, monkeypatch, fused):
+    """Past MLP_CHUNK_ROWS tokens (a prefill step) the MLP runs in row chunks: no gate/up output is
+    larger than one chunk, and the hidden states are bitwise those of the whole-step MLP."""
+    tiny_model("qwen2", seed=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    if fused:
+        fuse_projections(model)
+    ids = torch.randint(0, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    inter = model.config.intermediate_size
+    gate_up_rows: list[int] = []
+
+    def linear(x, w, b=None, row_parallel=False):
+        if not row_parallel and w.shape[0] in (inter, 2 * inter):
+            gate_up_rows.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return CANONICAL_OPS.linear(x, w, b, row_parallel=row_parallel)
+
+    ops = dataclasses.replace(CANONICAL_OPS, linear=linear)
+    with torch.no_grad():
+        whole = forward_hidden(model, ids, positions, ops=ops)
+        assert set(gate_up_rows) == {21}
+        gate_up_rows.clear()
+        monkeypatch.setattr(forward_module, "MLP_CHUNK_ROWS", 8)
+        chunked = forward_hidden(model, ids, positions, ops=ops)
+    per_layer = [8, 8, 5] if fused else [8, 8, 8, 8, 5, 5]  # unfused: gate and up each see every chunk
+    assert sorted(gate_up_rows, reverse=True) == sorted(per_layer * model.config.num_hidden_layers, reverse=True)
+    assert torch.equal(chunked, whole)
