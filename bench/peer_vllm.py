@@ -78,6 +78,13 @@ def _vllm_options(args) -> dict:
     return opts
 
 
+def _kv_settings(args) -> dict:
+    """What sized the engines' KV caches (a report's record of the workload)."""
+    if _on_cpu():
+        return dict(kv_cache_mib=args.kv_cache_mib)
+    return dict(gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks)
+
+
 def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
     """The vllm.LLM of a `vllm*` system, its engine core in this process or its own (VLLM_BATCH_INVARIANT
     comes from the env). vllm-plugin*: the canonical model class and our seeded sampling rule."""
@@ -441,8 +448,7 @@ def _report(args, model: str, runs: dict[str, list[dict]], partial_out: str | No
         tensor_parallel_size=args.tensor_parallel_size, engine_core=args.engine_core,
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                       stock_logprobs=args.stock_logprobs,
-                      temperature=args.temperature, top_p=args.top_p,
-                      gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks),
+                      temperature=args.temperature, top_p=args.top_p, **_kv_settings(args)),
         ours=dict(window=args.window, group=args.group), results=results)
     if partial_out:
         report["complete"] = False
