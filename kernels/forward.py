@@ -127,6 +127,13 @@ def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.to(torch.bfloat16)
 
 
+# Without autograd, a step of more tokens than this runs its MLP in row chunks of this size. Its
+# [tokens, intermediate] tensors are a prefill step's largest (Llama-3.1-8B at 16,384 tokens: 0.9 GB
+# for gate/up, 0.5 GB for their SiLU product), and vLLM leaves the peak of its profiling step out of
+# the KV cache. Every MLP op treats rows on their own, so the bits do not change.
+MLP_CHUNK_ROWS = 4096
+
+
 def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     """One decoder layer; installed as the layer's forward so FSDP2's hooks still wrap it."""
     ops, spec = ctx.ops, ctx.spec
@@ -160,13 +167,6 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     for lo in range(0, b * t, MLP_CHUNK_ROWS):
         down[lo:lo + MLP_CHUNK_ROWS] = _dense_mlp(ops, mlp, rows[lo:lo + MLP_CHUNK_ROWS])
     return ctx.residual(hidden, down.view(b, t, -1))
-
-
-# Without autograd, a step of more tokens than this runs its MLP in row chunks of this size. Its
-# [tokens, intermediate] tensors are a prefill step's largest (Llama-3.1-8B at 16,384 tokens: 0.9 GB
-# for gate/up, 0.5 GB for their SiLU product), and vLLM leaves the peak of its profiling step out of
-# the KV cache. Every MLP op treats rows on their own, so the bits do not change.
-MLP_CHUNK_ROWS = 4096
 
 
 def _dense_mlp(ops: OpSet, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

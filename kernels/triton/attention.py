@@ -222,13 +222,13 @@ def _decode_schedule(pairs: int, n_splits: int):
     full, a program per split (shorter programs, more of them) finishes first. Measured on H100
     (bench/kernels.py, Llama-3.1-8B heads, 1,000 keys): with walk fills of 0.73-0.82 (batch 144, 160,
     200, 216, 272) a program per split took 0.90-0.94x the time; at fills of 0.85-0.89 the two tie,
-    from 0.94 walking is 2-4% faster (4-7% at 560 keys, where the second split is short). With a program per split, 2 warps / 1 stage once there are 4
-    programs per SM (0.93x the time of 8 / 2 at 32 x 8,192 keys), 8 / 2 below (Qwen2.5-1.5B at batch
-    64, 1,040 positions)."""
-    sms = current_sms()
-    if wave_fill(pairs, _DECODE_PROGRAMS_PER_SM * sms) >= 0.85:
+    from 0.94 walking is 2-4% faster (4-7% at 560 keys, where the second split is short). With a
+    program per split, 2 warps / 1 stage once there are 4 programs per SM (0.93x the time of 8 / 2 at
+    32 x 8,192 keys), 8 / 2 below (Qwen2.5-1.5B at batch 64, 1,040 positions)."""
+    slots = _DECODE_PROGRAMS_PER_SM * current_sms()
+    if wave_fill(pairs, slots) >= 0.85:
         return False, (16, 2, 1)
-    return True, ((16, 2, 1) if pairs * n_splits >= 4 * sms else (16, 8, 2))
+    return True, ((16, 2, 1) if pairs * n_splits >= slots else (16, 8, 2))
 
 
 _FORCED_TILE = None  # tests: force (BLOCK_M, warps, stages) for every call
