@@ -59,8 +59,11 @@ def _rows(pos_ptr, qstart_ptr, qlen_ptr, b, kvh, tile, T, G, sp_b, sp_t, BLOCK_M
 @triton.jit
 def _attend_split(q, pos, pmax, blk_lo, blk_hi, k_ptr, v_ptr, table_ptr, b64, kvh, L, BS, qk_scale,
                   sk_page, sk_pos, sk_h, sv_page, sv_pos, sv_h, st_b, d, dmask,
-                  HAS_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online softmax from a fresh state over KV blocks [blk_lo, blk_hi): (max, denominator, P @ V)."""
+                  HAS_TABLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  OFFSETS_32: tl.constexpr):
+    """Online softmax from a fresh state over KV blocks [blk_lo, blk_hi): (max, denominator, P @ V).
+    OFFSETS_32: every K/V element lies within 2**31 elements of k_ptr / v_ptr, so key addresses are
+    32-bit offsets (fewer registers a thread; addresses only, the numbers are the same)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_acc = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -70,12 +73,17 @@ def _attend_split(q, pos, pmax, blk_lo, blk_hi, k_ptr, v_ptr, table_ptr, b64, kv
         j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_ok = j <= pmax  # keys past every row's position may be stale: never read them
         if HAS_TABLE:
-            page = tl.load(table_ptr + b64 * st_b + j // BS, mask=kv_ok, other=0).to(tl.int64)
-            slot = (j % BS).to(tl.int64)
+            page = tl.load(table_ptr + b64 * st_b + j // BS, mask=kv_ok, other=0)
+            slot = j % BS
         else:
             kv_ok = kv_ok & (j < L)
             page = tl.zeros([BLOCK_N], dtype=tl.int64) + b64
-            slot = j.to(tl.int64)
+            slot = j
+        if OFFSETS_32:
+            page = page.to(tl.int32)
+        else:
+            page = page.to(tl.int64)
+            slot = slot.to(tl.int64)
         kvmask = kv_ok[:, None] & dmask[None, :]
         k = tl.load(k_ptr + (page * sk_page + slot * sk_pos + kvh * sk_h)[:, None] + d[None, :],
                     mask=kvmask, other=0.0)
@@ -121,7 +129,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, ps_ptr, 
                       so_b, so_t, so_h, sp_b, sp_t, st_b, ps_bh, ps_r, ps_s,
                       HAS_TABLE: tl.constexpr, PARALLEL_SPLITS: tl.constexpr, PACKED: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SPLIT_BLOCKS: tl.constexpr):
+                      SPLIT_BLOCKS: tl.constexpr, OFFSETS_32: tl.constexpr):
     """PARALLEL_SPLITS=False: a tile walks all its splits and writes the rows. True: program (bh, tile,
     split) reduces one split; rows with a single split are written here, the others leave their
     split's state in ps_ptr ([B * HKV, T * G, splits, BLOCK_D + 2] fp32: acc, max, denominator)."""
@@ -151,7 +159,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, ps_ptr, 
     if PARALLEL_SPLITS:
         m, den, acc = _attend_split(q, pos, pmax, blk_lo, tl.minimum(blk_lo + SPLIT_BLOCKS, n_blocks), k_ptr, v_ptr,
                                   table_ptr, b64, kvh, L, BS, qk_scale, sk_page, sk_pos, sk_h, sv_page, sv_pos,
-                                  sv_h, st_b, d, dmask, HAS_TABLE, BLOCK_M, BLOCK_D, BLOCK_N)
+                                  sv_h, st_b, d, dmask, HAS_TABLE, BLOCK_M, BLOCK_D, BLOCK_N, OFFSETS_32)
         single = pos < SPLIT_BLOCKS * BLOCK_N  # the row's keys fit in split 0: its result is final
         if split == 0:
             m_tot, den_tot, acc_tot = _merge(m_tot, den_tot, acc_tot, m, den, acc)
@@ -166,7 +174,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, out_ptr, ps_ptr, 
         for blk_lo in range(0, n_blocks, SPLIT_BLOCKS):
             m, den, acc = _attend_split(q, pos, pmax, blk_lo, tl.minimum(blk_lo + SPLIT_BLOCKS, n_blocks), k_ptr,
                                       v_ptr, table_ptr, b64, kvh, L, BS, qk_scale, sk_page, sk_pos, sk_h, sv_page,
-                                      sv_pos, sv_h, st_b, d, dmask, HAS_TABLE, BLOCK_M, BLOCK_D, BLOCK_N)
+                                      sv_pos, sv_h, st_b, d, dmask, HAS_TABLE, BLOCK_M, BLOCK_D, BLOCK_N, OFFSETS_32)
             m_tot, den_tot, acc_tot = _merge(m_tot, den_tot, acc_tot, m, den, acc)
         _store_rows(out_ptr, acc_tot, den_tot, pos, b64, tok, h, rmask, d, dmask, so_b, so_t, so_h, BLOCK_M, BLOCK_D)
 
@@ -229,6 +237,14 @@ def _decode_schedule(pairs: int, n_splits: int):
     if wave_fill(pairs, slots) >= 0.85:
         return False, (16, 2, 1)
     return True, ((16, 2, 1) if pairs * n_splits >= slots else (16, 8, 2))
+
+
+_OFFSETS_32_LIMIT = 2 ** 31 - 1  # elements a K/V view may span for 32-bit key offsets (tests lower it)
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from t's first to its last addressed element, plus one."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
 _FORCED_TILE = None  # tests: force (BLOCK_M, warps, stages) for every call
@@ -308,8 +324,8 @@ def _launch(q, q_strides, k, v, positions, pos_strides, block_table, out, out_st
         *q_strides, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         *out_strides, *pos_strides, st_b, *ps,
         HAS_TABLE=block_table is not None, PARALLEL_SPLITS=parallel, PACKED=packed is not None, D=d,
-        BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=BLOCK_KV, SPLIT_BLOCKS=split_kv // BLOCK_KV, num_warps=warps,
-        num_stages=stages)
+        BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=BLOCK_KV, SPLIT_BLOCKS=split_kv // BLOCK_KV,
+        OFFSETS_32=max(_span(k), _span(v)) <= _OFFSETS_32_LIMIT, num_warps=warps, num_stages=stages)
     if parallel:
         _merge_splits_kernel[(bsz * hkv, n_tiles)](
             positions, out, states, qstart, qlen, tq, g, hkv, *out_strides, *pos_strides, *ps,

@@ -513,6 +513,34 @@ def test_attention_decode_tiles_bitwise_identical(kt):
         assert not same_bits(kt.attention(q[seq, last][:, None], k, v, last[:, None], split_kv=2 * split), want)
 
 
+def test_attention_key_offsets_32_and_64_bit_identical(kt):
+    """Caches spanning fewer than 2**31 elements address keys by 32-bit offsets, larger ones by 64-bit:
+    addresses only, so prefill rows and decode steps (both schedules) have the same bits either way."""
+    A = _attention_module()
+    b, length, hq, hkv, d = ATTN_CASES[0]
+    q, k, v, pos, lengths = _attn_case(b, length, hq, hkv, d, seed=46)
+    kc, table = _paged(k, 16, seed=3)
+    vc, _ = _paged(v, 16, seed=3)
+    seq, last = torch.arange(b, device=DEV), torch.tensor([n - 1 for n in lengths], device=DEV)
+
+    def runs():
+        out = [kt.attention(q, k, v, pos), kt.attention(q, kc, vc, pos, block_table=table)]
+        for parallel in (True, False):
+            A._FORCED_PARALLEL_SPLITS = parallel
+            out.append(kt.attention(q[seq, last][:, None], kc, vc, last[:, None], block_table=table, split_kv=64))
+        A._FORCED_PARALLEL_SPLITS = None
+        return out
+    try:
+        assert max(A._span(kc), A._span(k)) <= A._OFFSETS_32_LIMIT
+        narrow = runs()
+        A._OFFSETS_32_LIMIT = 0  # every cache takes 64-bit offsets
+        wide = runs()
+    finally:
+        A._OFFSETS_32_LIMIT, A._FORCED_PARALLEL_SPLITS = 2 ** 31 - 1, None
+    for i, (x, y) in enumerate(zip(narrow, wide)):
+        assert same_bits(x, y), i
+
+
 def _pack(q, pos, table, pieces):
     """vLLM's flat token batch: the (sequence, start, end) query pieces back to back, then 3 padding
     rows; returns (q, positions, block table rows, starts, lens) for attention_packed."""
