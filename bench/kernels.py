@@ -389,8 +389,9 @@ def run_decode_attention(rep: int):
                              "tiles_ms": {k: round(v, 4) for k, v in times.items()}}
         # the page-by-page TMA kernel (a candidate; the same bits, tests/gpu/test_triton_kernels.py)
         from kernels.triton.attention_pages import decode_paged
-        row["pages_ms"] = {f"{w}/{st}": round(bench_ms(lambda w=w, st=st: decode_paged(
-            q, kc, vc, pos, table, warps=w, stages=st), rep=rep), 4) for w, st in ((2, 1), (2, 2), (4, 1), (4, 2))}
+        row["pages_ms"] = {f"{'per_split' if par else 'walk'} {w}/{st}": round(bench_ms(
+            lambda w=w, st=st, par=par: decode_paged(q, kc, vc, pos, table, parallel_splits=par, warps=w, stages=st),
+            rep=rep), 4) for par in (False, True) for w, st in ((2, 1), (2, 2), (4, 1), (4, 2))}
         print("# decode", json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}),
               {s: (row[s]["best_tile"], row[s]["best_ms"]) for s in ("per_split", "walk")},
               "pages", min(row["pages_ms"].items(), key=lambda kv: kv[1]), file=sys.stderr,

@@ -541,8 +541,9 @@ def test_attention_key_offsets_32_and_64_bit_identical(kt):
         assert same_bits(x, y), i
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["walk", "per_split"])
 @pytest.mark.parametrize("warps,stages", [(2, 1), (2, 2), (4, 2)])
-def test_decode_pages_equals_attention(kt, warps, stages):
+def test_decode_pages_equals_attention(kt, warps, stages, parallel):
     """The page-by-page TMA decode kernel gives `attention`'s decode rows bit for bit: sequences
     across split boundaries and within one block, pages shuffled, stale slots and table entries past
     each sequence pointing at NaN garbage."""
@@ -563,7 +564,7 @@ def test_decode_pages_equals_attention(kt, warps, stages):
     q = randn(b, 1, hq, d, seed=63)
     pos = torch.tensor([[n - 1] for n in lengths], device=DEV)
     want = kt.attention(q, kc, vc, pos, block_table=table)
-    got = decode_paged(q, kc, vc, pos, table, warps=warps, stages=stages)
+    got = decode_paged(q, kc, vc, pos, table, parallel_splits=parallel, warps=warps, stages=stages)
     assert torch.isfinite(got.float()).all()
     assert same_bits(got, want)
 
