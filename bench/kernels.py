@@ -329,13 +329,15 @@ def run_attention_sweep(rep: int):
 DECODE_CASES = ((256, 560, 32, 8, 1040), (256, 1000, 32, 8, 1040), (128, 1000, 32, 8, 1040),
                 (160, 1000, 32, 8, 1040), (200, 1000, 32, 8, 1040), (232, 1000, 32, 8, 1040), (64, 1000, 32, 8, 1040),
                 (64, 1000, 12, 2, 1040), (256, 1000, 12, 2, 1040), (32, 4096, 32, 8, 9232),
-                (32, 8192, 32, 8, 9232), (32, 8192, 12, 2, 9232))
+                (32, 8192, 32, 8, 9232), (32, 8192, 12, 2, 9232),
+                # around the schedule's switch at one (sequence, KV head) pair per SM (132 on H100)
+                (17, 4096, 32, 8, 9232), (24, 4096, 32, 8, 9232), (72, 1000, 12, 2, 1040), (96, 1000, 12, 2, 1040),
+                (160, 1000, 12, 2, 1040))
 
 
-# (BLOCK_M, warps, stages) tried per decode case: 16-row tiles run mma.sync with K and V in registers;
-# 64-row tiles (one warpgroup, 4 warps) run wgmma with K and V staged in shared memory by async copies
-DECODE_TILES = tuple((16, w, s) for w in (1, 2, 4, 8) for s in (1, 2, 3, 4)) + (
-    (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2), (64, 8, 3))
+# (BLOCK_M, warps, stages) tried per decode case: 16-row tiles (mma.sync, K and V in registers). 32- and
+# 64-row wgmma tiles took 1.11-1.63x the 16-row tile's time (bench/results/2026-11-27-h100-mlp-chunks).
+DECODE_TILES = tuple((16, w, s) for w in (1, 2, 4, 8) for s in (1, 2, 3, 4))
 
 
 def _fa3_paged_decode(q, kc, vc, ctx: int, table):
@@ -367,6 +369,11 @@ def run_decode_attention(rep: int):
         call = lambda: kt.attention(q, kc, vc, pos, block_table=table)  # noqa: E731
         row = {"batch": bsz, "context": ctx, "q_heads": hq, "kv_heads": hkv, "capacity": capacity,
                "as_launched_ms": round(bench_ms(call, rep=rep), 4)}
+        A._OFFSETS_32_LIMIT = 0  # the same launch with 64-bit key offsets (the numbers are the same)
+        try:
+            row["as_launched_64bit_offsets_ms"] = round(bench_ms(call, rep=rep), 4)
+        finally:
+            A._OFFSETS_32_LIMIT = 2 ** 31 - 1
         fa3 = _fa3_paged_decode(q, kc, vc, ctx, table)
         if fa3 is not None:
             row["fa3_ms"] = round(bench_ms(fa3, rep=rep), 4)
@@ -387,14 +394,8 @@ def run_decode_attention(rep: int):
             best = min(times, key=times.get)
             row[schedule] = {"best_tile": best, "best_ms": round(times[best], 4),
                              "tiles_ms": {k: round(v, 4) for k, v in times.items()}}
-        # the page-by-page TMA kernel (a candidate; the same bits, tests/gpu/test_triton_kernels.py)
-        from kernels.triton.attention_pages import decode_paged
-        row["pages_ms"] = {f"{'per_split' if par else 'walk'} {w}/{st}": round(bench_ms(
-            lambda w=w, st=st, par=par: decode_paged(q, kc, vc, pos, table, parallel_splits=par, warps=w, stages=st),
-            rep=rep), 4) for par in (False, True) for w, st in ((2, 1), (2, 2), (4, 1), (4, 2))}
         print("# decode", json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}),
-              {s: (row[s]["best_tile"], row[s]["best_ms"]) for s in ("per_split", "walk")},
-              "pages", min(row["pages_ms"].items(), key=lambda kv: kv[1]), file=sys.stderr,
+              {s: (row[s]["best_tile"], row[s]["best_ms"]) for s in ("per_split", "walk")}, file=sys.stderr,
               flush=True)
         out.append(row)
         del q, kc, vc

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..contract import TRITON, check_attention_blocks
-from .device import current_sms, wave_fill
+from .device import current_sms
 
 # KV block visited per step, from position 0 (the contract's, kernels.contract.TRITON). It need not
 # divide the paged block size: each key's page is looked up on its own.
@@ -218,7 +218,7 @@ def _tile_config(rows: int):
     return 128, 8, 2
 
 
-# Decode tiles (16 rows, 2 warps) take 255 registers a thread on H100: 4 programs fit on an SM at once.
+# Decode tiles (16 rows, 2 warps) take 236-255 registers a thread on H100: 4 programs fit on an SM.
 _DECODE_PROGRAMS_PER_SM = 4
 
 
@@ -226,20 +226,21 @@ def _decode_schedule(pairs: int, n_splits: int):
     """(a program per split?, (BLOCK_M, warps, stages)) for a decode-sized step over a cache of n_splits
     splits, by its (sequence, KV head) pairs: shapes only, so a captured step keeps its choice. Both
     schedules give the same bits. One program per pair walking its splits saves the split states and
-    the merge kernel, but its long programs run in waves of 4 per SM: where the last wave is far from
-    full, a program per split (shorter programs, more of them) finishes first. Measured on H100
-    (bench/kernels.py, Llama-3.1-8B heads, 1,000 keys): with walk fills of 0.73-0.82 (batch 144, 160,
-    200, 216, 272) a program per split took 0.90-0.94x the time; at fills of 0.85-0.89 the two tie,
-    from 0.94 walking is 2-4% faster (4-7% at 560 keys, where the second split is short). With a
-    program per split, 2 warps / 1 stage once there are 4 programs per SM (0.93x the time of 8 / 2 at
-    32 x 8,192 keys), 8 / 2 below (Qwen2.5-1.5B at batch 64, 1,040 positions)."""
+    the merge kernel; with two stages (the next block's K and V loaded while this one is reduced) it is
+    the faster one as soon as there are more pairs than SMs. Below that, a program per split keeps the
+    SMs busy. Measured on H100 (bench/kernels.py, 32-bit key offsets): walking took 0.95-0.97x the time
+    of a program per split at Llama-3.1-8B heads with 128-256 sequences (1,000 keys) and 32 sequences
+    (4,096 and 8,192 keys), 256 pairs and more; a program per split took 0.92x at Qwen2.5-1.5B heads
+    with 64 sequences (1,000 keys, 128 pairs) and 0.46x with 32 (8,192 keys, 64 pairs). Two stages
+    beat one in both schedules (0.90-0.98x the time at 2 warps); with a program per split, 2 warps
+    once there are 4 programs per SM, else 8."""
+    if pairs > current_sms():
+        return False, (16, 2, 2)
     slots = _DECODE_PROGRAMS_PER_SM * current_sms()
-    if wave_fill(pairs, slots) >= 0.85:
-        return False, (16, 2, 1)
-    return True, ((16, 2, 1) if pairs * n_splits >= slots else (16, 8, 2))
+    return True, ((16, 2, 2) if pairs * n_splits >= slots else (16, 8, 2))
 
 
-_OFFSETS_32_LIMIT = 2 ** 31 - 1  # elements a K/V view may span for 32-bit key offsets (tests lower it)
+_OFFSETS_32_LIMIT = 2 ** 31 - 1  # largest K/V view span for 32-bit key offsets (tests and bench lower it)
 
 
 def _span(t: torch.Tensor) -> int:
