@@ -2,7 +2,7 @@
 of vLLM's FA3 on the same cache, one series of bars per result file (e.g. before and after a change
 to the decode schedule).
 
-    python -m bench.plot_decode before.json after.json --out decode.png
+    python -m bench.plot_decode before.json after.json --label before --label after --out decode.png
 """
 from __future__ import annotations
 
@@ -15,12 +15,15 @@ def _case(row: dict) -> str:
     return f"{row['batch']} x {row['context']}\n{row['q_heads']}q / {row['kv_heads']}kv"
 
 
-def plot(paths: list[Path], out: Path) -> Path:
+def plot(paths: list[Path], out: Path, labels: list[str] | None = None) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(p.stem, json.loads(p.read_text())["decode_attention"]) for p in paths]
+    labels = labels or [p.stem for p in paths]
+    if len(labels) != len(paths):
+        raise ValueError(f"{len(labels)} labels for {len(paths)} files")
+    runs = [(name, json.loads(p.read_text())["decode_attention"]) for name, p in zip(labels, paths)]
     cases = [_case(r) for r in runs[0][1]]
     width = 0.8 / len(runs)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cases)), 4.0))
@@ -43,8 +46,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=Path("decode_attention.png"))
+    p.add_argument("--label", action="append", help="a series name, once per file (default: file names)")
     args = p.parse_args()
-    print(plot(args.files, args.out))
+    print(plot(args.files, args.out, args.label))
 
 
 if __name__ == "__main__":

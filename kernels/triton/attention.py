@@ -218,26 +218,21 @@ def _tile_config(rows: int):
     return 128, 8, 2
 
 
-# Decode tiles (16 rows, 2 warps) take 236-255 registers a thread on H100: 4 programs fit on an SM.
-_DECODE_PROGRAMS_PER_SM = 4
-
-
-def _decode_schedule(pairs: int, n_splits: int):
-    """(a program per split?, (BLOCK_M, warps, stages)) for a decode-sized step over a cache of n_splits
-    splits, by its (sequence, KV head) pairs: shapes only, so a captured step keeps its choice. Both
-    schedules give the same bits. One program per pair walking its splits saves the split states and
-    the merge kernel; with two stages (the next block's K and V loaded while this one is reduced) it is
-    the faster one as soon as there are more pairs than SMs. Below that, a program per split keeps the
-    SMs busy. Measured on H100 (bench/kernels.py, 32-bit key offsets): walking took 0.95-0.97x the time
-    of a program per split at Llama-3.1-8B heads with 128-256 sequences (1,000 keys) and 32 sequences
-    (4,096 and 8,192 keys), 256 pairs and more; a program per split took 0.92x at Qwen2.5-1.5B heads
-    with 64 sequences (1,000 keys, 128 pairs) and 0.46x with 32 (8,192 keys, 64 pairs). Two stages
-    beat one in both schedules (0.90-0.98x the time at 2 warps); with a program per split, 2 warps
-    once there are 4 programs per SM, else 8."""
-    if pairs > current_sms():
+def _decode_schedule(pairs: int):
+    """(a program per split?, (BLOCK_M, warps, stages)) for a decode-sized step by its (sequence, KV
+    head) pairs: shapes only, so a captured step keeps its choice. Both schedules give the same bits.
+    One program per pair walking its splits saves the split states and the merge kernel; with two
+    stages (the next block's K and V loaded while this one is reduced) it is the faster one from 1.5
+    pairs per SM. Below that, a program per split keeps the SMs busy. Measured on H100
+    (bench/kernels.py, 32-bit key offsets), best tile of each schedule: walking took 0.89-0.98x the time
+    of a program per split from 256 pairs (Llama-3.1-8B heads, 32-256 sequences, 560-8,192 keys;
+    Qwen2.5-1.5B heads, 160 and 256 sequences), 0.97-1.24x at 136-192 pairs and 1.07-2.1x at 64-128.
+    Two stages beat one at 2 warps in 33 of 34 cases (0.71-1.01x the time). Under 1.5 pairs per SM, a
+    program per split on 4 warps came within 3.4% of the best tile in every case, where 2 warps took
+    up to 1.09x and 8 warps up to 1.21x."""
+    if 2 * pairs >= 3 * current_sms():
         return False, (16, 2, 2)
-    slots = _DECODE_PROGRAMS_PER_SM * current_sms()
-    return True, ((16, 2, 2) if pairs * n_splits >= slots else (16, 8, 2))
+    return True, (16, 4, 2)
 
 
 _OFFSETS_32_LIMIT = 2 ** 31 - 1  # largest K/V view span for 32-bit key offsets (tests and bench lower it)
@@ -300,13 +295,13 @@ def _launch(q, q_strides, k, v, positions, pos_strides, block_table, out, out_st
         table, st_b, length, bs = positions, 0, k.shape[1], 1
         capacity = length
     # the choice follows shapes only (no host sync; a captured decode step keeps it): decode-sized
-    # tiles over a cache that can hold more than one split get a program per split
+    # tiles over a cache that can hold more than one split take the decode schedule
     block_d = max(16, triton.next_power_of_2(d))
     n_splits = triton.cdiv(max(capacity, 1), split_kv)
     state_bytes = bsz * hkv * tq * g * n_splits * (block_d + 2) * 4
     parallel, tile = False, _tile_config(tq * g)
     if tq * g <= _PARALLEL_SPLIT_ROWS and 1 < n_splits:
-        parallel, tile = _decode_schedule(bsz * hkv, n_splits)
+        parallel, tile = _decode_schedule(bsz * hkv)
         if parallel and state_bytes > _MAX_SPLIT_STATE_BYTES:
             parallel, tile = False, _tile_config(tq * g)
     if _FORCED_PARALLEL_SPLITS is not None:

@@ -502,7 +502,7 @@ def test_attention_decode_tiles_bitwise_identical(kt):
     try:
         for parallel in (True, False):  # a program per split, or one walking them (many sequences)
             A._FORCED_PARALLEL_SPLITS = parallel
-            for tile in [None, (16, 4, 4), (16, 8, 2), (16, 2, 1), (16, 2, 2), (16, 1, 3)]:
+            for tile in [None, (16, 4, 4), (16, 8, 2), (16, 2, 1), (16, 2, 2), (16, 4, 2), (16, 1, 3)]:
                 A._FORCED_TILE = tile
                 step = kt.attention(q[seq, last][:, None], k, v, last[:, None], split_kv=split)
                 assert same_bits(step, want), f"tile {tile} parallel={parallel}"
