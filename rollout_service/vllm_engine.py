@@ -8,7 +8,7 @@ memory is split between the two; without it they run on the canonical engine too
 which `off` permits). The stock engine's core runs in this process unless `stock_in_process=False`
 gives it its own (vLLM's default; weights then reach it through files). On H100s `off` ran at 0.74x
 to 1.07x stock vLLM with the in-process core (0.92x and 1.05x at 64 prompts in the last two runs),
-and with a core of its own at 0.99x and 1.32x at 256 prompts but 0.73x at 64 (README, "Speed").
+and with a core of its own at 0.99x and 1.32x at 256 prompts but 0.73x at 64 (`docs/performance.md`).
 
 It has the interface RolloutWorker drives (add_request / abort / step / has_unfinished, weights and
 the canonical contract), like the native Engine. Steps go through `LLM.llm_engine` (vLLM's
