@@ -530,13 +530,14 @@ def test_attention_key_offsets_32_and_64_bit_identical(kt):
             out.append(kt.attention(q[seq, last][:, None], kc, vc, last[:, None], block_table=table, split_kv=64))
         A._FORCED_PARALLEL_SPLITS = None
         return out
+    limit = A._OFFSETS_32_LIMIT
     try:
-        assert max(A._span(kc), A._span(k)) <= A._OFFSETS_32_LIMIT
+        assert max(A._span(kc), A._span(k)) <= limit
         narrow = runs()
         A._OFFSETS_32_LIMIT = 0  # every cache takes 64-bit offsets
         wide = runs()
     finally:
-        A._OFFSETS_32_LIMIT, A._FORCED_PARALLEL_SPLITS = 2 ** 31 - 1, None
+        A._OFFSETS_32_LIMIT, A._FORCED_PARALLEL_SPLITS = limit, None
     for i, (x, y) in enumerate(zip(narrow, wide)):
         assert same_bits(x, y), i
 
