@@ -129,6 +129,9 @@ def candidates(m: int, segments: int):
                 C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=16), C(64, 256, 4, 4, gluon=True, tma_store=True),
                 C(128, 64, 4, 6, gluon=True, tma_store=True), C(64, 64, 4, 8, gluon=True, tma_store=True),
                 C(128, 128, 8, 3), C(256, 64, 8, 3), C(256, 128, 8, 3, tma=True)]
+    if 128 < m <= 192:  # one 192-row tile (3 x 64) for the whole batch
+        out += [C(64, bn, w, st, gluon=True, tma_store=True, row_chunks=3)
+                for bn, w, st in ((64, 4, 6), (128, 4, 4), (128, 4, 5), (128, 8, 4), (256, 8, 3))]
     return out
 
 

@@ -248,6 +248,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-mib", type=int, default=512)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--num-gpu-blocks", type=int, help="KV blocks per engine instead of what profiling leaves")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--kernels", action="store_true", help="list GPU kernels by device time instead")

@@ -45,6 +45,7 @@ class MMConfig:
     hold: bool = True  # pairs kernel: keep the left quarter-tree in registers (else L2 scratch)
     gluon: bool = False  # Hopper: the Gluon kernel (matmul_sm90.py; seg_per_prog splits tiles)
     tma_store: bool = False  # Gluon kernel: epilogue through shared memory and a TMA store
+    row_chunks: int = 1  # Gluon plain product: tiles of row_chunks x block_m rows (3 x 64 = 192: no power of two)
 
 
 @triton.jit
@@ -332,7 +333,9 @@ def _combine_kernel(p_ptr, bias_ptr, out_ptr, M, N, stride_g, stride_pm, stride_
 # Decode-sized M (65-160, bench/results/2026-11-26-h100-waves): 64 x 64 Gluon tiles for N <= 4096 at
 # 65-128 (o and down as plain products at M = 96 / 128: 0.72 / 0.73 -> 0.85 / 0.88 and 0.85 / 0.88 ->
 # 0.91 / 1.01 of cuBLAS), 128 x 256 for the widest N at 65-96 (gate_up 0.83 -> 0.98, lm_head 0.90 ->
-# 1.01), 64 x 256 Gluon at 129-160 (gate_up 0.89 -> 0.91).
+# 1.01). At 129-192 one tile of 3 x 64 rows covers the batch (bench/results/2026-11-27-h200-row-chunks,
+# H200, M = 136 / 168 / 192: qkv 0.61 / 0.78 / 0.77 -> 0.63 / 0.90 / 0.87 as 192 x 64, gate_up 0.86 /
+# 0.88 / 0.98 as 192 x 256, where no power-of-two tile in the sweep passed 0.74 / 0.76 / 0.86).
 # Measured vs cuBLAS (Llama-3.1-8B shapes, M = 128 / 256 / 512 / 1024 / 2048 / 4096 / 8192):
 # qkv 0.87 / 0.82 / 0.83 / 0.92 / 0.97 / 1.02 / 1.04, o 0.74 / 0.91 / 0.91 / 0.99 / 0.94 / 0.98 / 0.96,
 # down 0.88 / 0.96 / 0.92 / 0.96 / 1.00 / 1.00 / 1.01, gate_up 1.02 / 0.98 / 0.93 / 0.97 / 1.01 / 1.11 / 1.05.
@@ -342,13 +345,15 @@ _G64 = C(64, 128, 4, 6, gluon=True, tma_store=True)
 _G128 = C(128, 128, 4, 5, gluon=True, tma_store=True)
 _G256 = C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=16)
 _G64N = C(64, 64, 4, 8, gluon=True, tma_store=True)
+_R192 = C(64, 64, 4, 6, gluon=True, tma_store=True, row_chunks=3)
+_R192W = C(64, 256, 8, 3, gluon=True, tma_store=True, row_chunks=3)
 _PLAIN = [
     (16, (C(16, 64, 4, 6), C(16, 64, 4, 6), C(16, 128, 4, 6))),
     (32, (C(32, 32, 4, 6), C(32, 64, 4, 6), C(32, 64, 4, 6))),
     (64, (C(64, 32, 4, 6), C(64, 32, 4, 6), C(64, 128, 4, 6))),
     (96, (_G64N, _G64, C(128, 256, 8, 3, tma=True))),
     (128, (_G64N, _G64, C(128, 128, 8, 3))),
-    (160, (_G64, _G128, C(64, 256, 4, 4, gluon=True, tma_store=True))),
+    (192, (_G64, _R192, _R192W)),
     (256, (_G64, _G128, C(128, 256, 8, 4, tma=True))),
     (512, (_G128, C(128, 256, 8, 4, tma=True), _G128)),
     (1024, (C(128, 256, 8, 4, tma=True), _G128, C(128, 256, 8, 4, tma=True))),
@@ -396,7 +401,7 @@ _SMALLER_TILES = ((_G128, 0.7), (_G64, 0.8))
 # cuBLAS; 280 of 64 x 64, 0.99).
 _NARROWER_SMALL_M = C(64, 64, 4, 4)
 _FP32_WIDE = C(128, 128, 8, 4, tma=True)  # a 128x256 fp32 epilogue needs more shared memory than there is
-del C, _G64, _G64N, _G128, _G256
+del C, _G64, _G64N, _G128, _G256, _R192, _R192W
 
 
 def _lookup(table, m: int, n: int) -> MMConfig:
@@ -432,7 +437,7 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
 
 
 def _tiles(M: int, N: int, cfg: MMConfig) -> int:
-    return triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    return triton.cdiv(M, cfg.block_m * cfg.row_chunks) * triton.cdiv(N, cfg.block_n)
 
 
 def _wave_fill(M: int, N: int, cfg: MMConfig, split: int = 1) -> float:
@@ -475,11 +480,12 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
     """Fill out ([M, N], or [segments, M, N] fp32 partials when partial=True)."""
     if cfg.gluon:
         sm90 = _sm90() if not partial else None
-        if sm90 is not None and sm90.supported(x2, weight, segments):
+        if (sm90 is not None and sm90.supported(x2, weight, segments)
+                and (cfg.row_chunks == 1 or (segments == 1 and cfg.tma_store and sm90.tma_aligned(out)))):
             split = segments // min(cfg.seg_per_prog or segments, segments)  # work items per output tile
             args = (segments, cfg.block_m, cfg.block_n, cfg.warps, cfg.stages, cfg.group_m)
             if split == 1:
-                return sm90.launch(x2, weight, bias, out, *args, tma_store=cfg.tma_store)
+                return sm90.launch(x2, weight, bias, out, *args, tma_store=cfg.tma_store, row_chunks=cfg.row_chunks)
             parts = torch.empty(split, x2.shape[0], weight.shape[0], dtype=torch.float32, device=out.device)
             _combine(sm90.launch(x2, weight, None, parts, *args, split=split), bias, out)
             return out

@@ -50,13 +50,16 @@ def _mma_layout(block_m, block_n, num_warps):
 
 
 @gluon.jit
-def _issue_load(j, stream, x_desc, w_desc, bars, a_bufs, b_bufs, STAGES: gl.constexpr):
-    """TMA loads of this program's j-th K tile (at stream) into ring slot j % STAGES."""
+def _issue_load(j, stream, x_desc, w_desc, bars, a_bufs, b_bufs, STAGES: gl.constexpr, ROW_CHUNKS: gl.constexpr):
+    """TMA loads of this program's j-th K tile (at stream) into ring slot j % STAGES: the weight tile and
+    the x tile's ROW_CHUNKS row blocks (a_bufs slots slot * ROW_CHUNKS + c)."""
     _, kt, off_m, off_n, k0 = stream
     slot = j % STAGES
     bar = bars.index(slot)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + kt) * _BK], bar, a_bufs.index(slot))
+    mbarrier.expect(bar, ROW_CHUNKS * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    for c in gl.static_range(ROW_CHUNKS):
+        tma.async_copy_global_to_shared(x_desc, [off_m + c * x_desc.block_type.shape[0], (k0 + kt) * _BK], bar,
+                                        a_bufs.index(slot * ROW_CHUNKS + c))
     tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + kt) * _BK], bar, b_bufs.index(slot))
 
 
@@ -92,14 +95,14 @@ def _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_
 @gluon.jit
 def _load_partition(x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item, num_tiles,
                     num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, ROW_CHUNKS: gl.constexpr):
     """Loader warp: the program's whole copy stream, as far ahead as the ring has free slots (a slot is
-    free once the MMA that read it has finished: `empty`)."""
+    free once the MMA that read it has finished: `empty`). BLOCK_M: the tile's rows (all its chunks)."""
     off_m, off_n, k0 = _item_coords(pid, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N, GROUP_M)
     stream = (0, 0, off_m, off_n, k0)
     for j in range(total):
         mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-        _issue_load(j, stream, x_desc, w_desc, ready, a_bufs, b_bufs, STAGES)
+        _issue_load(j, stream, x_desc, w_desc, ready, a_bufs, b_bufs, STAGES, ROW_CHUNKS)
         stream = _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
                           GROUP_M)
 
@@ -232,27 +235,74 @@ def _mma_partition(bias_ptr, out_ptr, out_desc, c_smem, scratch_ptr, M, N, strid
         tma.store_wait(0)
 
 
+@gluon.jit
+def _mma_chunks_partition(bias_ptr, out_desc, c_smem, N, ready, empty, a_bufs, b_bufs, pid, num_progs, my_items,
+                          kt_per_item, num_tiles, num_pid_m, num_pid_n, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, ROW_CHUNKS: gl.constexpr, GROUP_M: gl.constexpr,
+                          STAGES: gl.constexpr):
+    """MMA warps of the plain product over tiles of ROW_CHUNKS x BLOCK_M rows (e.g. 3 x 64 = 192, which a
+    power-of-two tile cannot be): one accumulator per row chunk, each K tile's wgmmas (one per chunk,
+    the same weight tile) issued together and retired together. Each element is still reduced over
+    the K tiles in order, from zero. The epilogue stores chunk by chunk through c_smem (TMA)."""
+    layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    cons = 0
+    for t in range(my_items):
+        off_m, off_n, _k0 = _item_coords(pid + t * num_progs, num_tiles, num_pid_m, num_pid_n, kt_per_item,
+                                         BLOCK_M * ROW_CHUNKS, BLOCK_N, GROUP_M)
+        accs = ()
+        for c in gl.static_range(ROW_CHUNKS):
+            accs = accs + (gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout), )
+        for kk in range(kt_per_item):
+            slot = cons % STAGES
+            mbarrier.wait(ready.index(slot), (cons // STAGES) & 1)
+            w_tile = b_bufs.index(slot).permute((1, 0))
+            issued = ()
+            for c in gl.static_range(ROW_CHUNKS):
+                issued = issued + (warpgroup_mma(a_bufs.index(slot * ROW_CHUNKS + c), w_tile, accs[c], use_acc=kk > 0,
+                                                 is_async=True), )
+            # the previous K tile's wgmmas are done: its slot goes back to the loader
+            accs = warpgroup_mma_wait(ROW_CHUNKS, deps=issued)
+            _release(empty, cons, STAGES, kk > 0)
+            cons += 1
+        accs = warpgroup_mma_wait(0, deps=accs)
+        _release(empty, cons, STAGES)
+        if HAS_BIAS:
+            offs_n = off_n + cols
+            bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
+        for c in gl.static_range(ROW_CHUNKS):
+            root = accs[c]
+            if HAS_BIAS:
+                root = root + bias
+            tma.store_wait(0)
+            c_smem.store(root.to(out_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [off_m + c * BLOCK_M, off_n], c_smem)
+    tma.store_wait(0)
+
+
 @gluon.jit(do_not_specialize=["M"])
 def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, scratch_ptr, M, N, stride_og, stride_om,
                        NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       num_warps: gl.constexpr, ROW_CHUNKS: gl.constexpr = 1):
     """Tree over NSEG (1, 2, 4 or 8) segment sums of x @ w.T, persistent over work items.
     SPLIT = 1: an item is an output tile; out = the root (+ bias), cast (TMA_STORE: through out_desc).
     SPLIT = 2: an item is half of a tile's segments; out[h] = that half's subtree in fp32 (the caller adds
     the two: the root; more items than tiles evens out the last wave at mid-sized M).
+    ROW_CHUNKS > 1 (plain products only: NSEG = SPLIT = 1, TMA_STORE): a tile is ROW_CHUNKS x BLOCK_M rows.
     num_warps MMA warps (the default partition) and one loader warp."""
     K = x_desc.shape[1]
     pid = gl.program_id(0)
     num_progs = gl.num_programs(0)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_m = gl.cdiv(M, BLOCK_M * ROW_CHUNKS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     my_items = gl.cdiv(num_tiles * SPLIT - pid, num_progs)
     kt_per_item = K // _BK // SPLIT
     total = my_items * kt_per_item
 
-    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES * ROW_CHUNKS] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_smem = a_bufs  # placeholder unless the epilogue goes through shared memory
     if TMA_STORE:
@@ -262,13 +312,24 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, scratch_ptr,
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([
-        (_mma_partition, (bias_ptr, out_ptr, out_desc, c_smem, scratch_ptr, M, N, stride_og, stride_om, ready,
-                          empty, a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m,
-                          num_pid_n, NSEG, SPLIT, HAS_BIAS, TMA_STORE, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
-        (_load_partition, (x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item,
-                           num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
-    ], [1], [24])
+    # the MMA partition for the tile kind; the loader is the same
+    if ROW_CHUNKS == 1:
+        gl.warp_specialize([
+            (_mma_partition, (bias_ptr, out_ptr, out_desc, c_smem, scratch_ptr, M, N, stride_og, stride_om, ready,
+                              empty, a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m,
+                              num_pid_n, NSEG, SPLIT, HAS_BIAS, TMA_STORE, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+            (_load_partition, (x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item,
+                               num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES, 1)),
+        ], [1], [24])
+    else:
+        gl.warp_specialize([
+            (_mma_chunks_partition, (bias_ptr, out_desc, c_smem, N, ready, empty, a_bufs, b_bufs, pid, num_progs,
+                                     my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, HAS_BIAS, BLOCK_M,
+                                     BLOCK_N, ROW_CHUNKS, GROUP_M, STAGES)),
+            (_load_partition, (x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item,
+                               num_tiles, num_pid_m, num_pid_n, BLOCK_M * ROW_CHUNKS, BLOCK_N, GROUP_M, STAGES,
+                               ROW_CHUNKS)),
+        ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -279,7 +340,7 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def _tma_aligned(t: torch.Tensor) -> bool:
+def tma_aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0
 
 
@@ -288,29 +349,33 @@ def supported(x2: torch.Tensor, weight: torch.Tensor, segments: int) -> bool:
     K = x2.shape[1]
     return (x2.is_cuda and _is_sm90(x2.device.index or 0) and x2.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16 and segments in (1, 2, 4, 8) and K % (segments * BLOCK_K) == 0
-            and _tma_aligned(x2) and _tma_aligned(weight))
+            and tma_aligned(x2) and tma_aligned(weight))
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segments: int, block_m: int,
            block_n: int, warps: int, stages: int, group_m: int = 8, split: int = 1,
-           tma_store: bool = False) -> torch.Tensor:
+           tma_store: bool = False, row_chunks: int = 1) -> torch.Tensor:
     """split = 1: fill out [M, N] with the tree product (+ bias). split = 2: fill out [2, M, N] (fp32)
     with the two half-trees, for the caller to add. The caller checks `supported` first. tma_store:
-    the epilogue goes through shared memory and the copy engine (split = 1, TMA-aligned out)."""
+    the epilogue goes through shared memory and the copy engine (split = 1, TMA-aligned out).
+    row_chunks > 1: tiles of row_chunks x block_m rows (plain products stored by TMA only)."""
     M, K = x2.shape
     N = weight.shape[0]
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16)
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], gl.bfloat16)
     x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [block_m, BLOCK_K], x_layout)
     w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K], w_layout)
-    items = triton.cdiv(M, block_m) * triton.cdiv(N, block_n) * split
+    tma_store = tma_store and split == 1 and tma_aligned(out)
+    if row_chunks > 1 and not (segments == 1 and tma_store):
+        raise ValueError(f"row_chunks={row_chunks} needs a plain product stored by TMA (segments={segments}, "
+                         f"split={split}, TMA-aligned out: {tma_aligned(out)})")
+    items = triton.cdiv(M, block_m * row_chunks) * triton.cdiv(N, block_n) * split
     progs = min(items, num_sms(out.device.index or 0))
     # the launch must fit (warps + a loader warpgroup) x 32 threads in the register file; the loader
     # then hands its share to the MMA warps (setmaxnreg)
     maxnreg = 65536 // ((warps + 4) * 32) // 8 * 8
     scratch = (torch.empty(progs * block_m * block_n, dtype=torch.float32, device=out.device)
                if segments // split == 8 else out)
-    tma_store = tma_store and split == 1 and _tma_aligned(out)
     out_desc = x_desc  # placeholder
     if tma_store:
         gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[out.dtype]
@@ -320,5 +385,5 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
         x_desc, w_desc, bias if bias is not None else out, out, out_desc, scratch, M, N,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
         HAS_BIAS=bias is not None and split == 1, TMA_STORE=tma_store, BLOCK_M=block_m, BLOCK_N=block_n,
-        GROUP_M=group_m, STAGES=stages, num_warps=warps, maxnreg=maxnreg)
+        GROUP_M=group_m, STAGES=stages, num_warps=warps, ROW_CHUNKS=row_chunks, maxnreg=maxnreg)
     return out

@@ -107,7 +107,10 @@ def _gluon_plain_configs(kt):
     """The Gluon kernel with one segment (Hopper; its fallback elsewhere), TMA-store and pointer epilogues."""
     C = kt.MMConfig
     return [C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=16), C(64, 128, 4, 6, gluon=True, tma_store=True),
-            C(128, 128, 4, 5, gluon=True), C(128, 128, 8, 4, gluon=True, tma_store=True)]
+            C(128, 128, 4, 5, gluon=True), C(128, 128, 8, 4, gluon=True, tma_store=True),
+            # 192-row tiles of three 64-row chunks (at M = 300 the second tile's last chunk is all padding)
+            C(64, 64, 4, 6, gluon=True, tma_store=True, row_chunks=3),
+            C(64, 256, 8, 3, gluon=True, tma_store=True, row_chunks=3)]
 
 
 @pytest.mark.parametrize("segments,k_dim", [(1, 4096), (8, 4096), (8, 8960)])
@@ -167,6 +170,24 @@ def test_launch_table_configs_bitwise_identical(kt, segments):
         for cfg in _table_configs(tree=segments > 1):
             out = kt.matmul_with_config(x, w, b, segments, BF, cfg)
             assert same_bits(out, base), f"M={m}: config {cfg} differs"
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [136, 168, 192, 200])
+def test_matmul_row_chunk_tiles_bitwise_identical(kt, m):
+    """Tiles of three 64-row accumulators (192 rows, one wgmma each per K tile) give a 64 x 64
+    launch's bits at decode-sized M, with and without bias; on Hopper they are the Gluon kernel's."""
+    C = kt.MMConfig
+    x, w, b = randn(m, 4096, seed=13), randn(6144, 4096, seed=14, scale=0.02), randn(6144, seed=15)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert importlib.import_module("kernels.triton.matmul")._sm90().supported(x, w, 1)
+    for bias in (None, b):
+        base = kt.matmul_with_config(x, w, bias, 1, BF, C(64, 64, 4, 2))
+        for cfg in (C(64, 64, 4, 6, gluon=True, tma_store=True, row_chunks=3),
+                    C(64, 128, 4, 4, gluon=True, tma_store=True, row_chunks=3),
+                    C(64, 256, 8, 3, gluon=True, tma_store=True, row_chunks=3, group_m=1)):
+            out = kt.matmul_with_config(x, w, bias, 1, BF, cfg)
+            assert same_bits(out, base), f"M={m}, bias={bias is not None}: config {cfg} differs"
 
 
 @needs_cuda
