@@ -333,9 +333,10 @@ def _combine_kernel(p_ptr, bias_ptr, out_ptr, M, N, stride_g, stride_pm, stride_
 # Decode-sized M (65-160, bench/results/2026-11-26-h100-waves): 64 x 64 Gluon tiles for N <= 4096 at
 # 65-128 (o and down as plain products at M = 96 / 128: 0.72 / 0.73 -> 0.85 / 0.88 and 0.85 / 0.88 ->
 # 0.91 / 1.01 of cuBLAS), 128 x 256 for the widest N at 65-96 (gate_up 0.83 -> 0.98, lm_head 0.90 ->
-# 1.01). At 129-192 one tile of 3 x 64 rows covers the batch (bench/results/2026-11-27-h200-row-chunks,
-# H200, M = 136 / 168 / 192: qkv 0.61 / 0.78 / 0.77 -> 0.63 / 0.90 / 0.87 as 192 x 64, gate_up 0.86 /
-# 0.88 / 0.98 as 192 x 256, where no power-of-two tile in the sweep passed 0.74 / 0.76 / 0.86).
+# 1.01). At 129-192 one tile of 3 x 64 rows covers the batch: no rows of a second 128-row tile are
+# computed for nothing (bench/results/2026-11-27-h200-row-chunks, H200, M = 136 / 168 / 192: qkv 0.62 /
+# 0.78 / 0.77 -> 0.63 / 0.90 / 0.87 as 192 x 64, gate_up 0.74 / 0.72 / 0.84 -> 0.86 / 0.88 / 0.98 as
+# 192 x 256; the best power-of-two tiles swept: qkv 0.61 / 0.78 / 0.77, gate_up 0.74 / 0.76 / 0.85).
 # Measured vs cuBLAS (Llama-3.1-8B shapes, M = 128 / 256 / 512 / 1024 / 2048 / 4096 / 8192):
 # qkv 0.87 / 0.82 / 0.83 / 0.92 / 0.97 / 1.02 / 1.04, o 0.74 / 0.91 / 0.91 / 0.99 / 0.94 / 0.98 / 0.96,
 # down 0.88 / 0.96 / 0.92 / 0.96 / 1.00 / 1.00 / 1.01, gate_up 1.02 / 0.98 / 0.93 / 0.97 / 1.01 / 1.11 / 1.05.
