@@ -85,6 +85,20 @@ def _kv_settings(args) -> dict:
     return dict(gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks)
 
 
+def add_engine_args(p: argparse.ArgumentParser, gpu_memory_utilization: float = 0.4) -> None:
+    """The options build_llm reads (KV cache size, TP degree): one definition for every tool that builds
+    engines through it."""
+    p.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM KV cache on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=gpu_memory_utilization,
+                   help="vLLM's share of GPU memory (the verifier shares the GPU)")
+    p.add_argument("--num-gpu-blocks", type=int,
+                   help="GPU: every vLLM engine gets this many KV blocks (vLLM's num_gpu_blocks_override) "
+                        "instead of what its memory profile leaves; compares speed at equal KV capacity")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vllm* systems: vLLM's tensor parallelism over this many GPUs (the plugin's row-parallel "
+                        "outputs combined by the segment tree, stock vLLM's by its all-reduce)")
+
+
 def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
     """The vllm.LLM of a `vllm*` system, its engine core in this process or its own (VLLM_BATCH_INVARIANT
     comes from the env). vllm-plugin*: the canonical model class and our seeded sampling rule."""
@@ -376,15 +390,7 @@ def main(argv: list[str] | None = None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-tokens", type=int, default=8,
                    help="an untimed run of the whole workload with this many output tokens first (JIT, caches)")
-    p.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM KV cache on CPU")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
-                   help="vLLM's share of GPU memory (the verifier shares the GPU)")
-    p.add_argument("--num-gpu-blocks", type=int,
-                   help="GPU: every vLLM engine gets this many KV blocks (vLLM's num_gpu_blocks_override) "
-                        "instead of what its memory profile leaves; compares speed at equal KV capacity")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="vllm* systems: vLLM's tensor parallelism over this many GPUs (the plugin's row-parallel "
-                        "outputs combined by the segment tree, stock vLLM's by its all-reduce)")
+    add_engine_args(p)
     p.add_argument("--engine-core", default="in-process", choices=("in-process", "own-process"),
                    help="vllm* systems: vLLM's engine core in the benchmark's process, or in its own (vLLM's "
                         "default; the plugin then needs the package installed, for its entry point)")

@@ -31,7 +31,7 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench import emit  # noqa: E402
-from bench.peer_vllm import _capped, _workload, build_llm, engine_facts, request_params  # noqa: E402
+from bench.peer_vllm import _capped, _workload, add_engine_args, build_llm, engine_facts, request_params  # noqa: E402
 
 
 def _sync_sites(run) -> collections.Counter:
@@ -246,11 +246,8 @@ def main():
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--stock-logprobs", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-cache-mib", type=int, default=512)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    p.add_argument("--num-gpu-blocks", type=int, help="KV blocks per engine instead of what profiling leaves")
+    add_engine_args(p, gpu_memory_utilization=0.5)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--kernels", action="store_true", help="list GPU kernels by device time instead")
     p.add_argument("--host-times", action="store_true", help="host time per step in the engine's functions instead")
     p.add_argument("--timeline", action="store_true", help="GPU idle time and the CUDA runtime calls instead")
