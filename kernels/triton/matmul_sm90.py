@@ -352,6 +352,14 @@ def supported(x2: torch.Tensor, weight: torch.Tensor, segments: int) -> bool:
             and tma_aligned(x2) and tma_aligned(weight))
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The NVMMA shared layout of a [rows, cols] TMA block (computed once: it costs about a third of a
+    launch's host time, and eager steps launch hundreds of products)."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
+
+
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segments: int, block_m: int,
            block_n: int, warps: int, stages: int, group_m: int = 8, split: int = 1,
            tma_store: bool = False, row_chunks: int = 1) -> torch.Tensor:
@@ -361,10 +369,9 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
     row_chunks > 1: tiles of row_chunks x block_m rows (plain products stored by TMA only)."""
     M, K = x2.shape
     N = weight.shape[0]
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16)
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], gl.bfloat16)
-    x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [block_m, BLOCK_K], x_layout)
-    w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K], w_layout)
+    x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [block_m, BLOCK_K], _smem_layout(block_m, BLOCK_K, x2.dtype))
+    w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K],
+                              _smem_layout(block_n, BLOCK_K, weight.dtype))
     tma_store = tma_store and split == 1 and tma_aligned(out)
     if row_chunks > 1 and not (segments == 1 and tma_store):
         raise ValueError(f"row_chunks={row_chunks} needs a plain product stored by TMA (segments={segments}, "
@@ -378,9 +385,8 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
                if segments // split == 8 else out)
     out_desc = x_desc  # placeholder
     if tma_store:
-        gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[out.dtype]
         out_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [block_m, block_n],
-                                    gl.NVMMASharedLayout.get_default_for([block_m, block_n], gl_dtype))
+                                    _smem_layout(block_m, block_n, out.dtype))
     tree_matmul_kernel[(progs,)](
         x_desc, w_desc, bias if bias is not None else out, out, out_desc, scratch, M, N,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
