@@ -132,6 +132,9 @@ def candidates(m: int, segments: int):
     if 128 < m <= 192:  # one 192-row tile (3 x 64) for the whole batch
         out += [C(64, bn, w, st, gluon=True, tma_store=True, row_chunks=3)
                 for bn, w, st in ((64, 4, 6), (128, 4, 4), (128, 4, 5), (128, 8, 4), (256, 8, 3))]
+    if 192 < m <= 256:  # ... or 256 rows as 4 x 64 (one weight tile feeds four wgmmas)
+        out += [C(64, bn, w, st, gluon=True, tma_store=True, row_chunks=4)
+                for bn, w, st in ((64, 4, 5), (64, 8, 5), (128, 8, 4))]
     return out
 
 

@@ -175,8 +175,8 @@ def test_launch_table_configs_bitwise_identical(kt, segments):
 @needs_cuda
 @pytest.mark.parametrize("m", [136, 168, 192, 200])
 def test_matmul_row_chunk_tiles_bitwise_identical(kt, m):
-    """Tiles of three 64-row accumulators (192 rows, one wgmma each per K tile) give a 64 x 64
-    launch's bits at decode-sized M, with and without bias; on Hopper they are the Gluon kernel's."""
+    """Tiles of three or four 64-row accumulators (192 or 256 rows, one wgmma each per K tile) give a
+    64 x 64 launch's bits at decode-sized M, with and without bias; on Hopper they are the Gluon kernel's."""
     C = kt.MMConfig
     x, w, b = randn(m, 4096, seed=13), randn(6144, 4096, seed=14, scale=0.02), randn(6144, seed=15)
     if torch.cuda.get_device_capability()[0] == 9:
@@ -185,7 +185,9 @@ def test_matmul_row_chunk_tiles_bitwise_identical(kt, m):
         base = kt.matmul_with_config(x, w, bias, 1, BF, C(64, 64, 4, 2))
         for cfg in (C(64, 64, 4, 6, gluon=True, tma_store=True, row_chunks=3),
                     C(64, 128, 4, 4, gluon=True, tma_store=True, row_chunks=3),
-                    C(64, 256, 8, 3, gluon=True, tma_store=True, row_chunks=3, group_m=1)):
+                    C(64, 256, 8, 3, gluon=True, tma_store=True, row_chunks=3, group_m=1),
+                    C(64, 64, 4, 5, gluon=True, tma_store=True, row_chunks=4),
+                    C(64, 128, 8, 4, gluon=True, tma_store=True, row_chunks=4)):
             out = kt.matmul_with_config(x, w, bias, 1, BF, cfg)
             assert same_bits(out, base), f"M={m}, bias={bias is not None}: config {cfg} differs"
 
