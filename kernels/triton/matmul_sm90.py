@@ -369,7 +369,8 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
     row_chunks > 1: tiles of row_chunks x block_m rows (plain products stored by TMA only)."""
     M, K = x2.shape
     N = weight.shape[0]
-    x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [block_m, BLOCK_K], _smem_layout(block_m, BLOCK_K, x2.dtype))
+    x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [block_m, BLOCK_K],
+                              _smem_layout(block_m, BLOCK_K, x2.dtype))
     w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K],
                               _smem_layout(block_n, BLOCK_K, weight.dtype))
     tma_store = tma_store and split == 1 and tma_aligned(out)
