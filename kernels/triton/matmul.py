@@ -378,13 +378,18 @@ _PLAIN_NO_GLUON = [
 # 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not Hopper, segments that end
 # mid-tile as Qwen2.5-1.5B's down, K = 8960, ...) _TREE_NO_GLUON applies. At M <= 64 a narrow N runs
 # one segment per program (_few_programs; Qwen2.5-1.5B's down at M = 64: 0.73 -> 0.89). 128 x 128 tiles
-# from M = 129 (Llama-3.1-8B's o / down at M = 256 in the sweep: 0.84 / 0.89 for 64 x 128, 0.90 / 1.02).
+# from M = 145 (Llama-3.1-8B's o / down at M = 256 in the sweep: 0.84 / 0.89 for 64 x 128, 0.90 / 1.02).
+# Just above 128 rows, where a second 128-row tile is nearly all padding, 64 x 128 tiles with two
+# segments per program (each tile split over 4) win (bench/results/2026-11-27-h200-decode-trees, two H200
+# sweeps at M = 136: o 0.62 / 0.61 -> 0.65 / 0.65, down 0.63 / 0.64 -> 0.74 / 0.73); at M = 168 128 x 128
+# is ahead again for o (0.73 against 0.66).
 _TREE_G64 = C(64, 128, 4, 6, gluon=True)
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
     (32, (C(32, 32, 4, 4, seg_per_prog=2),) * 3),
     (64, (C(64, 32, 4, 4, seg_per_prog=2),) * 3),
     (128, (_TREE_G64,) * 3),
+    (144, (C(64, 128, 4, 6, gluon=True, seg_per_prog=2),) * 3),
     (None, (C(128, 128, 8, 5, gluon=True),) * 3),
 ]
 # Without Gluon (and for 2-segment trees, where it measured 0.59-0.66 against 0.80-0.86 for the pairs
