@@ -11,7 +11,8 @@ time. `--kernels`: instead, the GPU kernels of one generate by total device time
 kernels replayed from CUDA graphs are listed where CUPTI traces them, else use --system *-eager).
 `--host-times`: instead, host time per engine step in the engine's own functions (scheduler,
 model runner, sampler, output processing; timed by wrapping them), and the time spent waiting for
-the GPU's results, without a profiler's overhead.
+the GPU's results, without a profiler's overhead; with the decode steps counted by batch size (the
+products' M) and the steps that carry prefill chunks.
 `--timeline`: instead, how busy the GPU is during one generate, its idle gaps and the CUDA runtime
 calls; with `--stacks`, also which host Python functions run while it idles (torch.profiler's trace).
 """
@@ -144,6 +145,40 @@ def _time_host_functions() -> dict[str, list[float]]:
     return durations
 
 
+# decode batch sizes (rows of every product) in the launch tables' bands, for --host-times' step_rows
+ROW_BANDS = ((1, 64), (65, 128), (129, 144), (145, 192), (193, 256), (257, None))
+
+
+def _record_step_rows() -> list[tuple[int, int]]:
+    """Wraps vLLM's Scheduler.schedule to append (scheduled tokens, scheduled requests) per step to the
+    returned list; call before building the engine."""
+    import functools
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    steps: list[tuple[int, int]] = []
+    inner = Scheduler.schedule
+
+    @functools.wraps(inner)
+    def schedule(self, *a, **kw):
+        out = inner(self, *a, **kw)
+        if out.total_num_scheduled_tokens:
+            steps.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)))
+        return out
+    Scheduler.schedule = schedule
+    return steps
+
+
+def _step_rows(steps: list[tuple[int, int]]) -> dict:
+    """Decode steps (one token per request: the products' M is the batch) counted by ROW_BANDS, and
+    the steps with prefill chunks (eager under FULL_DECODE_ONLY) with their token counts."""
+    decode = [tokens for tokens, requests in steps if tokens == requests]
+    mixed = sorted(tokens for tokens, requests in steps if tokens != requests)
+    bands = {f"{lo}-{hi}" if hi else f">={lo}": sum(lo <= m and (hi is None or m <= hi) for m in decode)
+             for lo, hi in ROW_BANDS}
+    return dict(decode_steps=len(decode), decode_rows=bands, prefill_steps=len(mixed),
+                prefill_tokens=sum(mixed), prefill_median_tokens=mixed[len(mixed) // 2] if mixed else 0)
+
+
 def _host_table(durations: dict[str, list[float]], steps: int) -> list[dict]:
     """Per function: calls, mean microseconds per engine step, and the median call (decode steps,
     which outnumber prefill steps)."""
@@ -263,6 +298,7 @@ def main():
     import transformers
     prompts = _workload(args, transformers.AutoConfig.from_pretrained(args.model).vocab_size)
     host_totals = _time_host_functions() if args.host_times else None
+    step_log = _record_step_rows() if args.host_times else None
     llm = build_llm(args, args.system, len(prompts))
     params = request_params(args, args.system, prompts)
     inputs = [{"prompt_token_ids": q} for q in prompts]
@@ -286,9 +322,11 @@ def main():
         return
     if host_totals is not None:
         host_totals.clear()
+        step_log.clear()
         generate()
         steps = len(host_totals["LLMEngine.step"]) or 1
-        emit(dict(common, engine_steps=steps, host_per_step=_host_table(host_totals, steps)), args.out)
+        emit(dict(common, engine_steps=steps, step_rows=_step_rows(step_log),
+                  host_per_step=_host_table(host_totals, steps)), args.out)
         return
     if args.timeline:
         emit(dict(common, timeline=_timeline(generate, args.top, args.stacks)), args.out)
