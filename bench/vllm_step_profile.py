@@ -149,34 +149,38 @@ def _time_host_functions() -> dict[str, list[float]]:
 ROW_BANDS = ((1, 64), (65, 128), (129, 144), (145, 192), (193, 256), (257, None))
 
 
-def _record_step_rows() -> list[tuple[int, int]]:
-    """Wraps vLLM's Scheduler.schedule to append (scheduled tokens, scheduled requests) per step to the
-    returned list; call before building the engine."""
+def record_step_rows() -> list[tuple[int, int, int]]:
+    """Wraps vLLM's Scheduler.schedule to append (scheduled tokens, scheduled requests, requests with
+    one token) per step to the returned list; call before building the engine."""
     import functools
 
     from vllm.v1.core.sched.scheduler import Scheduler
-    steps: list[tuple[int, int]] = []
+    steps: list[tuple[int, int, int]] = []
     inner = Scheduler.schedule
 
     @functools.wraps(inner)
     def schedule(self, *a, **kw):
         out = inner(self, *a, **kw)
         if out.total_num_scheduled_tokens:
-            steps.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)))
+            per_request = out.num_scheduled_tokens.values()
+            steps.append((out.total_num_scheduled_tokens, len(per_request), sum(n == 1 for n in per_request)))
         return out
     Scheduler.schedule = schedule
     return steps
 
 
-def _step_rows(steps: list[tuple[int, int]]) -> dict:
-    """Decode steps (one token per request: the products' M is the batch) counted by ROW_BANDS, and
-    the steps with prefill chunks (eager under FULL_DECODE_ONLY) with their token counts."""
-    decode = [tokens for tokens, requests in steps if tokens == requests]
-    mixed = sorted(tokens for tokens, requests in steps if tokens != requests)
+def step_rows(steps: list[tuple[int, int, int]]) -> dict:
+    """Decode steps (one token per request: the products' M is the batch) counted by ROW_BANDS; the
+    steps with prefill chunks (eager under FULL_DECODE_ONLY), their tokens (decode rows included) and
+    the prompt tokens among them (requests given more than one token: prompts, and the recompute of
+    preempted sequences)."""
+    decode = [requests for tokens, requests, single in steps if single == requests]
+    mixed = sorted(tokens for tokens, requests, single in steps if single != requests)
     bands = {f"{lo}-{hi}" if hi else f">={lo}": sum(lo <= m and (hi is None or m <= hi) for m in decode)
              for lo, hi in ROW_BANDS}
-    return dict(decode_steps=len(decode), decode_rows=bands, prefill_steps=len(mixed),
-                prefill_tokens=sum(mixed), prefill_median_tokens=mixed[len(mixed) // 2] if mixed else 0)
+    return dict(decode_steps=len(decode), decode_rows=bands, prefill_steps=len(mixed), prefill_step_tokens=sum(mixed),
+                prefill_median_tokens=mixed[len(mixed) // 2] if mixed else 0,
+                prompt_tokens=sum(tokens - single for tokens, requests, single in steps if single != requests))
 
 
 def _host_table(durations: dict[str, list[float]], steps: int) -> list[dict]:
@@ -298,7 +302,7 @@ def main():
     import transformers
     prompts = _workload(args, transformers.AutoConfig.from_pretrained(args.model).vocab_size)
     host_totals = _time_host_functions() if args.host_times else None
-    step_log = _record_step_rows() if args.host_times else None
+    step_log = record_step_rows() if args.host_times else None
     llm = build_llm(args, args.system, len(prompts))
     params = request_params(args, args.system, prompts)
     inputs = [{"prompt_token_ids": q} for q in prompts]
@@ -325,7 +329,7 @@ def main():
         step_log.clear()
         generate()
         steps = len(host_totals["LLMEngine.step"]) or 1
-        emit(dict(common, engine_steps=steps, step_rows=_step_rows(step_log),
+        emit(dict(common, engine_steps=steps, step_rows=step_rows(step_log),
                   host_per_step=_host_table(host_totals, steps)), args.out)
         return
     if args.timeline:

@@ -35,6 +35,6 @@ def test_step_profile_counts_steps_by_batch_size(tmp_path):
     sees), and the prefill steps with their tokens. One prefill step of 16 tokens (it samples the first
     token), then 3 decode steps of 2 rows."""
     rows = _profile(tmp_path, "--host-times")["step_rows"]
-    assert rows["prefill_steps"] == 1 and rows["prefill_tokens"] == 16, rows
+    assert rows["prefill_steps"] == 1 and rows["prefill_step_tokens"] == rows["prompt_tokens"] == 16, rows
     assert rows["decode_steps"] == 3 and rows["decode_rows"]["1-64"] == 3, rows
     assert sum(rows["decode_rows"].values()) == rows["decode_steps"], rows
