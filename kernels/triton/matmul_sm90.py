@@ -288,8 +288,8 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, scratch_ptr,
                        num_warps: gl.constexpr, ROW_CHUNKS: gl.constexpr = 1):
     """Tree over NSEG (1, 2, 4 or 8) segment sums of x @ w.T, persistent over work items.
     SPLIT = 1: an item is an output tile; out = the root (+ bias), cast (TMA_STORE: through out_desc).
-    SPLIT = 2: an item is half of a tile's segments; out[h] = that half's subtree in fp32 (the caller adds
-    the two: the root; more items than tiles evens out the last wave at mid-sized M).
+    SPLIT = 2 or 4: an item is that share of a tile's segments; out[h] = its subtree in fp32 (the caller
+    adds them in the tree's order: the root; more items than tiles evens out the last wave at mid-sized M).
     ROW_CHUNKS > 1 (plain products only: NSEG = SPLIT = 1, TMA_STORE): a tile is ROW_CHUNKS x BLOCK_M rows.
     num_warps MMA warps (the default partition) and one loader warp."""
     K = x_desc.shape[1]
@@ -363,8 +363,8 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segments: int, block_m: int,
            block_n: int, warps: int, stages: int, group_m: int = 8, split: int = 1,
            tma_store: bool = False, row_chunks: int = 1) -> torch.Tensor:
-    """split = 1: fill out [M, N] with the tree product (+ bias). split = 2: fill out [2, M, N] (fp32)
-    with the two half-trees, for the caller to add. The caller checks `supported` first. tma_store:
+    """split = 1: fill out [M, N] with the tree product (+ bias). split = 2 or 4: fill out [split, M, N]
+    (fp32) with the subtrees, for the caller to add. The caller checks `supported` first. tma_store:
     the epilogue goes through shared memory and the copy engine (split = 1, TMA-aligned out).
     row_chunks > 1: tiles of row_chunks x block_m rows (plain products stored by TMA only)."""
     M, K = x2.shape
