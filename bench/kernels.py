@@ -99,7 +99,9 @@ def candidates(m: int, segments: int):
         out = [C(bm, bn, 4, st, seg_per_prog=s) for bn in (32, 64) for st in (4, 6) for s in (1, 2)]
         return out + [C(bm, bn, 4, st, pairs=True) for bn in (32, 64) for st in (2, 3)]
     if segments > 1:
-        gluon = [C(128, 128, 8, 4, gluon=True), C(128, 128, 8, 5, gluon=True), C(128, 64, 4, 4, gluon=True),
+        swapped = [C(0, bn, w, st, gluon=True, swap_ab=True, seg_per_prog=s)
+                   for bn, w, st in ((128, 8, 5), (64, 4, 6)) for s in (2, 4)] if m <= 256 else []
+        gluon = swapped + [C(128, 128, 8, 4, gluon=True), C(128, 128, 8, 5, gluon=True), C(128, 64, 4, 4, gluon=True),
                  C(64, 128, 4, 6, gluon=True), C(128, 128, 8, 5, gluon=True, seg_per_prog=4),
                  C(64, 128, 4, 6, gluon=True, seg_per_prog=4), C(128, 128, 8, 5, gluon=True, seg_per_prog=2),
                  C(64, 128, 4, 6, gluon=True, seg_per_prog=2)]
@@ -129,6 +131,9 @@ def candidates(m: int, segments: int):
                 C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=16), C(64, 256, 4, 4, gluon=True, tma_store=True),
                 C(128, 64, 4, 6, gluon=True, tma_store=True), C(64, 64, 4, 8, gluon=True, tma_store=True),
                 C(128, 128, 8, 3), C(256, 64, 8, 3), C(256, 128, 8, 3, tma=True)]
+    if m <= 256:  # the batch's rows on the wgmma N side (two power-of-two chunks, e.g. 128 + 8)
+        out += [C(0, bn, w, st, gluon=True, swap_ab=True)
+                for bn, w, st in ((128, 8, 4), (128, 8, 5), (64, 4, 6), (64, 4, 8), (128, 4, 4))]
     if 128 < m <= 192:  # one 192-row tile (3 x 64) for the whole batch
         out += [C(64, bn, w, st, gluon=True, tma_store=True, row_chunks=3)
                 for bn, w, st in ((64, 4, 6), (128, 4, 4), (128, 4, 5), (128, 8, 4), (256, 8, 3))]

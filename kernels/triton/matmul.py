@@ -10,7 +10,8 @@ tile order, and the S fp32 partials are added by the fixed tree ((p0+p1)+(p2+p3)
 reduce an aligned power-of-two group of segments itself; the group sums then go through the same tree
 in a small combine kernel. Since fp32 addition is commutative, a + b and b + a give the same bits,
 which lets the kernel keep few tiles alive. On Hopper most products, plain and tree, run in the Gluon
-kernel of matmul_sm90.py, which keeps the same per-element order.
+kernels of matmul_sm90.py, which keep the same per-element order (at decode batch sizes often the
+swapped one: the batch's rows on the wgmma N side, see token_chunks).
 """
 from __future__ import annotations
 
@@ -46,6 +47,17 @@ class MMConfig:
     gluon: bool = False  # Hopper: the Gluon kernel (matmul_sm90.py; seg_per_prog splits tiles)
     tma_store: bool = False  # Gluon kernel: epilogue through shared memory and a TMA store
     row_chunks: int = 1  # Gluon plain product: tiles of row_chunks x block_m rows (3 x 64 = 192: no power of two)
+    # Gluon: weights on the wgmma M side (block_n rows), x's rows on its N side (token_chunks; block_m unused)
+    swap_ab: bool = False
+
+
+def token_chunks(m: int) -> tuple[int, int]:
+    """The swapped kernel's row tile for a batch of m rows, as two power-of-two chunks (wgmma N sizes):
+    the largest power of two below m (at most 128), then the smallest power of two >= 8 covering the
+    rest (136 -> 128 + 8, 128 -> 64 + 64, 72 -> 64 + 8; above 256 rows, tiles of 128 + 128)."""
+    head = min(128, max(8, 1 << max(m - 1, 1).bit_length() - 1))
+    rest = max(m - head, 1)
+    return head, min(128, max(8, 1 << (rest - 1).bit_length()))
 
 
 @triton.jit
@@ -332,11 +344,13 @@ def _combine_kernel(p_ptr, bias_ptr, out_ptr, M, N, stride_g, stride_pm, stride_
 # (matmul_sm90.py with one segment: a loader warp, the epilogue through a TMA store) does most shapes.
 # Decode-sized M (65-160, bench/results/2026-11-26-h100-waves): 64 x 64 Gluon tiles for N <= 4096 at
 # 65-128 (o and down as plain products at M = 96 / 128: 0.72 / 0.73 -> 0.85 / 0.88 and 0.85 / 0.88 ->
-# 0.91 / 1.01 of cuBLAS), 128 x 256 for the widest N at 65-96 (gate_up 0.83 -> 0.98, lm_head 0.90 ->
-# 1.01). At 129-192 one tile of 3 x 64 rows covers the batch: no rows of a second 128-row tile are
-# computed for nothing (bench/results/2026-11-27-h200-row-chunks, H200, M = 136 / 168 / 192: qkv 0.62 /
-# 0.78 / 0.77 -> 0.63 / 0.90 / 0.87 as 192 x 64, gate_up 0.74 / 0.72 / 0.84 -> 0.86 / 0.88 / 0.98 as
-# 192 x 256; the best power-of-two tiles swept: qkv 0.61 / 0.78 / 0.77, gate_up 0.74 / 0.76 / 0.85).
+# 0.91 / 1.01 of cuBLAS), 128 x 256 for the widest N at 65-128 (gate_up 0.83 -> 0.98, lm_head 0.90 ->
+# 1.01 at 65-96; at 104 / 112 gate_up 0.76 / 0.86 -> 0.98 / 0.98 and lm_head 0.75 / 0.89 -> 1.01 /
+# 0.99 against 128 x 128 tiles, bench/results/2026-11-27-h200-swapped). At 129-192 one tile of 3 x 64
+# rows covers the batch: no rows of a second 128-row tile are computed for nothing
+# (bench/results/2026-11-27-h200-row-chunks, H200, M = 136 / 168 / 192: qkv 0.62 / 0.78 / 0.77 -> 0.63 /
+# 0.90 / 0.87 as 192 x 64, gate_up 0.74 / 0.72 / 0.84 -> 0.86 / 0.88 / 0.98 as 192 x 256; the best
+# power-of-two tiles swept: qkv 0.61 / 0.78 / 0.77, gate_up 0.74 / 0.76 / 0.85).
 # Measured vs cuBLAS (Llama-3.1-8B shapes, M = 128 / 256 / 512 / 1024 / 2048 / 4096 / 8192):
 # qkv 0.87 / 0.82 / 0.83 / 0.92 / 0.97 / 1.02 / 1.04, o 0.74 / 0.91 / 0.91 / 0.99 / 0.94 / 0.98 / 0.96,
 # down 0.88 / 0.96 / 0.92 / 0.96 / 1.00 / 1.00 / 1.01, gate_up 1.02 / 0.98 / 0.93 / 0.97 / 1.01 / 1.11 / 1.05.
@@ -352,13 +366,35 @@ _PLAIN = [
     (16, (C(16, 64, 4, 6), C(16, 64, 4, 6), C(16, 128, 4, 6))),
     (32, (C(32, 32, 4, 6), C(32, 64, 4, 6), C(32, 64, 4, 6))),
     (64, (C(64, 32, 4, 6), C(64, 32, 4, 6), C(64, 128, 4, 6))),
-    (96, (_G64N, _G64, C(128, 256, 8, 3, tma=True))),
-    (128, (_G64N, _G64, C(128, 128, 8, 3))),
+    (128, (_G64N, _G64, C(128, 256, 8, 4, tma=True))),
     (192, (_G64, _R192, _R192W)),
     (256, (_G64, _G128, C(128, 256, 8, 4, tma=True))),
     (512, (_G128, C(128, 256, 8, 4, tma=True), _G128)),
     (1024, (C(128, 256, 8, 4, tma=True), _G128, C(128, 256, 8, 4, tma=True))),
     (None, (_G256,) * 3),
+]
+# Decode-sized batches where the swapped kernel (matmul_sm90.swapped_matmul_kernel: the batch's rows on
+# the wgmma N side as two power-of-two chunks, e.g. 128 + 8 at M = 136, weights on its M side) beat the
+# tables above (bench/results/2026-11-27-h200-swapped, H200, × cuBLAS, M = 72 / 104 / 128 / 136): qkv
+# 0.77 / 0.79 / 0.79 / 0.64 -> 0.89 / 0.87 / 0.89 / 0.93 (64 weight rows, 4 warps, 8 stages); at 136, o
+# 0.66 -> 0.84 and down 0.75 -> 0.96 (64 rows, 4 leaves per program), gate_up 0.86 -> 0.87 and lm_head
+# 0.83 -> 0.92 (128 rows, 8 warps); at 168, o 0.71 -> 0.77 and down 0.77 -> 0.96 (128 rows, 2 leaves).
+# At 65-128 the trees tie; gate_up and lm_head lose (0.89-0.95 against 0.98-1.01 for 128 x 256 tiles),
+# as does every product from 200 rows (two 128-row chunks: too many registers per tree node). None: the
+# tables above; an entry that would keep fewer than half the SMs busy (narrow N) also leaves it to them.
+_SW64 = C(0, 64, 4, 8, gluon=True, swap_ab=True)
+_SW128 = C(0, 128, 8, 5, gluon=True, swap_ab=True)
+_SWAPPED_PLAIN = [
+    (64, (None,) * 3),
+    (128, (None, _SW64, None)),
+    (144, (None, _SW64, _SW128)),
+    (None, (None,) * 3),
+]
+_SWAPPED_TREE = [
+    (128, (None,) * 3),
+    (144, (C(0, 64, 4, 6, gluon=True, swap_ab=True, seg_per_prog=4), None, None)),
+    (192, (C(0, 128, 8, 5, gluon=True, swap_ab=True, seg_per_prog=2), None, None)),
+    (None, (None,) * 3),
 ]
 # Plain products where a Gluon entry cannot run (not Hopper, K not a multiple of BLOCK_K, operands
 # not TMA-aligned) or writes fp32 (a 128 x 256 fp32 tile does not fit beside the copy ring).
@@ -382,7 +418,7 @@ _PLAIN_NO_GLUON = [
 # Just above 128 rows, where a second 128-row tile is nearly all padding, 64 x 128 tiles with two
 # segments per program (each tile split over 4) win (bench/results/2026-11-27-h200-decode-trees, two H200
 # sweeps at M = 136: o 0.62 / 0.61 -> 0.65 / 0.65, down 0.63 / 0.64 -> 0.74 / 0.73); at M = 168 128 x 128
-# is ahead again for o (0.73 against 0.66).
+# is ahead again for o (0.73 against 0.66). Where the swapped table below has an entry, it wins over these.
 _TREE_G64 = C(64, 128, 4, 6, gluon=True)
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
@@ -407,7 +443,7 @@ _SMALLER_TILES = ((_G128, 0.7), (_G64, 0.8))
 # cuBLAS; 280 of 64 x 64, 0.99).
 _NARROWER_SMALL_M = C(64, 64, 4, 4)
 _FP32_WIDE = C(128, 128, 8, 4, tma=True)  # a 128x256 fp32 epilogue needs more shared memory than there is
-del C, _G64, _G64N, _G128, _G256, _R192, _R192W
+del C, _G64, _G64N, _G128, _G256, _R192, _R192W, _SW64, _SW128
 
 
 def _lookup(table, m: int, n: int) -> MMConfig:
@@ -439,11 +475,22 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
         cfg = dataclasses.replace(cfg, seg_per_prog=1)  # a narrow N (Qwen2.5-1.5B's 1,536): one segment each
     if out_dtype == torch.float32 and cfg.tma and cfg.block_n > 128:
         cfg = _FP32_WIDE
-    return cfg
+    return _swapped_config(M, N, K, segments, out_dtype) or cfg
+
+
+def _swapped_config(M: int, N: int, K: int, segments: int, out_dtype: torch.dtype) -> MMConfig | None:
+    """The swapped table's entry for this shape, where it has one that the Gluon kernel can run (bf16 out,
+    segments other than 2 ending on K tiles) and that keeps at least half the SMs busy."""
+    cfg = _lookup(_SWAPPED_TREE if segments > 1 else _SWAPPED_PLAIN, M, N)
+    if cfg is None or out_dtype != torch.bfloat16 or segments == 2 or K % (segments * BLOCK_K):
+        return None
+    split = segments // min(cfg.seg_per_prog or segments, segments)
+    return cfg if _tiles(M, N, cfg) * split >= current_sms() // 2 else None
 
 
 def _tiles(M: int, N: int, cfg: MMConfig) -> int:
-    return triton.cdiv(M, cfg.block_m * cfg.row_chunks) * triton.cdiv(N, cfg.block_n)
+    rows = sum(token_chunks(M)) if cfg.swap_ab else cfg.block_m * cfg.row_chunks
+    return triton.cdiv(M, rows) * triton.cdiv(N, cfg.block_n)
 
 
 def _wave_fill(M: int, N: int, cfg: MMConfig, split: int = 1) -> float:
@@ -489,11 +536,17 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
         if (sm90 is not None and sm90.supported(x2, weight, segments)
                 and (cfg.row_chunks == 1 or (segments == 1 and cfg.tma_store and sm90.tma_aligned(out)))):
             split = segments // min(cfg.seg_per_prog or segments, segments)  # work items per output tile
-            args = (segments, cfg.block_m, cfg.block_n, cfg.warps, cfg.stages, cfg.group_m)
+            if cfg.swap_ab:
+                launch = functools.partial(sm90.launch_swapped, segments=segments,
+                                           token_chunks=token_chunks(x2.shape[0]))
+            else:
+                launch = functools.partial(sm90.launch, segments=segments, block_m=cfg.block_m,
+                                           tma_store=cfg.tma_store, row_chunks=cfg.row_chunks)
+            args = dict(block_n=cfg.block_n, warps=cfg.warps, stages=cfg.stages, group_m=cfg.group_m)
             if split == 1:
-                return sm90.launch(x2, weight, bias, out, *args, tma_store=cfg.tma_store, row_chunks=cfg.row_chunks)
+                return launch(x2, weight, bias, out, **args)
             parts = torch.empty(split, x2.shape[0], weight.shape[0], dtype=torch.float32, device=out.device)
-            _combine(sm90.launch(x2, weight, None, parts, *args, split=split), bias, out)
+            _combine(launch(x2, weight, None, parts, split=split, **args), bias, out)
             return out
         # not Hopper, or operands not TMA-aligned
         cfg = _lookup(_TREE_NO_GLUON if segments > 1 else _PLAIN_NO_GLUON, x2.shape[0], weight.shape[0])

@@ -13,6 +13,13 @@ that Triton's pipeliner does not give:
   three fp32 tiles: the next accumulator, the finished one and one pending node. So the left leaf
   stays in registers; the level-1 node too, except beside a pending leaf of an 8-leaf tree (then in
   padded shared memory); the level-2 node waits in this program's L2 scratch tile.
+
+swapped_matmul_kernel is the same product with the operands' roles swapped, for decode-sized batches:
+the weight tile is the wgmma's A operand (its M side, 64 rows per warpgroup) and the batch's rows its
+N side, which takes any multiple of 8. Tensor shapes are still powers of two, so a tile's rows come
+in two chunks (128 + 8 at M = 136, where row tiles pad to 192 or 256 rows and each weight tile is
+read by two or three programs). Each output element gets the same wgmma sums in the same order, so
+the same bits (tests/gpu/test_triton_kernels.py compares them).
 """
 from __future__ import annotations
 
@@ -50,13 +57,21 @@ def _mma_layout(block_m, block_n, num_warps):
 
 
 @gluon.jit
-def _issue_load(j, stream, x_desc, w_desc, bars, a_bufs, b_bufs, STAGES: gl.constexpr, ROW_CHUNKS: gl.constexpr):
+def _issue_load(j, stream, x_desc, w_desc, tail_desc, bars, a_bufs, b_bufs, t_bufs, STAGES: gl.constexpr,
+                ROW_CHUNKS: gl.constexpr, TAIL: gl.constexpr):
     """TMA loads of this program's j-th K tile (at stream) into ring slot j % STAGES: the weight tile and
-    the x tile's ROW_CHUNKS row blocks (a_bufs slots slot * ROW_CHUNKS + c)."""
+    the x tile's ROW_CHUNKS row blocks (a_bufs slots slot * ROW_CHUNKS + c); with TAIL, also the x rows
+    after them in tail_desc's block (t_bufs, the swapped kernel's second token chunk)."""
     _, kt, off_m, off_n, k0 = stream
     slot = j % STAGES
     bar = bars.index(slot)
-    mbarrier.expect(bar, ROW_CHUNKS * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    nbytes: gl.constexpr = ROW_CHUNKS * x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    if TAIL:
+        mbarrier.expect(bar, nbytes + tail_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(tail_desc, [off_m + ROW_CHUNKS * x_desc.block_type.shape[0], (k0 + kt) * _BK],
+                                        bar, t_bufs.index(slot))
+    else:
+        mbarrier.expect(bar, nbytes)
     for c in gl.static_range(ROW_CHUNKS):
         tma.async_copy_global_to_shared(x_desc, [off_m + c * x_desc.block_type.shape[0], (k0 + kt) * _BK], bar,
                                         a_bufs.index(slot * ROW_CHUNKS + c))
@@ -93,16 +108,16 @@ def _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_
 
 
 @gluon.jit
-def _load_partition(x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item, num_tiles,
-                    num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr, ROW_CHUNKS: gl.constexpr):
+def _load_partition(x_desc, w_desc, tail_desc, ready, empty, a_bufs, b_bufs, t_bufs, pid, num_progs, total,
+                    kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROW_CHUNKS: gl.constexpr, TAIL: gl.constexpr):
     """Loader warp: the program's whole copy stream, as far ahead as the ring has free slots (a slot is
     free once the MMA that read it has finished: `empty`). BLOCK_M: the tile's rows (all its chunks)."""
     off_m, off_n, k0 = _item_coords(pid, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N, GROUP_M)
     stream = (0, 0, off_m, off_n, k0)
     for j in range(total):
         mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-        _issue_load(j, stream, x_desc, w_desc, ready, a_bufs, b_bufs, STAGES, ROW_CHUNKS)
+        _issue_load(j, stream, x_desc, w_desc, tail_desc, ready, a_bufs, b_bufs, t_bufs, STAGES, ROW_CHUNKS, TAIL)
         stream = _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
                           GROUP_M)
 
@@ -307,32 +322,167 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, scratch_ptr,
     c_smem = a_bufs  # placeholder unless the epilogue goes through shared memory
     if TMA_STORE:
         c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _ring_barriers(STAGES)
     # the MMA partition for the tile kind; the loader is the same
     if ROW_CHUNKS == 1:
         gl.warp_specialize([
             (_mma_partition, (bias_ptr, out_ptr, out_desc, c_smem, scratch_ptr, M, N, stride_og, stride_om, ready,
                               empty, a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m,
                               num_pid_n, NSEG, SPLIT, HAS_BIAS, TMA_STORE, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
-            (_load_partition, (x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item,
-                               num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES, 1)),
+            (_load_partition, (x_desc, w_desc, x_desc, ready, empty, a_bufs, b_bufs, a_bufs, pid, num_progs, total,
+                               kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES, 1,
+                               False)),
         ], [1], [24])
     else:
         gl.warp_specialize([
             (_mma_chunks_partition, (bias_ptr, out_desc, c_smem, N, ready, empty, a_bufs, b_bufs, pid, num_progs,
                                      my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, HAS_BIAS, BLOCK_M,
                                      BLOCK_N, ROW_CHUNKS, GROUP_M, STAGES)),
-            (_load_partition, (x_desc, w_desc, ready, empty, a_bufs, b_bufs, pid, num_progs, total, kt_per_item,
-                               num_tiles, num_pid_m, num_pid_n, BLOCK_M * ROW_CHUNKS, BLOCK_N, GROUP_M, STAGES,
-                               ROW_CHUNKS)),
+            (_load_partition, (x_desc, w_desc, x_desc, ready, empty, a_bufs, b_bufs, a_bufs, pid, num_progs, total,
+                               kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M * ROW_CHUNKS, BLOCK_N, GROUP_M,
+                               STAGES, ROW_CHUNKS, False)),
         ], [1], [24])
+    _drop_ring_barriers(ready, empty, STAGES)
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """The copy ring's barriers: `ready` (slot loaded) and `empty` (slot read by its MMA) per slot."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def _drop_ring_barriers(ready, empty, STAGES: gl.constexpr):
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+
+
+@gluon.jit
+def _swapped_issue(acc, cons, ready, a_bufs, b_bufs, t_bufs, use_acc, STAGES: gl.constexpr):
+    """Start K tile cons's two wgmmas once its slot is loaded: the weight tile is the A operand (the
+    wgmma M side), the head and tail token chunks the B operand (its N side, any multiple of 8)."""
+    slot = cons % STAGES
+    mbarrier.wait(ready.index(slot), (cons // STAGES) & 1)
+    w_tile = b_bufs.index(slot)
+    head = warpgroup_mma(w_tile, a_bufs.index(slot).permute((1, 0)), acc[0], use_acc=use_acc, is_async=True)
+    tail = warpgroup_mma(w_tile, t_bufs.index(slot).permute((1, 0)), acc[1], use_acc=use_acc, is_async=True)
+    return head, tail
+
+
+@gluon.jit
+def _swapped_zeros(BLOCK_N: gl.constexpr, HEAD: gl.constexpr, TAIL_ROWS: gl.constexpr):
+    """Fresh accumulators of the two chunks (made where used, as _start's)."""
+    return (gl.zeros((BLOCK_N, HEAD), dtype=gl.float32, layout=_mma_layout(BLOCK_N, HEAD, gl.num_warps())),
+            gl.zeros((BLOCK_N, TAIL_ROWS), dtype=gl.float32, layout=_mma_layout(BLOCK_N, TAIL_ROWS, gl.num_warps())))
+
+
+@gluon.jit
+def _store_transposed(root, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, part, HAS_BIAS: gl.constexpr):
+    """out[off_m + t, off_n + w] = root[w, t] (+ bias[off_n + w]), masked at M and N; part: the element
+    offset of this item's fp32 subtree (split tiles) or 0."""
+    layout: gl.constexpr = root.type.layout
+    offs_n = off_n + gl.arange(0, root.type.shape[0], layout=gl.SliceLayout(1, layout))
+    offs_m = off_m + gl.arange(0, root.type.shape[1], layout=gl.SliceLayout(0, layout))
+    if HAS_BIAS:
+        root = root + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    o_ptrs = out_ptr + part + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
+    gl.store(o_ptrs, root.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _mma_swapped_partition(bias_ptr, out_ptr, M, N, stride_og, stride_om, ready, empty, a_bufs, b_bufs, t_bufs, pid,
+                           num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, NSEG: gl.constexpr,
+                           SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HEAD: gl.constexpr, TAIL_ROWS: gl.constexpr,
+                           BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """MMA warps of the swapped product: per work item, the transposed output tile [BLOCK_N, HEAD +
+    TAIL_ROWS] as two accumulators, each segment reduced from zero over its K tiles in order and folded
+    into the tree (up to 4 leaves per item: the pending nodes stay in registers), then stored transposed.
+    As in _mma_partition, the next segment's first wgmmas start before a finished segment is folded."""
+    LOCAL: gl.constexpr = NSEG // SPLIT  # segments per item
+    gl.static_assert(LOCAL <= 4)
+    seg_tiles = kt_per_item // LOCAL
+    cons = 0
+    acc = _swapped_zeros(BLOCK_N, HEAD, TAIL_ROWS)
+    for t in range(my_items):
+        item = pid + t * num_progs
+        off_m, off_n, _k0 = _item_coords(item, num_tiles, num_pid_m, num_pid_n, kt_per_item, HEAD + TAIL_ROWS,
+                                         BLOCK_N, GROUP_M)
+        for s in gl.static_range(LOCAL):
+            for kk in range(1 if _continues(s - 1, LOCAL) else 0, seg_tiles):
+                acc = _swapped_issue(acc, cons, ready, a_bufs, b_bufs, t_bufs, kk > 0, STAGES)
+                acc = warpgroup_mma_wait(2, deps=acc)  # the previous K tile's pair is done
+                _release(empty, cons, STAGES, kk > 0)
+                cons += 1
+            if _continues(s, LOCAL):
+                nxt = _swapped_issue(_swapped_zeros(BLOCK_N, HEAD, TAIL_ROWS), cons, ready, a_bufs, b_bufs, t_bufs,
+                                     False, STAGES)
+                head, tail, nxt_head, nxt_tail = warpgroup_mma_wait(2, deps=(acc[0], acc[1], nxt[0], nxt[1]))
+                acc = (head, tail)
+                nxt = (nxt_head, nxt_tail)
+                _release(empty, cons, STAGES)
+                cons += 1
+            else:
+                acc = warpgroup_mma_wait(0, deps=acc)
+                _release(empty, cons, STAGES)
+            # the tree over this item's leaves ((s0 + s1) + (s2 + s3)), chunk by chunk
+            if s % 2 == 0:
+                v0 = acc
+                root = acc
+            else:
+                l1 = (v0[0] + acc[0], v0[1] + acc[1])
+                root = l1
+                if s == 1:
+                    n1 = l1
+                else:
+                    root = (n1[0] + l1[0], n1[1] + l1[1])
+            if _continues(s, LOCAL):
+                acc = nxt
+        part = (item // num_tiles).to(gl.int64) * stride_og
+        _store_transposed(root[0], bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, part, HAS_BIAS)
+        _store_transposed(root[1], bias_ptr, out_ptr, off_m + HEAD, off_n, M, N, stride_om, part, HAS_BIAS)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def swapped_matmul_kernel(x_desc, tail_desc, w_desc, bias_ptr, out_ptr, M, N, stride_og, stride_om,
+                          NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
+                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """x @ w.T with the operands swapped: weights on the wgmma M side (BLOCK_N rows per tile, 64 per
+    warpgroup), the batch's rows on its N side as a head chunk (x_desc's block rows) and a tail chunk
+    (tail_desc's), both powers of two, so a tile covers e.g. 136 rows as 128 + 8 where row tiles pad to
+    64 or 128. Each element is reduced as in tree_matmul_kernel (the same bits); SPLIT as there, with
+    at most 4 segments per item. Persistent over work items; one loader warp."""
+    HEAD: gl.constexpr = x_desc.block_type.shape[0]
+    TAIL_ROWS: gl.constexpr = tail_desc.block_type.shape[0]
+    K = x_desc.shape[1]
+    pid = gl.program_id(0)
+    num_progs = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M, HEAD + TAIL_ROWS)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    my_items = gl.cdiv(num_tiles * SPLIT - pid, num_progs)
+    kt_per_item = K // _BK // SPLIT
+    total = my_items * kt_per_item
+
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    t_bufs = gl.allocate_shared_memory(tail_desc.dtype, [STAGES] + tail_desc.block_type.shape, tail_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready, empty = _ring_barriers(STAGES)
+    gl.warp_specialize([
+        (_mma_swapped_partition, (bias_ptr, out_ptr, M, N, stride_og, stride_om, ready, empty, a_bufs, b_bufs, t_bufs,
+                                  pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, NSEG, SPLIT,
+                                  HAS_BIAS, HEAD, TAIL_ROWS, BLOCK_N, GROUP_M, STAGES)),
+        (_load_partition, (x_desc, w_desc, tail_desc, ready, empty, a_bufs, b_bufs, t_bufs, pid, num_progs, total,
+                           kt_per_item, num_tiles, num_pid_m, num_pid_n, HEAD + TAIL_ROWS, BLOCK_N, GROUP_M, STAGES,
+                           1, True)),
+    ], [1], [24])
+    _drop_ring_barriers(ready, empty, STAGES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -350,6 +500,11 @@ def supported(x2: torch.Tensor, weight: torch.Tensor, segments: int) -> bool:
     return (x2.is_cuda and _is_sm90(x2.device.index or 0) and x2.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16 and segments in (1, 2, 4, 8) and K % (segments * BLOCK_K) == 0
             and tma_aligned(x2) and tma_aligned(weight))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 @functools.lru_cache(maxsize=None)
@@ -393,4 +548,35 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
         HAS_BIAS=bias is not None and split == 1, TMA_STORE=tma_store, BLOCK_M=block_m, BLOCK_N=block_n,
         GROUP_M=group_m, STAGES=stages, num_warps=warps, ROW_CHUNKS=row_chunks, maxnreg=maxnreg)
+    return out
+
+
+def launch_swapped(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segments: int,
+                   token_chunks: tuple[int, int], block_n: int, warps: int, stages: int, group_m: int = 8,
+                   split: int = 1) -> torch.Tensor:
+    """As `launch`, with swapped_matmul_kernel: tiles of block_n weight rows (64 per 4 warps) by
+    token_chunks = (head, tail) rows of x (powers of two, see matmul.token_chunks)."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    head, tail = token_chunks
+    if segments // split > 4:
+        raise ValueError(f"the swapped kernel reduces at most 4 segments per work item (segments={segments}, "
+                         f"split={split})")
+    x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [head, BLOCK_K], _smem_layout(head, BLOCK_K, x2.dtype))
+    tail_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [tail, BLOCK_K],
+                                 _smem_layout(tail, BLOCK_K, x2.dtype))
+    w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K],
+                              _smem_layout(block_n, BLOCK_K, weight.dtype))
+    device = out.device.index or 0
+    # as many ring stages as shared memory holds, up to `stages` (a 128 + 128-row tile needs fewer)
+    stage_bytes = (head + tail + block_n) * BLOCK_K * x2.element_size()
+    stages = max(2, min(stages, (_shared_memory_bytes(device) - 4096) // stage_bytes))
+    items = triton.cdiv(M, head + tail) * triton.cdiv(N, block_n) * split
+    progs = min(items, num_sms(device))
+    maxnreg = 65536 // ((warps + 4) * 32) // 8 * 8  # as in launch
+    swapped_matmul_kernel[(progs,)](
+        x_desc, tail_desc, w_desc, bias if bias is not None else out, out, M, N,
+        out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
+        HAS_BIAS=bias is not None and split == 1, BLOCK_N=block_n, GROUP_M=group_m, STAGES=stages,
+        num_warps=warps, maxnreg=maxnreg)
     return out

@@ -143,6 +143,9 @@ def test_matmul_tile_configs_bitwise_identical(kt, segments, k_dim):
                          kt.MMConfig(64, 128, 4, 6, gluon=True, group_m=1),
                          kt.MMConfig(128, 128, 8, 5, gluon=True, seg_per_prog=4),  # tiles split in halves
                          kt.MMConfig(64, 128, 4, 6, gluon=True, seg_per_prog=2)]  # ... and in quarters
+            variants += _swapped_configs(kt, tree=True)
+    elif not INTERPRET:
+        variants += _swapped_configs(kt, tree=False)
     for v in variants:
         out = kt.matmul_with_config(x, w, b, segments, BF, v)
         assert same_bits(out, base), f"config {v} differs"
@@ -154,6 +157,7 @@ def _table_configs(tree: bool):
     tables = (mm._TREE, mm._TREE_NO_GLUON) if tree else (mm._PLAIN, mm._PLAIN_NO_GLUON)
     cfgs = {c for table in tables for _, row in table for c in row}
     cfgs |= {mm._TREE_G64} if tree else {c for c, _ in mm._SMALLER_TILES} | {mm._NARROWER_SMALL_M, mm._FP32_WIDE}
+    cfgs |= {c for _, row in (mm._SWAPPED_TREE if tree else mm._SWAPPED_PLAIN) for c in row if c is not None}
     return sorted(cfgs, key=repr)
 
 
@@ -190,6 +194,40 @@ def test_matmul_row_chunk_tiles_bitwise_identical(kt, m):
                     C(64, 128, 8, 4, gluon=True, tma_store=True, row_chunks=4)):
             out = kt.matmul_with_config(x, w, bias, 1, BF, cfg)
             assert same_bits(out, base), f"M={m}, bias={bias is not None}: config {cfg} differs"
+
+
+def _swapped_configs(kt, tree: bool):
+    """Swapped launches (weights on the wgmma M side, x's rows on its N side), with 4 and 8 MMA warps;
+    trees split over 2, 4 and 8 programs per output tile (2 to 4 segments per program)."""
+    C = kt.MMConfig
+    if not tree:
+        return [C(0, 128, 8, 5, gluon=True, swap_ab=True), C(0, 64, 4, 6, gluon=True, swap_ab=True, group_m=1),
+                C(0, 128, 4, 4, gluon=True, swap_ab=True)]
+    return [C(0, 128, 8, 5, gluon=True, swap_ab=True, seg_per_prog=4),
+            C(0, 128, 8, 5, gluon=True, swap_ab=True, seg_per_prog=2),
+            C(0, 64, 4, 6, gluon=True, swap_ab=True, seg_per_prog=2, group_m=1)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("segments", [1, 8])
+@pytest.mark.parametrize("m", [72, 104, 128, 136, 168, 256])
+def test_matmul_swapped_tiles_bitwise_identical(kt, m, segments):
+    """The swapped kernel (a tile of 128 + 8 rows at M = 136, 64 + 64 at 128, ...) gives a 64 x 64
+    launch's bits, plain and as the 8-leaf tree, with and without bias; the same launch with a
+    different tree (4 or 2 leaves) does not, so the comparison sees the reduction order."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the swapped kernel is Gluon, for sm90")
+    C = kt.MMConfig
+    x, w, b = randn(m, 4096, seed=16), randn(6144, 4096, seed=17, scale=0.02), randn(6144, seed=18)
+    assert importlib.import_module("kernels.triton.matmul")._sm90().supported(x, w, segments)
+    for bias in (None, b):
+        base = kt.matmul_with_config(x, w, bias, segments, BF, C(64, 64, 4, 2))
+        for cfg in _swapped_configs(kt, tree=segments > 1):
+            out = kt.matmul_with_config(x, w, bias, segments, BF, cfg)
+            assert same_bits(out, base), f"M={m}, bias={bias is not None}: config {cfg} differs"
+        other = 4 if segments > 1 else 2
+        control = kt.matmul_with_config(x, w, bias, other, BF, C(0, 128, 8, 5, gluon=True, swap_ab=True))
+        assert not same_bits(control, base), f"M={m}: a {other}-leaf tree gave the {segments}-leaf bits"
 
 
 @needs_cuda
