@@ -123,6 +123,9 @@ def candidates(m: int, segments: int):
            C(128, 128, 8, 5, gluon=True, tma_store=True), C(64, 128, 4, 6, gluon=True, tma_store=True)]
     if m > 256:
         out += [C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=g) for g in (8, 16)]
+        # prefill-sized M: tiles of 192 (3 x 64) or 320 (5 x 64) rows, as cuBLAS's 192 x 192 and 320 x 128
+        out += [C(64, bn, w, st, gluon=True, tma_store=True, row_chunks=rc)
+                for bn, w, st, rc in ((256, 8, 3, 3), (128, 4, 4, 3), (128, 8, 4, 3), (128, 8, 3, 5))]
     if m <= 512:
         out += [C(64, 64, 4, 4), C(128, 64, 4, 4), C(128, 128, 4, 4)]
     if m <= 256:  # decode-sized M: one row tile for the whole batch, or narrow column tiles

@@ -209,12 +209,12 @@ def _swapped_configs(kt, tree: bool):
 
 
 @needs_cuda
-@pytest.mark.parametrize("segments", [1, 8])
+@pytest.mark.parametrize("segments", [1, 4, 8])
 @pytest.mark.parametrize("m", [72, 104, 128, 136, 168, 256])
 def test_matmul_swapped_tiles_bitwise_identical(kt, m, segments):
     """The swapped kernel (a tile of 128 + 8 rows at M = 136, 64 + 64 at 128, ...) gives a 64 x 64
-    launch's bits, plain and as the 8-leaf tree, with and without bias; the same launch with a
-    different tree (4 or 2 leaves) does not, so the comparison sees the reduction order."""
+    launch's bits, plain and as the 4- and 8-leaf trees (a TP = 2 rank's and TP = 1's), with and without
+    bias; the same launch with a different tree does not, so the comparison sees the reduction order."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the swapped kernel is Gluon, for sm90")
     C = kt.MMConfig
@@ -225,8 +225,9 @@ def test_matmul_swapped_tiles_bitwise_identical(kt, m, segments):
         for cfg in _swapped_configs(kt, tree=segments > 1):
             out = kt.matmul_with_config(x, w, bias, segments, BF, cfg)
             assert same_bits(out, base), f"M={m}, bias={bias is not None}: config {cfg} differs"
-        other = 4 if segments > 1 else 2
-        control = kt.matmul_with_config(x, w, bias, other, BF, C(0, 128, 8, 5, gluon=True, swap_ab=True))
+        other = {1: 2, 4: 8, 8: 4}[segments]
+        control = kt.matmul_with_config(x, w, bias, other, BF, C(0, 128, 8, 5, gluon=True, swap_ab=True,
+                                                                seg_per_prog=2))
         assert not same_bits(control, base), f"M={m}: a {other}-leaf tree gave the {segments}-leaf bits"
 
 
