@@ -231,6 +231,28 @@ def test_matmul_swapped_tiles_bitwise_identical(kt, m, segments):
         assert not same_bits(control, base), f"M={m}: a {other}-leaf tree gave the {segments}-leaf bits"
 
 
+def test_token_chunks_cover_the_batch():
+    """The swapped kernel's row tile: two powers of two (8 to 128 each) that cover m up to 256 rows."""
+    token_chunks = importlib.import_module("kernels.triton.matmul").token_chunks
+    for m in range(1, 1025):
+        head, tail = token_chunks(m)
+        assert all(8 <= c <= 128 and c & (c - 1) == 0 for c in (head, tail)), (m, head, tail)
+        assert head + tail >= min(m, 256), (m, head, tail)
+    assert [token_chunks(m) for m in (72, 128, 136, 144, 168, 256)] == [
+        (64, 8), (64, 64), (128, 8), (128, 16), (128, 64), (128, 128)]
+
+
+def test_swapped_table_entries_apply_where_measured(kt):
+    """Swapped launches only for bf16 outputs at decode sizes, trees of 4 or 8 segments, and products
+    wide enough to keep half the SMs busy (Llama-3.1-8B's o at 136 rows yes, Qwen2.5-1.5B's no)."""
+    assert kt.pick_config(136, 4096, 4096, 8).swap_ab and kt.pick_config(136, 6144, 4096, 1).swap_ab
+    assert kt.pick_config(168, 4096, 14336, 8).swap_ab
+    assert not kt.pick_config(136, 1536, 1536, 8).swap_ab  # 24 tiles of 64 rows: too few programs
+    assert not kt.pick_config(136, 4096, 4096, 2).swap_ab  # 2-segment trees take the pairs kernel
+    assert not kt.pick_config(136, 6144, 4096, 1, torch.float32).swap_ab
+    assert not kt.pick_config(256, 4096, 4096, 8).swap_ab and not kt.pick_config(64, 6144, 4096, 1).swap_ab
+
+
 @needs_cuda
 def test_gluon_tree_kernel_runs_on_hopper(kt):
     """On an H100/H200 the launch table's entries for M >= 128 really take the Gluon kernel
