@@ -455,8 +455,8 @@ def swapped_matmul_kernel(x_desc, tail_desc, w_desc, bias_ptr, out_ptr, M, N, st
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """x @ w.T with the operands swapped: weights on the wgmma M side (BLOCK_N rows per tile, 64 per
     warpgroup), the batch's rows on its N side as a head chunk (x_desc's block rows) and a tail chunk
-    (tail_desc's), both powers of two, so a tile covers e.g. 136 rows as 128 + 8 where row tiles pad to
-    64 or 128. Each element is reduced as in tree_matmul_kernel (the same bits); SPLIT as there, with
+    (tail_desc's), both powers of two: a tile covers e.g. 136 rows as 128 + 8, where 64- or 128-row
+    tiles would pad to 192 or 256. Each element is reduced as in tree_matmul_kernel (the same bits); SPLIT as there, with
     at most 4 segments per item. Persistent over work items; one loader warp."""
     HEAD: gl.constexpr = x_desc.block_type.shape[0]
     TAIL_ROWS: gl.constexpr = tail_desc.block_type.shape[0]
