@@ -7,7 +7,8 @@ matmul: Llama-3.1-8B shapes x M in {1 .. 8192}; canonical TFLOP/s (launch table)
 are measured with the 8-segment tree too ("segments": 8). --sweep also times a grid of launch
 configurations per (shape, M) and reports the best (used to write the launch table in
 kernels/triton/matmul.py). attention: prefill 4k and decode batch 64 x 4k context vs
-scaled_dot_product_attention. decode (--only decode): the speed tables' decode steps against vLLM's
+scaled_dot_product_attention; with --sweep, decode steps over tiles and split sizes, and prefill steps
+(32 prompts of 512 tokens) over tiles. decode (--only decode): the speed tables' decode steps against vLLM's
 FA3, in both split schedules over launch tiles. rms_norm and log_softmax vs torch.
 """
 from __future__ import annotations
@@ -335,6 +336,41 @@ def run_attention_sweep(rep: int):
         print("# attention sweep", json.dumps({k: v for k, v in row.items() if k != "tiles_ms"}), file=sys.stderr,
               flush=True)
         out.append(row)
+    return out + _prefill_attention_sweep(rep)
+
+
+def _prefill_attention_sweep(rep: int):
+    """Prefill steps as the 256 x 512 tables run them (32 prompts of 512 tokens, 16,384 rows) over the
+    tile (BLOCK_M, warps, stages), against SDPA's flash backend on the same tensors."""
+    A = importlib.import_module("kernels.triton.attention")
+    dev, bf, d, out = "cuda", torch.bfloat16, 128, []
+    for bsz, t, hq, hkv in ((32, 512, 32, 8), (32, 512, 12, 2)):
+        q = torch.randn(bsz, t, hq, d, device=dev, dtype=bf)
+        k = torch.randn(bsz, t, hkv, d, device=dev, dtype=bf)
+        v = torch.randn(bsz, t, hkv, d, device=dev, dtype=bf)
+        pos = torch.arange(t, device=dev).repeat(bsz, 1)
+        fn, backend = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True)
+        row = {"prefill": f"{bsz}x{t}", "q_heads": hq, "kv_heads": hkv, "sdpa_backend": backend,
+               "sdpa_ms": round(bench_ms(fn, rep=rep), 4),
+               "contract_ms": round(bench_ms(lambda: kt.attention(q, k, v, pos), rep=rep), 4)}
+        times = {}
+        for block_m in (64, 128, 256):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    A._FORCED_TILE = (block_m, warps, stages)
+                    try:
+                        times[f"{block_m}/{warps}/{stages}"] = bench_ms(lambda: kt.attention(q, k, v, pos), rep=rep)
+                    except Exception as exc:  # e.g. out of shared memory or registers
+                        print(f"# prefill tile {block_m}/{warps}/{stages}: {type(exc).__name__}", file=sys.stderr)
+                    finally:
+                        A._FORCED_TILE = None
+        best = min(times, key=times.get)
+        row.update(best_tile=best, best_tile_ms=round(times[best], 4),
+                   tiles_ms={k: round(v, 4) for k, v in times.items()})
+        print("# prefill attention sweep", json.dumps({k: v for k, v in row.items() if k != "tiles_ms"}),
+              file=sys.stderr, flush=True)
+        out.append(row)
+        del q, k, v
     return out
 
 
