@@ -310,26 +310,13 @@ def run_attention_sweep(rep: int):
     contexts of the batch workload, over launch configurations (BLOCK_M, warps, stages), which leave
     the numbers alone; and over split sizes, which change them (the contract's is attention_split_kv:
     another size would be a new contract, for the trainer too)."""
-    A = importlib.import_module("kernels.triton.attention")
     out = []
     for bsz, ctx, hq, hkv in ((64, 640, 12, 2), (64, 1000, 12, 2), (256, 1000, 12, 2), (64, 1000, 32, 8)):
         q, kc, vc, pos, table = _paged_decode_case(bsz, ctx, hq, hkv)
         row = {"batch": bsz, "context": ctx, "q_heads": hq, "kv_heads": hkv}
         row["contract_ms"] = round(bench_ms(lambda: kt.attention(q, kc, vc, pos, block_table=table), rep=rep), 4)
-        times = {}
-        for warps in (1, 2, 4, 8):
-            for stages in (1, 2, 3, 4, 5):
-                A._FORCED_TILE = (16, warps, stages)
-                try:
-                    times[f"16/{warps}/{stages}"] = bench_ms(
-                        lambda: kt.attention(q, kc, vc, pos, block_table=table), rep=rep)
-                except Exception as exc:  # e.g. out of shared memory
-                    print(f"# tile 16/{warps}/{stages}: {type(exc).__name__}", file=sys.stderr)
-                finally:
-                    A._FORCED_TILE = None
-        best = min(times, key=times.get)
-        row.update(best_tile=best, best_tile_ms=round(times[best], 4),
-                   tiles_ms={k: round(v, 4) for k, v in times.items()})
+        row.update(_time_tiles(lambda: kt.attention(q, kc, vc, pos, block_table=table),
+                               [(16, w, st) for w in (1, 2, 4, 8) for st in (1, 2, 3, 4, 5)], rep))
         for split in (128, 256, 1024):
             row[f"split{split}_ms"] = round(bench_ms(
                 lambda: kt.attention(q, kc, vc, pos, block_table=table, split_kv=split), rep=rep), 4)
@@ -339,10 +326,26 @@ def run_attention_sweep(rep: int):
     return out + _prefill_attention_sweep(rep)
 
 
+def _time_tiles(run, tiles, rep: int) -> dict:
+    """run() timed with each forced attention tile (BLOCK_M, warps, stages), which leave the numbers
+    alone; a tile that does not launch (e.g. out of shared memory) is skipped."""
+    A = importlib.import_module("kernels.triton.attention")
+    times = {}
+    for tile in tiles:
+        A._FORCED_TILE = tile
+        try:
+            times["/".join(map(str, tile))] = bench_ms(run, rep=rep)
+        except Exception as exc:
+            print(f"# tile {tile}: {type(exc).__name__}", file=sys.stderr)
+        finally:
+            A._FORCED_TILE = None
+    best = min(times, key=times.get)
+    return dict(best_tile=best, best_tile_ms=round(times[best], 4), tiles_ms={k: round(v, 4) for k, v in times.items()})
+
+
 def _prefill_attention_sweep(rep: int):
     """Prefill steps as the 256 x 512 tables run them (32 prompts of 512 tokens, 16,384 rows) over the
     tile (BLOCK_M, warps, stages), against SDPA's flash backend on the same tensors."""
-    A = importlib.import_module("kernels.triton.attention")
     dev, bf, d, out = "cuda", torch.bfloat16, 128, []
     for bsz, t, hq, hkv in ((32, 512, 32, 8), (32, 512, 12, 2)):
         q = torch.randn(bsz, t, hq, d, device=dev, dtype=bf)
@@ -353,20 +356,8 @@ def _prefill_attention_sweep(rep: int):
         row = {"prefill": f"{bsz}x{t}", "q_heads": hq, "kv_heads": hkv, "sdpa_backend": backend,
                "sdpa_ms": round(bench_ms(fn, rep=rep), 4),
                "contract_ms": round(bench_ms(lambda: kt.attention(q, k, v, pos), rep=rep), 4)}
-        times = {}
-        for block_m in (64, 128, 256):
-            for warps in (4, 8):
-                for stages in (1, 2, 3):
-                    A._FORCED_TILE = (block_m, warps, stages)
-                    try:
-                        times[f"{block_m}/{warps}/{stages}"] = bench_ms(lambda: kt.attention(q, k, v, pos), rep=rep)
-                    except Exception as exc:  # e.g. out of shared memory or registers
-                        print(f"# prefill tile {block_m}/{warps}/{stages}: {type(exc).__name__}", file=sys.stderr)
-                    finally:
-                        A._FORCED_TILE = None
-        best = min(times, key=times.get)
-        row.update(best_tile=best, best_tile_ms=round(times[best], 4),
-                   tiles_ms={k: round(v, 4) for k, v in times.items()})
+        row.update(_time_tiles(lambda: kt.attention(q, k, v, pos),
+                               [(bm, w, st) for bm in (64, 128, 256) for w in (4, 8) for st in (1, 2, 3)], rep))
         print("# prefill attention sweep", json.dumps({k: v for k, v in row.items() if k != "tiles_ms"}),
               file=sys.stderr, flush=True)
         out.append(row)
