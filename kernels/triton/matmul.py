@@ -51,6 +51,7 @@ class MMConfig:
     swap_ab: bool = False
 
 
+@functools.lru_cache(maxsize=1024)
 def token_chunks(m: int) -> tuple[int, int]:
     """The swapped kernel's row tile for a batch of m rows, as two power-of-two chunks (wgmma N sizes):
     the largest power of two below m (at most 128), then the smallest power of two >= 8 covering the
@@ -529,6 +530,15 @@ def _sm90():
     return matmul_sm90
 
 
+def _launch_gluon(sm90, x2, weight, bias, out, segments: int, cfg: MMConfig, split: int):
+    """cfg's Gluon kernel (matmul_sm90: swapped or not) into out ([M, N], or [split, M, N] subtrees)."""
+    if cfg.swap_ab:
+        return sm90.launch_swapped(x2, weight, bias, out, segments, token_chunks(x2.shape[0]), cfg.block_n,
+                                   cfg.warps, cfg.stages, cfg.group_m, split)
+    return sm90.launch(x2, weight, bias, out, segments, cfg.block_m, cfg.block_n, cfg.warps, cfg.stages,
+                       cfg.group_m, split, tma_store=cfg.tma_store, row_chunks=cfg.row_chunks)
+
+
 def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool = False):
     """Fill out ([M, N], or [segments, M, N] fp32 partials when partial=True)."""
     if cfg.gluon:
@@ -536,17 +546,10 @@ def _launch(x2, weight, bias, out, segments: int, cfg: MMConfig, partial: bool =
         if (sm90 is not None and sm90.supported(x2, weight, segments)
                 and (cfg.row_chunks == 1 or (segments == 1 and cfg.tma_store and sm90.tma_aligned(out)))):
             split = segments // min(cfg.seg_per_prog or segments, segments)  # work items per output tile
-            if cfg.swap_ab:
-                launch = functools.partial(sm90.launch_swapped, segments=segments,
-                                           token_chunks=token_chunks(x2.shape[0]))
-            else:
-                launch = functools.partial(sm90.launch, segments=segments, block_m=cfg.block_m,
-                                           tma_store=cfg.tma_store, row_chunks=cfg.row_chunks)
-            args = dict(block_n=cfg.block_n, warps=cfg.warps, stages=cfg.stages, group_m=cfg.group_m)
             if split == 1:
-                return launch(x2, weight, bias, out, **args)
+                return _launch_gluon(sm90, x2, weight, bias, out, segments, cfg, 1)
             parts = torch.empty(split, x2.shape[0], weight.shape[0], dtype=torch.float32, device=out.device)
-            _combine(launch(x2, weight, None, parts, split=split, **args), bias, out)
+            _combine(_launch_gluon(sm90, x2, weight, None, parts, segments, cfg, split), bias, out)
             return out
         # not Hopper, or operands not TMA-aligned
         cfg = _lookup(_TREE_NO_GLUON if segments > 1 else _PLAIN_NO_GLUON, x2.shape[0], weight.shape[0])
