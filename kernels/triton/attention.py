@@ -209,13 +209,16 @@ def _merge_splits_kernel(pos_ptr, out_ptr, ps_ptr, qstart_ptr, qlen_ptr, T, G, H
                 BLOCK_M, BLOCK_D)
 
 
-def _tile_config(rows: int):
-    """(BLOCK_M, warps, stages) by the number of query rows per (sequence, KV head)."""
+def _tile_config(rows: int, block_d: int):
+    """(BLOCK_M, warps, stages) by the number of query rows per (sequence, KV head). Prefill: three
+    stages took 0.83x (Llama-3.1-8B heads) and 0.92x (Qwen2.5-1.5B) two stages' time on an H100 at 32
+    prompts of 512 tokens, the best of 18 tiles for both (bench/kernels.py --sweep); heads wider than
+    128 keep two (three would not fit in shared memory)."""
     if rows <= 16:
         return 16, 4, 4
     if rows <= 64:
         return 64, 4, 3
-    return 128, 8, 2
+    return 128, 8, 3 if block_d <= 128 else 2
 
 
 def _decode_schedule(pairs: int):
@@ -299,11 +302,11 @@ def _launch(q, q_strides, k, v, positions, pos_strides, block_table, out, out_st
     block_d = max(16, triton.next_power_of_2(d))
     n_splits = triton.cdiv(max(capacity, 1), split_kv)
     state_bytes = bsz * hkv * tq * g * n_splits * (block_d + 2) * 4
-    parallel, tile = False, _tile_config(tq * g)
+    parallel, tile = False, _tile_config(tq * g, block_d)
     if tq * g <= _PARALLEL_SPLIT_ROWS and 1 < n_splits:
         parallel, tile = _decode_schedule(bsz * hkv)
         if parallel and state_bytes > _MAX_SPLIT_STATE_BYTES:
-            parallel, tile = False, _tile_config(tq * g)
+            parallel, tile = False, _tile_config(tq * g, block_d)
     if _FORCED_PARALLEL_SPLITS is not None:
         parallel = _FORCED_PARALLEL_SPLITS and n_splits > 1
     block_m, warps, stages = _FORCED_TILE or tile

@@ -12,7 +12,10 @@ that Triton's pipeliner does not give:
   first wgmma runs (the fold does not drain the tensor cores). At 128 x 128 the register file holds
   three fp32 tiles: the next accumulator, the finished one and one pending node. So the left leaf
   stays in registers; the level-1 node too, except beside a pending leaf of an 8-leaf tree (then in
-  padded shared memory); the level-2 node waits in this program's L2 scratch tile.
+  padded shared memory); the level-2 node waits in this program's L2 scratch tile. (Starting the
+  next item's first wgmma before an item's last fold made ptxas serialise every wgmma: the in-flight
+  accumulator crossed the item loop's back edge. Two K tiles started before a fold instead of one
+  gained nothing. docs/performance.md has both.)
 
 swapped_matmul_kernel is the same product with the operands' roles swapped, for decode-sized batches:
 the weight tile is the wgmma's A operand (its M side, 64 rows per warpgroup) and the batch's rows its

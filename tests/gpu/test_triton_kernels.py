@@ -567,7 +567,7 @@ def test_attention_tile_configs_bitwise_identical(kt, b, length, hq, hkv, d):
     q, k, v, pos, _ = _attn_case(b, length, hq, hkv, d, seed=40)
     base = kt.attention(q, k, v, pos)
     try:
-        for tile in [(16, 4, 2), (64, 4, 3), (128, 8, 2), (128, 4, 2), (32, 4, 3)]:
+        for tile in [(16, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 4, 2), (32, 4, 3)]:
             A._FORCED_TILE = tile
             assert same_bits(kt.attention(q, k, v, pos), base), f"tile {tile}"
     finally:
