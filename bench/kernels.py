@@ -103,6 +103,7 @@ def candidates(m: int, segments: int):
         swapped = [C(0, bn, w, st, gluon=True, swap_ab=True, seg_per_prog=s)
                    for bn, w, st in ((128, 8, 5), (64, 4, 6)) for s in (2, 4)] if m <= 256 else []
         gluon = swapped + [C(128, 128, 8, 4, gluon=True), C(128, 128, 8, 5, gluon=True), C(128, 64, 4, 4, gluon=True),
+                 C(128, 128, 8, 5, gluon=True, tma_store=True), C(64, 128, 4, 6, gluon=True, tma_store=True),
                  C(64, 128, 4, 6, gluon=True), C(128, 128, 8, 5, gluon=True, seg_per_prog=4),
                  C(64, 128, 4, 6, gluon=True, seg_per_prog=4), C(128, 128, 8, 5, gluon=True, seg_per_prog=2),
                  C(64, 128, 4, 6, gluon=True, seg_per_prog=2)]

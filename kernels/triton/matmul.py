@@ -420,6 +420,9 @@ _PLAIN_NO_GLUON = [
 # segments per program (each tile split over 4) win (bench/results/2026-11-27-h200-decode-trees, two H200
 # sweeps at M = 136: o 0.62 / 0.61 -> 0.65 / 0.65, down 0.63 / 0.64 -> 0.74 / 0.73); at M = 168 128 x 128
 # is ahead again for o (0.73 against 0.66). Where the swapped table below has an entry, it wins over these.
+# From 145 rows the root leaves by TMA through the level-1 node's shared memory (bench/results/
+# 2026-11-27-h100-tree-epilogue, H100, two runs against pointer stores in the same run, M = 2,048-16,384:
+# o 0.66-0.82 -> 0.70-0.84, down 0.75-0.81 -> 0.81-0.85, Qwen2.5-1.5B's o 0.52-0.55 -> 0.59-0.61).
 _TREE_G64 = C(64, 128, 4, 6, gluon=True)
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
@@ -427,7 +430,7 @@ _TREE = [
     (64, (C(64, 32, 4, 4, seg_per_prog=2),) * 3),
     (128, (_TREE_G64,) * 3),
     (144, (C(64, 128, 4, 6, gluon=True, seg_per_prog=2),) * 3),
-    (None, (C(128, 128, 8, 5, gluon=True),) * 3),
+    (None, (C(128, 128, 8, 5, gluon=True, tma_store=True),) * 3),
 ]
 # Without Gluon (and for 2-segment trees, where it measured 0.59-0.66 against 0.80-0.86 for the pairs
 # kernel at M >= 512, or short segments at small M: Qwen2.5-1.5B's o, K = 1536).

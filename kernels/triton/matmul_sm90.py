@@ -12,7 +12,9 @@ that Triton's pipeliner does not give:
   first wgmma runs (the fold does not drain the tensor cores). At 128 x 128 the register file holds
   three fp32 tiles: the next accumulator, the finished one and one pending node. So the left leaf
   stays in registers; the level-1 node too, except beside a pending leaf of an 8-leaf tree (then in
-  padded shared memory); the level-2 node waits in this program's L2 scratch tile. (Starting the
+  padded shared memory); the level-2 node waits in this program's L2 scratch tile. An 8-leaf tree's
+  root goes out through that shared memory, free after the last fold (a TMA store; no room for a
+  buffer of its own beside the ring), and the next item waits for the copy before parking there. (Starting the
   next item's first wgmma before an item's last fold made ptxas serialise every wgmma: the in-flight
   accumulator crossed the item loop's back edge. Two K tiles started before a fold instead of one
   gained nothing. docs/performance.md has both.)
@@ -209,6 +211,8 @@ def _mma_partition(bias_ptr, out_ptr, out_desc, c_smem, scratch_ptr, M, N, strid
             # memory; the level-2 node waits in L2. Nothing is carried over to the next item.
             if s % 2 == 0:
                 if LOCAL == 8 and s % 4 == 2:
+                    if TMA_STORE and s == 2:
+                        tma.store_wait(0)  # the previous item's root may still be leaving from node_smem
                     node_smem.store(n1)
                 v0 = acc
                 root = acc
@@ -236,11 +240,14 @@ def _mma_partition(bias_ptr, out_ptr, out_desc, c_smem, scratch_ptr, M, N, strid
                 root = root + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
             if TMA_STORE:
                 # through shared memory; the copy engine clips the tile at M and N. Wait only for the
-                # previous tile's copy (it reads c_smem), so the store overlaps the next tile's wgmmas.
+                # previous tile's copy (it reads the buffer), so the store overlaps the next tile's wgmmas.
+                out_smem = c_smem
+                if LOCAL == 8:
+                    out_smem = node_smem._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
                 tma.store_wait(0)
-                c_smem.store(root.to(out_desc.dtype))
+                out_smem.store(root.to(out_desc.dtype))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_smem)
+                tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
             else:
                 mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
                 o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -322,8 +329,8 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, scratch_ptr,
 
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES * ROW_CHUNKS] + x_desc.block_type.shape, x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    c_smem = a_bufs  # placeholder unless the epilogue goes through shared memory
-    if TMA_STORE:
+    c_smem = a_bufs  # placeholder unless the epilogue goes through a buffer of its own
+    if TMA_STORE and NSEG // SPLIT != 8:
         c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
     ready, empty = _ring_barriers(STAGES)
     # the MMA partition for the tile kind; the loader is the same
