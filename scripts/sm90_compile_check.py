@@ -1,0 +1,143 @@
+"""Compile the Hopper Gluon matmul (kernels/triton/matmul_sm90.py) for sm_90a without a GPU and report
+what ptxas made of it: registers, spills, the MMA warps' register share and ptxas's warnings (C7514:
+wgmmas serialised). A register-pressure change to the tree kernel can be judged here before any GPU
+time is spent.
+
+Needs the Triton the GPU machine runs (3.6: its Gluon API and its bundled ptxas) and torch (CPU is
+enough), e.g. in a venv of its own:
+
+    pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install triton==3.6.0
+    python scripts/sm90_compile_check.py --m 4096 --n 4096 --k 4096 --segments 8 --tma-store
+    SRC=my_variant.py python scripts/sm90_compile_check.py ...   # a modified copy of matmul_sm90.py
+
+Prints one JSON object. Launch arguments as in matmul_sm90.launch; extra constexprs a variant adds go
+in --constexpr NAME=INT.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _NoGpuDriver:
+    """The parts of Triton's active driver that JIT warm-up reads, for an sm_90 target."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _load_sm90(source: Path):
+    """matmul_sm90 from `source`, outside the kernels.triton package (whose __init__ wants a GPU)."""
+    sys.path.insert(0, str(ROOT))
+    text = source.read_text().replace("from ..contract import", "from kernels.contract import")
+    text = text.replace("from .device import num_sms", "num_sms = lambda index: 132  # an H100")
+    path = Path(tempfile.mkdtemp()) / "matmul_sm90_check.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("matmul_sm90_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_tree_kernel(args) -> dict:
+    import triton
+    from triton.runtime import driver
+    driver.set_active(_NoGpuDriver())
+    sm90 = _load_sm90(Path(os.environ.get("SRC", ROOT / "kernels/triton/matmul_sm90.py")))
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, n, k, split = args.m, args.n, args.k, args.split
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=torch.float32 if split > 1 else torch.bfloat16)
+    bk = sm90.BLOCK_K
+    x_desc = TensorDescriptor(x, [m, k], [k, 1], [args.block_m, bk], sm90._smem_layout(args.block_m, bk, x.dtype))
+    w_desc = TensorDescriptor(w, [n, k], [k, 1], [args.block_n, bk], sm90._smem_layout(args.block_n, bk, w.dtype))
+    tma_store = args.tma_store and split == 1
+    out_desc = (TensorDescriptor(out, [m, n], [n, 1], [args.block_m, args.block_n],
+                                 sm90._smem_layout(args.block_m, args.block_n, out.dtype)) if tma_store else x_desc)
+    maxnreg = 65536 // ((args.warps + 4) * 32) // 8 * 8  # as launch() sets it
+    scratch = torch.empty(132 * args.block_m * args.block_n, dtype=torch.float32)  # the level-2 nodes' L2 tiles
+    extra = dict(kv.split("=") for kv in args.constexpr)
+    kernel = sm90.tree_matmul_kernel.warmup(
+        x_desc, w_desc, out, out, out_desc, scratch, m, n, out.stride(0) if split > 1 else 0, out.stride(-2),
+        NSEG=args.segments, SPLIT=split, HAS_BIAS=False, TMA_STORE=tma_store, BLOCK_M=args.block_m,
+        BLOCK_N=args.block_n, GROUP_M=8, STAGES=args.stages, num_warps=args.warps, ROW_CHUNKS=args.row_chunks,
+        maxnreg=maxnreg, grid=(1, ), **{name: int(value) for name, value in extra.items()})
+    ptx = kernel.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    run = subprocess.run([str(ptxas), "--gpu-name=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                         text=True)
+    log = run.stdout + run.stderr
+    # the machine code: a wgmma pipeline that ptxas serialised waits after every HGMMA instead of once per
+    # K tile (e.g. 19 waits for 60 HGMMAs in the tree kernel as it should be; one per HGMMA when serialised)
+    cubin = Path(f.name).with_suffix(".cubin")
+    subprocess.run([str(ptxas), "--gpu-name=sm_90a", f.name, "-o", str(cubin)], check=True)
+    sass = subprocess.run([str(ptxas.parent / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    if args.sass:
+        Path(args.sass).write_text(sass)
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", log)]
+    registers = [int(v) for v in re.findall(r"Used (\d+) registers", log)]
+    return {
+        "triton": triton.__version__,
+        "launch": {key: value for key, value in vars(args).items() if key not in ("constexpr", "sass")}
+        | {"constexprs": extra},
+        "ptxas_ok": run.returncode == 0,
+        "registers": registers[0] if registers else None,
+        "spill_store_bytes": spills[0] if spills else None,
+        "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        "shared_bytes": kernel.metadata.shared,
+        "hgmma": sass.count("HGMMA."),
+        "wgmma_waits": sass.count("WARPGROUP.DEPBAR"),
+        "warnings": [line.strip() for line in log.splitlines() if "warning" in line.lower()],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", type=int, default=4096)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--block-m", type=int, default=128)
+    p.add_argument("--block-n", type=int, default=128)
+    p.add_argument("--warps", type=int, default=8)
+    p.add_argument("--stages", type=int, default=5)
+    p.add_argument("--segments", type=int, default=8, choices=(1, 2, 4, 8))
+    p.add_argument("--split", type=int, default=1, choices=(1, 2, 4))
+    p.add_argument("--row-chunks", type=int, default=1)
+    p.add_argument("--tma-store", action="store_true")
+    p.add_argument("--constexpr", action="append", default=[], metavar="NAME=INT",
+                   help="an extra constexpr of a variant's tree_matmul_kernel")
+    p.add_argument("--sass", metavar="FILE", help="also write the disassembled machine code there")
+    print(json.dumps(compile_tree_kernel(p.parse_args(argv)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
