@@ -1,17 +1,20 @@
-"""Compile the Hopper Gluon matmul (kernels/triton/matmul_sm90.py) for sm_90a without a GPU and report
-what ptxas made of it: registers, spills, the MMA warps' register share and ptxas's warnings (C7514:
-wgmmas serialised). A register-pressure change to the tree kernel can be judged here before any GPU
-time is spent.
+"""Compile the Hopper Gluon matmuls (kernels/triton/matmul_sm90.py: tree_matmul_kernel, which also runs
+the plain products, and swapped_matmul_kernel) for sm_90a without a GPU, and report what ptxas made of
+them: registers, spills, the MMA warps' register share, shared memory, and the HGMMAs against the
+wgmma waits. A kernel whose wgmma pipeline ptxas serialised waits after every HGMMA instead of once
+per K tile. A register-pressure change can be judged here before any GPU time is spent.
 
-Needs the Triton the GPU machine runs (3.6: its Gluon API and its bundled ptxas) and torch (CPU is
-enough), e.g. in a venv of its own:
+Needs the Triton the GPU machine runs (3.6: its Gluon API and its bundled ptxas and nvdisasm) and
+torch (CPU is enough), e.g. in a venv of its own:
 
     pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install triton==3.6.0
     python scripts/sm90_compile_check.py --m 4096 --n 4096 --k 4096 --segments 8 --tma-store
+    python scripts/sm90_compile_check.py --kernel swapped --token-chunks 128,8 --block-n 64 --warps 4 \
+        --stages 6 --segments 8 --split 2
     SRC=my_variant.py python scripts/sm90_compile_check.py ...   # a modified copy of matmul_sm90.py
 
-Prints one JSON object. Launch arguments as in matmul_sm90.launch; extra constexprs a variant adds go
-in --constexpr NAME=INT.
+Prints one JSON object. Launch arguments as in matmul_sm90.launch / launch_swapped; extra constexprs a
+variant adds go in --constexpr NAME=INT, and --sass FILE keeps the disassembly.
 """
 from __future__ import annotations
 
@@ -63,13 +66,8 @@ def _load_sm90(source: Path):
     return module
 
 
-def compile_tree_kernel(args) -> dict:
-    import triton
-    from triton.runtime import driver
-    driver.set_active(_NoGpuDriver())
-    sm90 = _load_sm90(Path(os.environ.get("SRC", ROOT / "kernels/triton/matmul_sm90.py")))
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+def _warm_tree_kernel(sm90, TensorDescriptor, args):
+    """tree_matmul_kernel compiled (not run) with launch()'s arguments."""
     m, n, k, split = args.m, args.n, args.k, args.split
     x = torch.empty(m, k, dtype=torch.bfloat16)
     w = torch.empty(n, k, dtype=torch.bfloat16)
@@ -82,12 +80,47 @@ def compile_tree_kernel(args) -> dict:
                                  sm90._smem_layout(args.block_m, args.block_n, out.dtype)) if tma_store else x_desc)
     maxnreg = 65536 // ((args.warps + 4) * 32) // 8 * 8  # as launch() sets it
     scratch = torch.empty(132 * args.block_m * args.block_n, dtype=torch.float32)  # the level-2 nodes' L2 tiles
-    extra = dict(kv.split("=") for kv in args.constexpr)
-    kernel = sm90.tree_matmul_kernel.warmup(
+    return sm90.tree_matmul_kernel.warmup(
         x_desc, w_desc, out, out, out_desc, scratch, m, n, out.stride(0) if split > 1 else 0, out.stride(-2),
         NSEG=args.segments, SPLIT=split, HAS_BIAS=False, TMA_STORE=tma_store, BLOCK_M=args.block_m,
         BLOCK_N=args.block_n, GROUP_M=8, STAGES=args.stages, num_warps=args.warps, ROW_CHUNKS=args.row_chunks,
-        maxnreg=maxnreg, grid=(1, ), **{name: int(value) for name, value in extra.items()})
+        maxnreg=maxnreg, grid=(1, ), **_constexprs(args))
+
+
+def _warm_swapped_kernel(sm90, TensorDescriptor, args):
+    """swapped_matmul_kernel compiled (not run) with launch_swapped()'s arguments: --block-n weight rows,
+    the batch's rows as --token-chunks HEAD,TAIL (--m is ignored: their sum)."""
+    head, tail = (int(v) for v in args.token_chunks.split(","))
+    m, n, k, split = head + tail, args.n, args.k, args.split
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=torch.float32 if split > 1 else torch.bfloat16)
+    bk = sm90.BLOCK_K
+    x_desc = TensorDescriptor(x, [m, k], [k, 1], [head, bk], sm90._smem_layout(head, bk, x.dtype))
+    tail_desc = TensorDescriptor(x, [m, k], [k, 1], [tail, bk], sm90._smem_layout(tail, bk, x.dtype))
+    w_desc = TensorDescriptor(w, [n, k], [k, 1], [args.block_n, bk], sm90._smem_layout(args.block_n, bk, w.dtype))
+    stage_bytes = (head + tail + args.block_n) * bk * x.element_size()
+    stages = max(2, min(args.stages, (232448 - 4096) // stage_bytes))  # as launch_swapped() on an H100
+    maxnreg = 65536 // ((args.warps + 4) * 32) // 8 * 8
+    return sm90.swapped_matmul_kernel.warmup(
+        x_desc, tail_desc, w_desc, out, out, m, n, out.stride(0) if split > 1 else 0, out.stride(-2),
+        NSEG=args.segments, SPLIT=split, HAS_BIAS=False, BLOCK_N=args.block_n, GROUP_M=8, STAGES=stages,
+        num_warps=args.warps, maxnreg=maxnreg, grid=(1, ), **_constexprs(args))
+
+
+def _constexprs(args) -> dict:
+    return {name: int(value) for name, value in (kv.split("=") for kv in args.constexpr)}
+
+
+def compile_kernel(args) -> dict:
+    import triton
+    from triton.runtime import driver
+    driver.set_active(_NoGpuDriver())
+    sm90 = _load_sm90(Path(os.environ.get("SRC", ROOT / "kernels/triton/matmul_sm90.py")))
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    warm = _warm_swapped_kernel if args.kernel == "swapped" else _warm_tree_kernel
+    kernel = warm(sm90, TensorDescriptor, args)
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -108,7 +141,7 @@ def compile_tree_kernel(args) -> dict:
     return {
         "triton": triton.__version__,
         "launch": {key: value for key, value in vars(args).items() if key not in ("constexpr", "sass")}
-        | {"constexprs": extra},
+        | {"constexprs": _constexprs(args)},
         "ptxas_ok": run.returncode == 0,
         "registers": registers[0] if registers else None,
         "spill_store_bytes": spills[0] if spills else None,
@@ -122,6 +155,9 @@ def compile_tree_kernel(args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernel", choices=("tree", "swapped"), default="tree",
+                   help="tree_matmul_kernel (plain products too: --segments 1) or swapped_matmul_kernel")
+    p.add_argument("--token-chunks", default="128,8", help="swapped: the batch's rows as HEAD,TAIL")
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--k", type=int, default=4096)
@@ -136,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--constexpr", action="append", default=[], metavar="NAME=INT",
                    help="an extra constexpr of a variant's tree_matmul_kernel")
     p.add_argument("--sass", metavar="FILE", help="also write the disassembled machine code there")
-    print(json.dumps(compile_tree_kernel(p.parse_args(argv)), indent=1))
+    print(json.dumps(compile_kernel(p.parse_args(argv)), indent=1))
 
 
 if __name__ == "__main__":
