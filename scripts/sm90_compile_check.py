@@ -79,9 +79,8 @@ def _warm_tree_kernel(sm90, TensorDescriptor, args):
     out_desc = (TensorDescriptor(out, [m, n], [n, 1], [args.block_m, args.block_n],
                                  sm90._smem_layout(args.block_m, args.block_n, out.dtype)) if tma_store else x_desc)
     maxnreg = 65536 // ((args.warps + 4) * 32) // 8 * 8  # as launch() sets it
-    scratch = torch.empty(132 * args.block_m * args.block_n, dtype=torch.float32)  # the level-2 nodes' L2 tiles
     return sm90.tree_matmul_kernel.warmup(
-        x_desc, w_desc, out, out, out_desc, scratch, m, n, out.stride(0) if split > 1 else 0, out.stride(-2),
+        x_desc, w_desc, out, out, out_desc, m, n, out.stride(0) if split > 1 else 0, out.stride(-2),
         NSEG=args.segments, SPLIT=split, HAS_BIAS=False, TMA_STORE=tma_store, BLOCK_M=args.block_m,
         BLOCK_N=args.block_n, GROUP_M=8, STAGES=args.stages, num_warps=args.warps, ROW_CHUNKS=args.row_chunks,
         maxnreg=maxnreg, grid=(1, ), **_constexprs(args))

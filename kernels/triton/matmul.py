@@ -415,14 +415,20 @@ _PLAIN_NO_GLUON = [
 # 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not Hopper, segments that end
 # mid-tile as Qwen2.5-1.5B's down, K = 8960, ...) _TREE_NO_GLUON applies. At M <= 64 a narrow N runs
 # one segment per program (_few_programs; Qwen2.5-1.5B's down at M = 64: 0.73 -> 0.89). 128 x 128 tiles
-# from M = 145 (Llama-3.1-8B's o / down at M = 256 in the sweep: 0.84 / 0.89 for 64 x 128, 0.90 / 1.02).
+# from M = 145 (Llama-3.1-8B's o / down at M = 256 in the sweep: 0.84 / 0.89 for 64 x 128, 0.90 / 1.02;
+# with the 8-leaf item in two halves, bench/results/2026-11-27-h100-tree-halves, 64 x 128 tiles that
+# hold all 8 leaves still lose at 136-232 rows to the launches the tables pick, the swapped ones
+# included: o 0.69-0.76 against 0.73-0.80, down 0.82-0.92 against 0.95-1.01; at 256 o 0.89 against
+# 0.88, down 0.93 against 1.00).
 # Just above 128 rows, where a second 128-row tile is nearly all padding, 64 x 128 tiles with two
 # segments per program (each tile split over 4) win (bench/results/2026-11-27-h200-decode-trees, two H200
 # sweeps at M = 136: o 0.62 / 0.61 -> 0.65 / 0.65, down 0.63 / 0.64 -> 0.74 / 0.73); at M = 168 128 x 128
 # is ahead again for o (0.73 against 0.66). Where the swapped table below has an entry, it wins over these.
-# From 145 rows the root leaves by TMA through the level-1 node's shared memory (bench/results/
-# 2026-11-27-h100-tree-epilogue, H100, two runs against pointer stores in the same run, M = 2,048-16,384:
-# o 0.66-0.82 -> 0.70-0.84, down 0.75-0.81 -> 0.81-0.85, Qwen2.5-1.5B's o 0.52-0.55 -> 0.59-0.61).
+# From 145 rows the root leaves by TMA through the first half's node buffer in shared memory (bench/
+# results/2026-11-27-h100-tree-epilogue, H100, two runs against pointer stores in the same run, M =
+# 2,048-16,384: o 0.66-0.82 -> 0.70-0.84, down 0.75-0.81 -> 0.81-0.85, Qwen2.5-1.5B's o 0.52-0.55 ->
+# 0.59-0.61; with the two halves, bench/results/2026-11-27-h100-tree-halves, M = 512-16,384: o 0.67-0.78
+# -> 0.76-0.89, down 0.79-0.90 -> 0.87-1.13, Qwen2.5-1.5B's o 0.55-0.67 -> 0.79-0.92).
 _TREE_G64 = C(64, 128, 4, 6, gluon=True)
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),

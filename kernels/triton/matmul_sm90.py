@@ -9,15 +9,16 @@ that Triton's pipeliner does not give:
   (tile, K tile) pairs, as far ahead as the ring has free slots, so neither a segment end nor a tile
   end (where the MMA warps fold the tree and store) stops the copies;
 - a finished segment's accumulator is folded into the tree right away, while the next segment's
-  first wgmma runs (the fold does not drain the tensor cores). At 128 x 128 the register file holds
-  three fp32 tiles: the next accumulator, the finished one and one pending node. So the left leaf
-  stays in registers; the level-1 node too, except beside a pending leaf of an 8-leaf tree (then in
-  padded shared memory); the level-2 node waits in this program's L2 scratch tile. An 8-leaf tree's
-  root goes out through that shared memory, free after the last fold (a TMA store; no room for a
-  buffer of its own beside the ring), and the next item waits for the copy before parking there. (Starting the
-  next item's first wgmma before an item's last fold made ptxas serialise every wgmma: the in-flight
-  accumulator crossed the item loop's back edge. Two K tiles started before a fold instead of one
-  gained nothing. docs/performance.md has both.)
+  first wgmma runs (the fold does not drain the tensor cores). At 128 x 128 the MMA warps' registers
+  hold three fp32 tiles: the accumulator, the finished leaf and one pending node. That covers a tree of
+  4 leaves. An 8-leaf tree runs as two such halves in a loop; the first half's node waits in shared
+  memory, and the root leaves through that memory by TMA (no room for a buffer of its own beside the
+  ring). Unrolled over 8 leaves, ptxas spilled and serialised the wgmmas wherever a fourth tile was
+  live; before the halves the 8-leaf tree parked nodes in shared memory and in an L2 scratch tile,
+  whose round trip cost 10-30% of its time. (Starting the next item's first wgmma before an item's last
+  fold also made ptxas serialise every wgmma: the in-flight accumulator crossed the item loop's back
+  edge. Two K tiles started before a fold instead of one gained nothing. docs/performance.md has all
+  three; scripts/sm90_compile_check.py shows spills and wgmma waits without a GPU.)
 
 swapped_matmul_kernel is the same product with the operands' roles swapped, for decode-sized batches:
 the weight tile is the wgmma's A operand (its M side, 64 rows per warpgroup) and the batch's rows its
@@ -127,13 +128,6 @@ def _load_partition(x_desc, w_desc, tail_desc, ready, empty, a_bufs, b_bufs, t_b
                           GROUP_M)
 
 
-@gluon.jit
-def _l2_node(scratch_ptr, pid, rows, cols, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """This program's L2 scratch tile, where a pending level-2 node waits (built where it is used: held
-    across the MMA loops, 64-bit pointers would cost a tile's worth of registers)."""
-    return scratch_ptr + pid.to(gl.int64) * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :]
-
-
 @gluon.constexpr_function
 def _continues(s, local):
     """Whether segment s + 1 of the same item exists (its first wgmma then starts before s is folded)."""
@@ -164,98 +158,117 @@ def _release(empty, cons, STAGES: gl.constexpr, pred=True):
 
 
 @gluon.jit
-def _mma_partition(bias_ptr, out_ptr, out_desc, c_smem, scratch_ptr, M, N, stride_og, stride_om, ready, empty,
-                   a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n,
-                   NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """MMA warps: each work item's segments, reduced from zero (one async wgmma group in flight) and
-    folded into the tree, then stored. A slot goes back to the loader once the MMA reading it is done.
-    The next segment's first wgmma starts before a finished segment is folded, so the tensor cores
-    work through the fold."""
+def _reduce_leaves(acc, cons, ready, empty, a_bufs, b_bufs, seg_tiles, layout: gl.constexpr, LEAVES: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """LEAVES (1, 2 or 4) consecutive segment sums, each reduced from zero over its K tiles in order (one
+    async wgmma group in flight), folded into their tree ((s0 + s1) + (s2 + s3)) as they finish. The next
+    segment's first wgmma starts before a finished segment is folded, so the tensor cores work through the
+    fold. The pending nodes stay in registers (at most three tiles live). Returns (acc, cons, root)."""
+    for s in gl.static_range(LEAVES):
+        # segment s's first wgmma was started before segment s - 1's fold, except for the first
+        for kk in range(1 if _continues(s - 1, LEAVES) else 0, seg_tiles):
+            acc = _issue(acc, cons, ready, a_bufs, b_bufs, kk > 0, STAGES)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            _release(empty, cons, STAGES, kk > 0)
+            cons += 1
+        if _continues(s, LEAVES):
+            nxt = _start(cons, ready, a_bufs, b_bufs, layout, BLOCK_M, BLOCK_N, STAGES)
+            acc, nxt = warpgroup_mma_wait(1, deps=(acc, nxt))
+            _release(empty, cons, STAGES)
+            cons += 1
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _release(empty, cons, STAGES)
+        if s % 2 == 0:  # s is static: straight-line code
+            v0 = acc
+            root = acc
+        else:
+            l1 = v0 + acc
+            root = l1
+            if s == 1:
+                n1 = l1
+            else:
+                root = n1 + l1
+        if _continues(s, LEAVES):
+            acc = nxt
+    return acc, cons, root
+
+
+@gluon.jit
+def _store_root(root, bias_ptr, out_ptr, out_desc, out_smem, M, N, stride_og, stride_om, part, off_m, off_n, rows, cols,
+                SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr):
+    """The item's epilogue. SPLIT = 1: out tile = root (+ bias), cast; with TMA_STORE through out_smem and
+    the copy engine, which clips the tile at M and N (it waits only for the previous tile's copy, so the
+    store overlaps the next tile's wgmmas). SPLIT > 1: the fp32 subtree into out[part]."""
+    offs_m = off_m + rows
+    offs_n = off_n + cols
+    if SPLIT == 1:
+        if HAS_BIAS:
+            root = root + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
+        if TMA_STORE:
+            tma.store_wait(0)
+            out_smem.store(root.to(out_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
+        else:
+            mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+            o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
+            gl.store(o_ptrs, root.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
+        gl.store(o_ptrs + part.to(gl.int64) * stride_og, root, mask=mask)
+
+
+@gluon.jit
+def _mma_partition(bias_ptr, out_ptr, out_desc, c_smem, M, N, stride_og, stride_om, ready, empty, a_bufs, b_bufs,
+                   pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, NSEG: gl.constexpr,
+                   SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """MMA warps: each work item's segments reduced and folded into the tree (_reduce_leaves), then stored.
+    An 8-leaf item runs as two halves of 4 leaves in a loop: the first half's node waits in shared
+    memory and the second half adds it, as the tree does. (Unrolled, the 8 leaves need a fourth tile of
+    registers at times, which ptxas answers with spills and serialised wgmmas.) The root then leaves
+    through that shared memory by TMA, and the next item's first half waits for the copy before
+    reusing it."""
     LOCAL: gl.constexpr = NSEG // SPLIT  # segments per item
     seg_tiles = kt_per_item // LOCAL
     layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
-    node_smem = a_bufs  # placeholder where no level-1 node has to leave registers
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    cons = 0
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
     if LOCAL == 8:
         # padded rows: the MMA layout's 8-row stores would otherwise hit the same banks
         node_smem = gl.allocate_shared_memory(
             gl.float32, [BLOCK_M, BLOCK_N], gl.PaddedSharedLayout.with_identity_for([[BLOCK_N, 4]], [BLOCK_M, BLOCK_N],
                                                                                     [1, 0]))
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-
-    cons = 0
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
-    for t in range(my_items):
-        item = pid + t * num_progs
-        off_m, off_n, _k0 = _item_coords(item, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N,
-                                       GROUP_M)
-        for s in gl.static_range(LOCAL):
-            # segment s's first wgmma was started before segment s - 1's fold, except for an item's first
-            for kk in range(1 if _continues(s - 1, LOCAL) else 0, seg_tiles):
-                acc = _issue(acc, cons, ready, a_bufs, b_bufs, kk > 0, STAGES)
-                acc = warpgroup_mma_wait(1, deps=(acc, ))
-                _release(empty, cons, STAGES, kk > 0)
-                cons += 1
-            if _continues(s, LOCAL):
-                nxt = _start(cons, ready, a_bufs, b_bufs, layout, BLOCK_M, BLOCK_N, STAGES)
-                acc, nxt = warpgroup_mma_wait(1, deps=(acc, nxt))
-                _release(empty, cons, STAGES)
-                cons += 1
-            else:
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                _release(empty, cons, STAGES)
-            # Fold segment s's sum into the tree (s is static: straight-line code), beside the next
-            # segment's accumulator. The pending left leaf v0 waits in registers; the level-1 node n1 too,
-            # except beside a pending leaf in an 8-leaf tree (segments 2-3 and 6-7), where it waits in shared
-            # memory; the level-2 node waits in L2. Nothing is carried over to the next item.
-            if s % 2 == 0:
-                if LOCAL == 8 and s % 4 == 2:
-                    if TMA_STORE and s == 2:
+        out_smem = c_smem
+        if TMA_STORE:  # no room for a buffer of its own beside the ring
+            out_smem = node_smem._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        for t in range(my_items):
+            item = pid + t * num_progs
+            off_m, off_n, _k0 = _item_coords(item, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N,
+                                             GROUP_M)
+            for half in range(2):
+                acc, cons, node = _reduce_leaves(acc, cons, ready, empty, a_bufs, b_bufs, seg_tiles, layout, 4,
+                                                 BLOCK_M, BLOCK_N, STAGES)
+                if half == 0:
+                    if TMA_STORE:
                         tma.store_wait(0)  # the previous item's root may still be leaving from node_smem
-                    node_smem.store(n1)
-                v0 = acc
-                root = acc
-            else:
-                l1 = v0 + acc
-                root = l1
-                if s % 4 == 1:
-                    n1 = l1
-                else:
-                    if LOCAL == 8:
-                        l2 = node_smem.load(layout) + l1
-                    else:
-                        l2 = n1 + l1
-                    root = l2
-                    if LOCAL == 8 and s == 3:
-                        gl.store(_l2_node(scratch_ptr, pid, rows, cols, BLOCK_M, BLOCK_N), l2)
-                    if s == 7:
-                        root = gl.load(_l2_node(scratch_ptr, pid, rows, cols, BLOCK_M, BLOCK_N)) + l2
-            if _continues(s, LOCAL):
-                acc = nxt
-        offs_m = off_m + rows
-        offs_n = off_n + cols
-        if SPLIT == 1:
-            if HAS_BIAS:
-                root = root + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
-            if TMA_STORE:
-                # through shared memory; the copy engine clips the tile at M and N. Wait only for the
-                # previous tile's copy (it reads the buffer), so the store overlaps the next tile's wgmmas.
-                out_smem = c_smem
-                if LOCAL == 8:
-                    out_smem = node_smem._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-                tma.store_wait(0)
-                out_smem.store(root.to(out_desc.dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
-            else:
-                mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-                o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
-                gl.store(o_ptrs, root.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-            o_ptrs = out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :]
-            gl.store(o_ptrs + (item // num_tiles).to(gl.int64) * stride_og, root, mask=mask)
+                    node_smem.store(node)
+                else:  # the epilogue in the loop: a root carried out of it would hold a tile of registers
+                    _store_root(node_smem.load(layout) + node, bias_ptr, out_ptr, out_desc, out_smem, M, N, stride_og,
+                                stride_om, item // num_tiles, off_m, off_n, rows, cols, SPLIT, HAS_BIAS, TMA_STORE)
+    else:
+        for t in range(my_items):
+            item = pid + t * num_progs
+            off_m, off_n, _k0 = _item_coords(item, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N,
+                                             GROUP_M)
+            acc, cons, root = _reduce_leaves(acc, cons, ready, empty, a_bufs, b_bufs, seg_tiles, layout, LOCAL,
+                                             BLOCK_M, BLOCK_N, STAGES)
+            _store_root(root, bias_ptr, out_ptr, out_desc, c_smem, M, N, stride_og, stride_om, item // num_tiles,
+                        off_m, off_n, rows, cols, SPLIT, HAS_BIAS, TMA_STORE)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -307,7 +320,7 @@ def _mma_chunks_partition(bias_ptr, out_desc, c_smem, N, ready, empty, a_bufs, b
 
 
 @gluon.jit(do_not_specialize=["M"])
-def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, scratch_ptr, M, N, stride_og, stride_om,
+def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, M, N, stride_og, stride_om,
                        NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                        num_warps: gl.constexpr, ROW_CHUNKS: gl.constexpr = 1):
@@ -336,9 +349,9 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, scratch_ptr,
     # the MMA partition for the tile kind; the loader is the same
     if ROW_CHUNKS == 1:
         gl.warp_specialize([
-            (_mma_partition, (bias_ptr, out_ptr, out_desc, c_smem, scratch_ptr, M, N, stride_og, stride_om, ready,
-                              empty, a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m,
-                              num_pid_n, NSEG, SPLIT, HAS_BIAS, TMA_STORE, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+            (_mma_partition, (bias_ptr, out_ptr, out_desc, c_smem, M, N, stride_og, stride_om, ready, empty,
+                              a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n,
+                              NSEG, SPLIT, HAS_BIAS, TMA_STORE, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
             (_load_partition, (x_desc, w_desc, x_desc, ready, empty, a_bufs, b_bufs, a_bufs, pid, num_progs, total,
                                kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES, 1,
                                False)),
@@ -547,14 +560,12 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
     # the launch must fit (warps + a loader warpgroup) x 32 threads in the register file; the loader
     # then hands its share to the MMA warps (setmaxnreg)
     maxnreg = 65536 // ((warps + 4) * 32) // 8 * 8
-    scratch = (torch.empty(progs * block_m * block_n, dtype=torch.float32, device=out.device)
-               if segments // split == 8 else out)
     out_desc = x_desc  # placeholder
     if tma_store:
         out_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [block_m, block_n],
                                     _smem_layout(block_m, block_n, out.dtype))
     tree_matmul_kernel[(progs,)](
-        x_desc, w_desc, bias if bias is not None else out, out, out_desc, scratch, M, N,
+        x_desc, w_desc, bias if bias is not None else out, out, out_desc, M, N,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
         HAS_BIAS=bias is not None and split == 1, TMA_STORE=tma_store, BLOCK_M=block_m, BLOCK_N=block_n,
         GROUP_M=group_m, STAGES=stages, num_warps=warps, ROW_CHUNKS=row_chunks, maxnreg=maxnreg)
