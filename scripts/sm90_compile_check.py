@@ -66,45 +66,51 @@ def _load_sm90(source: Path):
     return module
 
 
+SHARED_BYTES = 232448  # an H100's shared memory per block
+
+
+def _operands(m: int, n: int, k: int, split: int):
+    """x [m, k], w [n, k] (bf16) and out: [m, n] bf16, or [split, m, n] fp32 subtrees."""
+    out_shape, out_dtype = ((split, m, n), torch.float32) if split > 1 else ((m, n), torch.bfloat16)
+    return (torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16),
+            torch.empty(out_shape, dtype=out_dtype))
+
+
+def _desc(sm90, TensorDescriptor, t: torch.Tensor, block_rows: int, block_cols: int):
+    """A TMA descriptor over a 2-D tensor in the launch's shared-memory layout."""
+    rows, cols = t.shape[-2:]
+    return TensorDescriptor(t, [rows, cols], [cols, 1], [block_rows, block_cols],
+                            sm90._smem_layout(block_rows, block_cols, t.dtype))
+
+
 def _warm_tree_kernel(sm90, TensorDescriptor, args):
     """tree_matmul_kernel compiled (not run) with launch()'s arguments."""
-    m, n, k, split = args.m, args.n, args.k, args.split
-    x = torch.empty(m, k, dtype=torch.bfloat16)
-    w = torch.empty(n, k, dtype=torch.bfloat16)
-    out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=torch.float32 if split > 1 else torch.bfloat16)
-    bk = sm90.BLOCK_K
-    x_desc = TensorDescriptor(x, [m, k], [k, 1], [args.block_m, bk], sm90._smem_layout(args.block_m, bk, x.dtype))
-    w_desc = TensorDescriptor(w, [n, k], [k, 1], [args.block_n, bk], sm90._smem_layout(args.block_n, bk, w.dtype))
+    m, n, split = args.m, args.n, args.split
+    x, w, out = _operands(m, n, args.k, split)
     tma_store = args.tma_store and split == 1
-    out_desc = (TensorDescriptor(out, [m, n], [n, 1], [args.block_m, args.block_n],
-                                 sm90._smem_layout(args.block_m, args.block_n, out.dtype)) if tma_store else x_desc)
-    maxnreg = 65536 // ((args.warps + 4) * 32) // 8 * 8  # as launch() sets it
+    x_desc = _desc(sm90, TensorDescriptor, x, args.block_m, sm90.BLOCK_K)
+    out_desc = _desc(sm90, TensorDescriptor, out, args.block_m, args.block_n) if tma_store else x_desc
     return sm90.tree_matmul_kernel.warmup(
-        x_desc, w_desc, out, out, out_desc, m, n, out.stride(0) if split > 1 else 0, out.stride(-2),
-        NSEG=args.segments, SPLIT=split, HAS_BIAS=False, TMA_STORE=tma_store, BLOCK_M=args.block_m,
-        BLOCK_N=args.block_n, GROUP_M=8, STAGES=args.stages, num_warps=args.warps, ROW_CHUNKS=args.row_chunks,
-        maxnreg=maxnreg, grid=(1, ), **_constexprs(args))
+        x_desc, _desc(sm90, TensorDescriptor, w, args.block_n, sm90.BLOCK_K), out, out, out_desc, m, n,
+        out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=args.segments, SPLIT=split, HAS_BIAS=False,
+        TMA_STORE=tma_store, BLOCK_M=args.block_m, BLOCK_N=args.block_n, GROUP_M=8, STAGES=args.stages,
+        num_warps=args.warps, ROW_CHUNKS=args.row_chunks, maxnreg=sm90.mma_maxnreg(args.warps), grid=(1, ),
+        **_constexprs(args))
 
 
 def _warm_swapped_kernel(sm90, TensorDescriptor, args):
     """swapped_matmul_kernel compiled (not run) with launch_swapped()'s arguments: --block-n weight rows,
     the batch's rows as --token-chunks HEAD,TAIL (--m is ignored: their sum)."""
     head, tail = (int(v) for v in args.token_chunks.split(","))
-    m, n, k, split = head + tail, args.n, args.k, args.split
-    x = torch.empty(m, k, dtype=torch.bfloat16)
-    w = torch.empty(n, k, dtype=torch.bfloat16)
-    out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=torch.float32 if split > 1 else torch.bfloat16)
+    m, n, split = head + tail, args.n, args.split
+    x, w, out = _operands(m, n, args.k, split)
     bk = sm90.BLOCK_K
-    x_desc = TensorDescriptor(x, [m, k], [k, 1], [head, bk], sm90._smem_layout(head, bk, x.dtype))
-    tail_desc = TensorDescriptor(x, [m, k], [k, 1], [tail, bk], sm90._smem_layout(tail, bk, x.dtype))
-    w_desc = TensorDescriptor(w, [n, k], [k, 1], [args.block_n, bk], sm90._smem_layout(args.block_n, bk, w.dtype))
-    stage_bytes = (head + tail + args.block_n) * bk * x.element_size()
-    stages = max(2, min(args.stages, (232448 - 4096) // stage_bytes))  # as launch_swapped() on an H100
-    maxnreg = 65536 // ((args.warps + 4) * 32) // 8 * 8
+    stages = sm90.swapped_stages(head, tail, args.block_n, args.stages, x.element_size(), SHARED_BYTES)
     return sm90.swapped_matmul_kernel.warmup(
-        x_desc, tail_desc, w_desc, out, out, m, n, out.stride(0) if split > 1 else 0, out.stride(-2),
-        NSEG=args.segments, SPLIT=split, HAS_BIAS=False, BLOCK_N=args.block_n, GROUP_M=8, STAGES=stages,
-        num_warps=args.warps, maxnreg=maxnreg, grid=(1, ), **_constexprs(args))
+        _desc(sm90, TensorDescriptor, x, head, bk), _desc(sm90, TensorDescriptor, x, tail, bk),
+        _desc(sm90, TensorDescriptor, w, args.block_n, bk), out, out, m, n, out.stride(0) if split > 1 else 0,
+        out.stride(-2), NSEG=args.segments, SPLIT=split, HAS_BIAS=False, BLOCK_N=args.block_n, GROUP_M=8,
+        STAGES=stages, num_warps=args.warps, maxnreg=sm90.mma_maxnreg(args.warps), grid=(1, ), **_constexprs(args))
 
 
 def _constexprs(args) -> dict:

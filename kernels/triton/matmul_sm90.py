@@ -538,6 +538,20 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
 
 
+def mma_maxnreg(warps: int) -> int:
+    """Registers per thread for a launch of `warps` MMA warps: the launch must fit (warps + a loader
+    warpgroup) x 32 threads in the register file; the loader then hands its share to the MMA warps
+    (setmaxnreg)."""
+    return 65536 // ((warps + 4) * 32) // 8 * 8
+
+
+def swapped_stages(head: int, tail: int, block_n: int, stages: int, element_size: int, shared_bytes: int) -> int:
+    """The swapped kernel's ring stages: as many as shared memory holds, up to `stages` (a 128 + 128-row
+    tile needs fewer)."""
+    stage_bytes = (head + tail + block_n) * BLOCK_K * element_size
+    return max(2, min(stages, (shared_bytes - 4096) // stage_bytes))
+
+
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segments: int, block_m: int,
            block_n: int, warps: int, stages: int, group_m: int = 8, split: int = 1,
            tma_store: bool = False, row_chunks: int = 1) -> torch.Tensor:
@@ -557,9 +571,6 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
                          f"split={split}, TMA-aligned out: {tma_aligned(out)})")
     items = triton.cdiv(M, block_m * row_chunks) * triton.cdiv(N, block_n) * split
     progs = min(items, num_sms(out.device.index or 0))
-    # the launch must fit (warps + a loader warpgroup) x 32 threads in the register file; the loader
-    # then hands its share to the MMA warps (setmaxnreg)
-    maxnreg = 65536 // ((warps + 4) * 32) // 8 * 8
     out_desc = x_desc  # placeholder
     if tma_store:
         out_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [block_m, block_n],
@@ -568,7 +579,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
         x_desc, w_desc, bias if bias is not None else out, out, out_desc, M, N,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
         HAS_BIAS=bias is not None and split == 1, TMA_STORE=tma_store, BLOCK_M=block_m, BLOCK_N=block_n,
-        GROUP_M=group_m, STAGES=stages, num_warps=warps, ROW_CHUNKS=row_chunks, maxnreg=maxnreg)
+        GROUP_M=group_m, STAGES=stages, num_warps=warps, ROW_CHUNKS=row_chunks, maxnreg=mma_maxnreg(warps))
     return out
 
 
@@ -589,15 +600,12 @@ def launch_swapped(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tens
     w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K],
                               _smem_layout(block_n, BLOCK_K, weight.dtype))
     device = out.device.index or 0
-    # as many ring stages as shared memory holds, up to `stages` (a 128 + 128-row tile needs fewer)
-    stage_bytes = (head + tail + block_n) * BLOCK_K * x2.element_size()
-    stages = max(2, min(stages, (_shared_memory_bytes(device) - 4096) // stage_bytes))
+    stages = swapped_stages(head, tail, block_n, stages, x2.element_size(), _shared_memory_bytes(device))
     items = triton.cdiv(M, head + tail) * triton.cdiv(N, block_n) * split
     progs = min(items, num_sms(device))
-    maxnreg = 65536 // ((warps + 4) * 32) // 8 * 8  # as in launch
     swapped_matmul_kernel[(progs,)](
         x_desc, tail_desc, w_desc, bias if bias is not None else out, out, M, N,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
         HAS_BIAS=bias is not None and split == 1, BLOCK_N=block_n, GROUP_M=group_m, STAGES=stages,
-        num_warps=warps, maxnreg=maxnreg)
+        num_warps=warps, maxnreg=mma_maxnreg(warps))
     return out
