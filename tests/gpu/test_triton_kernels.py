@@ -141,7 +141,7 @@ def test_matmul_tile_configs_bitwise_identical(kt, segments, k_dim):
         if not INTERPRET:  # the Hopper Gluon kernel (elsewhere, and for K = 8960, its pairs fallback)
             variants += [kt.MMConfig(128, 128, 8, 4, gluon=True), kt.MMConfig(128, 64, 4, 5, gluon=True),
                          kt.MMConfig(64, 128, 4, 6, gluon=True, group_m=1),
-                         # the root stored by TMA through the level-1 node's shared memory
+                         # the root stored by TMA through the node buffer of the 8-leaf tree's first half
                          kt.MMConfig(128, 128, 8, 5, gluon=True, tma_store=True),
                          kt.MMConfig(64, 128, 4, 6, gluon=True, tma_store=True, group_m=1),
                          kt.MMConfig(128, 128, 8, 5, gluon=True, seg_per_prog=4),  # tiles split in halves
