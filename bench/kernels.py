@@ -107,6 +107,9 @@ def candidates(m: int, segments: int):
                  C(64, 128, 4, 6, gluon=True), C(128, 128, 8, 5, gluon=True, seg_per_prog=4),
                  C(64, 128, 4, 6, gluon=True, seg_per_prog=4), C(128, 128, 8, 5, gluon=True, seg_per_prog=2),
                  C(64, 128, 4, 6, gluon=True, seg_per_prog=2)]
+        if 128 < m <= 256:  # x's rows on the wgmma M side, 96 output columns as 64 + 32
+            gluon += [C(bm, 96, w, st, gluon=True, weight_chunks=(64, 32), seg_per_prog=s)
+                      for bm, w, st in ((128, 8, 5), (64, 4, 6)) for s in (2, 4)]
         if m <= 256:  # decode-sized M (Hopper): whole-batch row tiles, narrow columns, the tree split over programs
             return gluon + [C(256, 64, 8, 4, gluon=True), C(256, 64, 8, 4, gluon=True, seg_per_prog=4),
                             C(256, 64, 8, 3, gluon=True, seg_per_prog=2), C(128, 64, 4, 6, gluon=True, seg_per_prog=4),
@@ -139,6 +142,11 @@ def candidates(m: int, segments: int):
     if m <= 256:  # the batch's rows on the wgmma N side (two power-of-two chunks, e.g. 128 + 8)
         out += [C(0, bn, w, st, gluon=True, swap_ab=True)
                 for bn, w, st in ((128, 8, 4), (128, 8, 5), (64, 4, 6), (64, 4, 8), (128, 4, 4))]
+    if 128 < m <= 256:  # x's rows on the wgmma M side, a tile's weight rows on its N side as two chunks
+        out += [C(bm, sum(ch), w, st, gluon=True, weight_chunks=ch)
+                for bm, ch, w, st in ((128, (64, 32), 4, 6), (128, (64, 32), 8, 6), (128, (64, 32), 4, 8),
+                                      (64, (64, 32), 4, 8), (128, (128, 64), 8, 4), (128, (128, 32), 8, 4),
+                                      (256, (32, 16), 8, 6), (128, (256, 32), 8, 3))]
     if 128 < m <= 192:  # one 192-row tile (3 x 64) for the whole batch
         out += [C(64, bn, w, st, gluon=True, tma_store=True, row_chunks=3)
                 for bn, w, st in ((64, 4, 6), (128, 4, 4), (128, 4, 5), (128, 8, 4), (256, 8, 3))]

@@ -11,9 +11,11 @@ torch (CPU is enough), e.g. in a venv of its own:
     python scripts/sm90_compile_check.py --m 4096 --n 4096 --k 4096 --segments 8 --tma-store
     python scripts/sm90_compile_check.py --kernel swapped --token-chunks 128,8 --block-n 64 --warps 4 \
         --stages 6 --segments 8 --split 2
+    python scripts/sm90_compile_check.py --kernel swapped --weight-chunks 64,32 --block-m 128 --warps 4 \
+        --stages 6 --segments 1
     SRC=my_variant.py python scripts/sm90_compile_check.py ...   # a modified copy of matmul_sm90.py
 
-Prints one JSON object. Launch arguments as in matmul_sm90.launch / launch_swapped; extra constexprs a
+Prints one JSON object. Launch arguments as in matmul_sm90.launch / launch_swapped / launch_column_chunks; extra constexprs a
 variant adds go in --constexpr NAME=INT, and --sass FILE keeps the disassembly.
 """
 from __future__ import annotations
@@ -99,17 +101,23 @@ def _warm_tree_kernel(sm90, TensorDescriptor, args):
 
 
 def _warm_swapped_kernel(sm90, TensorDescriptor, args):
-    """swapped_matmul_kernel compiled (not run) with launch_swapped()'s arguments: --block-n weight rows,
-    the batch's rows as --token-chunks HEAD,TAIL (--m is ignored: their sum)."""
-    head, tail = (int(v) for v in args.token_chunks.split(","))
-    m, n, split = head + tail, args.n, args.split
+    """swapped_matmul_kernel compiled (not run) with launch_swapped()'s arguments (--block-n weight rows,
+    the batch's rows as --token-chunks HEAD,TAIL; --m is ignored: their sum) or, with --weight-chunks
+    HEAD,TAIL, launch_column_chunks()'s (--block-m rows of x; --n is ignored: the chunks' sum)."""
+    bk, split = sm90.BLOCK_K, args.split
+    if args.weight_chunks:
+        head, tail = (int(v) for v in args.weight_chunks.split(","))
+        m, n, block_a = args.block_m, head + tail, args.block_m
+    else:
+        head, tail = (int(v) for v in args.token_chunks.split(","))
+        m, n, block_a = head + tail, args.n, args.block_n
     x, w, out = _operands(m, n, args.k, split)
-    bk = sm90.BLOCK_K
-    stages = sm90.swapped_stages(head, tail, args.block_n, args.stages, x.element_size(), SHARED_BYTES)
+    a, b = (x, w) if args.weight_chunks else (w, x)
+    stages = sm90.swapped_stages(head, tail, block_a, args.stages, x.element_size(), SHARED_BYTES)
     return sm90.swapped_matmul_kernel.warmup(
-        _desc(sm90, TensorDescriptor, x, head, bk), _desc(sm90, TensorDescriptor, x, tail, bk),
-        _desc(sm90, TensorDescriptor, w, args.block_n, bk), out, out, m, n, out.stride(0) if split > 1 else 0,
-        out.stride(-2), NSEG=args.segments, SPLIT=split, HAS_BIAS=False, BLOCK_N=args.block_n, GROUP_M=8,
+        _desc(sm90, TensorDescriptor, a, block_a, bk), _desc(sm90, TensorDescriptor, b, head, bk),
+        _desc(sm90, TensorDescriptor, b, tail, bk), out, out, m, n, out.stride(0) if split > 1 else 0,
+        out.stride(-2), NSEG=args.segments, SPLIT=split, HAS_BIAS=False, X_ON_A=bool(args.weight_chunks), GROUP_M=8,
         STAGES=stages, num_warps=args.warps, maxnreg=sm90.mma_maxnreg(args.warps), grid=(1, ), **_constexprs(args))
 
 
@@ -163,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kernel", choices=("tree", "swapped"), default="tree",
                    help="tree_matmul_kernel (plain products too: --segments 1) or swapped_matmul_kernel")
     p.add_argument("--token-chunks", default="128,8", help="swapped: the batch's rows as HEAD,TAIL")
+    p.add_argument("--weight-chunks", help="swapped kernel with column chunks: a tile's weight rows as HEAD,TAIL")
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--k", type=int, default=4096)

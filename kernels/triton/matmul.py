@@ -49,6 +49,14 @@ class MMConfig:
     row_chunks: int = 1  # Gluon plain product: tiles of row_chunks x block_m rows (3 x 64 = 192: no power of two)
     # Gluon: weights on the wgmma M side (block_n rows), x's rows on its N side (token_chunks; block_m unused)
     swap_ab: bool = False
+    # Gluon: a tile's block_n weight rows on the wgmma N side as two power-of-two chunks (64 + 32 = 96), x's
+    # block_m rows on its M side (matmul_sm90.launch_column_chunks)
+    weight_chunks: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        if self.weight_chunks and (not self.gluon or sum(self.weight_chunks) != self.block_n):
+            raise ValueError(f"weight_chunks {self.weight_chunks} need gluon=True and block_n = their sum "
+                             f"(block_n={self.block_n})")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -352,6 +360,11 @@ def _combine_kernel(p_ptr, bias_ptr, out_ptr, M, N, stride_g, stride_pm, stride_
 # (bench/results/2026-11-27-h200-row-chunks, H200, M = 136 / 168 / 192: qkv 0.62 / 0.78 / 0.77 -> 0.63 /
 # 0.90 / 0.87 as 192 x 64, gate_up 0.74 / 0.72 / 0.84 -> 0.86 / 0.88 / 0.98 as 192 x 256; the best
 # power-of-two tiles swept: qkv 0.61 / 0.78 / 0.77, gate_up 0.74 / 0.76 / 0.85).
+# At 209-256 rows, N = 4097-8192 (Llama-3.1-8B's qkv, N = 6,144), tiles of 128 rows x 96 columns (64 + 32,
+# the Gluon kernel with x's rows on the wgmma M side and the weight rows as two chunks on its N side): 128
+# tiles on 132 SMs, where 128 x 128 tiles make 96 (bench/results/2026-11-27-h100-column-chunks, H100, M =
+# 216 / 232 / 248 / 256: 0.89 / 0.83 / 0.83 / 0.83 -> 0.93 / 0.89 / 0.87 / 0.87 of cuBLAS; at 200 they lose,
+# 0.84 -> 0.81).
 # Measured vs cuBLAS (Llama-3.1-8B shapes, M = 128 / 256 / 512 / 1024 / 2048 / 4096 / 8192):
 # qkv 0.87 / 0.82 / 0.83 / 0.92 / 0.97 / 1.02 / 1.04, o 0.74 / 0.91 / 0.91 / 0.99 / 0.94 / 0.98 / 0.96,
 # down 0.88 / 0.96 / 0.92 / 0.96 / 1.00 / 1.00 / 1.01, gate_up 1.02 / 0.98 / 0.93 / 0.97 / 1.01 / 1.11 / 1.05.
@@ -363,13 +376,15 @@ _G256 = C(128, 256, 8, 3, gluon=True, tma_store=True, group_m=16)
 _G64N = C(64, 64, 4, 8, gluon=True, tma_store=True)
 _R192 = C(64, 64, 4, 6, gluon=True, tma_store=True, row_chunks=3)
 _R192W = C(64, 256, 8, 3, gluon=True, tma_store=True, row_chunks=3)
+_COL96 = C(128, 96, 4, 8, gluon=True, weight_chunks=(64, 32))
 _PLAIN = [
     (16, (C(16, 64, 4, 6), C(16, 64, 4, 6), C(16, 128, 4, 6))),
     (32, (C(32, 32, 4, 6), C(32, 64, 4, 6), C(32, 64, 4, 6))),
     (64, (C(64, 32, 4, 6), C(64, 32, 4, 6), C(64, 128, 4, 6))),
     (128, (_G64N, _G64, C(128, 256, 8, 4, tma=True))),
     (192, (_G64, _R192, _R192W)),
-    (256, (_G64, _G128, C(128, 256, 8, 4, tma=True))),
+    (208, (_G64, _G128, C(128, 256, 8, 4, tma=True))),
+    (256, (_G64, _COL96, C(128, 256, 8, 4, tma=True))),
     (512, (_G128, C(128, 256, 8, 4, tma=True), _G128)),
     (1024, (C(128, 256, 8, 4, tma=True), _G128, C(128, 256, 8, 4, tma=True))),
     (None, (_G256,) * 3),
@@ -453,7 +468,7 @@ _SMALLER_TILES = ((_G128, 0.7), (_G64, 0.8))
 # cuBLAS; 280 of 64 x 64, 0.99).
 _NARROWER_SMALL_M = C(64, 64, 4, 4)
 _FP32_WIDE = C(128, 128, 8, 4, tma=True)  # a 128x256 fp32 epilogue needs more shared memory than there is
-del C, _G64, _G64N, _G128, _G256, _R192, _R192W, _SW64, _SW128
+del C, _G64, _G64N, _G128, _G256, _R192, _R192W, _COL96, _SW64, _SW128
 
 
 def _lookup(table, m: int, n: int) -> MMConfig:
@@ -540,10 +555,14 @@ def _sm90():
 
 
 def _launch_gluon(sm90, x2, weight, bias, out, segments: int, cfg: MMConfig, split: int):
-    """cfg's Gluon kernel (matmul_sm90: swapped or not) into out ([M, N], or [split, M, N] subtrees)."""
+    """cfg's Gluon kernel (matmul_sm90: plain tiles, swapped or column chunks) into out ([M, N], or
+    [split, M, N] subtrees)."""
     if cfg.swap_ab:
         return sm90.launch_swapped(x2, weight, bias, out, segments, token_chunks(x2.shape[0]), cfg.block_n,
                                    cfg.warps, cfg.stages, cfg.group_m, split)
+    if cfg.weight_chunks:
+        return sm90.launch_column_chunks(x2, weight, bias, out, segments, cfg.block_m, cfg.weight_chunks, cfg.warps,
+                                         cfg.stages, cfg.group_m, split)
     return sm90.launch(x2, weight, bias, out, segments, cfg.block_m, cfg.block_n, cfg.warps, cfg.stages,
                        cfg.group_m, split, tma_store=cfg.tma_store, row_chunks=cfg.row_chunks)
 

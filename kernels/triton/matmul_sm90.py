@@ -20,12 +20,16 @@ that Triton's pipeliner does not give:
   edge. Two K tiles started before a fold instead of one gained nothing. docs/performance.md has all
   three; scripts/sm90_compile_check.py shows spills and wgmma waits without a GPU.)
 
-swapped_matmul_kernel is the same product with the operands' roles swapped, for decode-sized batches:
-the weight tile is the wgmma's A operand (its M side, 64 rows per warpgroup) and the batch's rows its
-N side, which takes any multiple of 8. Tensor shapes are still powers of two, so a tile's rows come
-in two chunks (128 + 8 at M = 136, where row tiles pad to 192 or 256 rows and each weight tile is
-read by two or three programs). Each output element gets the same wgmma sums in the same order, so
-the same bits (tests/gpu/test_triton_kernels.py compares them).
+swapped_matmul_kernel is the same product as wgmmas of one A tile against two B chunks, each a power
+of two (tensor shapes are), on the wgmma N side, which takes any multiple of 8:
+- swapped, for decode-sized batches: the weight tile is the A operand (its M side, 64 rows per
+  warpgroup) and the batch's rows the B chunks (128 + 8 at M = 136, where row tiles pad to 192 or 256
+  rows; each weight tile is then read by two or three programs);
+- column chunks: the batch's rows are the A tile and a tile's weight rows the B chunks, e.g. 64 + 32 =
+  96 output columns, a width no power-of-two tile has (Llama-3.1-8B's qkv, N = 6,144, at 129-256 rows:
+  128 tiles of 128 x 96 on 132 SMs, against 96 of 128 x 128).
+Each output element gets the same wgmma sums in the same order, so the same bits
+(tests/gpu/test_triton_kernels.py compares them).
 """
 from __future__ import annotations
 
@@ -387,64 +391,72 @@ def _drop_ring_barriers(ready, empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _swapped_issue(acc, cons, ready, a_bufs, b_bufs, t_bufs, use_acc, STAGES: gl.constexpr):
-    """Start K tile cons's two wgmmas once its slot is loaded: the weight tile is the A operand (the
-    wgmma M side), the head and tail token chunks the B operand (its N side, any multiple of 8)."""
+def _swapped_issue(acc, cons, ready, head_bufs, a_bufs, tail_bufs, use_acc, STAGES: gl.constexpr):
+    """Start K tile cons's two wgmmas once its slot is loaded: the A tile (the wgmma M side) against the
+    head and tail B chunks (its N side, any multiple of 8)."""
     slot = cons % STAGES
     mbarrier.wait(ready.index(slot), (cons // STAGES) & 1)
-    w_tile = b_bufs.index(slot)
-    head = warpgroup_mma(w_tile, a_bufs.index(slot).permute((1, 0)), acc[0], use_acc=use_acc, is_async=True)
-    tail = warpgroup_mma(w_tile, t_bufs.index(slot).permute((1, 0)), acc[1], use_acc=use_acc, is_async=True)
+    a_tile = a_bufs.index(slot)
+    head = warpgroup_mma(a_tile, head_bufs.index(slot).permute((1, 0)), acc[0], use_acc=use_acc, is_async=True)
+    tail = warpgroup_mma(a_tile, tail_bufs.index(slot).permute((1, 0)), acc[1], use_acc=use_acc, is_async=True)
     return head, tail
 
 
 @gluon.jit
-def _swapped_zeros(BLOCK_N: gl.constexpr, HEAD: gl.constexpr, TAIL_ROWS: gl.constexpr):
+def _swapped_zeros(BLOCK_A: gl.constexpr, HEAD: gl.constexpr, TAIL: gl.constexpr):
     """Fresh accumulators of the two chunks (made where used, as _start's)."""
-    return (gl.zeros((BLOCK_N, HEAD), dtype=gl.float32, layout=_mma_layout(BLOCK_N, HEAD, gl.num_warps())),
-            gl.zeros((BLOCK_N, TAIL_ROWS), dtype=gl.float32, layout=_mma_layout(BLOCK_N, TAIL_ROWS, gl.num_warps())))
+    return (gl.zeros((BLOCK_A, HEAD), dtype=gl.float32, layout=_mma_layout(BLOCK_A, HEAD, gl.num_warps())),
+            gl.zeros((BLOCK_A, TAIL), dtype=gl.float32, layout=_mma_layout(BLOCK_A, TAIL, gl.num_warps())))
 
 
 @gluon.jit
-def _store_transposed(root, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, part, HAS_BIAS: gl.constexpr):
-    """out[off_m + t, off_n + w] = root[w, t] (+ bias[off_n + w]), masked at M and N; part: the element
-    offset of this item's fp32 subtree (split tiles) or 0."""
-    layout: gl.constexpr = root.type.layout
-    offs_n = off_n + gl.arange(0, root.type.shape[0], layout=gl.SliceLayout(1, layout))
-    offs_m = off_m + gl.arange(0, root.type.shape[1], layout=gl.SliceLayout(0, layout))
-    if HAS_BIAS:
-        root = root + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    o_ptrs = out_ptr + part + offs_m.to(gl.int64)[None, :] * stride_om + offs_n[:, None]
-    gl.store(o_ptrs, root.to(out_ptr.dtype.element_ty), mask=mask)
+def _store_chunk(chunk, bias_ptr, out_ptr, off_a, off_b, M, N, stride_om, part, HAS_BIAS: gl.constexpr,
+                 X_ON_A: gl.constexpr):
+    """Store a chunk [BLOCK_A, rows], A row off_a + i against B row off_b + j (+ the bias of the weight row),
+    masked at M and N: into out[off_a + i, off_b + j] (X_ON_A) or out[off_b + j, off_a + i] (swapped). part:
+    the element offset of this item's fp32 subtree (split tiles) or 0."""
+    layout: gl.constexpr = chunk.type.layout
+    offs_a = off_a + gl.arange(0, chunk.type.shape[0], layout=gl.SliceLayout(1, layout))
+    offs_b = off_b + gl.arange(0, chunk.type.shape[1], layout=gl.SliceLayout(0, layout))
+    if X_ON_A:
+        if HAS_BIAS:
+            chunk = chunk + gl.load(bias_ptr + offs_b, mask=offs_b < N, other=0.0).to(gl.float32)[None, :]
+        mask = (offs_a < M)[:, None] & (offs_b < N)[None, :]
+        o_ptrs = out_ptr + part + offs_a.to(gl.int64)[:, None] * stride_om + offs_b[None, :]
+    else:
+        if HAS_BIAS:
+            chunk = chunk + gl.load(bias_ptr + offs_a, mask=offs_a < N, other=0.0).to(gl.float32)[:, None]
+        mask = (offs_a < N)[:, None] & (offs_b < M)[None, :]
+        o_ptrs = out_ptr + part + offs_b.to(gl.int64)[None, :] * stride_om + offs_a[:, None]
+    gl.store(o_ptrs, chunk.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _mma_swapped_partition(bias_ptr, out_ptr, M, N, stride_og, stride_om, ready, empty, a_bufs, b_bufs, t_bufs, pid,
-                           num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, NSEG: gl.constexpr,
-                           SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, HEAD: gl.constexpr, TAIL_ROWS: gl.constexpr,
-                           BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """MMA warps of the swapped product: per work item, the transposed output tile [BLOCK_N, HEAD +
-    TAIL_ROWS] as two accumulators, each segment reduced from zero over its K tiles in order and folded
-    into the tree (up to 4 leaves per item: the pending nodes stay in registers), then stored transposed.
-    As in _mma_partition, the next segment's first wgmmas start before a finished segment is folded."""
+def _mma_swapped_partition(bias_ptr, out_ptr, M, N, stride_og, stride_om, ready, empty, head_bufs, a_bufs, tail_bufs,
+                           pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_b, num_pid_a, NSEG: gl.constexpr,
+                           SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, X_ON_A: gl.constexpr, HEAD: gl.constexpr,
+                           TAIL: gl.constexpr, BLOCK_A: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """MMA warps of swapped_matmul_kernel: per work item, the output tile [BLOCK_A, HEAD + TAIL] as two
+    accumulators, each segment reduced from zero over its K tiles in order and folded into the tree (up
+    to 4 leaves per item: the pending nodes stay in registers), then stored (_store_chunk). As in
+    _mma_partition, the next segment's first wgmmas start before a finished segment is folded."""
     LOCAL: gl.constexpr = NSEG // SPLIT  # segments per item
     gl.static_assert(LOCAL <= 4)
     seg_tiles = kt_per_item // LOCAL
     cons = 0
-    acc = _swapped_zeros(BLOCK_N, HEAD, TAIL_ROWS)
+    acc = _swapped_zeros(BLOCK_A, HEAD, TAIL)
     for t in range(my_items):
         item = pid + t * num_progs
-        off_m, off_n, _k0 = _item_coords(item, num_tiles, num_pid_m, num_pid_n, kt_per_item, HEAD + TAIL_ROWS,
-                                         BLOCK_N, GROUP_M)
+        off_b, off_a, _k0 = _item_coords(item, num_tiles, num_pid_b, num_pid_a, kt_per_item, HEAD + TAIL, BLOCK_A,
+                                         GROUP_M)
         for s in gl.static_range(LOCAL):
             for kk in range(1 if _continues(s - 1, LOCAL) else 0, seg_tiles):
-                acc = _swapped_issue(acc, cons, ready, a_bufs, b_bufs, t_bufs, kk > 0, STAGES)
+                acc = _swapped_issue(acc, cons, ready, head_bufs, a_bufs, tail_bufs, kk > 0, STAGES)
                 acc = warpgroup_mma_wait(2, deps=acc)  # the previous K tile's pair is done
                 _release(empty, cons, STAGES, kk > 0)
                 cons += 1
             if _continues(s, LOCAL):
-                nxt = _swapped_issue(_swapped_zeros(BLOCK_N, HEAD, TAIL_ROWS), cons, ready, a_bufs, b_bufs, t_bufs,
+                nxt = _swapped_issue(_swapped_zeros(BLOCK_A, HEAD, TAIL), cons, ready, head_bufs, a_bufs, tail_bufs,
                                      False, STAGES)
                 head, tail, nxt_head, nxt_tail = warpgroup_mma_wait(2, deps=(acc[0], acc[1], nxt[0], nxt[1]))
                 acc = (head, tail)
@@ -468,41 +480,47 @@ def _mma_swapped_partition(bias_ptr, out_ptr, M, N, stride_og, stride_om, ready,
             if _continues(s, LOCAL):
                 acc = nxt
         part = (item // num_tiles).to(gl.int64) * stride_og
-        _store_transposed(root[0], bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, part, HAS_BIAS)
-        _store_transposed(root[1], bias_ptr, out_ptr, off_m + HEAD, off_n, M, N, stride_om, part, HAS_BIAS)
+        _store_chunk(root[0], bias_ptr, out_ptr, off_a, off_b, M, N, stride_om, part, HAS_BIAS, X_ON_A)
+        _store_chunk(root[1], bias_ptr, out_ptr, off_a, off_b + HEAD, M, N, stride_om, part, HAS_BIAS, X_ON_A)
 
 
 @gluon.jit(do_not_specialize=["M"])
-def swapped_matmul_kernel(x_desc, tail_desc, w_desc, bias_ptr, out_ptr, M, N, stride_og, stride_om,
-                          NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
+def swapped_matmul_kernel(a_desc, head_desc, tail_desc, bias_ptr, out_ptr, M, N, stride_og, stride_om,
+                          NSEG: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, X_ON_A: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """x @ w.T with the operands swapped: weights on the wgmma M side (BLOCK_N rows per tile, 64 per
-    warpgroup), the batch's rows on its N side as a head chunk (x_desc's block rows) and a tail chunk
-    (tail_desc's), both powers of two: a tile covers e.g. 136 rows as 128 + 8, where 64- or 128-row
-    tiles would pad to 192 or 256. Each element is reduced as in tree_matmul_kernel (the same bits); SPLIT as there, with
-    at most 4 segments per item. Persistent over work items; one loader warp."""
-    HEAD: gl.constexpr = x_desc.block_type.shape[0]
-    TAIL_ROWS: gl.constexpr = tail_desc.block_type.shape[0]
-    K = x_desc.shape[1]
+    """x [M, K] @ w [N, K].T as wgmmas of an A tile (a_desc's block rows, 64 per warpgroup) against a head
+    and a tail B chunk (their descriptors' block rows, powers of two). X_ON_A: A = x's rows, B = w's
+    (column chunks); else A = w's, B = x's (swapped: a tile covers e.g. 136 rows as 128 + 8, where 64-
+    or 128-row tiles would pad to 192 or 256). Each element is reduced as in tree_matmul_kernel (the same
+    bits); SPLIT as there, with at most 4 segments per item. Persistent over work items; one loader warp."""
+    BLOCK_A: gl.constexpr = a_desc.block_type.shape[0]
+    HEAD: gl.constexpr = head_desc.block_type.shape[0]
+    TAIL: gl.constexpr = tail_desc.block_type.shape[0]
+    K = a_desc.shape[1]
     pid = gl.program_id(0)
     num_progs = gl.num_programs(0)
-    num_pid_m = gl.cdiv(M, HEAD + TAIL_ROWS)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
+    if X_ON_A:
+        num_pid_a = gl.cdiv(M, BLOCK_A)
+        num_pid_b = gl.cdiv(N, HEAD + TAIL)
+    else:
+        num_pid_a = gl.cdiv(N, BLOCK_A)
+        num_pid_b = gl.cdiv(M, HEAD + TAIL)
+    num_tiles = num_pid_a * num_pid_b
     my_items = gl.cdiv(num_tiles * SPLIT - pid, num_progs)
     kt_per_item = K // _BK // SPLIT
     total = my_items * kt_per_item
 
-    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    t_bufs = gl.allocate_shared_memory(tail_desc.dtype, [STAGES] + tail_desc.block_type.shape, tail_desc.layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    head_bufs = gl.allocate_shared_memory(head_desc.dtype, [STAGES] + head_desc.block_type.shape, head_desc.layout)
+    tail_bufs = gl.allocate_shared_memory(tail_desc.dtype, [STAGES] + tail_desc.block_type.shape, tail_desc.layout)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
-        (_mma_swapped_partition, (bias_ptr, out_ptr, M, N, stride_og, stride_om, ready, empty, a_bufs, b_bufs, t_bufs,
-                                  pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, NSEG, SPLIT,
-                                  HAS_BIAS, HEAD, TAIL_ROWS, BLOCK_N, GROUP_M, STAGES)),
-        (_load_partition, (x_desc, w_desc, tail_desc, ready, empty, a_bufs, b_bufs, t_bufs, pid, num_progs, total,
-                           kt_per_item, num_tiles, num_pid_m, num_pid_n, HEAD + TAIL_ROWS, BLOCK_N, GROUP_M, STAGES,
+        (_mma_swapped_partition, (bias_ptr, out_ptr, M, N, stride_og, stride_om, ready, empty, head_bufs, a_bufs,
+                                  tail_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_b, num_pid_a,
+                                  NSEG, SPLIT, HAS_BIAS, X_ON_A, HEAD, TAIL, BLOCK_A, GROUP_M, STAGES)),
+        # the loader's "x" is the B side here (head and tail chunks), its "w" the A tile
+        (_load_partition, (head_desc, a_desc, tail_desc, ready, empty, head_bufs, a_bufs, tail_bufs, pid, num_progs,
+                           total, kt_per_item, num_tiles, num_pid_b, num_pid_a, HEAD + TAIL, BLOCK_A, GROUP_M, STAGES,
                            1, True)),
     ], [1], [24])
     _drop_ring_barriers(ready, empty, STAGES)
@@ -545,10 +563,10 @@ def mma_maxnreg(warps: int) -> int:
     return 65536 // ((warps + 4) * 32) // 8 * 8
 
 
-def swapped_stages(head: int, tail: int, block_n: int, stages: int, element_size: int, shared_bytes: int) -> int:
+def swapped_stages(head: int, tail: int, block_a: int, stages: int, element_size: int, shared_bytes: int) -> int:
     """The swapped kernel's ring stages: as many as shared memory holds, up to `stages` (a 128 + 128-row
     tile needs fewer)."""
-    stage_bytes = (head + tail + block_n) * BLOCK_K * element_size
+    stage_bytes = (head + tail + block_a) * BLOCK_K * element_size
     return max(2, min(stages, (shared_bytes - 4096) // stage_bytes))
 
 
@@ -588,24 +606,41 @@ def launch_swapped(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tens
                    split: int = 1) -> torch.Tensor:
     """As `launch`, with swapped_matmul_kernel: tiles of block_n weight rows (64 per 4 warps) by
     token_chunks = (head, tail) rows of x (powers of two, see matmul.token_chunks)."""
+    return _launch_two_chunks(x2, weight, bias, out, segments, weight, block_n, token_chunks, False, warps, stages,
+                              group_m, split)
+
+
+def launch_column_chunks(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segments: int,
+                         block_m: int, weight_chunks: tuple[int, int], warps: int, stages: int, group_m: int = 8,
+                         split: int = 1) -> torch.Tensor:
+    """As `launch`, with swapped_matmul_kernel's column chunks: tiles of block_m rows of x (64 per 4 warps)
+    by weight_chunks = (head, tail) weight rows (powers of two, e.g. 64 + 32 = 96 output columns)."""
+    return _launch_two_chunks(x2, weight, bias, out, segments, x2, block_m, weight_chunks, True, warps, stages,
+                              group_m, split)
+
+
+def _launch_two_chunks(x2, weight, bias, out, segments: int, a: torch.Tensor, block_a: int, chunks: tuple[int, int],
+                       x_on_a: bool, warps: int, stages: int, group_m: int, split: int) -> torch.Tensor:
+    """swapped_matmul_kernel with `a` (x2 or weight) in A tiles of block_a rows and the other operand in
+    B tiles of chunks = (head, tail) rows."""
     M, K = x2.shape
     N = weight.shape[0]
-    head, tail = token_chunks
+    head, tail = chunks
     if segments // split > 4:
         raise ValueError(f"the swapped kernel reduces at most 4 segments per work item (segments={segments}, "
                          f"split={split})")
-    x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [head, BLOCK_K], _smem_layout(head, BLOCK_K, x2.dtype))
-    tail_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [tail, BLOCK_K],
-                                 _smem_layout(tail, BLOCK_K, x2.dtype))
-    w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K],
-                              _smem_layout(block_n, BLOCK_K, weight.dtype))
+    b = weight if x_on_a else x2
+
+    def desc(t, rows):
+        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, BLOCK_K], _smem_layout(rows, BLOCK_K, t.dtype))
+
     device = out.device.index or 0
-    stages = swapped_stages(head, tail, block_n, stages, x2.element_size(), _shared_memory_bytes(device))
-    items = triton.cdiv(M, head + tail) * triton.cdiv(N, block_n) * split
+    stages = swapped_stages(head, tail, block_a, stages, x2.element_size(), _shared_memory_bytes(device))
+    items = triton.cdiv(a.shape[0], block_a) * triton.cdiv(b.shape[0], head + tail) * split
     progs = min(items, num_sms(device))
     swapped_matmul_kernel[(progs,)](
-        x_desc, tail_desc, w_desc, bias if bias is not None else out, out, M, N,
+        desc(a, block_a), desc(b, head), desc(b, tail), bias if bias is not None else out, out, M, N,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
-        HAS_BIAS=bias is not None and split == 1, BLOCK_N=block_n, GROUP_M=group_m, STAGES=stages,
-        num_warps=warps, maxnreg=mma_maxnreg(warps))
+        HAS_BIAS=bias is not None and split == 1, X_ON_A=x_on_a, GROUP_M=group_m, STAGES=stages, num_warps=warps,
+        maxnreg=mma_maxnreg(warps))
     return out

@@ -200,23 +200,29 @@ def test_matmul_row_chunk_tiles_bitwise_identical(kt, m):
 
 
 def _swapped_configs(kt, tree: bool):
-    """Swapped launches (weights on the wgmma M side, x's rows on its N side), with 4 and 8 MMA warps;
-    trees split over 2, 4 and 8 programs per output tile (2 to 4 segments per program)."""
+    """Swapped launches (weights on the wgmma M side, x's rows on its N side), with 4 and 8 MMA warps,
+    and column chunks (x's rows on the M side, a tile's weight rows on the N side as two chunks: 96, 192
+    and 160 columns, the last not dividing N = 6,144); trees split over 2, 4 and 8 programs per output
+    tile (2 to 4 segments per program)."""
     C = kt.MMConfig
     if not tree:
         return [C(0, 128, 8, 5, gluon=True, swap_ab=True), C(0, 64, 4, 6, gluon=True, swap_ab=True, group_m=1),
-                C(0, 128, 4, 4, gluon=True, swap_ab=True)]
+                C(0, 128, 4, 4, gluon=True, swap_ab=True), C(128, 96, 4, 6, gluon=True, weight_chunks=(64, 32)),
+                C(64, 192, 8, 4, gluon=True, weight_chunks=(128, 64), group_m=1),
+                C(128, 160, 8, 4, gluon=True, weight_chunks=(128, 32))]
     return [C(0, 128, 8, 5, gluon=True, swap_ab=True, seg_per_prog=4),
             C(0, 128, 8, 5, gluon=True, swap_ab=True, seg_per_prog=2),
-            C(0, 64, 4, 6, gluon=True, swap_ab=True, seg_per_prog=2, group_m=1)]
+            C(0, 64, 4, 6, gluon=True, swap_ab=True, seg_per_prog=2, group_m=1),
+            C(128, 96, 8, 5, gluon=True, weight_chunks=(64, 32), seg_per_prog=4),
+            C(64, 96, 4, 6, gluon=True, weight_chunks=(64, 32), seg_per_prog=2, group_m=1)]
 
 
 @needs_cuda
 @pytest.mark.parametrize("segments", [1, 4, 8])
 @pytest.mark.parametrize("m", [72, 104, 128, 136, 168, 256])
 def test_matmul_swapped_tiles_bitwise_identical(kt, m, segments):
-    """The swapped kernel (a tile of 128 + 8 rows at M = 136, 64 + 64 at 128, ...) gives a 64 x 64
-    launch's bits, plain and as the 4- and 8-leaf trees (a TP = 2 rank's and TP = 1's), with and without
+    """The swapped kernel (a tile of 128 + 8 rows at M = 136, 64 + 64 at 128, ...; or 64 + 32 weight rows
+    against x's rows) gives a 64 x 64 launch's bits, plain and as the 4- and 8-leaf trees (a TP = 2 rank's and TP = 1's), with and without
     bias; the same launch with a different tree does not, so the comparison sees the reduction order."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the swapped kernel is Gluon, for sm90")
