@@ -234,6 +234,8 @@ def test_matmul_swapped_tiles_bitwise_identical(kt, m, segments):
         for cfg in _swapped_configs(kt, tree=segments > 1):
             out = kt.matmul_with_config(x, w, bias, segments, BF, cfg)
             assert same_bits(out, base), f"M={m}, bias={bias is not None}: config {cfg} differs"
+        # the launch the tables pick (at 256 rows for the plain product: 128 x 96 column chunks)
+        assert same_bits(kt.matmul(x, w, bias, segments, BF), base), f"M={m}: the table's launch differs"
         other = {1: 2, 4: 8, 8: 4}[segments]
         control = kt.matmul_with_config(x, w, bias, other, BF, C(0, 128, 8, 5, gluon=True, swap_ab=True,
                                                                 seg_per_prog=2))
@@ -260,6 +262,13 @@ def test_swapped_table_entries_apply_where_measured(kt):
     assert not kt.pick_config(136, 4096, 4096, 2).swap_ab  # 2-segment trees take the pairs kernel
     assert not kt.pick_config(136, 6144, 4096, 1, torch.float32).swap_ab
     assert not kt.pick_config(256, 4096, 4096, 8).swap_ab and not kt.pick_config(64, 6144, 4096, 1).swap_ab
+    # column chunks (128 x 96 tiles) for Llama-3.1-8B's qkv at 209-256 rows only, bf16 out
+    assert kt.pick_config(232, 6144, 4096, 1).weight_chunks == (64, 32)
+    assert kt.pick_config(256, 6144, 4096, 1).weight_chunks == (64, 32)
+    assert not kt.pick_config(200, 6144, 4096, 1).weight_chunks
+    assert not kt.pick_config(232, 6144, 4096, 1, torch.float32).weight_chunks
+    with pytest.raises(ValueError, match="weight_chunks"):  # the chunks must make up the tile's columns
+        kt.MMConfig(128, 128, 4, 8, gluon=True, weight_chunks=(64, 32))
 
 
 @needs_cuda
