@@ -95,10 +95,13 @@ def candidates(m: int, segments: int):
     C = MMConfig
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        # the swapped Gluon kernel: weight rows on the wgmma M side, the batch's rows as two chunks on its N side
+        swapped = [C(0, bn, w, st, gluon=True, swap_ab=True, seg_per_prog=s)
+                   for bn, w, st in ((64, 4, 8), (64, 4, 12), (128, 8, 6)) for s in ((0, ) if segments == 1 else (2, 4))]
         if segments == 1:
-            return [C(bm, bn, 4, st) for bn in (32, 64, 128) for st in (4, 6)]
+            return [C(bm, bn, 4, st) for bn in (32, 64, 128) for st in (4, 6)] + swapped
         out = [C(bm, bn, 4, st, seg_per_prog=s) for bn in (32, 64) for st in (4, 6) for s in (1, 2)]
-        return out + [C(bm, bn, 4, st, pairs=True) for bn in (32, 64) for st in (2, 3)]
+        return out + [C(bm, bn, 4, st, pairs=True) for bn in (32, 64) for st in (2, 3)] + swapped
     if segments > 1:
         swapped = [C(0, bn, w, st, gluon=True, swap_ab=True, seg_per_prog=s)
                    for bn, w, st in ((128, 8, 5), (64, 4, 6)) for s in (2, 4)] if m <= 256 else []

@@ -397,16 +397,30 @@ _PLAIN = [
 # 0.83 -> 0.92 (128 rows, 8 warps); at 168, o 0.71 -> 0.77 and down 0.77 -> 0.96 (128 rows, 2 leaves).
 # At 65-128 the trees tie; gate_up and lm_head lose (0.89-0.95 against 0.98-1.01 for 128 x 256 tiles),
 # as does every product from 200 rows (two 128-row chunks: too many registers per tree node). None: the
-# tables above; an entry that would keep fewer than half the SMs busy (narrow N) also leaves it to them.
+# tables above; so does an entry whose work items fill the SMs' waves badly (_SWAPPED_MIN_FILL).
+# Below 65 rows too (bench/results/2026-11-27-h100-small-batches, H100, × cuBLAS at M = 8 / 16 / 24 / 32 /
+# 40 / 48 / 56 / 64, the Triton tiles -> swapped): qkv 0.93 / 0.93 / 0.92 / 0.92 / 0.57 / 0.69 / 0.87 /
+# 0.92 -> 0.96 / 0.97 / 0.97 / 0.98 / 0.98 / 0.96 / 0.97 / 0.92; gate_up at 8-40 0.96 / 0.97 / 0.85 / 0.88 /
+# 0.96 -> 1.00 / 1.00 / 0.99 / 1.00 / 1.00 (lm_head level, 1.01-1.06); o and down (trees of 8) from 33
+# rows, where a 64-row tile pads the batch: o 0.63 / 0.74 / 0.83 / 0.86 -> 0.86 and down 0.78 / 0.87 /
+# 0.96 / 0.96 -> 0.98 at 40 / 48 / 56 / 64.
+# An entry applies where its work items fill at least this share of the SMs' waves: Llama-3.1-8B's qkv
+# makes 96 tiles of 64 weight rows (0.73 of 132 SMs), its gate_up 224 of 128 (0.85); Qwen2.5-1.5B's gate_up
+# (N = 17,920) would make 140 (two waves, 0.53) and lost there (0.88 / 0.86 of cuBLAS at 8 / 24 rows
+# against 1.03 / 1.00 for the Triton tiles), its o (N = 1,536) 48 items.
+_SWAPPED_MIN_FILL = 0.7
 _SW64 = C(0, 64, 4, 8, gluon=True, swap_ab=True)
 _SW128 = C(0, 128, 8, 5, gluon=True, swap_ab=True)
+_SW128_DEEP = C(0, 128, 8, 6, gluon=True, swap_ab=True)
 _SWAPPED_PLAIN = [
-    (64, (None,) * 3),
+    (40, (None, _SW64, _SW128_DEEP)),
     (128, (None, _SW64, None)),
     (144, (None, _SW64, _SW128)),
     (None, (None,) * 3),
 ]
 _SWAPPED_TREE = [
+    (32, (None,) * 3),
+    (64, (C(0, 64, 4, 8, gluon=True, swap_ab=True, seg_per_prog=4), None, None)),
     (128, (None,) * 3),
     (144, (C(0, 64, 4, 6, gluon=True, swap_ab=True, seg_per_prog=4), None, None)),
     (192, (C(0, 128, 8, 5, gluon=True, swap_ab=True, seg_per_prog=2), None, None)),
@@ -468,7 +482,7 @@ _SMALLER_TILES = ((_G128, 0.7), (_G64, 0.8))
 # cuBLAS; 280 of 64 x 64, 0.99).
 _NARROWER_SMALL_M = C(64, 64, 4, 4)
 _FP32_WIDE = C(128, 128, 8, 4, tma=True)  # a 128x256 fp32 epilogue needs more shared memory than there is
-del C, _G64, _G64N, _G128, _G256, _R192, _R192W, _COL96, _SW64, _SW128
+del C, _G64, _G64N, _G128, _G256, _R192, _R192W, _COL96, _SW64, _SW128, _SW128_DEEP
 
 
 def _lookup(table, m: int, n: int) -> MMConfig:
@@ -505,12 +519,12 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
 
 def _swapped_config(M: int, N: int, K: int, segments: int, out_dtype: torch.dtype) -> MMConfig | None:
     """The swapped table's entry for this shape, where it has one that the Gluon kernel can run (bf16 out,
-    segments other than 2 ending on K tiles) and that keeps at least half the SMs busy."""
+    segments other than 2 ending on K tiles) and whose work items fill the SMs' waves well enough."""
     cfg = _lookup(_SWAPPED_TREE if segments > 1 else _SWAPPED_PLAIN, M, N)
     if cfg is None or out_dtype != torch.bfloat16 or segments == 2 or K % (segments * BLOCK_K):
         return None
     split = segments // min(cfg.seg_per_prog or segments, segments)
-    return cfg if _tiles(M, N, cfg) * split >= current_sms() // 2 else None
+    return cfg if _wave_fill(M, N, cfg, split) >= _SWAPPED_MIN_FILL else None
 
 
 def _tiles(M: int, N: int, cfg: MMConfig) -> int:

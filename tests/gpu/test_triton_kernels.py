@@ -219,7 +219,7 @@ def _swapped_configs(kt, tree: bool):
 
 @needs_cuda
 @pytest.mark.parametrize("segments", [1, 4, 8])
-@pytest.mark.parametrize("m", [72, 104, 128, 136, 168, 256])
+@pytest.mark.parametrize("m", [8, 40, 72, 104, 128, 136, 168, 256])
 def test_matmul_swapped_tiles_bitwise_identical(kt, m, segments):
     """The swapped kernel (a tile of 128 + 8 rows at M = 136, 64 + 64 at 128, ...; or 64 + 32 weight rows
     against x's rows) gives a 64 x 64 launch's bits, plain and as the 4- and 8-leaf trees (a TP = 2 rank's and TP = 1's), with and without
@@ -261,7 +261,13 @@ def test_swapped_table_entries_apply_where_measured(kt):
     assert not kt.pick_config(136, 1536, 1536, 8).swap_ab  # 24 tiles of 64 rows: too few programs
     assert not kt.pick_config(136, 4096, 4096, 2).swap_ab  # 2-segment trees take the pairs kernel
     assert not kt.pick_config(136, 6144, 4096, 1, torch.float32).swap_ab
-    assert not kt.pick_config(256, 4096, 4096, 8).swap_ab and not kt.pick_config(64, 6144, 4096, 1).swap_ab
+    assert not kt.pick_config(256, 4096, 4096, 8).swap_ab
+    # below 65 rows: qkv at every size, gate_up to 40 rows, the trees from 33 rows
+    assert kt.pick_config(8, 6144, 4096, 1).swap_ab and kt.pick_config(64, 6144, 4096, 1).swap_ab
+    assert kt.pick_config(40, 28672, 4096, 1).swap_ab and not kt.pick_config(48, 28672, 4096, 1).swap_ab
+    assert kt.pick_config(48, 4096, 4096, 8).swap_ab and not kt.pick_config(32, 4096, 4096, 8).swap_ab
+    # Qwen2.5-1.5B's gate_up: 140 tiles of 128 weight rows fill two waves of 132 SMs at 53%
+    assert not kt.pick_config(40, 17920, 1536, 1).swap_ab and not kt.pick_config(136, 17920, 1536, 1).swap_ab
     # column chunks (128 x 96 tiles) for Llama-3.1-8B's qkv at 209-256 rows only, bf16 out
     assert kt.pick_config(232, 6144, 4096, 1).weight_chunks == (64, 32)
     assert kt.pick_config(256, 6144, 4096, 1).weight_chunks == (64, 32)
