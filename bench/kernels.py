@@ -96,8 +96,9 @@ def candidates(m: int, segments: int):
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         # the swapped Gluon kernel: weight rows on the wgmma M side, the batch's rows as two chunks on its N side
+        splits = (0, ) if segments == 1 else (2, 4)
         swapped = [C(0, bn, w, st, gluon=True, swap_ab=True, seg_per_prog=s)
-                   for bn, w, st in ((64, 4, 8), (64, 4, 12), (128, 8, 6)) for s in ((0, ) if segments == 1 else (2, 4))]
+                   for bn, w, st in ((64, 4, 8), (64, 4, 12), (128, 8, 6)) for s in splits]
         if segments == 1:
             return [C(bm, bn, 4, st) for bn in (32, 64, 128) for st in (4, 6)] + swapped
         out = [C(bm, bn, 4, st, seg_per_prog=s) for bn in (32, 64) for st in (4, 6) for s in (1, 2)]

@@ -15,8 +15,8 @@ torch (CPU is enough), e.g. in a venv of its own:
         --stages 6 --segments 1
     SRC=my_variant.py python scripts/sm90_compile_check.py ...   # a modified copy of matmul_sm90.py
 
-Prints one JSON object. Launch arguments as in matmul_sm90.launch / launch_swapped / launch_column_chunks; extra constexprs a
-variant adds go in --constexpr NAME=INT, and --sass FILE keeps the disassembly.
+Prints one JSON object. Launch arguments as in matmul_sm90.launch / launch_swapped / launch_column_chunks;
+extra constexprs a variant adds go in --constexpr NAME=INT, and --sass FILE keeps the disassembly.
 """
 from __future__ import annotations
 

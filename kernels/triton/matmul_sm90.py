@@ -26,7 +26,7 @@ of two (tensor shapes are), on the wgmma N side, which takes any multiple of 8:
   warpgroup) and the batch's rows the B chunks (128 + 8 at M = 136, where row tiles pad to 192 or 256
   rows; each weight tile is then read by two or three programs);
 - column chunks: the batch's rows are the A tile and a tile's weight rows the B chunks, e.g. 64 + 32 =
-  96 output columns, a width no power-of-two tile has (Llama-3.1-8B's qkv, N = 6,144, at 129-256 rows:
+  96 output columns, a width no power-of-two tile has (Llama-3.1-8B's qkv, N = 6,144, at 209-256 rows:
   128 tiles of 128 x 96 on 132 SMs, against 96 of 128 x 128).
 Each output element gets the same wgmma sums in the same order, so the same bits
 (tests/gpu/test_triton_kernels.py compares them).
@@ -632,7 +632,8 @@ def _launch_two_chunks(x2, weight, bias, out, segments: int, a: torch.Tensor, bl
     b = weight if x_on_a else x2
 
     def desc(t, rows):
-        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, BLOCK_K], _smem_layout(rows, BLOCK_K, t.dtype))
+        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, BLOCK_K],
+                                _smem_layout(rows, BLOCK_K, t.dtype))
 
     device = out.device.index or 0
     stages = swapped_stages(head, tail, block_a, stages, x2.element_size(), _shared_memory_bytes(device))

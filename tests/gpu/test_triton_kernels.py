@@ -222,8 +222,9 @@ def _swapped_configs(kt, tree: bool):
 @pytest.mark.parametrize("m", [8, 40, 72, 104, 128, 136, 168, 256])
 def test_matmul_swapped_tiles_bitwise_identical(kt, m, segments):
     """The swapped kernel (a tile of 128 + 8 rows at M = 136, 64 + 64 at 128, ...; or 64 + 32 weight rows
-    against x's rows) gives a 64 x 64 launch's bits, plain and as the 4- and 8-leaf trees (a TP = 2 rank's and TP = 1's), with and without
-    bias; the same launch with a different tree does not, so the comparison sees the reduction order."""
+    against x's rows) gives a 64 x 64 launch's bits, plain and as the 4- and 8-leaf trees (a TP = 2
+    rank's and TP = 1's), with and without bias, as does the launch the tables pick; the same launch with
+    a different tree does not, so the comparison sees the reduction order."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the swapped kernel is Gluon, for sm90")
     C = kt.MMConfig
