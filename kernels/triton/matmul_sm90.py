@@ -556,6 +556,12 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
 
 
+def _tma_desc(t: torch.Tensor, block_rows: int, block_cols: int = BLOCK_K) -> TensorDescriptor:
+    """A TMA descriptor over a row-major 2-D tensor, in blocks of block_rows x block_cols (K tiles by default)."""
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_cols],
+                            _smem_layout(block_rows, block_cols, t.dtype))
+
+
 def mma_maxnreg(warps: int) -> int:
     """Registers per thread for a launch of `warps` MMA warps: the launch must fit (warps + a loader
     warpgroup) x 32 threads in the register file; the loader then hands its share to the MMA warps
@@ -577,12 +583,9 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
     (fp32) with the subtrees, for the caller to add. The caller checks `supported` first. tma_store:
     the epilogue goes through shared memory and the copy engine (split = 1, TMA-aligned out).
     row_chunks > 1: tiles of row_chunks x block_m rows (plain products stored by TMA only)."""
-    M, K = x2.shape
+    M = x2.shape[0]
     N = weight.shape[0]
-    x_desc = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [block_m, BLOCK_K],
-                              _smem_layout(block_m, BLOCK_K, x2.dtype))
-    w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, BLOCK_K],
-                              _smem_layout(block_n, BLOCK_K, weight.dtype))
+    x_desc, w_desc = _tma_desc(x2, block_m), _tma_desc(weight, block_n)
     tma_store = tma_store and split == 1 and tma_aligned(out)
     if row_chunks > 1 and not (segments == 1 and tma_store):
         raise ValueError(f"row_chunks={row_chunks} needs a plain product stored by TMA (segments={segments}, "
@@ -591,8 +594,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
     progs = min(items, num_sms(out.device.index or 0))
     out_desc = x_desc  # placeholder
     if tma_store:
-        out_desc = TensorDescriptor(out, [M, N], [out.stride(0), 1], [block_m, block_n],
-                                    _smem_layout(block_m, block_n, out.dtype))
+        out_desc = _tma_desc(out, block_m, block_n)
     tree_matmul_kernel[(progs,)](
         x_desc, w_desc, bias if bias is not None else out, out, out_desc, M, N,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
@@ -623,24 +625,19 @@ def _launch_two_chunks(x2, weight, bias, out, segments: int, a: torch.Tensor, bl
                        x_on_a: bool, warps: int, stages: int, group_m: int, split: int) -> torch.Tensor:
     """swapped_matmul_kernel with `a` (x2 or weight) in A tiles of block_a rows and the other operand in
     B tiles of chunks = (head, tail) rows."""
-    M, K = x2.shape
+    M = x2.shape[0]
     N = weight.shape[0]
     head, tail = chunks
     if segments // split > 4:
         raise ValueError(f"the swapped kernel reduces at most 4 segments per work item (segments={segments}, "
                          f"split={split})")
     b = weight if x_on_a else x2
-
-    def desc(t, rows):
-        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, BLOCK_K],
-                                _smem_layout(rows, BLOCK_K, t.dtype))
-
     device = out.device.index or 0
     stages = swapped_stages(head, tail, block_a, stages, x2.element_size(), _shared_memory_bytes(device))
     items = triton.cdiv(a.shape[0], block_a) * triton.cdiv(b.shape[0], head + tail) * split
     progs = min(items, num_sms(device))
     swapped_matmul_kernel[(progs,)](
-        desc(a, block_a), desc(b, head), desc(b, tail), bias if bias is not None else out, out, M, N,
+        _tma_desc(a, block_a), _tma_desc(b, head), _tma_desc(b, tail), bias if bias is not None else out, out, M, N,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
         HAS_BIAS=bias is not None and split == 1, X_ON_A=x_on_a, GROUP_M=group_m, STAGES=stages, num_warps=warps,
         maxnreg=mma_maxnreg(warps))
