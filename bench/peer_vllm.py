@@ -94,6 +94,10 @@ def add_engine_args(p: argparse.ArgumentParser, gpu_memory_utilization: float = 
     p.add_argument("--num-gpu-blocks", type=int,
                    help="GPU: every vLLM engine gets this many KV blocks (vLLM's num_gpu_blocks_override) "
                         "instead of what its memory profile leaves; compares speed at equal KV capacity")
+    p.add_argument("--logprobs-layout", choices=("flat", "lists"), default="flat",
+                   help="how the vllm* systems' outputs hold log-probs: vLLM's FlatLogprobs (flat_logprobs=True, "
+                        "as the worker's engines ask) or vLLM's default dict per token, whose allocations set off "
+                        "Python's garbage collector; the same for every vllm* system")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="vllm* systems: vLLM's tensor parallelism over this many GPUs (the plugin's row-parallel "
                         "outputs combined by the segment tree, stock vLLM's by its all-reduce)")
@@ -136,16 +140,17 @@ def request_params(args, system: str, prompts) -> list:
     one finite logit the rule leaves); stock ones sample with vLLM's sampler, seeded per request,
     returning the chosen token's log-prob with --stock-logprobs (as an RL rollout needs)."""
     from vllm import SamplingParams
+    flat = args.logprobs_layout == "flat"
     if system.startswith("vllm-plugin"):
         from rollout_service.vllm_plugin.sampling import EXTRA_ARGS_KEY
         return [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
-                               logprobs=0, extra_args={EXTRA_ARGS_KEY: dict(
+                               logprobs=0, flat_logprobs=flat, extra_args={EXTRA_ARGS_KEY: dict(
                                    seed=args.seed + i, temperature=args.temperature, top_k=-1, top_p=args.top_p,
                                    position=len(p))})
                 for i, p in enumerate(prompts)]
     return [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
                            max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
-                           logprobs=0 if args.stock_logprobs else None)
+                           logprobs=0 if args.stock_logprobs else None, flat_logprobs=flat)
             for i in range(len(prompts))]
 
 
@@ -453,7 +458,7 @@ def _report(args, model: str, runs: dict[str, list[dict]], partial_out: str | No
         benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(), model=model,
         tensor_parallel_size=args.tensor_parallel_size, engine_core=args.engine_core,
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
-                      stock_logprobs=args.stock_logprobs,
+                      stock_logprobs=args.stock_logprobs, logprobs_layout=args.logprobs_layout,
                       temperature=args.temperature, top_p=args.top_p, **_kv_settings(args)),
         ours=dict(window=args.window, group=args.group), results=results)
     if partial_out:

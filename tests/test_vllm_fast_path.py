@@ -219,3 +219,25 @@ def test_weight_update_matches_a_fresh_vllm_on_the_new_weights(engine, model):
         back = engine.fast_path.propose(drafts)
         fresh.close()  # last: closing one in-process vLLM engine tears down the state the other one uses
     assert [(p.token_ids, p.logprobs) for p in back] == [(p.token_ids, p.logprobs) for p in before]
+
+
+def test_completion_tokens_reads_both_logprob_layouts():
+    """Our engines ask vLLM for flat log-probs (no dict and Logprob object per token to collect);
+    completion_tokens reads them, and vLLM's default layout, to the same values, and refuses
+    log-probs that do not cover every token."""
+    from types import SimpleNamespace
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from rollout_service.fast_path.vllm import canonical_vllm_params, completion_tokens
+    assert canonical_vllm_params(SamplingParams(max_tokens=4, seed=1), 3, 4).flat_logprobs
+    tokens = [5, 9, 5]
+    positions = [{5: Logprob(-0.5, 1)}, {2: Logprob(-0.1, 1), 9: Logprob(-1.25, 2)}, {5: Logprob(-3.0, 1)}]
+    flat = FlatLogprobs()
+    flat.extend(positions)
+    for layout in (positions, flat):
+        assert completion_tokens(SimpleNamespace(token_ids=tokens, logprobs=layout)) == (tokens, [-0.5, -1.25, -3.0])
+    with pytest.raises(ValueError, match="2 of 3 tokens"):
+        completion_tokens(SimpleNamespace(token_ids=tokens, logprobs=flat[:2]))
+    with pytest.raises(ValueError):  # a position that does not list its token
+        completion_tokens(SimpleNamespace(token_ids=[5, 7, 5], logprobs=flat))
