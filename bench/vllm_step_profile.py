@@ -369,7 +369,9 @@ def main():
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--stock-logprobs", action="store_true")
+    p.add_argument("--stock-logprobs", action=argparse.BooleanOptionalAction, default=True,
+                   help="stock systems return each token's log-prob, as the plugin's always do and the speed "
+                        "tables ask (--no-stock-logprobs: none)")
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p, gpu_memory_utilization=0.5)
     p.add_argument("--top", type=int, default=25)
@@ -408,7 +410,8 @@ def main():
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = args.max_tokens  # decode steps of one generate (prefill steps add a few)
     common = dict(benchmark="vllm_step_profile", system=args.system, shape=None if tmp is None else args.shape,
-                  prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens, **engine_facts(llm),
+                  prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                  stock_logprobs=args.stock_logprobs, logprobs_layout=args.logprobs_layout, **engine_facts(llm),
                   tokens_per_s=round(tokens / seconds, 1), ms_per_step=round(1000 * seconds / steps, 3))
     if args.kernels:
         rows, total_us = _kernel_table(generate, args.top)

@@ -28,6 +28,8 @@ def test_step_profile_reports_a_plugin_generate(tmp_path):
     report = _profile(tmp_path, "--top", "5", "--num-gpu-blocks", "64")  # (GPU-only; parsed)
     assert report["benchmark"] == "vllm_step_profile" and report["system"] == "vllm-plugin"
     assert report["prompts"] == 2 and report["max_tokens"] == 4 and report["tokens_per_s"] > 0
+    # as the speed tables run: every system returns log-probs, in vLLM's flat layout
+    assert report["stock_logprobs"] is True and report["logprobs_layout"] == "flat", report
 
 
 def test_step_profile_counts_steps_by_batch_size(tmp_path):
