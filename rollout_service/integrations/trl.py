@@ -173,8 +173,10 @@ def _build(trl_module):
                 cfg = dict(seed=sample_seed(self.base_seed, mode, step, call, group, ids, index),
                            temperature=float(self.temperature), top_k=max(int(self.top_k or 0), 0),
                            top_p=float(1.0 if self.top_p is None else self.top_p), position=len(ids))
+                # flat log-probs: no dict per token for the collector (TRL's extract_logprobs reads both)
                 params.append(SamplingParams(n=1, temperature=0.0, max_tokens=self.max_completion_length,
-                                             logprobs=self.logprobs, extra_args={EXTRA_ARGS_KEY: cfg}))
+                                             logprobs=self.logprobs, flat_logprobs=True,
+                                             extra_args={EXTRA_ARGS_KEY: cfg}))
             if self.enable_sleep_mode:
                 self.llm.wake_up(tags=["kv_cache"])
             with profiler or contextlib.nullcontext():
