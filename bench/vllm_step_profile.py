@@ -117,8 +117,19 @@ HOST_TIMED = (
     ("rollout_service.vllm_plugin.runner_v2", "RequestTable", "rows"),
     ("rollout_service.vllm_plugin.runner_v2", None, "canonical_rows"),
     ("rollout_service.vllm_plugin.runner_v2", None, "own_sampler_output"),
-    ("rollout_service.vllm_plugin.sampling", None, "sample_tokens"),
-    ("rollout_service.vllm_plugin.sampling", None, "token_logprobs"),
+    ("rollout_service.sampler_graphs", "SamplerGraphs", "__call__"),
+    ("rollout_service.sampler", None, "sample_with_logprobs"),
+    ("kernels", None, "matmul"),  # the plugin's lm_head (ops.logits looks it up per call)
+    ("vllm.v1.worker.gpu.input_batch", None, "get_num_sampled_and_rejected"),  # own_sampler_output's
+    ("vllm.v1.worker.gpu.sample.sampler", None, "get_num_sampled_and_rejected"),  # vLLM's sampler's
+    ("vllm.v1.worker.gpu.sample.sampler", None, "compute_topk_logprobs"),
+    ("vllm.v1.worker.gpu.sample.sampler", None, "gumbel_sample"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_attn"),
+    ("vllm.v1.worker.gpu.model_states.default", "DefaultModelState", "prepare_attn"),
+    ("vllm.v1.worker.gpu.model_states.default", "DefaultModelState", "add_request"),
+    ("vllm.v1.worker.gpu.cudagraph_utils", "ModelCudaGraphManager", "run_fullgraph"),
+    ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadataBuilder", "build"),
+    ("rollout_service.vllm_plugin.attention", "ZeroKLMetadataBuilder", "build"),
 )
 
 
@@ -381,6 +392,7 @@ def main():
     p.add_argument("--host-times", action="store_true", help="host time per step in the engine's functions instead")
     p.add_argument("--timeline", action="store_true", help="GPU idle time and the CUDA runtime calls instead")
     p.add_argument("--stacks", action="store_true", help="with --timeline: the host functions run while the GPU idles")
+    p.add_argument("--pstats", help="default mode: also write cProfile's raw stats here (pstats.Stats reads them)")
     p.add_argument("--out")
     args = p.parse_args()
     tmp = None
@@ -431,6 +443,8 @@ def main():
     sites = _sync_sites(generate)
     profiler = cProfile.Profile()
     profiler.runcall(generate)
+    if args.pstats:
+        profiler.dump_stats(args.pstats)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
     emit(dict(common, sync_sites_per_step={k: round(v / steps, 2) for k, v in sites.most_common(30)},

@@ -32,6 +32,16 @@ class RowParams:
         check_row_values(self.temperature, self.top_p, self.position)
 
     @classmethod
+    def checked_already(cls, temperature, top_k, top_p, seed, position) -> "RowParams":
+        """From arrays of the right dtypes whose values were checked before (the vLLM plugin checks each
+        request's once, when vLLM adds it): no per-step check, which is most of a step's host time here."""
+        rows = object.__new__(cls)
+        for name, value in zip(("temperature", "top_k", "top_p", "seed", "position"),
+                               (temperature, top_k, top_p, seed, position)):
+            object.__setattr__(rows, name, value)
+        return rows
+
+    @classmethod
     def from_values(cls, temperature, top_k, top_p, seed, position) -> "RowParams":
         """From per-row sequences (lists or arrays)."""
         return cls(np.asarray(temperature, dtype=np.float32), np.asarray(top_k, dtype=np.int64),

@@ -172,3 +172,25 @@ def test_covered_rows_come_from_the_graphs_a_test_rule_never_does():
     ruled = canonical_rows(logits, rows, rule=lambda lg, r: eager[0], graphs=FixedGraphs())
     assert torch.equal(ruled[0], eager[0]) and torch.equal(ruled[1], eager[1])
     assert ruled[0].tolist() != [7, 7]
+
+
+def test_params_are_checked_when_recorded_and_a_refused_request_stays_vllms():
+    """Steps build their rows unchecked (RowParams.checked_already), so the table checks each request's
+    values as it stores them: a temperature finite in float64 but infinite in float32 is refused, the slot
+    stays vLLM's (also where it held an earlier request's params), and the next request there is ours."""
+    ok = dict(seed=4, temperature=0.7, top_k=0, top_p=1.0, position=5)
+    table = _table({1: (ok, 5)})
+    with pytest.raises(ValueError, match="temperature"):
+        table.set(1, dict(ok, temperature=1e39), 5)
+    with pytest.raises(ValueError, match="top_p"):
+        table.set(2, dict(ok, top_p=np.nextafter(1.0, 2.0, dtype=np.float64) * 1.5), 5)
+    index, params = table.rows(np.array([1, 2]), np.array([6, 6]))
+    assert len(index) == 0 and params is None  # both slots vLLM's
+    base = RecordingBase()
+    logits = torch.randn(2, VOCAB)
+    original = logits.clone()
+    CanonicalSampler(base, table)(logits, _batch([1, 2], [5, 5], [1, 1]))
+    assert torch.equal(base.seen, original)
+    table.set(1, ok, 5)
+    index, params = table.rows(np.array([1, 2]), np.array([6, 6]))
+    assert index.tolist() == [0] and params.position.tolist() == [6] and params.temperature.dtype == np.float32

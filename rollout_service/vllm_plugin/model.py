@@ -106,7 +106,24 @@ class ZeroKLForCausalLM(nn.Module):
         return forward_hidden(self.hf, ids, pos, ops=self.ops, kv=kv).reshape(num_tokens, -1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return compute_logits(self.hf, hidden_states, self.ops)  # float32, canonical, full vocab on every rank
+        """float32 canonical logits over the full vocabulary (on every rank); from the sampler's graphs
+        where it has them (use_sampler_graphs), else eagerly."""
+        graphs = self.__dict__.get("sampler_graphs")
+        if graphs is not None:
+            logits = graphs.compute_logits(hidden_states, self._head)
+            if logits is not None:
+                return logits
+        return self._head(hidden_states)
+
+    def _head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return compute_logits(self.hf, hidden_states, self.ops)
+
+    def use_sampler_graphs(self, graphs) -> None:
+        """Logits of up to graphs.max_rows rows come from graphs.compute_logits: the lm_head product
+        replayed into the buffer the sampling graphs read (one rank only: under tensor parallelism the
+        product ends in a collective, kept eager)."""
+        if self.tp.world_size == 1:
+            self.__dict__["sampler_graphs"] = graphs
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies Hugging Face-named tensors into the bf16 parameters (a cast rounds to nearest, as

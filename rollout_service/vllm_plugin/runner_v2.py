@@ -22,7 +22,7 @@ import logging
 import numpy as np
 import torch
 
-from kernels.sampling import sampling_position
+from kernels.sampling import check_row_values, sampling_position
 
 from ..sampler import RowParams
 from ..sampler_graphs import SamplerGraphs
@@ -42,11 +42,17 @@ class RequestTable:
         self.top_k, self.seed, self.position, self.prompt_len = (np.zeros(size, dtype=np.int64) for _ in range(4))
 
     def set(self, slot: int, cfg: dict, prompt_len: int) -> None:
+        """Records a request's params (checked here, as stored: steps build their rows unchecked);
+        ValueError, and the slot stays vLLM's, where a value breaks the rule's rules."""
+        self.clear(slot)
+        with np.errstate(over="ignore"):  # a float32 overflow is inf, which the check refuses
+            check_row_values(np.float32([cfg["temperature"]]), np.float32([cfg["top_p"]]),
+                             np.int64([cfg["position"], prompt_len]))
         if slot >= len(self.ours):
             self._grow(max(slot + 1, 2 * len(self.ours)))
-        self.ours[slot] = True
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = cfg["temperature"], cfg["top_k"], cfg["top_p"]
         self.seed[slot], self.position[slot], self.prompt_len[slot] = cfg["seed"], cfg["position"], prompt_len
+        self.ours[slot] = True
 
     def clear(self, slot: int) -> None:
         if slot < len(self.ours):
@@ -69,8 +75,9 @@ class RequestTable:
         at = slots[index]
         # a prefill chunk that does not end the prompt samples a token vLLM discards
         num_outputs = np.maximum(0, preceding[index] - self.prompt_len[at])
-        return index, RowParams(self.temperature[at], self.top_k[at], self.top_p[at], self.seed[at],
-                                sampling_position(self.position[at] + num_outputs))
+        # positions >= 0: both terms are (checked in set)
+        return index, RowParams.checked_already(self.temperature[at], self.top_k[at], self.top_p[at], self.seed[at],
+                                                sampling_position(self.position[at] + num_outputs))
 
 
 class CanonicalSampler:
@@ -195,10 +202,16 @@ def model_state_class():
             prompt_len = len(prompt) if prompt is not None else cfg["position"]
             if cfg["position"] is None:
                 cfg["position"] = prompt_len
-            self.zerokl_requests.set(req_index, cfg, prompt_len)
+            try:
+                self.zerokl_requests.set(req_index, cfg, prompt_len)
+            except ValueError as e:  # e.g. a temperature finite in float64 but not in float32
+                log.warning("request %s: zerokl params out of range (%s); vLLM samples it", new_req_data.req_id, e)
 
         def custom_sampler(self, sampler):
-            return CanonicalSampler(sampler, self.zerokl_requests, sampler_graphs(self.vllm_config, self.device)), None
+            graphs = sampler_graphs(self.vllm_config, self.device)
+            if graphs is not None and hasattr(self.model, "use_sampler_graphs"):
+                self.model.use_sampler_graphs(graphs)  # its logits land where the graphs read them
+            return CanonicalSampler(sampler, self.zerokl_requests, graphs), None
 
     ZeroKLModelState.__module__ = __name__
     return ZeroKLModelState
