@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None):
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list of {ALL_SYSTEMS}")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the systems round robin this many times (each run its own process); a system's "
-                        "tokens_per_s is then its median run and runs_tokens_per_s lists them in order")
+                        "tokens_per_s is then its median run, runs_tokens_per_s lists them in order, and "
+                        "rounds_x_vllm each round's ratio to stock vLLM's run of that round")
     p.add_argument("--timed-runs", type=int, default=1,
                    help="timed passes over the workload inside each system's process (caches reset before "
                         "each); seconds is their median and timed_runs_s lists them")
@@ -450,9 +451,11 @@ def _report(args, model: str, runs: dict[str, list[dict]], partial_out: str | No
     results = {system: _median_run(rs) for system, rs in runs.items() if rs}
     for base in ("vllm", "vllm-batch-invariant"):  # ratios inside this one run
         base_tps = results.get(base, {}).get("tokens_per_s")
-        for res in results.values():
+        for system, res in results.items():
             if base_tps and "tokens_per_s" in res:
                 res[f"x_{base.replace('-', '_')}"] = round(res["tokens_per_s"] / base_tps, 3)
+            if base == "vllm" and len(runs[system]) > 1 and base in runs:
+                res.update(_paired_ratios(runs[system], runs[base]))
     import torch
     report = dict(
         benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(), model=model,
@@ -478,6 +481,19 @@ def _median_run(runs: list[dict]) -> dict:
     if len(runs) > 1:
         out["runs_tokens_per_s"] = [round(r.get("tokens_per_s", float("nan")), 1) for r in runs]
     return out
+
+
+def _paired_ratios(runs: list[dict], base_runs: list[dict]) -> dict:
+    """Each round's ratio to stock vLLM's run of the same round (the machine's drift between rounds
+    falls out), and their median; a round where either run failed has none."""
+    ratios = [round(r["tokens_per_s"] / b["tokens_per_s"], 3) for r, b in zip(runs, base_runs)
+              if "tokens_per_s" in r and "tokens_per_s" in b]
+    if not ratios:
+        return {}
+    ordered = sorted(ratios)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return dict(rounds_x_vllm=ratios, x_vllm_rounds_median=round(median, 3))
 
 
 def _strip(argv: list[str], names) -> list[str]:

@@ -6,9 +6,8 @@ log-probs are the trainer's bit for bit. With `stock_for_off=True`, `off` reques
 vLLM engine with vLLM's stock model class and sampler (vLLM's speed, no guarantee) and the GPU's
 memory is split between the two; without it they run on the canonical engine too (canonical tokens,
 which `off` permits). The stock engine's core runs in this process unless `stock_in_process=False`
-gives it its own (vLLM's default; weights then reach it through files). On H100s `off` ran at 0.74x
-to 1.07x stock vLLM with the in-process core (0.92x and 1.05x at 64 prompts in the last two runs),
-and with a core of its own at 0.99x and 1.32x at 256 prompts but 0.73x at 64 (`docs/performance.md`).
+gives it its own (vLLM's default; weights then reach it through files). How fast `off` runs against
+stock vLLM, with either placement, is measured by `bench.speed_tables` (README, "Speed").
 
 It has the interface RolloutWorker drives (add_request / abort / step / has_unfinished, weights and
 the canonical contract), like the native Engine. Steps go through `LLM.llm_engine` (vLLM's

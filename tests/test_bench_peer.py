@@ -53,6 +53,25 @@ def test_partial_report_is_written_and_marked(tmp_path):
     assert report["workload"]["logprobs_layout"] == "flat"
 
 
+def test_repeats_report_each_rounds_ratio_to_stock(tmp_path):
+    """Round robin: the median run per system, and each round's ratio to stock's run of that round
+    (a round whose run failed has none)."""
+    args = argparse.Namespace(tensor_parallel_size=1, engine_core="in-process", prompts=2, prompt_len=4,
+                              max_tokens=3, stock_logprobs=True, logprobs_layout="flat", temperature=1.0, top_p=1.0,
+                              window=8, group=8, kv_cache_mib=512, gpu_memory_utilization=0.4, num_gpu_blocks=None)
+
+    def run(tps):
+        return dict(generated_tokens=6, seconds=6 / tps, tokens_per_s=tps)
+    runs = {"vllm": [run(10.0), run(20.0), run(10.0)],
+            "worker-off": [run(9.0), run(20.0), dict(error="RuntimeError: boom")]}
+    results = _report(args, "tiny", runs)["results"]
+    off = results["worker-off"]
+    assert off["runs_tokens_per_s"][:2] == [9.0, 20.0] and off["tokens_per_s"] == 9.0  # median of the two that ran
+    assert off["x_vllm"] == 0.9  # against stock's median run, 10.0
+    assert off["rounds_x_vllm"] == [0.9, 1.0] and off["x_vllm_rounds_median"] == 0.95
+    assert results["vllm"]["rounds_x_vllm"] == [1.0, 1.0, 1.0]
+
+
 def test_a_failed_system_names_its_error_and_keeps_its_log(tmp_path):
     """A system that dies reports the error lines of its output (not only vLLM's "see root cause
     above"), its whole output stays in <out>.<system>.log, and the systems after it still run."""
