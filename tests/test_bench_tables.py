@@ -36,6 +36,16 @@ def test_overrides_follow_the_table(capsys):
     assert _option(args, "--systems") == "vllm" and _option(args, "--tensor-parallel-size") == "4"
 
 
+def test_host_bound_tables_run_round_robin(capsys):
+    """Qwen2.5-1.5B's short steps make one process's figure a draw of its host speed: its tables run
+    every system twice, round robin; the GPU-bound Llama tables once."""
+    main(["--list"])
+    listed = json.loads(capsys.readouterr().out)
+    assert _option(listed["qwen1.5b-64"]["peer_vllm"], "--repeats") == "2"
+    assert _option(listed["worker-off-placement"]["peer_vllm"], "--repeats") == "2"
+    assert _option(listed["llama8b-256"]["peer_vllm"], "--repeats") == "1"
+
+
 def test_unknown_table_is_refused():
     with pytest.raises(SystemExit):
         main(["qwen1.5b-65"])
@@ -49,7 +59,7 @@ def test_a_table_runs_on_cpu_with_a_tiny_checkpoint(tmp_path):
     tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp_path / "model")
     out = tmp_path / "table.json"
     proc = subprocess.run([sys.executable, "-m", "bench.speed_tables", "qwen1.5b-256", "--model", str(tmp_path / "model"),
-                           "--prompts", "3", "--prompt-len", "10", "--max-tokens", "5", "--timed-runs", "2",
+                           "--prompts", "3", "--prompt-len", "10", "--max-tokens", "5", "--timed-runs", "2", "--repeats", "1",
                            "--systems", "vllm,native-verified", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
