@@ -236,7 +236,8 @@ def _run_worker_engine(args, prompts, mode: str, stock_in_process: bool = True) 
     max_model_len = options.pop("max_model_len")
     options.pop("enforce_eager", None)  # VLLMEngine sets it (graphs on CUDA only)
     stock = mode == "off"
-    # VLLMEngine halves its share between its two engines when it runs a stock one
+    # VLLMEngine gives its stock engine half its share (stock_memory_share's default): the stock engine
+    # gets the vllm system's share
     share = min(0.9, options.pop("gpu_memory_utilization", 0.425) * (2 if stock else 1))
     engine = VLLMEngine(args.model, device="cpu" if _on_cpu() else "cuda", max_model_len=max_model_len,
                         max_num_seqs=len(prompts), stock_for_off=stock, gpu_memory_utilization=share,

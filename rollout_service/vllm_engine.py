@@ -4,9 +4,10 @@
 (rollout_service.vllm_plugin) and whose sampler is our seeded Gumbel rule, so their tokens and
 log-probs are the trainer's bit for bit. With `stock_for_off=True`, `off` requests run on a second
 vLLM engine with vLLM's stock model class and sampler (vLLM's speed, no guarantee) and the GPU's
-memory is split between the two; without it they run on the canonical engine too (canonical tokens,
-which `off` permits). The stock engine's core runs in this process unless `stock_in_process=False`
-gives it its own (vLLM's default; weights then reach it through files). How fast `off` runs against
+memory share is split between the two (`stock_memory_share` of it to the stock engine); without it
+they run on the canonical engine too (canonical tokens, which `off` permits). The stock engine's core
+runs in this process unless `stock_in_process=False` gives it its own (vLLM's default; weights then
+reach it through files). How fast `off` runs against
 stock vLLM, with either placement, is measured by `bench.speed_tables` (README, "Speed").
 
 It has the interface RolloutWorker drives (add_request / abort / step / has_unfinished, weights and
@@ -36,14 +37,20 @@ class VLLMEngine:
     dir for vLLM). tensor_parallel_size: vLLM's workers per engine, one GPU each (the canonical
     engine combines row-parallel outputs by the segment tree). vllm_options go to both vllm.LLM
     engines (e.g. max_num_batched_tokens). stock_in_process: where the stock engine's core runs
-    (default: this process; False: its own, started by spawning on CUDA, compat.core_start_method)."""
+    (default: this process; False: its own, started by spawning on CUDA, compat.core_start_method).
+    stock_memory_share: with stock_for_off on a GPU, the part of gpu_memory_utilization the stock
+    engine gets, the canonical engine the rest (a worker whose traffic is mostly `off` gives it more;
+    its KV cache, and so how many `off` sequences run at once, follows)."""
 
     def __init__(self, model, *, device: str = "cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
                  copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None,
-                 stock_in_process: bool = True):
+                 stock_in_process: bool = True, stock_memory_share: float = 0.5):
         from .vllm_plugin import HF_OVERRIDES, graph_options, register
 
+        if isinstance(stock_memory_share, bool) or not isinstance(stock_memory_share, (int, float)) \
+                or not 0.0 < stock_memory_share < 1.0:
+            raise ValueError(f"stock_memory_share must be a number strictly between 0 and 1, got {stock_memory_share!r}")
         self.device = torch.device(device)
         if (self.device.type == "cuda") != torch.cuda.is_available():
             raise ValueError(f"VLLMEngine on {self.device} needs vLLM's build for it (CUDA available: "
@@ -55,19 +62,24 @@ class VLLMEngine:
         self.max_model_len = max_model_len or self.model.config.max_position_embeddings
         self.vocab_size = self.model.config.vocab_size
         register()  # the canonical engine's core runs in this process, where the entry point may not have run
-        share = gpu_memory_utilization / (2 if stock_for_off else 1)
         common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                       tensor_parallel_size=tensor_parallel_size, **(vllm_options or {}))
-        if self.device.type == "cuda":
-            common.setdefault("gpu_memory_utilization", share)
+        stock_share = gpu_memory_utilization * stock_memory_share if stock_for_off else 0.0
         self.stock = VLLMFastPath(self._tmpdir, stock_sampler=True, in_process=stock_in_process,
-                                  **common) if stock_for_off else None
+                                  **self._sized(common, stock_share)) if stock_for_off else None
         self.canonical = VLLMFastPath(self._tmpdir, hf_overrides=dict(HF_OVERRIDES),
-                                      **graph_options(cuda_graphs and self.device.type == "cuda"), **common)
+                                      **graph_options(cuda_graphs and self.device.type == "cuda"),
+                                      **self._sized(common, gpu_memory_utilization - stock_share))
         self._ids = itertools.count()
         self._where: dict[int, VLLMFastPath] = {}  # request id -> the engine serving it
         self._prompts: dict[int, list[int]] = {}
         self._done: list[tuple[int, Rollout]] = []
+
+    def _sized(self, options: dict, share: float) -> dict:
+        """A GPU engine's options with its memory share, unless vllm_options set one for both."""
+        if self.device.type != "cuda":
+            return options
+        return {"gpu_memory_utilization": share, **options}
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids, params: SamplingParams) -> int:

