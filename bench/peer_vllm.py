@@ -5,7 +5,8 @@
 Same checkpoint, prompts and sampling settings for every system; each system runs in its own
 subprocess (VLLM_BATCH_INVARIANT=1 must be set before vLLM starts); `--repeats N` runs the systems
 round robin N times and reports each system's median run; `--timed-runs N` times N passes inside each
-process and reports their median. Without --model a tiny random
+process and reports their median; `--interleave` runs stock vLLM and the plugin in one process per
+round instead, their passes taken in turn. Without --model a tiny random
 Qwen2 is saved to a temp dir, which is what runs on CPU (`--prompts 8 --max-tokens 16` for a quick
 check). Prints (and with --out writes) one JSON object: generated tokens per second per system, plus
 the acceptance rate of vLLM's proposals in verified mode. Systems that cannot run (e.g. the
@@ -53,6 +54,9 @@ ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "v
                                  "vllm-eager", "vllm-v1",
                                  "native-verified", "native-invariant", "native-off", "worker-verified", "worker-off",
                                  "worker-off-own-process")
+# --interleave: these systems can share one process (no process-wide setting of their own, TP = 1)
+INTERLEAVABLE = ("vllm", "vllm-eager", "vllm-plugin", "vllm-plugin-eager")
+INTERLEAVED = "interleaved:"  # the worker name of an interleaved process, its systems after it
 TEARDOWN_GRACE_S = 60  # a system's process gets this long to exit once it has printed its result
 TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
 
@@ -164,7 +168,9 @@ def engine_facts(llm) -> dict:
                 kv_cache_tokens=(cache.num_gpu_blocks or 0) * cache.block_size)
 
 
-def _run_vllm(args, prompts, system: str) -> dict:
+def _warm_vllm(args, prompts, system: str):
+    """A vllm* system's engine after its warm-up pass: (generate, what the report says of it so far);
+    generate() -> (seconds, outputs) runs the whole workload once, prefix cache reset first."""
     llm = build_llm(args, system, len(prompts), own_process=args.engine_core == "own-process")
     params = request_params(args, system, prompts)
     inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -178,9 +184,42 @@ def _run_vllm(args, prompts, system: str) -> dict:
 
     generate(args.warmup_tokens)  # every prefill shape of the workload (Triton compiles per shape)
     prefill_s, _ = generate(1)
-    timed, outs = _timed_runs(args, generate)
-    return dict(**timed, prefill_seconds=round(prefill_s, 3),
-                generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs), **engine_facts(llm))
+    return generate, dict(prefill_seconds=round(prefill_s, 3), **engine_facts(llm))
+
+
+def _vllm_result(timed: dict, outs, facts: dict) -> dict:
+    return dict(**timed, **facts, generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
+
+
+def _run_vllm(args, prompts, system: str) -> dict:
+    generate, facts = _warm_vllm(args, prompts, system)
+    return _vllm_result(*_timed_runs(args, generate), facts)
+
+
+def _run_interleaved(args, prompts, systems: list[str]) -> dict:
+    """Every system's engine in this one process, their timed passes taken in turn (pass t starts with
+    system t mod n): the process's host speed and the machine's drift fall on each system alike, where
+    separate processes each draw their own. Returns each system's result, with each pass's ratio to
+    stock vLLM's pass of the same turn (`passes_x_vllm`)."""
+    engines = {system: _warm_vllm(args, prompts, system) for system in systems}
+    times: dict[str, list[float]] = {system: [] for system in systems}
+    outs = {}
+    for t in range(args.timed_runs):
+        for system in systems[t % len(systems):] + systems[:t % len(systems)]:
+            elapsed, outs[system] = engines[system][0]()
+            times[system].append(elapsed)
+    results = {system: _vllm_result(_pass_times(times[system]), outs[system], engines[system][1])
+               for system in systems}
+    for system, res in results.items():
+        res["tokens_per_s"] = res["generated_tokens"] / res["seconds"]
+        if "vllm" in times:
+            res["passes_x_vllm"] = [round(b / x, 3) for x, b in zip(times[system], times["vllm"])]
+    return results
+
+
+def _pass_times(times: list[float]) -> dict:
+    """The timed passes of one process: the median pass's seconds and every pass's."""
+    return dict(seconds=sorted(times)[len(times) // 2], timed_runs_s=[round(t, 3) for t in times])
 
 
 def _timed_runs(args, run) -> tuple[dict, list]:
@@ -190,7 +229,7 @@ def _timed_runs(args, run) -> tuple[dict, list]:
     for _ in range(args.timed_runs):
         elapsed, outs = run()
         times.append(elapsed)
-    return dict(seconds=sorted(times)[len(times) // 2], timed_runs_s=[round(t, 3) for t in times]), outs
+    return _pass_times(times), outs
 
 
 def _capped(params, max_tokens: int):
@@ -274,6 +313,10 @@ def _worker(args) -> None:
     prompts = _workload(args, vocab)
     system = args.worker
     try:
+        if system.startswith(INTERLEAVED):
+            print("RESULT " + json.dumps(_run_interleaved(args, prompts, system[len(INTERLEAVED):].split(","))),
+                  flush=True)
+            return
         if system.startswith("vllm"):
             res = _run_vllm(args, prompts, system)
         elif system == "worker-off-own-process":
@@ -306,7 +349,8 @@ def _child(args, system: str) -> dict:
     output, stopped, returncode = supervise(cmd, env, args.timeout)
     wall = round(time.perf_counter() - start, 1)
     if args.out:
-        with open(f"{os.path.splitext(args.out)[0]}.{system}.log", "w") as f:
+        name = "interleaved" if system.startswith(INTERLEAVED) else system
+        with open(f"{os.path.splitext(args.out)[0]}.{name}.log", "w") as f:
             f.write(output)
     result = next((json.loads(line[len("RESULT "):]) for line in output.splitlines()
                    if line.startswith("RESULT ")), None)
@@ -408,6 +452,11 @@ def main(argv: list[str] | None = None):
     p.add_argument("--timed-runs", type=int, default=1,
                    help="timed passes over the workload inside each system's process (caches reset before "
                         "each); seconds is their median and timed_runs_s lists them")
+    p.add_argument("--interleave", action="store_true",
+                   help=f"run the systems ({', '.join(INTERLEAVABLE)}) in one process per round, each with its own "
+                        "engine and memory share, their timed passes taken in turn: the process's host speed and "
+                        "the machine's drift then fall on each alike (passes_x_vllm: each pass's ratio to stock's "
+                        "pass of the same turn)")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -428,20 +477,31 @@ def main(argv: list[str] | None = None):
             tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
         args.model = tmp.name
     args.passthrough = _strip(argv, ("--out", "--systems", "--model", "--timeout", "--shape", "--num-layers",
-                                             "--repeats"))
+                                             "--repeats"), flags=("--interleave",))
     args.passthrough += ["--model", args.model]
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(ALL_SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")
+    if args.interleave and (set(systems) - set(INTERLEAVABLE) or args.tensor_parallel_size != 1):
+        p.error(f"--interleave runs {INTERLEAVABLE} at TP = 1 (each with a process-wide setting of its own "
+                f"otherwise); got {systems} at TP = {args.tensor_parallel_size}")
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     model = args.model if tmp is None else f"{args.shape or 'tiny-qwen2'} (random weights)"
     for r in range(args.repeats):  # round robin: drift of the machine falls on every system alike
-        for system in systems:
+        if args.interleave:
+            both = _child(args, INTERLEAVED + ",".join(systems))
+            for system in systems:  # a failed process: its error for each system
+                runs[system].append(dict(both[system], process_wall_s=both["process_wall_s"])
+                                    if system in both else both)
+            print(f"interleaved: {json.dumps(both)}", file=sys.stderr, flush=True)
+        for system in systems if not args.interleave else ():
             runs[system].append(_child(args, system))
             print(f"{system}: {json.dumps(runs[system][-1])}", file=sys.stderr, flush=True)
             if args.out:  # each result as it comes: a run that is cut off still reports
                 _report(args, model, runs, args.out)
+        if args.out and args.interleave:
+            _report(args, model, runs, args.out)
     emit(_report(args, model, runs), args.out)
     if tmp is not None:
         tmp.cleanup()
@@ -460,7 +520,7 @@ def _report(args, model: str, runs: dict[str, list[dict]], partial_out: str | No
     import torch
     report = dict(
         benchmark="peer_vllm", device="cpu" if _on_cpu() else torch.cuda.get_device_name(), model=model,
-        tensor_parallel_size=args.tensor_parallel_size, engine_core=args.engine_core,
+        tensor_parallel_size=args.tensor_parallel_size, engine_core=args.engine_core, interleaved=args.interleave,
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                       stock_logprobs=args.stock_logprobs, logprobs_layout=args.logprobs_layout,
                       temperature=args.temperature, top_p=args.top_p, **_kv_settings(args)),
@@ -497,8 +557,8 @@ def _paired_ratios(runs: list[dict], base_runs: list[dict]) -> dict:
     return dict(rounds_x_vllm=ratios, x_vllm_rounds_median=round(median, 3))
 
 
-def _strip(argv: list[str], names) -> list[str]:
-    """argv without the given options (both `--opt value` and `--opt=value`)."""
+def _strip(argv: list[str], names, flags=()) -> list[str]:
+    """argv without the given options (both `--opt value` and `--opt=value`) and flags (no value)."""
     out, skip = [], False
     for a in argv:
         if skip:
@@ -508,7 +568,8 @@ def _strip(argv: list[str], names) -> list[str]:
         if name in names:
             skip = "=" not in a
             continue
-        out.append(a)
+        if a not in flags:
+            out.append(a)
     return out
 
 

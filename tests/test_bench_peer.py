@@ -40,8 +40,37 @@ def test_two_systems_in_one_run(tmp_path, engine_core):
         results["vllm-plugin"]["tokens_per_s"] / results["vllm"]["tokens_per_s"], 3)
 
 
+def test_interleaved_systems_share_one_process_and_take_turns(tmp_path):
+    """--interleave: stock vLLM and the plugin in one process per round, their passes in turn; each
+    pass's ratio to stock's pass of the same turn is reported, and the round's output is one log."""
+    out = tmp_path / "peer.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.peer_vllm", "--prompts", "3", "--prompt-len", "12",
+                           "--max-tokens", "6", "--timed-runs", "3", "--systems", "vllm,vllm-plugin", "--interleave",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["interleaved"] is True
+    results = report["results"]
+    assert set(results) == {"vllm", "vllm-plugin"}, results
+    for res in results.values():
+        assert "error" not in res, res
+        assert res["generated_tokens"] == 3 * 6 and len(res["timed_runs_s"]) == 3
+    stock, plugin = results["vllm"]["timed_runs_s"], results["vllm-plugin"]["timed_runs_s"]
+    assert results["vllm"]["passes_x_vllm"] == [1.0] * 3
+    assert results["vllm-plugin"]["passes_x_vllm"] == pytest.approx([b / x for x, b in zip(plugin, stock)], abs=0.02)
+    assert results["vllm-plugin"]["process_wall_s"] == results["vllm"]["process_wall_s"]  # one process
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peer.interleaved.log", "peer.json"]
+
+
+@pytest.mark.parametrize("systems", ["vllm,worker-off", "vllm,vllm-batch-invariant"])
+def test_interleave_refuses_systems_that_need_a_process_of_their_own(systems):
+    proc = subprocess.run([sys.executable, "-m", "bench.peer_vllm", "--systems", systems, "--interleave"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--interleave runs" in proc.stderr, proc.stderr[-1000:]
+
+
 def test_partial_report_is_written_and_marked(tmp_path):
-    args = argparse.Namespace(tensor_parallel_size=1, engine_core="in-process", prompts=2, prompt_len=4,
+    args = argparse.Namespace(tensor_parallel_size=1, engine_core="in-process", interleave=False, prompts=2, prompt_len=4,
                               max_tokens=3, stock_logprobs=True, logprobs_layout="flat", temperature=1.0, top_p=1.0,
                               window=8, group=8, kv_cache_mib=512, gpu_memory_utilization=0.4, num_gpu_blocks=None)
     runs = {"vllm": [dict(generated_tokens=6, seconds=2.0, tokens_per_s=3.0)], "vllm-plugin": []}
@@ -56,7 +85,7 @@ def test_partial_report_is_written_and_marked(tmp_path):
 def test_repeats_report_each_rounds_ratio_to_stock(tmp_path):
     """Round robin: the median run per system, and each round's ratio to stock's run of that round
     (a round whose run failed has none)."""
-    args = argparse.Namespace(tensor_parallel_size=1, engine_core="in-process", prompts=2, prompt_len=4,
+    args = argparse.Namespace(tensor_parallel_size=1, engine_core="in-process", interleave=False, prompts=2, prompt_len=4,
                               max_tokens=3, stock_logprobs=True, logprobs_layout="flat", temperature=1.0, top_p=1.0,
                               window=8, group=8, kv_cache_mib=512, gpu_memory_utilization=0.4, num_gpu_blocks=None)
 
