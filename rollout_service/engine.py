@@ -79,16 +79,18 @@ def generate_in_order(engine, prompts, params, use_tqdm: bool = False) -> list[R
         except (InvalidRequestError, TypeError, ValueError) as err:
             order.append(Rollout(list(prompt) if isinstance(prompt, (list, tuple)) else [],
                                  finish_reason="error", error=str(err)))
-    wanted = {x for x in order if isinstance(x, int)}
+    pending = {x for x in order if isinstance(x, int)}
     progress = None
     if use_tqdm:
         from tqdm.auto import tqdm
-        progress = tqdm(total=len(wanted), desc="rollouts")
-    while wanted - results.keys():
+        progress = tqdm(total=len(pending), desc="rollouts")
+    while pending:  # per step: only the finished requests are looked at
         for rid, rollout in engine.step():
             results[rid] = rollout
-            if progress is not None and rid in wanted:
-                progress.update(1)
+            if rid in pending:
+                pending.discard(rid)
+                if progress is not None:
+                    progress.update(1)
     if progress is not None:
         progress.close()
     return [results[x] if isinstance(x, int) else x for x in order]
