@@ -364,6 +364,16 @@ def _child(args, system: str) -> dict:
     return result
 
 
+def _process_results(args, group: list[str]) -> dict[str, dict]:
+    """Each system's result from one process: a system's own, or a group's under --interleave (a
+    process that failed gives each system its error)."""
+    if not args.interleave:
+        return {group[0]: _child(args, group[0])}
+    res = _child(args, INTERLEAVED + ",".join(group))
+    return {system: dict(res[system], process_wall_s=res["process_wall_s"]) if system in res else res
+            for system in group}
+
+
 def supervise(cmd: list[str], env: dict, timeout: float, grace: float = TEARDOWN_GRACE_S):
     """Runs cmd in a process group of its own and kills the group when it ends, at `timeout`, or
     `grace` seconds after a RESULT line (a process stuck in teardown after measuring). Returns
@@ -488,20 +498,14 @@ def main(argv: list[str] | None = None):
                 f"otherwise); got {systems} at TP = {args.tensor_parallel_size}")
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     model = args.model if tmp is None else f"{args.shape or 'tiny-qwen2'} (random weights)"
+    processes = [systems] if args.interleave else [[system] for system in systems]
     for r in range(args.repeats):  # round robin: drift of the machine falls on every system alike
-        if args.interleave:
-            both = _child(args, INTERLEAVED + ",".join(systems))
-            for system in systems:  # a failed process: its error for each system
-                runs[system].append(dict(both[system], process_wall_s=both["process_wall_s"])
-                                    if system in both else both)
-            print(f"interleaved: {json.dumps(both)}", file=sys.stderr, flush=True)
-        for system in systems if not args.interleave else ():
-            runs[system].append(_child(args, system))
-            print(f"{system}: {json.dumps(runs[system][-1])}", file=sys.stderr, flush=True)
+        for group in processes:
+            for system, res in _process_results(args, group).items():
+                runs[system].append(res)
+                print(f"{system}: {json.dumps(res)}", file=sys.stderr, flush=True)
             if args.out:  # each result as it comes: a run that is cut off still reports
                 _report(args, model, runs, args.out)
-        if args.out and args.interleave:
-            _report(args, model, runs, args.out)
     emit(_report(args, model, runs), args.out)
     if tmp is not None:
         tmp.cleanup()
