@@ -5,8 +5,8 @@
 Same checkpoint, prompts and sampling settings for every system; each system runs in its own
 subprocess (VLLM_BATCH_INVARIANT=1 must be set before vLLM starts); `--repeats N` runs the systems
 round robin N times and reports each system's median run; `--timed-runs N` times N passes inside each
-process and reports their median; `--interleave` runs stock vLLM and the plugin in one process per
-round instead, their passes taken in turn. Without --model a tiny random
+process and reports their median; `--interleave` runs stock vLLM, the plugin and the worker's `off` in
+one process per round instead, their passes taken in turn. Without --model a tiny random
 Qwen2 is saved to a temp dir, which is what runs on CPU (`--prompts 8 --max-tokens 16` for a quick
 check). Prints (and with --out writes) one JSON object: generated tokens per second per system, plus
 the acceptance rate of vLLM's proposals in verified mode. Systems that cannot run (e.g. the
@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from rollout_service.decode_policy import VERIFIED_DECODE  # noqa: E402
@@ -55,7 +56,8 @@ ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "v
                                  "native-verified", "native-invariant", "native-off", "worker-verified", "worker-off",
                                  "worker-off-own-process")
 # --interleave: these systems can share one process (no process-wide setting of their own, TP = 1)
-INTERLEAVABLE = ("vllm", "vllm-eager", "vllm-plugin", "vllm-plugin-eager")
+INTERLEAVABLE = ("vllm", "vllm-eager", "vllm-plugin", "vllm-plugin-eager", "worker-off")
+INTERLEAVED_GPU_SHARE = 0.9  # --interleave on a GPU: what the process's engines may ask for together
 INTERLEAVED = "interleaved:"  # the worker name of an interleaved process, its systems after it
 TEARDOWN_GRACE_S = 60  # a system's process gets this long to exit once it has printed its result
 TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
@@ -168,9 +170,23 @@ def engine_facts(llm) -> dict:
                 kv_cache_tokens=(cache.num_gpu_blocks or 0) * cache.block_size)
 
 
-def _warm_vllm(args, prompts, system: str):
-    """A vllm* system's engine after its warm-up pass: (generate, what the report says of it so far);
-    generate() -> (seconds, outputs) runs the whole workload once, prefix cache reset first."""
+@dataclasses.dataclass
+class _Warmed:
+    """A system's engine after its warm-up pass. generate() -> (seconds, outputs) runs the whole
+    workload once (caches reset first, so every pass prefills); tokens(outputs) counts what it
+    generated (raising if a rollout failed); close() frees the engine."""
+    generate: Callable[[], tuple[float, list]]
+    facts: dict  # what the report says of the engine (prefill time, runner, KV cache)
+    tokens: Callable[[list], int]
+    close: Callable[[], None] = lambda: None
+
+    def result(self, timed: dict, outs) -> dict:
+        res = dict(**timed, **self.facts, generated_tokens=self.tokens(outs))
+        res["tokens_per_s"] = res["generated_tokens"] / res["seconds"]
+        return res
+
+
+def _warm_vllm(args, prompts, system: str) -> _Warmed:
     llm = build_llm(args, system, len(prompts), own_process=args.engine_core == "own-process")
     params = request_params(args, system, prompts)
     inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -184,16 +200,65 @@ def _warm_vllm(args, prompts, system: str):
 
     generate(args.warmup_tokens)  # every prefill shape of the workload (Triton compiles per shape)
     prefill_s, _ = generate(1)
-    return generate, dict(prefill_seconds=round(prefill_s, 3), **engine_facts(llm))
+    return _Warmed(generate, dict(prefill_seconds=round(prefill_s, 3), **engine_facts(llm)),
+                   tokens=lambda outs: sum(len(o.outputs[0].token_ids) for o in outs))
 
 
-def _vllm_result(timed: dict, outs, facts: dict) -> dict:
-    return dict(**timed, **facts, generated_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
+def _warm_worker_engine(args, prompts, mode: str, stock_in_process: bool = True) -> _Warmed:
+    """VLLMEngine, as a RolloutWorker runs it on a GPU. For `off` its stock engine gets the vllm
+    system's memory share (VLLMEngine gives it half of its own, stock_memory_share's default)."""
+    from rollout_service import SamplingParams
+    from rollout_service.vllm_engine import VLLMEngine
+    options = _vllm_options(args)
+    max_model_len = options.pop("max_model_len")
+    options.pop("enforce_eager", None)  # VLLMEngine sets it (graphs on CUDA only)
+    stock = mode == "off"
+    share = min(0.9, options.pop("gpu_memory_utilization", 0.425) * (2 if stock else 1))
+    engine = VLLMEngine(args.model, device="cpu" if _on_cpu() else "cuda", max_model_len=max_model_len,
+                        max_num_seqs=len(prompts), stock_for_off=stock, gpu_memory_utilization=share,
+                        stock_in_process=stock_in_process, vllm_options=options)
+    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
+
+    def generate():
+        for path in (engine.canonical, engine.stock):  # prefill again, as the vllm systems do
+            if path is not None:
+                path.llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        return time.perf_counter() - start, outs
+
+    def tokens(outs) -> int:
+        bad = [o.error for o in outs if not o.ok]
+        if bad:
+            raise RuntimeError(f"{len(bad)} rollouts failed: {bad[0]}")
+        return sum(len(o.token_ids) for o in outs)
+
+    try:
+        engine.generate(prompts, [dataclasses.replace(p, max_tokens=min(args.warmup_tokens, p.max_tokens))
+                                  for p in params])
+    except BaseException:
+        engine.close()
+        raise
+    return _Warmed(generate, engine_facts((engine.stock if stock else engine.canonical).llm), tokens,
+                   close=engine.close)
 
 
-def _run_vllm(args, prompts, system: str) -> dict:
-    generate, facts = _warm_vllm(args, prompts, system)
-    return _vllm_result(*_timed_runs(args, generate), facts)
+def _warm(args, prompts, system: str) -> _Warmed:
+    if system.startswith("vllm"):
+        return _warm_vllm(args, prompts, system)
+    if system == "worker-off-own-process":
+        return _warm_worker_engine(args, prompts, "off", stock_in_process=False)
+    return _warm_worker_engine(args, prompts, system.split("-", 1)[1])
+
+
+def _run_warmed(args, prompts, system: str) -> dict:
+    warmed = _warm(args, prompts, system)
+    try:
+        timed, outs = _timed_runs(args, warmed.generate)
+        return warmed.result(timed, outs)
+    finally:
+        warmed.close()
 
 
 def _run_interleaved(args, prompts, systems: list[str]) -> dict:
@@ -201,18 +266,22 @@ def _run_interleaved(args, prompts, systems: list[str]) -> dict:
     system t mod n): the process's host speed and the machine's drift fall on each system alike, where
     separate processes each draw their own. Returns each system's result, with each pass's ratio to
     stock vLLM's pass of the same turn (`passes_x_vllm`)."""
-    engines = {system: _warm_vllm(args, prompts, system) for system in systems}
-    times: dict[str, list[float]] = {system: [] for system in systems}
-    outs = {}
-    for t in range(args.timed_runs):
-        for system in systems[t % len(systems):] + systems[:t % len(systems)]:
-            elapsed, outs[system] = engines[system][0]()
-            times[system].append(elapsed)
-    results = {system: _vllm_result(_pass_times(times[system]), outs[system], engines[system][1])
-               for system in systems}
-    for system, res in results.items():
-        res["tokens_per_s"] = res["generated_tokens"] / res["seconds"]
-        if "vllm" in times:
+    engines: dict[str, _Warmed] = {}
+    try:
+        for system in systems:
+            engines[system] = _warm(args, prompts, system)
+        times: dict[str, list[float]] = {system: [] for system in systems}
+        outs = {}
+        for t in range(args.timed_runs):
+            for system in systems[t % len(systems):] + systems[:t % len(systems)]:
+                elapsed, outs[system] = engines[system].generate()
+                times[system].append(elapsed)
+        results = {system: engines[system].result(_pass_times(times[system]), outs[system]) for system in systems}
+    finally:
+        for warmed in engines.values():
+            warmed.close()
+    if "vllm" in times:
+        for system, res in results.items():
             res["passes_x_vllm"] = [round(b / x, 3) for x, b in zip(times[system], times["vllm"])]
     return results
 
@@ -268,42 +337,6 @@ def _run_ours(args, prompts, mode, fast_path) -> dict:
     return res
 
 
-def _run_worker_engine(args, prompts, mode: str, stock_in_process: bool = True) -> dict:
-    from rollout_service import SamplingParams
-    from rollout_service.vllm_engine import VLLMEngine
-    options = _vllm_options(args)
-    max_model_len = options.pop("max_model_len")
-    options.pop("enforce_eager", None)  # VLLMEngine sets it (graphs on CUDA only)
-    stock = mode == "off"
-    # VLLMEngine gives its stock engine half its share (stock_memory_share's default): the stock engine
-    # gets the vllm system's share
-    share = min(0.9, options.pop("gpu_memory_utilization", 0.425) * (2 if stock else 1))
-    engine = VLLMEngine(args.model, device="cpu" if _on_cpu() else "cuda", max_model_len=max_model_len,
-                        max_num_seqs=len(prompts), stock_for_off=stock, gpu_memory_utilization=share,
-                        stock_in_process=stock_in_process, vllm_options=options)
-    facts = engine_facts((engine.stock if stock else engine.canonical).llm)
-    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                             seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
-    try:
-        engine.generate(prompts, [dataclasses.replace(p, max_tokens=min(args.warmup_tokens, p.max_tokens))
-                                  for p in params])
-
-        def run():
-            for path in (engine.canonical, engine.stock):  # prefill again, as the vllm systems do
-                if path is not None:
-                    path.llm.reset_prefix_cache()
-            start = time.perf_counter()
-            outs = engine.generate(prompts, params)
-            return time.perf_counter() - start, outs
-        timed, outs = _timed_runs(args, run)
-    finally:
-        engine.close()
-    bad = [o.error for o in outs if not o.ok]
-    if bad:
-        raise RuntimeError(f"{len(bad)} rollouts failed: {bad[0]}")
-    return dict(**timed, generated_tokens=sum(len(o.token_ids) for o in outs), **facts)
-
-
 def _worker(args) -> None:
     import faulthandler
     import transformers
@@ -317,16 +350,12 @@ def _worker(args) -> None:
             print("RESULT " + json.dumps(_run_interleaved(args, prompts, system[len(INTERLEAVED):].split(","))),
                   flush=True)
             return
-        if system.startswith("vllm"):
-            res = _run_vllm(args, prompts, system)
-        elif system == "worker-off-own-process":
-            res = _run_worker_engine(args, prompts, "off", stock_in_process=False)
-        elif system.startswith("worker-"):
-            res = _run_worker_engine(args, prompts, system.split("-", 1)[1])
+        if system.startswith(("vllm", "worker-")):
+            res = _run_warmed(args, prompts, system)
         else:
             engine, mode = system.split("-", 1)
             res = _run_ours(args, prompts, mode, "native" if engine == "native" else "vllm")
-        res["tokens_per_s"] = res["generated_tokens"] / res["seconds"]
+            res["tokens_per_s"] = res["generated_tokens"] / res["seconds"]
     except Exception as err:  # reported, not raised: the other systems still run
         res = dict(error=f"{type(err).__name__}: {err}"[:500])
     print("RESULT " + json.dumps(res), flush=True)
@@ -464,7 +493,7 @@ def main(argv: list[str] | None = None):
                         "each); seconds is their median and timed_runs_s lists them")
     p.add_argument("--interleave", action="store_true",
                    help=f"run the systems ({', '.join(INTERLEAVABLE)}) in one process per round, each with its own "
-                        "engine and memory share, their timed passes taken in turn: the process's host speed and "
+                        "engine and memory share (--gpu-memory-utilization per engine), their timed passes taken in turn: the process's host speed and "
                         "the machine's drift then fall on each alike (passes_x_vllm: each pass's ratio to stock's "
                         "pass of the same turn)")
     p.add_argument("--timeout", type=int, default=3600)
@@ -496,6 +525,11 @@ def main(argv: list[str] | None = None):
     if args.interleave and (set(systems) - set(INTERLEAVABLE) or args.tensor_parallel_size != 1):
         p.error(f"--interleave runs {INTERLEAVABLE} at TP = 1 (each with a process-wide setting of its own "
                 f"otherwise); got {systems} at TP = {args.tensor_parallel_size}")
+    if args.interleave and not _on_cpu() and interleaved_gpu_share(systems, args.gpu_memory_utilization) > INTERLEAVED_GPU_SHARE:
+        p.error(f"--interleave: {systems} at --gpu-memory-utilization {args.gpu_memory_utilization} ask for "
+                f"{interleaved_gpu_share(systems, args.gpu_memory_utilization):.2f} of the GPU together (worker-off "
+                f"counts twice: its canonical engine is built too); lower it to "
+                f"{INTERLEAVED_GPU_SHARE / interleaved_gpu_share(systems, 1.0):.2f} or less")
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     model = args.model if tmp is None else f"{args.shape or 'tiny-qwen2'} (random weights)"
     processes = [systems] if args.interleave else [[system] for system in systems]
@@ -509,6 +543,12 @@ def main(argv: list[str] | None = None):
     emit(_report(args, model, runs), args.out)
     if tmp is not None:
         tmp.cleanup()
+
+
+def interleaved_gpu_share(systems: list[str], share: float) -> float:
+    """The GPU memory share an interleaved process's engines ask for together: `share` per engine,
+    and worker-off builds two (VLLMEngine's canonical engine beside the stock one it serves off on)."""
+    return share * sum(2 if system == "worker-off" else 1 for system in systems)
 
 
 def _report(args, model: str, runs: dict[str, list[dict]], partial_out: str | None = None) -> dict:
