@@ -265,7 +265,8 @@ def _run_interleaved(args, prompts, systems: list[str]) -> dict:
     """Every system's engine in this one process, their timed passes taken in turn (pass t starts with
     system t mod n): the process's host speed and the machine's drift fall on each system alike, where
     separate processes each draw their own. Returns each system's result, with each pass's ratio to
-    stock vLLM's pass of the same turn (`passes_x_vllm`)."""
+    stock vLLM's pass of the same turn (`passes_x_vllm`), their median, and the ratio of all the passes'
+    times (`x_vllm_all_passes`)."""
     engines: dict[str, _Warmed] = {}
     try:
         for system in systems:
@@ -282,7 +283,9 @@ def _run_interleaved(args, prompts, systems: list[str]) -> dict:
             warmed.close()
     if "vllm" in times:
         for system, res in results.items():
-            res["passes_x_vllm"] = [round(b / x, 3) for x, b in zip(times[system], times["vllm"])]
+            ratios = [b / x for x, b in zip(times[system], times["vllm"])]
+            res.update(passes_x_vllm=[round(r, 3) for r in ratios], x_vllm_passes_median=round(_median(ratios), 3),
+                       x_vllm_all_passes=round(sum(times["vllm"]) / sum(times[system]), 3))
     return results
 
 
@@ -595,10 +598,13 @@ def _paired_ratios(runs: list[dict], base_runs: list[dict]) -> dict:
               if "tokens_per_s" in r and "tokens_per_s" in b]
     if not ratios:
         return {}
-    ordered = sorted(ratios)
+    return dict(rounds_x_vllm=ratios, x_vllm_rounds_median=round(_median(ratios), 3))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
     mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return dict(rounds_x_vllm=ratios, x_vllm_rounds_median=round(median, 3))
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _strip(argv: list[str], names, flags=()) -> list[str]:

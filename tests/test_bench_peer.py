@@ -58,6 +58,8 @@ def test_interleaved_systems_share_one_process_and_take_turns(tmp_path):
     stock, plugin = results["vllm"]["timed_runs_s"], results["vllm-plugin"]["timed_runs_s"]
     assert results["vllm"]["passes_x_vllm"] == [1.0] * 3
     assert results["vllm-plugin"]["passes_x_vllm"] == pytest.approx([b / x for x, b in zip(plugin, stock)], rel=0.1)
+    assert results["vllm-plugin"]["x_vllm_all_passes"] == pytest.approx(sum(stock) / sum(plugin), rel=0.05)
+    assert results["vllm-plugin"]["x_vllm_passes_median"] == sorted(results["vllm-plugin"]["passes_x_vllm"])[1]
     assert results["vllm-plugin"]["process_wall_s"] == results["vllm"]["process_wall_s"]  # one process
     assert sorted(p.name for p in tmp_path.iterdir()) == ["peer.interleaved.log", "peer.json"]
 
