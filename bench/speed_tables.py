@@ -35,6 +35,10 @@ class Table:
     # host speed moves its figure by up to 30%; each round's ratio to stock is reported too
     repeats: int = 1
     tensor_parallel_size: int = 1
+    # one process per round, the systems' passes taken in turn (bench.peer_vllm --interleave), each
+    # engine with this share of the GPU
+    interleave: bool = False
+    gpu_memory_utilization: float | None = None  # None: bench.peer_vllm's default
     timeout_s: int = 1200  # per system process: a hang costs this, not the whole run
     about: str = ""
 
@@ -44,7 +48,9 @@ class Table:
                 "--max-tokens", str(self.max_tokens), "--stock-logprobs", "--systems", ",".join(self.systems),
                 "--timed-runs", str(self.timed_runs), "--repeats", str(self.repeats),
                 "--tensor-parallel-size", str(self.tensor_parallel_size),
-                "--timeout", str(self.timeout_s)]
+                "--timeout", str(self.timeout_s)] + (["--interleave"] if self.interleave else []) + (
+                    [] if self.gpu_memory_utilization is None else
+                    ["--gpu-memory-utilization", str(self.gpu_memory_utilization)])
 
 
 def _tables() -> dict[str, Table]:
@@ -56,6 +62,15 @@ def _tables() -> dict[str, Table]:
         tables[f"{shape}-256"] = Table(shape, 256, 512, 512, repeats=rounds, about="batch: 256 prompts x 512 in / 512 out")
         tables[f"{shape}-long"] = Table(shape, 32, 1024, 8192, timed_runs=1, timeout_s=3600,
                                         about="long reasoning rollouts: 32 prompts x 1,024 in / 8,192 out")
+        # the host-bound Qwen2.5-1.5B tables, stock vLLM, the plugin and the worker's off in one
+        # process: four engines at 0.22 of the GPU each still hold the whole batch
+        if shape == "qwen1.5b":
+            for prompts, passes in ((64, 5), (256, 3)):
+                tables[f"{shape}-{prompts}-interleaved"] = Table(
+                    shape, prompts, 512, 512, systems=("vllm", "vllm-plugin", "worker-off"), timed_runs=passes,
+                    repeats=rounds, interleave=True, gpu_memory_utilization=0.22,
+                    about=f"batch: {prompts} prompts x 512 in / 512 out, the systems' passes taken in turn "
+                          "in one process")
     tables["worker-off-placement"] = Table(
         "qwen1.5b", 256, 512, 256, systems=("vllm", "worker-off", "worker-off-own-process"), repeats=2,
         about="off through the worker: its stock engine's core in this process against one of its own")

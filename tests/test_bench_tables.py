@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.peer_vllm import ALL_SYSTEMS
+from bench.peer_vllm import ALL_SYSTEMS, INTERLEAVABLE, INTERLEAVED_GPU_SHARE, interleaved_gpu_share
 from bench.rollout import SHAPES
 from bench.speed_tables import TABLES, main
 
@@ -44,6 +44,17 @@ def test_host_bound_tables_run_round_robin(capsys):
     assert _option(listed["qwen1.5b-64"]["peer_vllm"], "--repeats") == "2"
     assert _option(listed["worker-off-placement"]["peer_vllm"], "--repeats") == "2"
     assert _option(listed["llama8b-256"]["peer_vllm"], "--repeats") == "1"
+
+
+def test_interleaved_tables_fit_one_process():
+    """An interleaved table names only systems that can share a process, and its engines' memory
+    shares fit one GPU together (bench.peer_vllm refuses them otherwise, after the run has started)."""
+    interleaved = {name: t for name, t in TABLES.items() if t.interleave}
+    assert {"qwen1.5b-64-interleaved", "qwen1.5b-256-interleaved"} <= set(interleaved)
+    for name, table in interleaved.items():
+        assert set(table.systems) <= set(INTERLEAVABLE) and table.tensor_parallel_size == 1, name
+        assert interleaved_gpu_share(list(table.systems), table.gpu_memory_utilization) <= INTERLEAVED_GPU_SHARE, name
+        assert "--interleave" in table.peer_args(), name
 
 
 def test_unknown_table_is_refused():
