@@ -7,8 +7,8 @@ vLLM engine with vLLM's stock model class and sampler (vLLM's speed, no guarante
 memory share is split between the two (`stock_memory_share` of it to the stock engine); without it
 they run on the canonical engine too (canonical tokens, which `off` permits). The stock engine's core
 runs in this process unless `stock_in_process=False` gives it its own (vLLM's default; weights then
-reach it through files). How fast `off` runs against
-stock vLLM, with either placement, is measured by `bench.speed_tables` (README, "Speed").
+reach it through files). How fast `off` runs against stock vLLM, with either placement, is measured
+by `bench.speed_tables` (README, "Speed").
 
 It has the interface RolloutWorker drives (add_request / abort / step / has_unfinished, weights and
 the canonical contract), like the native Engine. Steps go through `LLM.llm_engine` (vLLM's
