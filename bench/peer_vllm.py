@@ -496,9 +496,9 @@ def main(argv: list[str] | None = None):
                         "each); seconds is their median and timed_runs_s lists them")
     p.add_argument("--interleave", action="store_true",
                    help=f"run the systems ({', '.join(INTERLEAVABLE)}) in one process per round, each with its own "
-                        "engine and memory share (--gpu-memory-utilization per engine), their timed passes taken in turn: the process's host speed and "
-                        "the machine's drift then fall on each alike (passes_x_vllm: each pass's ratio to stock's "
-                        "pass of the same turn)")
+                        "engine and memory share (--gpu-memory-utilization per engine), their timed passes taken in "
+                        "turn: the process's host speed and the machine's drift then fall on each alike "
+                        "(passes_x_vllm: each pass's ratio to stock's pass of the same turn)")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -528,9 +528,10 @@ def main(argv: list[str] | None = None):
     if args.interleave and (set(systems) - set(INTERLEAVABLE) or args.tensor_parallel_size != 1):
         p.error(f"--interleave runs {INTERLEAVABLE} at TP = 1 (each with a process-wide setting of its own "
                 f"otherwise); got {systems} at TP = {args.tensor_parallel_size}")
-    if args.interleave and not _on_cpu() and interleaved_gpu_share(systems, args.gpu_memory_utilization) > INTERLEAVED_GPU_SHARE:
+    asked = interleaved_gpu_share(systems, args.gpu_memory_utilization)
+    if args.interleave and not _on_cpu() and asked > INTERLEAVED_GPU_SHARE:
         p.error(f"--interleave: {systems} at --gpu-memory-utilization {args.gpu_memory_utilization} ask for "
-                f"{interleaved_gpu_share(systems, args.gpu_memory_utilization):.2f} of the GPU together (worker-off "
+                f"{asked:.2f} of the GPU together (worker-off "
                 f"counts twice: its canonical engine is built too); lower it to "
                 f"{INTERLEAVED_GPU_SHARE / interleaved_gpu_share(systems, 1.0):.2f} or less")
     runs: dict[str, list[dict]] = {s: [] for s in systems}
