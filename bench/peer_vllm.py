@@ -58,6 +58,9 @@ ALL_SYSTEMS = DEFAULT_SYSTEMS + ("ours-invariant", "ours-off", "vllm-plugin", "v
 # --interleave: these systems can share one process (no process-wide setting of their own, TP = 1)
 INTERLEAVABLE = ("vllm", "vllm-eager", "vllm-plugin", "vllm-plugin-eager", "worker-off")
 INTERLEAVED_GPU_SHARE = 0.9  # --interleave on a GPU: what the process's engines may ask for together
+# the worker's off builds VLLMEngine's canonical engine beside the stock one that serves it, each with
+# the vllm system's memory share
+WORKER_OFF_ENGINES = 2
 INTERLEAVED = "interleaved:"  # the worker name of an interleaved process, its systems after it
 TEARDOWN_GRACE_S = 60  # a system's process gets this long to exit once it has printed its result
 TINY_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
@@ -205,18 +208,19 @@ def _warm_vllm(args, prompts, system: str) -> _Warmed:
 
 
 def _warm_worker_engine(args, prompts, mode: str, stock_in_process: bool = True) -> _Warmed:
-    """VLLMEngine, as a RolloutWorker runs it on a GPU. For `off` its stock engine gets the vllm
-    system's memory share (VLLMEngine gives it half of its own, stock_memory_share's default)."""
+    """VLLMEngine, as a RolloutWorker runs it on a GPU. For `off` its stock engine and its canonical
+    engine each get the vllm system's memory share."""
     from rollout_service import SamplingParams
     from rollout_service.vllm_engine import VLLMEngine
     options = _vllm_options(args)
     max_model_len = options.pop("max_model_len")
     options.pop("enforce_eager", None)  # VLLMEngine sets it (graphs on CUDA only)
     stock = mode == "off"
-    share = min(0.9, options.pop("gpu_memory_utilization", 0.425) * (2 if stock else 1))
+    share = min(0.9, options.pop("gpu_memory_utilization", 0.425) * (WORKER_OFF_ENGINES if stock else 1))
     engine = VLLMEngine(args.model, device="cpu" if _on_cpu() else "cuda", max_model_len=max_model_len,
                         max_num_seqs=len(prompts), stock_for_off=stock, gpu_memory_utilization=share,
-                        stock_in_process=stock_in_process, vllm_options=options)
+                        stock_in_process=stock_in_process, stock_memory_share=1 / WORKER_OFF_ENGINES,
+                        vllm_options=options)
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed + i, determinism=mode) for i in range(len(prompts))]
 
@@ -552,7 +556,7 @@ def main(argv: list[str] | None = None):
 def interleaved_gpu_share(systems: list[str], share: float) -> float:
     """The GPU memory share an interleaved process's engines ask for together: `share` per engine,
     and worker-off builds two (VLLMEngine's canonical engine beside the stock one it serves off on)."""
-    return share * sum(2 if system == "worker-off" else 1 for system in systems)
+    return share * sum(WORKER_OFF_ENGINES if system == "worker-off" else 1 for system in systems)
 
 
 def _report(args, model: str, runs: dict[str, list[dict]], partial_out: str | None = None) -> dict:
