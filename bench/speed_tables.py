@@ -39,6 +39,9 @@ class Table:
     # engine with this share of the GPU
     interleave: bool = False
     gpu_memory_utilization: float | None = None  # None: bench.peer_vllm's default
+    # KV blocks for every engine (None: what profiling leaves), so that GPUs of any memory size
+    # run the same schedule, preemptions included
+    num_gpu_blocks: int | None = None
     timeout_s: int = 1200  # per system process: a hang costs this, not the whole run
     about: str = ""
 
@@ -50,7 +53,8 @@ class Table:
                 "--tensor-parallel-size", str(self.tensor_parallel_size),
                 "--timeout", str(self.timeout_s)] + (["--interleave"] if self.interleave else []) + (
                     [] if self.gpu_memory_utilization is None else
-                    ["--gpu-memory-utilization", str(self.gpu_memory_utilization)])
+                    ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]) + (
+                    [] if self.num_gpu_blocks is None else ["--num-gpu-blocks", str(self.num_gpu_blocks)])
 
 
 def _tables() -> dict[str, Table]:
@@ -71,6 +75,13 @@ def _tables() -> dict[str, Table]:
                     repeats=rounds, interleave=True, gpu_memory_utilization=0.22,
                     about=f"batch: {prompts} prompts x 512 in / 512 out, the systems' passes taken in turn "
                           "in one process")
+    # Llama-3.1-8B at 256 prompts with an H100's cache at a 0.4 share (7,600 blocks of 16, 121,600
+    # tokens), where decode steps run 65-255 sequences and preempted ones are recomputed: stock vLLM
+    # and the plugin taking turns, an H200 running the same schedule
+    tables["llama8b-256-interleaved"] = Table(
+        "llama8b", 256, 512, 512, systems=("vllm", "vllm-plugin"), timed_runs=5, interleave=True,
+        gpu_memory_utilization=0.4, num_gpu_blocks=7600,
+        about="batch: 256 prompts x 512 in / 512 out, an H100's KV cache, the passes taken in turn in one process")
     tables["worker-off-placement"] = Table(
         "qwen1.5b", 256, 512, 256, systems=("vllm", "worker-off", "worker-off-own-process"), repeats=2,
         about="off through the worker: its stock engine's core in this process against one of its own")

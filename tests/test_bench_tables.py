@@ -50,11 +50,19 @@ def test_interleaved_tables_fit_one_process():
     """An interleaved table names only systems that can share a process, and its engines' memory
     shares fit one GPU together (bench.peer_vllm refuses them otherwise, after the run has started)."""
     interleaved = {name: t for name, t in TABLES.items() if t.interleave}
-    assert {"qwen1.5b-64-interleaved", "qwen1.5b-256-interleaved"} <= set(interleaved)
+    assert {"qwen1.5b-64-interleaved", "qwen1.5b-256-interleaved", "llama8b-256-interleaved"} <= set(interleaved)
     for name, table in interleaved.items():
         assert set(table.systems) <= set(INTERLEAVABLE) and table.tensor_parallel_size == 1, name
         assert interleaved_gpu_share(list(table.systems), table.gpu_memory_utilization) <= INTERLEAVED_GPU_SHARE, name
         assert "--interleave" in table.peer_args(), name
+
+
+def test_a_table_can_fix_the_kv_cache(capsys):
+    """The Llama interleaved table gives every engine an H100's cache, so an H200 runs its schedule."""
+    main(["llama8b-256-interleaved", "--dry-run"])
+    assert _option(json.loads(capsys.readouterr().out), "--num-gpu-blocks") == "7600"
+    main(["llama8b-256", "--dry-run"])
+    assert "--num-gpu-blocks" not in json.loads(capsys.readouterr().out)
 
 
 def test_unknown_table_is_refused():
