@@ -18,8 +18,10 @@ def _label(doc: dict, path: Path) -> str:
 
 
 def plot(paths: list[Path], out: Path) -> Path:
-    fig = figure(paths)
+    fig = figure(paths)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
     fig.savefig(out, dpi=120)
+    plt.close(fig)
     return out
 
 

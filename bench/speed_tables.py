@@ -35,10 +35,9 @@ class Table:
     # host speed moves its figure by up to 30%; each round's ratio to stock is reported too
     repeats: int = 1
     tensor_parallel_size: int = 1
-    # one process per round, the systems' passes taken in turn (bench.peer_vllm --interleave), each
-    # engine with this share of the GPU
+    # one process per round, the systems' passes taken in turn (bench.peer_vllm --interleave)
     interleave: bool = False
-    gpu_memory_utilization: float | None = None  # None: bench.peer_vllm's default
+    gpu_memory_utilization: float | None = None  # each engine's share of the GPU; None: bench.peer_vllm's default
     # KV blocks for every engine (None: what profiling leaves), so that GPUs of any memory size
     # run the same schedule, preemptions included
     num_gpu_blocks: int | None = None
@@ -51,10 +50,10 @@ class Table:
                 "--max-tokens", str(self.max_tokens), "--stock-logprobs", "--systems", ",".join(self.systems),
                 "--timed-runs", str(self.timed_runs), "--repeats", str(self.repeats),
                 "--tensor-parallel-size", str(self.tensor_parallel_size),
-                "--timeout", str(self.timeout_s)] + (["--interleave"] if self.interleave else []) + (
-                    [] if self.gpu_memory_utilization is None else
-                    ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]) + (
-                    [] if self.num_gpu_blocks is None else ["--num-gpu-blocks", str(self.num_gpu_blocks)])
+                "--timeout", str(self.timeout_s)] + (["--interleave"] if self.interleave else []) + [
+                    arg for flag, value in (("--gpu-memory-utilization", self.gpu_memory_utilization),
+                                            ("--num-gpu-blocks", self.num_gpu_blocks))
+                    if value is not None for arg in (flag, str(value))]
 
 
 def _tables() -> dict[str, Table]:
