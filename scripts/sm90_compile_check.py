@@ -78,33 +78,26 @@ def _operands(m: int, n: int, k: int, split: int):
             torch.empty(out_shape, dtype=out_dtype))
 
 
-def _desc(sm90, TensorDescriptor, t: torch.Tensor, block_rows: int, block_cols: int):
-    """A TMA descriptor over a 2-D tensor in the launch's shared-memory layout."""
-    rows, cols = t.shape[-2:]
-    return TensorDescriptor(t, [rows, cols], [cols, 1], [block_rows, block_cols],
-                            sm90._smem_layout(block_rows, block_cols, t.dtype))
-
-
-def _warm_tree_kernel(sm90, TensorDescriptor, args):
+def _warm_tree_kernel(sm90, args):
     """tree_matmul_kernel compiled (not run) with launch()'s arguments."""
     m, n, split = args.m, args.n, args.split
     x, w, out = _operands(m, n, args.k, split)
     tma_store = args.tma_store and split == 1
-    x_desc = _desc(sm90, TensorDescriptor, x, args.block_m, sm90.BLOCK_K)
-    out_desc = _desc(sm90, TensorDescriptor, out, args.block_m, args.block_n) if tma_store else x_desc
+    x_desc = sm90._operand_desc(x, args.block_m, args.segments)
+    out_desc = sm90._tma_desc(out, args.block_m, args.block_n) if tma_store else x_desc
     return sm90.tree_matmul_kernel.warmup(
-        x_desc, _desc(sm90, TensorDescriptor, w, args.block_n, sm90.BLOCK_K), out, out, out_desc, m, n,
+        x_desc, sm90._operand_desc(w, args.block_n, args.segments), out, out, out_desc, m, n,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=args.segments, SPLIT=split, HAS_BIAS=False,
         TMA_STORE=tma_store, BLOCK_M=args.block_m, BLOCK_N=args.block_n, GROUP_M=8, STAGES=args.stages,
         num_warps=args.warps, ROW_CHUNKS=args.row_chunks, maxnreg=sm90.mma_maxnreg(args.warps), grid=(1, ),
         **_constexprs(args))
 
 
-def _warm_swapped_kernel(sm90, TensorDescriptor, args):
+def _warm_swapped_kernel(sm90, args):
     """swapped_matmul_kernel compiled (not run) with launch_swapped()'s arguments (--block-n weight rows,
     the batch's rows as --token-chunks HEAD,TAIL; --m is ignored: their sum) or, with --weight-chunks
     HEAD,TAIL, launch_column_chunks()'s (--block-m rows of x; --n is ignored: the chunks' sum)."""
-    bk, split = sm90.BLOCK_K, args.split
+    split = args.split
     if args.weight_chunks:
         head, tail = (int(v) for v in args.weight_chunks.split(","))
         m, n, block_a = args.block_m, head + tail, args.block_m
@@ -115,8 +108,8 @@ def _warm_swapped_kernel(sm90, TensorDescriptor, args):
     a, b = (x, w) if args.weight_chunks else (w, x)
     stages = sm90.swapped_stages(head, tail, block_a, args.stages, x.element_size(), SHARED_BYTES)
     return sm90.swapped_matmul_kernel.warmup(
-        _desc(sm90, TensorDescriptor, a, block_a, bk), _desc(sm90, TensorDescriptor, b, head, bk),
-        _desc(sm90, TensorDescriptor, b, tail, bk), out, out, m, n, out.stride(0) if split > 1 else 0,
+        sm90._operand_desc(a, block_a, args.segments), sm90._operand_desc(b, head, args.segments),
+        sm90._operand_desc(b, tail, args.segments), out, out, m, n, out.stride(0) if split > 1 else 0,
         out.stride(-2), NSEG=args.segments, SPLIT=split, HAS_BIAS=False, X_ON_A=bool(args.weight_chunks), GROUP_M=8,
         STAGES=stages, num_warps=args.warps, maxnreg=sm90.mma_maxnreg(args.warps), grid=(1, ), **_constexprs(args))
 
@@ -130,10 +123,8 @@ def compile_kernel(args) -> dict:
     from triton.runtime import driver
     driver.set_active(_NoGpuDriver())
     sm90 = _load_sm90(Path(os.environ.get("SRC", ROOT / "kernels/triton/matmul_sm90.py")))
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     warm = _warm_swapped_kernel if args.kernel == "swapped" else _warm_tree_kernel
-    kernel = warm(sm90, TensorDescriptor, args)
+    kernel = warm(sm90, args)
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)

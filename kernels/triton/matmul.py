@@ -441,8 +441,10 @@ _PLAIN_NO_GLUON = [
 # output tiles fill the last wave badly, each tile's segments are split over 2 or 4 programs (see
 # _gluon_split; short segments too, e.g. Qwen2.5-1.5B's o, K = 1536: 0.58 -> 0.69 at M = 256). Measured
 # (H100, vs cuBLAS): o 0.84 / 0.83 / 0.78 / 0.55 / 0.54 / 0.68 and down 1.02 / 0.86 / 0.83 / 0.63 /
-# 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Elsewhere (not Hopper, segments that end
-# mid-tile as Qwen2.5-1.5B's down, K = 8960, ...) _TREE_NO_GLUON applies. At M <= 64 a narrow N runs
+# 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Segments that end mid-tile (Qwen2.5-1.5B's
+# down, K = 8960) run there too, through a segment view (bench/results/2026-11-28-h200-segment-view, H200,
+# against the pairs kernel they took before: 0.60-0.75 -> 0.66-0.83 of cuBLAS at M = 72-256, 0.35-0.63 ->
+# 0.71-0.86 at 512-16,384). Elsewhere (not Hopper, ...) _TREE_NO_GLUON applies. At M <= 64 a narrow N runs
 # one segment per program (_few_programs; Qwen2.5-1.5B's down at M = 64: 0.73 -> 0.89). 128 x 128 tiles
 # from M = 145 (Llama-3.1-8B's o / down at M = 256 in the sweep: 0.84 / 0.89 for 64 x 128, 0.90 / 1.02;
 # with the 8-leaf item in two halves, bench/results/2026-11-27-h100-tree-halves, 64 x 128 tiles that
@@ -506,7 +508,8 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
     if (segments == 1 and 32 < M <= 64 and _wave_fill(M, N, cfg) < 0.6
             and _wave_fill(M, N, _NARROWER_SMALL_M) > _wave_fill(M, N, cfg)):
         cfg = _NARROWER_SMALL_M
-    if cfg.gluon and (segments == 2 or K % (segments * BLOCK_K) or (segments == 1 and out_dtype != torch.bfloat16)):
+    if cfg.gluon and (segments == 2 or not _gluon_segments(K, segments)
+                      or (segments == 1 and out_dtype != torch.bfloat16)):
         cfg = _lookup(_TREE_NO_GLUON if segments > 1 else _PLAIN_NO_GLUON, M, N)
     if cfg.gluon and not cfg.seg_per_prog:
         cfg = dataclasses.replace(cfg, seg_per_prog=segments // _gluon_split(M, N, cfg, segments))
@@ -519,9 +522,9 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
 
 def _swapped_config(M: int, N: int, K: int, segments: int, out_dtype: torch.dtype) -> MMConfig | None:
     """The swapped table's entry for this shape, where it has one that the Gluon kernel can run (bf16 out,
-    segments other than 2 ending on K tiles) and whose work items fill the SMs' waves well enough."""
+    segments other than 2 that it supports) and whose work items fill the SMs' waves well enough."""
     cfg = _lookup(_SWAPPED_TREE if segments > 1 else _SWAPPED_PLAIN, M, N)
-    if cfg is None or out_dtype != torch.bfloat16 or segments == 2 or K % (segments * BLOCK_K):
+    if cfg is None or out_dtype != torch.bfloat16 or segments == 2 or not _gluon_segments(K, segments):
         return None
     split = segments // min(cfg.seg_per_prog or segments, segments)
     return cfg if _wave_fill(M, N, cfg, split) >= _SWAPPED_MIN_FILL else None
@@ -566,6 +569,12 @@ def _sm90():
     except ImportError:
         return None
     return matmul_sm90
+
+
+def _gluon_segments(K: int, segments: int) -> bool:
+    """Whether this Triton has the Gluon kernels and they reduce K in `segments`."""
+    sm90 = _sm90()
+    return sm90 is not None and sm90.segments_supported(K, segments)
 
 
 def _launch_gluon(sm90, x2, weight, bias, out, segments: int, cfg: MMConfig, split: int):

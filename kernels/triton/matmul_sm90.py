@@ -30,6 +30,10 @@ of two (tensor shapes are), on the wgmma N side, which takes any multiple of 8:
   128 tiles of 128 x 96 on 132 SMs, against 96 of 128 x 128).
 Each output element gets the same wgmma sums in the same order, so the same bits
 (tests/gpu/test_triton_kernels.py compares them).
+
+Segments that end mid-tile (Qwen2.5-1.5B's down: K = 8,960 in 8 segments of 1,120, 17.5 K tiles) are
+read through a segment view, a 3-D descriptor [segments, rows, seg_len] whose TMA loads zero-fill each
+segment's last tile, as the contract pads it (_copy_k_tile).
 """
 from __future__ import annotations
 
@@ -66,8 +70,55 @@ def _mma_layout(block_m, block_n, num_warps):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 16])
 
 
+@gluon.constexpr_function
+def _tile_shape(block_shape):
+    """A ring slot's tile [rows, BLOCK_K] for a descriptor's block: [rows, BLOCK_K], or [1, rows, BLOCK_K]
+    for a segment view (see _copy_k_tile)."""
+    return list(block_shape[-2:])
+
+
+@gluon.constexpr_function
+def _tile_layout(layout):
+    """The shared layout of _tile_shape's tile: a segment view's leading 1 adds no swizzle, so the 2-D
+    tile the wgmma reads has the same bytes as the 3-D block TMA writes."""
+    return gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, rank=2)
+
+
 @gluon.jit
-def _issue_load(j, stream, x_desc, w_desc, tail_desc, bars, a_bufs, b_bufs, t_bufs, STAGES: gl.constexpr,
+def _ring(desc, slots: gl.constexpr):
+    """The copy ring's buffers for desc's tiles: `slots` 2-D tiles."""
+    return gl.allocate_shared_memory(desc.dtype, [slots] + _tile_shape(desc.block_type.shape),
+                                     _tile_layout(desc.layout))
+
+
+@gluon.jit
+def _k_tiles(desc, NSEG: gl.constexpr, SPLIT: gl.constexpr):
+    """(K tiles per segment, K tiles per work item). A 2-D descriptor's segments end on K tiles; a segment
+    view [segments, rows, seg_len] rounds each segment up to whole tiles (the last one part zeros)."""
+    if desc.layout.rank == 3:
+        seg_tiles = gl.cdiv(desc.shape[2], _BK)
+    else:
+        seg_tiles = desc.shape[1] // _BK // NSEG
+    return seg_tiles, seg_tiles * NSEG // SPLIT
+
+
+@gluon.jit
+def _copy_k_tile(desc, row, g, seg_tiles, bar, buf):
+    """TMA copy of desc's rows from `row`, K tile g (counted over the whole K), into the ring tile buf.
+    A segment view (a 3-D descriptor [segments, rows, seg_len], for segments that end mid-tile, e.g.
+    Qwen2.5-1.5B's down: K = 8960 in 8 segments of 1120) takes tile g % seg_tiles of segment
+    g // seg_tiles, and TMA zero-fills the columns past the segment's end: the contract's zero-padded
+    last tile, as the Triton kernels' masked loads give it."""
+    if desc.layout.rank == 3:
+        seg = g // seg_tiles
+        tma.async_copy_global_to_shared(desc, [seg, row, (g - seg * seg_tiles) * _BK], bar,
+                                        buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout))
+    else:
+        tma.async_copy_global_to_shared(desc, [row, g * _BK], bar, buf)
+
+
+@gluon.jit
+def _issue_load(j, stream, seg_tiles, x_desc, w_desc, tail_desc, bars, a_bufs, b_bufs, t_bufs, STAGES: gl.constexpr,
                 ROW_CHUNKS: gl.constexpr, TAIL: gl.constexpr):
     """TMA loads of this program's j-th K tile (at stream) into ring slot j % STAGES: the weight tile and
     the x tile's ROW_CHUNKS row blocks (a_bufs slots slot * ROW_CHUNKS + c); with TAIL, also the x rows
@@ -75,17 +126,16 @@ def _issue_load(j, stream, x_desc, w_desc, tail_desc, bars, a_bufs, b_bufs, t_bu
     _, kt, off_m, off_n, k0 = stream
     slot = j % STAGES
     bar = bars.index(slot)
+    rows: gl.constexpr = _tile_shape(x_desc.block_type.shape)[0]
     nbytes: gl.constexpr = ROW_CHUNKS * x_desc.block_type.nbytes + w_desc.block_type.nbytes
     if TAIL:
         mbarrier.expect(bar, nbytes + tail_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(tail_desc, [off_m + ROW_CHUNKS * x_desc.block_type.shape[0], (k0 + kt) * _BK],
-                                        bar, t_bufs.index(slot))
+        _copy_k_tile(tail_desc, off_m + ROW_CHUNKS * rows, k0 + kt, seg_tiles, bar, t_bufs.index(slot))
     else:
         mbarrier.expect(bar, nbytes)
     for c in gl.static_range(ROW_CHUNKS):
-        tma.async_copy_global_to_shared(x_desc, [off_m + c * x_desc.block_type.shape[0], (k0 + kt) * _BK], bar,
-                                        a_bufs.index(slot * ROW_CHUNKS + c))
-    tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + kt) * _BK], bar, b_bufs.index(slot))
+        _copy_k_tile(x_desc, off_m + c * rows, k0 + kt, seg_tiles, bar, a_bufs.index(slot * ROW_CHUNKS + c))
+    _copy_k_tile(w_desc, off_n, k0 + kt, seg_tiles, bar, b_bufs.index(slot))
 
 
 @gluon.jit
@@ -119,7 +169,7 @@ def _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_
 
 @gluon.jit
 def _load_partition(x_desc, w_desc, tail_desc, ready, empty, a_bufs, b_bufs, t_bufs, pid, num_progs, total,
-                    kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    seg_tiles, kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROW_CHUNKS: gl.constexpr, TAIL: gl.constexpr):
     """Loader warp: the program's whole copy stream, as far ahead as the ring has free slots (a slot is
     free once the MMA that read it has finished: `empty`). BLOCK_M: the tile's rows (all its chunks)."""
@@ -127,7 +177,7 @@ def _load_partition(x_desc, w_desc, tail_desc, ready, empty, a_bufs, b_bufs, t_b
     stream = (0, 0, off_m, off_n, k0)
     for j in range(total):
         mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-        _issue_load(j, stream, x_desc, w_desc, tail_desc, ready, a_bufs, b_bufs, t_bufs, STAGES, ROW_CHUNKS, TAIL)
+        _issue_load(j, stream, seg_tiles, x_desc, w_desc, tail_desc, ready, a_bufs, b_bufs, t_bufs, STAGES, ROW_CHUNKS, TAIL)
         stream = _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
                           GROUP_M)
 
@@ -334,18 +384,17 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, M, N, stride
     adds them in the tree's order: the root; more items than tiles evens out the last wave at mid-sized M).
     ROW_CHUNKS > 1 (plain products only: NSEG = SPLIT = 1, TMA_STORE): a tile is ROW_CHUNKS x BLOCK_M rows.
     num_warps MMA warps (the default partition) and one loader warp."""
-    K = x_desc.shape[1]
     pid = gl.program_id(0)
     num_progs = gl.num_programs(0)
     num_pid_m = gl.cdiv(M, BLOCK_M * ROW_CHUNKS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     my_items = gl.cdiv(num_tiles * SPLIT - pid, num_progs)
-    kt_per_item = K // _BK // SPLIT
+    seg_tiles, kt_per_item = _k_tiles(x_desc, NSEG, SPLIT)
     total = my_items * kt_per_item
 
-    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES * ROW_CHUNKS] + x_desc.block_type.shape, x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    a_bufs = _ring(x_desc, STAGES * ROW_CHUNKS)
+    b_bufs = _ring(w_desc, STAGES)
     c_smem = a_bufs  # placeholder unless the epilogue goes through a buffer of its own
     if TMA_STORE and NSEG // SPLIT != 8:
         c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
@@ -357,7 +406,7 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, M, N, stride
                               a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n,
                               NSEG, SPLIT, HAS_BIAS, TMA_STORE, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
             (_load_partition, (x_desc, w_desc, x_desc, ready, empty, a_bufs, b_bufs, a_bufs, pid, num_progs, total,
-                               kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES, 1,
+                               seg_tiles, kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES, 1,
                                False)),
         ], [1], [24])
     else:
@@ -366,7 +415,7 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, M, N, stride
                                      my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, HAS_BIAS, BLOCK_M,
                                      BLOCK_N, ROW_CHUNKS, GROUP_M, STAGES)),
             (_load_partition, (x_desc, w_desc, x_desc, ready, empty, a_bufs, b_bufs, a_bufs, pid, num_progs, total,
-                               kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M * ROW_CHUNKS, BLOCK_N, GROUP_M,
+                               seg_tiles, kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M * ROW_CHUNKS, BLOCK_N, GROUP_M,
                                STAGES, ROW_CHUNKS, False)),
         ], [1], [24])
     _drop_ring_barriers(ready, empty, STAGES)
@@ -493,10 +542,9 @@ def swapped_matmul_kernel(a_desc, head_desc, tail_desc, bias_ptr, out_ptr, M, N,
     (column chunks); else A = w's, B = x's (swapped: a tile covers e.g. 136 rows as 128 + 8, where 64-
     or 128-row tiles would pad to 192 or 256). Each element is reduced as in tree_matmul_kernel (the same
     bits); SPLIT as there, with at most 4 segments per item. Persistent over work items; one loader warp."""
-    BLOCK_A: gl.constexpr = a_desc.block_type.shape[0]
-    HEAD: gl.constexpr = head_desc.block_type.shape[0]
-    TAIL: gl.constexpr = tail_desc.block_type.shape[0]
-    K = a_desc.shape[1]
+    BLOCK_A: gl.constexpr = _tile_shape(a_desc.block_type.shape)[0]
+    HEAD: gl.constexpr = _tile_shape(head_desc.block_type.shape)[0]
+    TAIL: gl.constexpr = _tile_shape(tail_desc.block_type.shape)[0]
     pid = gl.program_id(0)
     num_progs = gl.num_programs(0)
     if X_ON_A:
@@ -507,12 +555,12 @@ def swapped_matmul_kernel(a_desc, head_desc, tail_desc, bias_ptr, out_ptr, M, N,
         num_pid_b = gl.cdiv(M, HEAD + TAIL)
     num_tiles = num_pid_a * num_pid_b
     my_items = gl.cdiv(num_tiles * SPLIT - pid, num_progs)
-    kt_per_item = K // _BK // SPLIT
+    seg_tiles, kt_per_item = _k_tiles(a_desc, NSEG, SPLIT)
     total = my_items * kt_per_item
 
-    head_bufs = gl.allocate_shared_memory(head_desc.dtype, [STAGES] + head_desc.block_type.shape, head_desc.layout)
-    tail_bufs = gl.allocate_shared_memory(tail_desc.dtype, [STAGES] + tail_desc.block_type.shape, tail_desc.layout)
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    head_bufs = _ring(head_desc, STAGES)
+    tail_bufs = _ring(tail_desc, STAGES)
+    a_bufs = _ring(a_desc, STAGES)
     ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_mma_swapped_partition, (bias_ptr, out_ptr, M, N, stride_og, stride_om, ready, empty, head_bufs, a_bufs,
@@ -520,7 +568,7 @@ def swapped_matmul_kernel(a_desc, head_desc, tail_desc, bias_ptr, out_ptr, M, N,
                                   NSEG, SPLIT, HAS_BIAS, X_ON_A, HEAD, TAIL, BLOCK_A, GROUP_M, STAGES)),
         # the loader's "x" is the B side here (head and tail chunks), its "w" the A tile
         (_load_partition, (head_desc, a_desc, tail_desc, ready, empty, head_bufs, a_bufs, tail_bufs, pid, num_progs,
-                           total, kt_per_item, num_tiles, num_pid_b, num_pid_a, HEAD + TAIL, BLOCK_A, GROUP_M, STAGES,
+                           total, seg_tiles, kt_per_item, num_tiles, num_pid_b, num_pid_a, HEAD + TAIL, BLOCK_A, GROUP_M, STAGES,
                            1, True)),
     ], [1], [24])
     _drop_ring_barriers(ready, empty, STAGES)
@@ -535,11 +583,16 @@ def tma_aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0
 
 
+def segments_supported(K: int, segments: int) -> bool:
+    """Whether the kernels can reduce K in `segments` (1, 2, 4 or 8): segments that end on K tiles, or
+    that end mid-tile but start on 16 bytes (a segment view's TMA strides: 8 bf16 elements)."""
+    return segments in (1, 2, 4, 8) and K % segments == 0 and (K // segments) % 8 == 0
+
+
 def supported(x2: torch.Tensor, weight: torch.Tensor, segments: int) -> bool:
-    """Hopper, bf16, segments in (1, 2, 4, 8) ending on BLOCK_K boundaries, TMA-aligned operands."""
-    K = x2.shape[1]
+    """Hopper, bf16, segments_supported, TMA-aligned operands."""
     return (x2.is_cuda and _is_sm90(x2.device.index or 0) and x2.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16 and segments in (1, 2, 4, 8) and K % (segments * BLOCK_K) == 0
+            and weight.dtype == torch.bfloat16 and segments_supported(x2.shape[1], segments)
             and tma_aligned(x2) and tma_aligned(weight))
 
 
@@ -549,17 +602,29 @@ def _shared_memory_bytes(index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
-    """The NVMMA shared layout of a [rows, cols] TMA block (computed once: it costs about a third of a
-    launch's host time, and eager steps launch hundreds of products)."""
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The NVMMA shared layout of a TMA block (computed once: it costs about a third of a launch's host
+    time, and eager steps launch hundreds of products)."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
 def _tma_desc(t: torch.Tensor, block_rows: int, block_cols: int = BLOCK_K) -> TensorDescriptor:
     """A TMA descriptor over a row-major 2-D tensor, in blocks of block_rows x block_cols (K tiles by default)."""
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_cols],
-                            _smem_layout(block_rows, block_cols, t.dtype))
+                            _smem_layout((block_rows, block_cols), t.dtype))
+
+
+def _operand_desc(t: torch.Tensor, block_rows: int, segments: int) -> TensorDescriptor:
+    """An operand's K-tile descriptor: 2-D where the segments end on K tiles, else the segment view
+    [segments, rows, seg_len] in blocks of [1, block_rows, BLOCK_K] (the kernels' _copy_k_tile)."""
+    K = t.shape[1]
+    if K % (segments * BLOCK_K) == 0:
+        return _tma_desc(t, block_rows)
+    seg_len = K // segments
+    block = (1, block_rows, BLOCK_K)
+    return TensorDescriptor(t, [segments, t.shape[0], seg_len], [seg_len, t.stride(0), 1], list(block),
+                            _smem_layout(block, t.dtype))
 
 
 def mma_maxnreg(warps: int) -> int:
@@ -585,7 +650,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, segm
     row_chunks > 1: tiles of row_chunks x block_m rows (plain products stored by TMA only)."""
     M = x2.shape[0]
     N = weight.shape[0]
-    x_desc, w_desc = _tma_desc(x2, block_m), _tma_desc(weight, block_n)
+    x_desc, w_desc = _operand_desc(x2, block_m, segments), _operand_desc(weight, block_n, segments)
     tma_store = tma_store and split == 1 and tma_aligned(out)
     if row_chunks > 1 and not (segments == 1 and tma_store):
         raise ValueError(f"row_chunks={row_chunks} needs a plain product stored by TMA (segments={segments}, "
@@ -636,8 +701,9 @@ def _launch_two_chunks(x2, weight, bias, out, segments: int, a: torch.Tensor, bl
     stages = swapped_stages(head, tail, block_a, stages, x2.element_size(), _shared_memory_bytes(device))
     items = triton.cdiv(a.shape[0], block_a) * triton.cdiv(b.shape[0], head + tail) * split
     progs = min(items, num_sms(device))
+    a_desc, head_desc, tail_desc = (_operand_desc(t, rows, segments) for t, rows in ((a, block_a), (b, head), (b, tail)))
     swapped_matmul_kernel[(progs,)](
-        _tma_desc(a, block_a), _tma_desc(b, head), _tma_desc(b, tail), bias if bias is not None else out, out, M, N,
+        a_desc, head_desc, tail_desc, bias if bias is not None else out, out, M, N,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
         HAS_BIAS=bias is not None and split == 1, X_ON_A=x_on_a, GROUP_M=group_m, STAGES=stages, num_warps=warps,
         maxnreg=mma_maxnreg(warps))

@@ -290,7 +290,32 @@ def test_gluon_tree_kernel_runs_on_hopper(kt):
     x, w = randn(1024, 4096, seed=11), randn(4096, 4096, seed=12, scale=0.02)
     assert kt.pick_config(1024, 4096, 4096, 8).gluon and sm90.supported(x, w, 8)
     assert kt.pick_config(2048, 6144, 4096, 1).gluon and sm90.supported(x, w, 1)  # plain products too
-    assert not sm90.supported(randn(64, 8960, seed=13), randn(1536, 8960, seed=14), 8)  # ends mid-tile
+    # Qwen2.5-1.5B's down: segments of 1,120 end mid-tile, read through the segment view
+    assert kt.pick_config(4096, 1536, 8960, 8).gluon and sm90.supported(randn(64, 8960), randn(1536, 8960), 8)
+    assert not sm90.supported(randn(64, 8968, seed=13), randn(1536, 8968, seed=14), 8)  # 1,121: not on 16 bytes
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [8, 72, 136, 200, 1000])
+def test_segments_ending_mid_tile_bitwise_identical(kt, m):
+    """Qwen2.5-1.5B's down (K = 8960 in 8 segments of 1,120: 17.5 K tiles each): the Gluon kernels read it
+    through a segment view, TMA zero-filling each segment's last tile. Plain, split, swapped and
+    column-chunk tiles and the table's launch give the bits of the Triton kernel's masked loads; the
+    4-leaf tree (whose segments end on tiles) does not."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for sm90")
+    C = kt.MMConfig
+    x, w = randn(m, 8960, seed=19), randn(1536, 8960, seed=20, scale=0.02)
+    assert importlib.import_module("kernels.triton.matmul")._sm90().supported(x, w, 8)
+    base = kt.matmul_with_config(x, w, None, 8, BF, C(64, 64, 4, 2))
+    configs = _swapped_configs(kt, tree=True) + [
+        C(128, 128, 8, 5, gluon=True, tma_store=True), C(64, 128, 4, 6, gluon=True, group_m=1),
+        C(128, 128, 8, 5, gluon=True, seg_per_prog=4), C(64, 128, 4, 6, gluon=True, seg_per_prog=2)]
+    for cfg in configs + [None]:
+        out = kt.matmul_with_config(x, w, None, 8, BF, cfg)
+        assert same_bits(out, base), f"M={m}: config {cfg or 'of the table'} differs"
+    control = kt.matmul_with_config(x, w, None, 4, BF, C(128, 128, 8, 5, gluon=True))
+    assert not same_bits(control, base), f"M={m}: the 4-leaf tree gave the 8-leaf bits"
 
 
 def test_matmul_segment_tree_equals_combined_partials(kt):
