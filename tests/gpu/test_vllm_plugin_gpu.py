@@ -36,10 +36,14 @@ OPTIONS = dict(dtype="bfloat16", skip_tokenizer_init=True, enable_prefix_caching
 MIXED = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.0, top_k=20, top_p=0.9)]
 
 
+# down's 8 segments of 200 end mid-tile, as Qwen2.5-1.5B's of 1,120 do (the Gluon kernels' segment view)
+SHAPE = dict(hidden_size=512, intermediate_size=1600, num_heads=8, num_kv_heads=2, num_layers=4, vocab_size=VOCAB,
+             max_positions=1024)
+
+
 def _checkpoint(tmp_path_factory, arch, seed=5):
     path = str(tmp_path_factory.mktemp(f"zerokl-gpu-{arch}"))
-    tiny_model(arch, seed=seed, dtype=torch.float32, hidden_size=512, intermediate_size=1536, num_heads=8,
-               num_kv_heads=2, num_layers=4, vocab_size=VOCAB, max_positions=1024).save_pretrained(path)
+    tiny_model(arch, seed=seed, dtype=torch.float32, **SHAPE).save_pretrained(path)
     return path
 
 
@@ -227,8 +231,7 @@ def test_rollout_sampling_replayed_from_graphs(checkpoint, trainer, monkeypatch)
 def test_weight_update_in_place_keeps_graphs_valid(checkpoint, trainer):
     prompts = random_prompts(8, VOCAB, seed=4, lo=5, hi=100)
     params = _params(len(prompts), 16, seed0=400)
-    new = tiny_model("qwen2", seed=9, dtype=torch.float32, hidden_size=512, intermediate_size=1536, num_heads=8,
-                     num_kv_heads=2, num_layers=4, vocab_size=VOCAB, max_positions=1024).to(torch.bfloat16).cuda()
+    new = tiny_model("qwen2", seed=9, dtype=torch.float32, **SHAPE).to(torch.bfloat16).cuda()
 
     def work(llm):
         before = vllm_generate(llm, prompts, params)
