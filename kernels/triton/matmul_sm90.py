@@ -169,15 +169,17 @@ def _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_
 
 @gluon.jit
 def _load_partition(x_desc, w_desc, tail_desc, ready, empty, a_bufs, b_bufs, t_bufs, pid, num_progs, total,
-                    seg_tiles, kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROW_CHUNKS: gl.constexpr, TAIL: gl.constexpr):
+                    seg_tiles, kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROW_CHUNKS: gl.constexpr,
+                    TAIL: gl.constexpr):
     """Loader warp: the program's whole copy stream, as far ahead as the ring has free slots (a slot is
     free once the MMA that read it has finished: `empty`). BLOCK_M: the tile's rows (all its chunks)."""
     off_m, off_n, k0 = _item_coords(pid, num_tiles, num_pid_m, num_pid_n, kt_per_item, BLOCK_M, BLOCK_N, GROUP_M)
     stream = (0, 0, off_m, off_n, k0)
     for j in range(total):
         mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-        _issue_load(j, stream, seg_tiles, x_desc, w_desc, tail_desc, ready, a_bufs, b_bufs, t_bufs, STAGES, ROW_CHUNKS, TAIL)
+        _issue_load(j, stream, seg_tiles, x_desc, w_desc, tail_desc, ready, a_bufs, b_bufs, t_bufs, STAGES,
+                    ROW_CHUNKS, TAIL)
         stream = _advance(stream, kt_per_item, pid, num_progs, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
                           GROUP_M)
 
@@ -406,8 +408,8 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, M, N, stride
                               a_bufs, b_bufs, pid, num_progs, my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n,
                               NSEG, SPLIT, HAS_BIAS, TMA_STORE, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
             (_load_partition, (x_desc, w_desc, x_desc, ready, empty, a_bufs, b_bufs, a_bufs, pid, num_progs, total,
-                               seg_tiles, kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, STAGES, 1,
-                               False)),
+                               seg_tiles, kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M,
+                               STAGES, 1, False)),
         ], [1], [24])
     else:
         gl.warp_specialize([
@@ -415,8 +417,8 @@ def tree_matmul_kernel(x_desc, w_desc, bias_ptr, out_ptr, out_desc, M, N, stride
                                      my_items, kt_per_item, num_tiles, num_pid_m, num_pid_n, HAS_BIAS, BLOCK_M,
                                      BLOCK_N, ROW_CHUNKS, GROUP_M, STAGES)),
             (_load_partition, (x_desc, w_desc, x_desc, ready, empty, a_bufs, b_bufs, a_bufs, pid, num_progs, total,
-                               seg_tiles, kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M * ROW_CHUNKS, BLOCK_N, GROUP_M,
-                               STAGES, ROW_CHUNKS, False)),
+                               seg_tiles, kt_per_item, num_tiles, num_pid_m, num_pid_n, BLOCK_M * ROW_CHUNKS, BLOCK_N,
+                               GROUP_M, STAGES, ROW_CHUNKS, False)),
         ], [1], [24])
     _drop_ring_barriers(ready, empty, STAGES)
 
@@ -568,8 +570,8 @@ def swapped_matmul_kernel(a_desc, head_desc, tail_desc, bias_ptr, out_ptr, M, N,
                                   NSEG, SPLIT, HAS_BIAS, X_ON_A, HEAD, TAIL, BLOCK_A, GROUP_M, STAGES)),
         # the loader's "x" is the B side here (head and tail chunks), its "w" the A tile
         (_load_partition, (head_desc, a_desc, tail_desc, ready, empty, head_bufs, a_bufs, tail_bufs, pid, num_progs,
-                           total, seg_tiles, kt_per_item, num_tiles, num_pid_b, num_pid_a, HEAD + TAIL, BLOCK_A, GROUP_M, STAGES,
-                           1, True)),
+                           total, seg_tiles, kt_per_item, num_tiles, num_pid_b, num_pid_a, HEAD + TAIL, BLOCK_A,
+                           GROUP_M, STAGES, 1, True)),
     ], [1], [24])
     _drop_ring_barriers(ready, empty, STAGES)
 
@@ -701,7 +703,8 @@ def _launch_two_chunks(x2, weight, bias, out, segments: int, a: torch.Tensor, bl
     stages = swapped_stages(head, tail, block_a, stages, x2.element_size(), _shared_memory_bytes(device))
     items = triton.cdiv(a.shape[0], block_a) * triton.cdiv(b.shape[0], head + tail) * split
     progs = min(items, num_sms(device))
-    a_desc, head_desc, tail_desc = (_operand_desc(t, rows, segments) for t, rows in ((a, block_a), (b, head), (b, tail)))
+    a_desc, head_desc, tail_desc = (_operand_desc(t, rows, segments)
+                                    for t, rows in ((a, block_a), (b, head), (b, tail)))
     swapped_matmul_kernel[(progs,)](
         a_desc, head_desc, tail_desc, bias if bias is not None else out, out, M, N,
         out.stride(0) if split > 1 else 0, out.stride(-2), NSEG=segments, SPLIT=split,
