@@ -19,11 +19,13 @@ import yaml
 from kernels import TREE_WIDTHS
 from rollout_service.params import DETERMINISM_MODES
 from rollout_service.tiny_models import ARCHITECTURES
+from rollout_service.weight_sync import TRANSPORTS
 
 TASK_KINDS = ("tiny", "gsm8k")
 MODEL_SOURCES = ("tiny", "hf")
 OLD_LOGPROBS = ("rollout", "recompute")
 TRAINER_DEVICES = ("cpu", "cuda")
+WEIGHT_TRANSPORTS = ("auto", *TRANSPORTS)
 
 
 class ConfigError(ValueError):
@@ -115,6 +117,11 @@ class TrainerConfig:
     micro_batch_size: int = 0  # sequences per forward on a rank; 0 = all at once
     old_logprobs: str = "rollout"  # or "recompute" (the trainer's own, before the update)
     scale_advantages: bool = True  # divide by the group's std (GRPO); False = mean-centred only
+    # How weights reach the rollout workers (rollout_service.weight_sync): auto | object_store |
+    # broadcast | ipc. auto: ipc when the workers share rank 0's GPU, broadcast when they have GPUs of
+    # their own, else the object store.
+    weight_sync: str = "auto"
+    weight_bucket_mb: int = 256  # bucket size of broadcast / ipc pushes
 
 
 @dataclass(frozen=True)
@@ -273,6 +280,9 @@ def _check_values(cfg: RecipeConfig) -> None:
         raise ConfigError("rollout.n must be >= 2: group-normalised advantages need several samples per prompt")
     one_of("trainer.device", tr.device, TRAINER_DEVICES)
     one_of("trainer.old_logprobs", tr.old_logprobs, OLD_LOGPROBS)
+    one_of("trainer.weight_sync", tr.weight_sync, WEIGHT_TRANSPORTS)
+    if tr.weight_bucket_mb < 1:
+        raise ConfigError("trainer.weight_bucket_mb must be >= 1")
     if tr.num_ranks < 1 or tr.mini_batches < 1:
         raise ConfigError("trainer.num_ranks and trainer.mini_batches must be >= 1")
     if train.prompts_per_step % tr.mini_batches:

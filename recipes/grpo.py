@@ -150,7 +150,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             metrics = step_metrics(rollouts, rewards, results, sum(tokens),
                                    {"rollout": t1 - t0, "train": t3 - t2, "sync": sync["seconds"]})
             metrics.update({"data/cursor": cursor, "rollout/digest": rollouts_digest(rollouts),
-                            "weights/digest": sync["digest"]})
+                            "weights/digest": sync["digest"], "weights/transport": sync["transport"]})
             if trc.save_rollouts:
                 _save_rollouts(run_dir, step, rollouts, rewards.view(-1).tolist())
             every = trc.save_every

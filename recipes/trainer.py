@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import kernels as K
+from rollout_service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,
+                                         iter_full_tensors)
 from rollout_service.weights import state_dict_digest
 from trainer_patch import patch_model, token_logprobs
 
@@ -147,16 +149,65 @@ class TrainerRank:
         return {k: v.to(torch.bfloat16) for k, v in sd.items()}
 
     def push_weights(self, pool_name: str, namespace: str) -> dict | None:
-        """Gather the weights and, on rank 0, load them into the rollout pool; returns both digests."""
+        """Load the weights into the rollout pool (rank 0 sends; every rank takes part in the gathers);
+        returns, on rank 0, both digests, the transport and the seconds it took.
+
+        object_store: the full bf16 state dict on rank 0's host, through ray.put. broadcast / ipc
+        (rollout_service.weight_sync): one parameter gathered at a time on the device, twice: first
+        for every check (finite, fingerprints, the pool's names and shapes), then bucket by bucket
+        to the workers, so a refused push never reaches them."""
         from rollout_service import RolloutClient  # imports ray
 
         start = time.perf_counter()
-        sd = self.full_state_dict()
-        if sd is None:
+        client = RolloutClient(pool_name, namespace=namespace) if self.rank == 0 else None
+        transport = self._transport(client)
+        if transport == "object_store":
+            sd = self.full_state_dict()
+            if sd is None:
+                return None
+            digest = state_dict_digest(sd)
+            pool_digest = client.update_weights(sd, expected_digest=digest)
+        else:
+            digest = pool_digest = self._push_bucketed(client, transport)
+        if self.rank != 0:
             return None
-        digest = state_dict_digest(sd)
-        pool_digest = RolloutClient(pool_name, namespace=namespace).update_weights(sd, expected_digest=digest)
-        return {"digest": digest, "pool_digest": pool_digest, "seconds": time.perf_counter() - start}
+        return {"digest": digest, "pool_digest": pool_digest, "transport": transport,
+                "seconds": time.perf_counter() - start}
+
+    def _transport(self, client) -> str:
+        """The configured transport, "auto" resolved on rank 0 and shared with every rank."""
+        choice = [None]
+        if self.rank == 0:
+            gpus = [w["gpu"] for w in client.stats()["workers"]]
+            choice[0] = choose_transport(self.cfg.weight_sync, self.device, gpus)
+        if self.world > 1:
+            dist.broadcast_object_list(choice, src=0)
+        return choice[0]
+
+    def _push_bucketed(self, client, transport: str) -> str | None:
+        sender = WeightSender(client, transport, self.cfg.weight_bucket_mb << 20) if self.rank == 0 else None
+        verdict = [None]
+        try:
+            entries = fingerprint_entries(iter_full_tensors(self.model))  # every rank gathers in step
+            if sender is not None:
+                sender.begin(entries)
+        except Exception as e:  # refused before anything was sent: every rank stops here
+            verdict[0] = e
+        if self.world > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise verdict[0]
+        tensors = iter_full_tensors(self.model)
+        if sender is None:
+            for _ in tensors:  # the gathers rank 0 sends from
+                pass
+            return None
+        try:
+            sender.send(tensors)
+        except BaseException as e:
+            sender.abort(f"the trainer failed while sending: {e!r}")
+            raise
+        return sender.finish()
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`."""

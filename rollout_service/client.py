@@ -5,10 +5,12 @@ import asyncio
 import uuid
 
 import ray
+import torch
 from ray.exceptions import RayTaskError
 
 from .params import Rollout, SamplingParams
 from .ray_cluster import init_ray
+from .weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS, choose_transport, push_state_dict
 from .weights import WeightMismatchError, check_state_dict_types, state_dict_digest
 
 # Named actors are per namespace; a fixed one lets every job in the cluster find the pool.
@@ -86,24 +88,37 @@ class RolloutClient:
 
     # -- weights and status ----------------------------------------------------------------------
 
-    def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
+    def update_weights(self, state_dict, expected_digest: str | None = None, transport: str = "object_store",
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
         """Load `state_dict` (name -> tensor) into every worker and return their common digest.
 
-        The tensors enter the object store once (every worker reads the same object). Raises
-        WeightMismatchError for names/shapes that do not fit (the pool keeps its old weights), or
-        when a worker ends up with a digest other than the trainer's.
+        transport: "auto" (weight_sync.choose_transport), "object_store" (the tensors enter Ray's object store once; every worker reads the
+        same object), "broadcast" (a NCCL/gloo group from this process to the workers, in buckets of
+        `bucket_bytes`) or "ipc" (workers on this process's GPU read its bucket in place); see
+        rollout_service.weight_sync. Every check (names, shapes, finite values, `expected_digest`)
+        passes before any worker loads anything: a refused push raises WeightMismatchError and every
+        worker keeps serving the weights it had.
         """
         check_state_dict_types(state_dict)
-        if expected_digest is None:
-            expected_digest = state_dict_digest(state_dict)
+        if transport == "auto":
+            device = next((t.device for t in state_dict.values()), torch.device("cpu"))
+            transport = choose_transport("auto", device, [w["gpu"] for w in self.stats()["workers"]])
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {transport!r}")
+        if transport != "object_store":
+            return push_state_dict(self, state_dict, transport, expected_digest, bucket_bytes)
+        digest = state_dict_digest(state_dict)
+        if expected_digest is not None and digest != expected_digest:
+            raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
         # One object for all workers. This driver owns it; the pool keeps the ref for restarts.
         ref = ray.put(state_dict)
-        try:
-            return ray.get(self._pool.update_weights.remote([ref], expected_digest))
-        except RayTaskError as e:
-            if isinstance(e.cause, WeightMismatchError):
-                raise e.cause from None  # the pool's own message, without its remote traceback
-            raise
+        return _unwrapped(self._pool.update_weights.remote([ref], digest))
+
+    def _begin_weight_sync(self, plan) -> dict:
+        return _unwrapped(self._pool.begin_weight_sync.remote(plan))
+
+    def _end_weight_sync(self, sync_id: str, error: str | None = None) -> str:
+        return _unwrapped(self._pool.end_weight_sync.remote(sync_id, error))
 
     def weights_digest(self) -> str:
         return ray.get(self._pool.weights_digest.remote())
@@ -126,6 +141,17 @@ class RolloutClient:
     def workers(self) -> list:
         """The current RolloutWorker actor handles, in slot order."""
         return ray.get(self._pool.worker_handles.remote())
+
+
+def _unwrapped(ref):
+    """ray.get, raising the pool's own error (with its message, not Ray's remote traceback) for the
+    errors a caller handles."""
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        if isinstance(e.cause, (WeightMismatchError, ValueError, TypeError, RuntimeError)):
+            raise e.cause from None
+        raise
 
 
 def _as_ids(prompt):

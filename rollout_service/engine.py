@@ -15,6 +15,7 @@ Outputs are a pure function of (weights, prompt, params, seed) for verified and 
 from __future__ import annotations
 
 import copy
+import json
 import itertools
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 import kernels as K
-from kernels.forward import CANONICAL_OPS, model_spec
+from kernels.forward import CANONICAL_OPS, SUPPORTED_ARCHITECTURES, model_spec
 from kernels.moe import capturable
 
 from .decode_policy import DecodePolicy
@@ -38,7 +39,7 @@ from .runner import ModelRunner
 from .scheduler import DecodeWork, PrefillWork, Scheduler, StepPlan
 from .tiny_models import ARCHITECTURES, TINY_PREFIX, tiny_model
 from .verifier import Verifier, VerifyItem
-from .weights import load_weights, model_digest
+from .weights import copy_into, load_weights, model_digest, weight_spec
 
 
 def load_model(model, device, copy_model: bool = True) -> torch.nn.Module:
@@ -63,6 +64,54 @@ def load_model(model, device, copy_model: bool = True) -> torch.nn.Module:
         model = copy.deepcopy(model)
     model_spec(model)  # supported architecture?
     return model.to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
+
+
+def check_model_source(model) -> None:
+    """What can be checked of a model without loading it, so that a bad one fails at the call with a
+    one-line FileNotFoundError / ValueError (inside a worker it would surface as an actor's death):
+    a "tiny:" name, or a checkpoint directory whose config loads, names a supported architecture and
+    whose safetensors files are complete."""
+    if isinstance(model, str) and model.startswith(TINY_PREFIX):
+        if model[len(TINY_PREFIX):] not in ARCHITECTURES:
+            raise ValueError(f"unknown tiny model {model!r}: use {TINY_PREFIX}<{'|'.join(ARCHITECTURES)}>")
+        return
+    if not isinstance(model, (str, Path)):
+        return
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {str(model)!r} is not a local directory (no model hub is contacted; "
+                                f"pass a saved checkpoint, {TINY_PREFIX}<{'|'.join(ARCHITECTURES)}> or a model object)")
+    import transformers
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"model path {str(path)!r}: its config does not load ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    archs = getattr(config, "architectures", None) or []
+    if not set(archs) & set(SUPPORTED_ARCHITECTURES):
+        raise ValueError(f"model path {str(path)!r}: architecture {archs} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    files = sorted(path.glob("*.safetensors"))
+    if not files and not list(path.glob("*.bin")):
+        raise FileNotFoundError(f"model path {str(path)!r} has no weights (*.safetensors or *.bin)")
+    for f in files:
+        _check_safetensors(f)
+
+
+def _check_safetensors(path: Path) -> None:
+    """ValueError unless the file is as long as its header says (a truncated copy is not)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        header = fh.read(n) if 0 < n <= size - 8 else b""
+    try:
+        meta = json.loads(header)
+        end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file") from None
+    if size != 8 + n + end:
+        raise ValueError(f"{str(path)!r} is truncated or corrupt: {size} bytes, its header describes {8 + n + end}")
 
 
 def generate_in_order(engine, prompts, params, use_tqdm: bool = False) -> list[Rollout]:
@@ -197,11 +246,22 @@ class Engine:
         """Rollouts in request order; a request that cannot be served gets finish_reason 'error'."""
         return generate_in_order(self, prompts, params, use_tqdm)
 
-    def update_weights(self, state_dict) -> str:
-        """Load new weights (names and shapes must match); returns the content digest."""
-        digest = load_weights(self.model, state_dict)
+    def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
+        """Load new weights (names and shapes must match, and the digest when one is expected; a refused
+        push loads nothing); returns the content digest."""
+        digest = load_weights(self.model, state_dict, expected_digest)
         self.fast_path.update_weights(state_dict)
         return digest
+
+    # bucketed pushes (rollout_service.weight_sync): tensors already checked against the sender's
+    def weight_spec(self) -> dict[str, tuple[int, ...]]:
+        return weight_spec(self.model)
+
+    def load_named_weights(self, named) -> None:
+        copy_into(self.model, named)
+
+    def finish_weight_load(self) -> None:
+        self.fast_path.update_weights(self.model.state_dict())
 
     def capture_graphs(self) -> int:
         """Capture all decode / verify-window CUDA graphs now rather than on first use (CUDA only)."""

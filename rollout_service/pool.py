@@ -7,6 +7,8 @@ themselves (start, death, restart with the current weights) are supervisor.Worke
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 
 import ray
@@ -15,9 +17,12 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from .client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
 from .config import split_worker_options
-from .supervisor import MAX_CONCURRENCY, WorkerSlot, WorkerSupervisor
+from .engine import check_model_source
+from .supervisor import FROM_PEER, MAX_CONCURRENCY, WorkerSlot, WorkerSupervisor
 from .weights import WeightMismatchError
 from .worker import EarlyCancels, abort_rollout, error_rollout
+
+log = logging.getLogger(__name__)
 
 
 class _PoolActor:
@@ -37,6 +42,7 @@ class _PoolActor:
         self._counts = {"submitted": 0, "completed": 0, "errors": 0, "aborted": 0, "retried": 0}
         self._gate: asyncio.Event | None = None  # cleared while weights are being swapped
         self._update_lock: asyncio.Lock | None = None
+        self._sync = None  # (plan, slots, exclusive block) of the bucketed push in progress
 
     async def start(self, model_box: list, detached: bool) -> dict:
         self._gate, self._update_lock = asyncio.Event(), asyncio.Lock()
@@ -53,7 +59,7 @@ class _PoolActor:
                 ready = self.workers.ready()
                 if ready:
                     return min(ready, key=lambda s: (s.in_flight, s.completed))
-                if self.workers.all_failed():
+                if self.workers.none_can_serve():
                     return None
                 await cond.wait()
 
@@ -133,35 +139,126 @@ class _PoolActor:
 
     async def update_weights(self, weights_box: list, expected: str) -> str:
         """Swap every worker to the weights in `weights_box[0]` (one ObjectRef, fetched by each worker
-        from the object store) between requests, and check that each reports `expected`."""
+        from the object store) between requests. Each worker checks them (names, shapes, finite
+        values, the `expected` digest) before loading anything; the pool adopts them only once every
+        worker holds them, so a refused push leaves every worker on the weights it had."""
         ref = weights_box[0]
+        async with self._exclusive():
+            slots = self._sync_slots()
+            results = await asyncio.gather(*(s.actor.update_weights.remote(ref, expected) for s in slots),
+                                           return_exceptions=True)
+            return await self._settle(slots, [r.cause if isinstance(r, RayTaskError) else r for r in results],
+                                expected, ref)
+
+    async def _settle(self, slots: list[WorkerSlot], results: list, expected: str, source) -> str:
+        """Adopt a push that at least one worker verifiably loaded; restart the workers that failed it
+        (they come back with the adopted weights). A push no worker loaded changes nothing."""
+        loaded = [s for s, r in zip(slots, results) if r == expected]
+        refused = [(s, r) for s, r in zip(slots, results) if isinstance(r, WeightMismatchError)]
+        if not loaded:
+            for slot, result in zip(slots, results):
+                if isinstance(result, RayActorError):
+                    self.workers.on_dead(slot, slot.actor)
+                elif not isinstance(result, WeightMismatchError):  # it may hold part of the push
+                    self.workers.restart_later(slot, f"weight push failed ({result!r})")
+            first = refused[0][1] if refused else next((r for r in results if isinstance(r, Exception)), None)
+            if isinstance(first, WeightMismatchError):
+                raise first
+            raise RuntimeError(f"no worker loaded the weights: {results!r}")
+        self.workers.adopt_weights(source, expected)
+        await self.workers.now_current(loaded)
+        bad = []
+        for slot, result in zip(slots, results):
+            if isinstance(result, RayActorError):
+                self.workers.on_dead(slot, slot.actor)  # its restart loads the new weights
+            elif result != expected:
+                what = f"error {result!r}" if isinstance(result, Exception) else f"digest {result}"
+                bad.append(f"worker {slot.index}: {what}")
+                self.workers.restart_later(slot, f"weight sync failed ({what})")
+        if bad:
+            log.warning("workers restarted after a weight push they did not complete: %s", bad)
+        return expected
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self):
+        """No request is dispatched inside this block and none is in flight."""
         async with self._update_lock:
             self._gate.clear()
             try:
                 async with self.workers.cond:
                     await self.workers.cond.wait_for(lambda: self._in_flight == 0)
-                slots = self.workers.ready()
-                if not slots and self.workers.all_failed():
-                    raise RuntimeError(self.workers.unavailable())
-                results = await asyncio.gather(*(s.actor.update_weights.remote(ref) for s in slots),
-                                               return_exceptions=True)
-                causes = [r.cause if isinstance(r, RayTaskError) else r for r in results]
-                if slots and all(type(c).__name__ == "WeightMismatchError" for c in causes):
-                    raise causes[0]  # every worker rejected them before loading: nothing changed
-                self.workers.adopt_weights(ref, expected)
-                bad = []
-                for slot, result in zip(slots, causes):
-                    if isinstance(result, RayActorError):
-                        self.workers.on_dead(slot, slot.actor)  # its restart loads the new weights
-                    elif isinstance(result, Exception) or result != expected:
-                        what = f"error {result!r}" if isinstance(result, Exception) else f"digest {result}"
-                        bad.append(f"worker {slot.index}: {what}")
-                        self.workers.restart_later(slot, f"weight sync failed ({what})")
-                if bad:
-                    raise WeightMismatchError(f"workers did not load the expected weights {expected}: {bad}")
-                return expected
+                yield
             finally:
                 self._gate.set()
+
+    def _sync_slots(self) -> list[WorkerSlot]:
+        slots = self.workers.receivers()
+        if not slots:
+            raise RuntimeError(self.workers.unavailable() if self.workers.all_failed()
+                               else "no rollout worker is ready to take weights (all are restarting)")
+        return slots
+
+    # bucketed pushes (weight_sync.WeightSender): begin, the sender's buckets, end
+    async def begin_weight_sync(self, plan) -> dict:
+        """Check the push against the model (names, shapes, digest) before any worker is touched, then
+        drain every ready worker and have it wait for the sender's buckets. Returns the workers (ipc
+        sends to them) and the process group's size (broadcast: the sender is rank 0)."""
+        if self._sync is not None:
+            raise RuntimeError("another weight push is in progress")
+        exclusive = self._exclusive()
+        await exclusive.__aenter__()
+        try:
+            plan.check(self.workers.spec)
+            slots = self._sync_slots()
+            world = len(slots) + 1
+            results = await asyncio.gather(*(s.actor.begin_weight_receive.remote(plan, i + 1, world)
+                                             for i, s in enumerate(slots)), return_exceptions=True)
+            failed = [(s, r) for s, r in zip(slots, results) if isinstance(r, Exception)]
+            if failed:
+                await asyncio.gather(*(s.actor.end_weight_receive.remote(plan.sync_id, "begin failed")
+                                       for s, r in zip(slots, results) if not isinstance(r, Exception)),
+                                     return_exceptions=True)
+                for slot, r in failed:
+                    if isinstance(r, RayActorError):
+                        self.workers.on_dead(slot, slot.actor)
+                cause = failed[0][1]
+                raise cause.cause if isinstance(cause, RayTaskError) else cause
+        except BaseException:
+            await exclusive.__aexit__(None, None, None)
+            raise
+        self._sync = (plan, slots, exclusive)
+        asyncio.get_running_loop().create_task(self._expire_sync(plan.sync_id, plan.timeout_s))
+        return {"workers": [s.actor for s in slots], "world_size": world}
+
+    async def end_weight_sync(self, sync_id: str, error: str | None = None) -> str:
+        """Every worker's verdict: adopt the push, or (error: the sender gave up) keep the old weights,
+        restarting any worker that holds part of it."""
+        if self._sync is None or self._sync[0].sync_id != sync_id:
+            raise RuntimeError(f"no weight push {sync_id!r} in progress (it may have timed out)")
+        plan, slots, exclusive = self._sync
+        self._sync = None
+        try:
+            results = await asyncio.gather(*(s.actor.end_weight_receive.remote(sync_id, error) for s in slots),
+                                           return_exceptions=True)
+            results = [r.cause if isinstance(r, RayTaskError) else r for r in results]
+            if error is not None:
+                for slot, r in zip(slots, results):
+                    if r is not None:
+                        self.workers.restart_later(slot, f"an abandoned push left part of it loaded ({r!r})")
+                raise RuntimeError(f"weight push abandoned: {error}")
+            return await self._settle(slots, results, plan.digest, FROM_PEER)
+        finally:
+            await exclusive.__aexit__(None, None, None)
+
+    async def _expire_sync(self, sync_id: str, timeout_s: float) -> None:
+        """A sender that never ends its push (it died) must not hold the pool forever."""
+        await asyncio.sleep(timeout_s + 30)
+        if self._sync is not None and self._sync[0].sync_id == sync_id:
+            log.warning("weight push %s did not end within %.0f s: abandoning it", sync_id, timeout_s)
+            try:
+                await self.end_weight_sync(sync_id, error="the sender did not finish in time")
+            except RuntimeError:
+                pass
 
     async def weights_digest(self) -> str:
         return self.workers.digest
@@ -208,6 +305,7 @@ def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs
         raise TypeError(f"model must be a Hugging Face model, a local checkpoint path or 'tiny:<arch>', "
                         f"got {type(model).__name__}")
     split_worker_options(engine_kwargs)  # tensor_parallel_size / backend checked here, once
+    check_model_source(model)  # a missing path, a bad config or a truncated file: raised here, at once
     ensure_ray()
     options = dict(name=name, namespace=namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY)
     if detached:

@@ -5,6 +5,7 @@ and shut them down. The pool actor (pool.py) routes requests over the workers ke
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 import ray
@@ -16,15 +17,26 @@ from .ray_cluster import on_bundle, release, reserve
 from .weights import WeightMismatchError
 from .worker import RolloutWorker
 
+log = logging.getLogger(__name__)
+
 # Concurrent calls an async actor accepts; requests beyond the engine's batch wait inside it.
 MAX_CONCURRENCY = 100_000
+
+# The restart source after a push that went worker to worker (weight_sync): the pool keeps no copy
+# of such weights (a host copy of every push would cost what those pushes save), so a restarted
+# worker copies a ready peer's, or, when no worker holds them, waits "stale" for the next push.
+FROM_PEER = "from a ready peer"
+
+
+class NoCurrentWeights(RuntimeError):
+    """No live worker holds the weights last pushed worker to worker."""
 
 
 @dataclass
 class WorkerSlot:
     index: int
     actor: object = None
-    state: str = "starting"  # starting | ready | restarting | failed | stopped
+    state: str = "starting"  # starting | ready | restarting | stale | failed | stopped
     placement: object = None
     in_flight: int = 0
     completed: int = 0
@@ -48,8 +60,9 @@ class WorkerSupervisor:
         self._strategy = placement_strategy
         self.slots = [WorkerSlot(i) for i in range(num_workers)]
         self._model = None  # model path, or an ObjectRef of the model
-        self._weights_ref = None  # last weights pushed, kept so that restarted workers load them too
+        self._weights_ref = None  # last weights pushed (an ObjectRef, or FROM_PEER), which restarts load
         self.digest = None
+        self.spec = None  # name -> shape of the weights every push must carry (None: TP workers)
         self.canonical = None  # kernels.CanonicalConfig of every worker
         self._version = 0
         self.closed = False
@@ -73,6 +86,7 @@ class WorkerSupervisor:
             await self.shutdown()
             raise WeightMismatchError(f"workers loaded the same model with different digests: {digests}")
         self.digest = digests.pop()
+        self.spec = self.slots[0].info.get("spec")
         try:
             self.canonical = K.check_canonical({f"worker {s.index}": s.info["canonical"] for s in self.slots})
         except K.CanonicalMismatchError:
@@ -92,8 +106,22 @@ class WorkerSupervisor:
     def ready(self) -> list[WorkerSlot]:
         return [s for s in self.slots if s.state == "ready"]
 
+    def receivers(self) -> list[WorkerSlot]:
+        """The workers a weight push goes to: the ready ones and the stale ones (alive, waiting for it)."""
+        return [s for s in self.slots if s.state in ("ready", "stale")]
+
     def all_failed(self) -> bool:
         return all(s.state == "failed" for s in self.slots)
+
+    def none_can_serve(self) -> bool:
+        """No worker serves now or will without a weight push (none ready, starting or restarting)."""
+        return all(s.state in ("failed", "stale", "stopped") for s in self.slots)
+
+    async def now_current(self, slots: list[WorkerSlot]) -> None:
+        """These workers verifiably hold the current weights: stale ones serve again."""
+        for slot in slots:
+            if slot.state == "stale":
+                await self._set_state(slot, "ready")
 
     def unavailable(self) -> str:
         if self.closed:
@@ -104,7 +132,7 @@ class WorkerSupervisor:
     # -- deaths and restarts -----------------------------------------------------------------------
 
     def on_dead(self, slot: WorkerSlot, actor):
-        if self.closed or slot.actor is not actor or slot.state != "ready":
+        if self.closed or slot.actor is not actor or slot.state not in ("ready", "stale"):
             return  # already known, or an older incarnation
         self.restart_later(slot, "died")
 
@@ -114,10 +142,10 @@ class WorkerSupervisor:
         self._spawn_task(self._restart(slot, reason))
 
     def adopt_weights(self, weights_ref, digest: str) -> None:
-        """The weights every worker must hold from now on (restarts load them)."""
+        """The weights every worker must hold from now on (restarts load them): an ObjectRef, or
+        FROM_PEER after a push that reached the workers directly. Called only once they are verified."""
         self._weights_ref, self.digest = weights_ref, digest
         self._version += 1
-
     async def _spawn(self, slot: WorkerSlot):
         if self.closed:
             raise RuntimeError("the rollout pool is shut down")
@@ -164,11 +192,18 @@ class WorkerSupervisor:
                 actor = await self._spawn(slot)
                 slot.info = await actor.ready.remote()
                 K.check_canonical({"the pool": self.canonical, f"restarted worker {slot.index}": slot.info["canonical"]})
-                while True:  # load the current weights; again if they change meanwhile
-                    version, expected = self._version, self.digest
-                    digest = await self._load_current(actor, slot)
-                    if version == self._version:
-                        break
+                try:
+                    while True:  # load the current weights; again if they change meanwhile
+                        version, expected = self._version, self.digest
+                        digest = await self._load_current(actor, slot)
+                        if version == self._version:
+                            break
+                except NoCurrentWeights as e:
+                    slot.restarts += 1
+                    await self._set_state(slot, "stale", f"{reason}; waiting for the next weight push: {e}")
+                    log.warning("rollout worker %d is waiting for the next weight push: %s", slot.index, e)
+                    self._watch(slot)
+                    return
                 if digest != expected:
                     raise WeightMismatchError(f"restarted worker {slot.index} has digest {digest}, expected {expected}")
                 if self.closed:
@@ -186,24 +221,26 @@ class WorkerSupervisor:
     async def _load_current(self, actor, slot: WorkerSlot) -> str:
         if self._weights_ref is None:
             return await actor.weights_digest.remote()
-        try:
-            return await actor.update_weights.remote(self._weights_ref)
-        except (ObjectLostError, RayTaskError) as e:
-            if not isinstance(getattr(e, "cause", e), ObjectLostError):
-                raise
-        # The driver that sent the weights (their owner) is gone: copy them from a live worker, into
-        # an object this actor owns.
+        if self._weights_ref is not FROM_PEER:
+            try:
+                return await actor.update_weights.remote(self._weights_ref, self.digest)
+            except (ObjectLostError, RayTaskError) as e:
+                if not isinstance(getattr(e, "cause", e), ObjectLostError):
+                    raise
+        # Pushed worker to worker, or their sender (the object's owner) is gone: copy them from a
+        # ready worker, into an object this actor owns.
         peers = [s for s in self.slots if s.state == "ready" and s is not slot]
         if not peers:
-            raise RuntimeError("the current weights are lost (their sender exited) and no worker holds them")
+            raise NoCurrentWeights("no live worker holds the current weights (and their sender's copy is gone)")
         self._weights_ref = peers[0].actor.state_dict.remote()
-        return await actor.update_weights.remote(self._weights_ref)
+        return await actor.update_weights.remote(self._weights_ref, self.digest)
 
     # -- status and shutdown -----------------------------------------------------------------------
 
     def worker_stats(self) -> list[dict]:
         return [{"index": s.index, "state": s.state, "in_flight": s.in_flight, "completed": s.completed,
-                 "restarts": s.restarts, "error": s.error, "pid": s.info.get("pid")} for s in self.slots]
+                 "restarts": s.restarts, "error": s.error, "pid": s.info.get("pid"), "gpu": s.info.get("gpu")}
+                for s in self.slots]
 
     async def shutdown(self) -> None:
         self.closed = True

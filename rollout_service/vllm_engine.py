@@ -29,7 +29,7 @@ import kernels as K
 from .engine import generate_in_order, load_model
 from .fast_path.vllm import VLLMFastPath, canonical_vllm_params, completion_tokens
 from .params import InvalidRequestError, Rollout, SamplingParams, check_params, check_prompt
-from .weights import load_weights, model_digest
+from .weights import copy_into, load_weights, model_digest, weight_spec
 
 
 class VLLMEngine:
@@ -148,14 +148,30 @@ class VLLMEngine:
         return generate_in_order(self, prompts, params, use_tqdm)
 
     # ---- weights and contract ---------------------------------------------------------------------
-    def update_weights(self, state_dict) -> str:
+    def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
         """Check and keep the weights, push them into every vLLM engine in place (captured graphs stay
-        valid) and drop their prefix caches; returns the content digest."""
-        digest = load_weights(self.model, state_dict)
-        for target in (self.canonical, self.stock):
-            if target is not None:
-                target.update_weights(self.model.state_dict())
+        valid) and drop their prefix caches; returns the content digest. A refused push loads nothing."""
+        digest = load_weights(self.model, state_dict, expected_digest)
+        for target in self._targets():
+            target.update_weights(self.model.state_dict())
         return digest
+
+    def _targets(self) -> list[VLLMFastPath]:
+        return [t for t in (self.canonical, self.stock) if t is not None]
+
+    # bucketed pushes (rollout_service.weight_sync): tensors already checked against the sender's
+    def weight_spec(self) -> dict[str, tuple[int, ...]]:
+        return weight_spec(self.model)
+
+    def load_named_weights(self, named) -> None:
+        """Into each vLLM model in place, and into the host copy that digests and restarts read."""
+        for target in self._targets():
+            target.load_named_weights(named)
+        copy_into(self.model, named)
+
+    def finish_weight_load(self) -> None:
+        for target in self._targets():
+            target.finish_weight_load()
 
     def weights_digest(self) -> str:
         return model_digest(self.model)

@@ -1,16 +1,120 @@
-"""Weight loading with checks, and a content digest the trainer and every worker can compare."""
+"""Weight checks, loading, and the content digest the trainer and every worker compare.
+
+The digest is computed where the weights are (CPU or GPU) and gives the same value on every device:
+each tensor's bf16 bits go through exact integer arithmetic only, so no reduction order can change
+it. Per tensor, two 31-bit lanes (a "fingerprint") are sums of the bits weighted by pseudo-random
+position weights; the state dict's digest hashes the names, shapes and fingerprints in name order on
+the host (a few bytes per tensor). It guards against wrong, stale, truncated or corrupted weights,
+not against an adversary.
+"""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
 
 class WeightMismatchError(ValueError):
     """Weights that are not the expected ones: names or shapes that do not fit the model, non-finite
-    values, or a worker whose digest after loading differs from the trainer's."""
+    values, or a digest other than the expected one."""
 
+
+# -- the digest --------------------------------------------------------------------------------------
+
+_P = 2 ** 31 - 1  # lane modulus (a prime)
+_ROW = 1 << 14  # bits summed per row in float64 matmuls
+_LANE_SEEDS = (0x2545F491, 0x61C88647)
+_CHUNK_ROWS = 1024  # rows per matmul: 16M elements, a 128 MiB float64 temporary
+_row_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def _position_weights(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """Pseudo-random weights in [1, 2**20] for int64 positions (exact integer math on any device)."""
+    x = (index * 48271 + seed) % _P
+    x = (x * x + 12345) % _P  # x < 2**31, so x * x < 2**62 fits int64
+    x = (x * x + 67891) % _P
+    return (x & 0xFFFFF) + 1
+
+
+def _weights_in_row(device: torch.device) -> torch.Tensor:
+    """[_ROW, 2] float64: each lane's weights for the positions inside one row."""
+    w = _row_weights.get(device)
+    if w is None:
+        pos = torch.arange(_ROW, device=device, dtype=torch.int64)
+        w = torch.stack([_position_weights(pos, s) for s in _LANE_SEEDS], dim=1).to(torch.float64)
+        _row_weights[device] = w
+    return w
+
+
+def tensor_fingerprint(t: torch.Tensor) -> tuple[int, int]:
+    """Two 31-bit lanes over `t`'s bf16 bits and their positions; equal on every device."""
+    return fingerprints([t])[0]
+
+
+def fingerprints(tensors) -> list[tuple[int, int]]:
+    """tensor_fingerprint of each tensor, with one wait for the device per device (not per tensor)."""
+    lanes = [fingerprint_lanes(t) for t in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(lanes):
+        by_device.setdefault(x.device, []).append(i)
+    out: list[tuple[int, int]] = [(0, 0)] * len(lanes)
+    for idx in by_device.values():
+        for i, (a, b) in zip(idx, torch.stack([lanes[i] for i in idx]).tolist()):
+            out[i] = (int(a), int(b))
+    return out
+
+
+def fingerprint_lanes(t: torch.Tensor) -> torch.Tensor:
+    """The fingerprint's two lanes as an int64 tensor on `t`'s device (no wait for the device).
+
+    An element contributes its 16 bits read as a signed integer plus 2**15 + 1 (a number in
+    [1, 2**16]: every bit pattern counts, all-zero bits too) times its in-row weight, summed per row of 2**14 elements by a float64 matmul: every partial sum is an
+    integer below 2**50, exact in float64 whatever order the matmul sums in. The row sums are reduced
+    modulo a prime, weighted by their row's position and summed in int64 (exact, order-free)."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype != torch.bfloat16:
+        flat = flat.to(torch.bfloat16)
+    bits, n = flat.view(torch.int16), flat.numel()
+    w = _weights_in_row(flat.device)
+    lanes = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    chunk = _CHUNK_ROWS * _ROW
+    for start in range(0, n, chunk):
+        # (s + 2**15 + 1) * w summed over a row = s @ w + (2**15 + 1) * sum(w)
+        s = bits[start:start + chunk].to(torch.float64)
+        full = s.numel() // _ROW * _ROW
+        parts = [s[:full].view(-1, _ROW) @ w + 32769.0 * w.sum(0)] if full else []
+        if full < s.numel():  # a last, partial row
+            tail = w[:s.numel() - full]
+            parts.append((s[full:] @ tail + 32769.0 * tail.sum(0)).unsqueeze(0))
+        rows = torch.cat(parts).to(torch.int64) % _P  # [R, 2]
+        first = start // _ROW
+        index = torch.arange(first, first + rows.shape[0], device=flat.device, dtype=torch.int64)
+        row_w = torch.stack([_position_weights(index, seed) for seed in _LANE_SEEDS], dim=1)
+        lanes += ((rows * row_w) % _P).sum(dim=0)
+    return lanes % _P
+
+
+def digest_of_fingerprints(entries: Iterable[tuple[str, tuple, tuple[int, int]]]) -> str:
+    """The digest of (name, shape, fingerprint) entries, taken in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, shape, (a, b) in sorted(entries, key=lambda e: e[0]):
+        h.update(f"{name}|{tuple(int(s) for s in shape)}|{a}|{b};".encode())
+    return h.hexdigest()
+
+
+def state_dict_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """The digest of a state dict's bf16 contents, computed on the tensors' own device(s)."""
+    names = list(state_dict)
+    prints = fingerprints([state_dict[n] for n in names])
+    return digest_of_fingerprints((n, state_dict[n].shape, fp) for n, fp in zip(names, prints))
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    return state_dict_digest(dict(model.state_dict()))
+
+
+# -- checks and loading ------------------------------------------------------------------------------
 
 def check_state_dict_types(state_dict) -> None:
     """TypeError at the call for anything but a mapping of names to tensors."""
@@ -22,37 +126,66 @@ def check_state_dict_types(state_dict) -> None:
         raise TypeError(f"weights must map str names to torch.Tensor values, got {bad[:5]}")
 
 
-def state_dict_digest(state_dict: dict[str, torch.Tensor]) -> str:
-    """sha256 over names, shapes and the bf16 bytes of every tensor, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().to("cpu", torch.bfloat16).contiguous()
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.view(torch.int16).numpy().tobytes())
-    return h.hexdigest()
+def weight_spec(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor a full push must carry."""
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def model_digest(model: torch.nn.Module) -> str:
-    return state_dict_digest(dict(model.state_dict()))
-
-
-def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> str:
-    """Copy `state_dict` into `model` (all names, exact shapes) and return the model's new digest."""
-    check_state_dict_types(state_dict)
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
-    wrong = sorted(n for n in set(own) & set(state_dict) if tuple(own[n].shape) != tuple(state_dict[n].shape))
+def check_fit(spec: Mapping[str, tuple], shapes: Mapping[str, tuple]) -> None:
+    """WeightMismatchError unless `shapes` (name -> shape) has exactly `spec`'s names and shapes."""
+    missing = sorted(set(spec) - set(shapes))
+    unexpected = sorted(set(shapes) - set(spec))
+    wrong = sorted(n for n in set(spec) & set(shapes) if tuple(spec[n]) != tuple(shapes[n]))
     if missing or unexpected or wrong:
         parts = [f"{label}: {names[:5]}{'...' if len(names) > 5 else ''}"
                  for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
                  if names]
         raise WeightMismatchError("weights do not fit the model (" + "; ".join(parts) + ")")
-    bad = [n for n, t in state_dict.items() if not torch.is_floating_point(t) or not bool(torch.isfinite(t).all())]
+
+
+def check_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """WeightMismatchError for integer or non-finite tensors (checked on their own device, with one
+    wait for each device)."""
+    named = list(named)
+    bad = [n for n, t in named if not torch.is_floating_point(t)]
+    flags = {}
+    for n, t in named:
+        if torch.is_floating_point(t):
+            flags.setdefault(t.device, []).append((n, torch.isfinite(t).all()))
+    for pairs in flags.values():
+        ok = torch.stack([f for _, f in pairs]).tolist()
+        bad += [n for (n, _), good in zip(pairs, ok) if not good]
     if bad:
         raise WeightMismatchError(f"weights must be finite floating-point tensors: {bad[:5]}")
+
+
+def check_weights(model: torch.nn.Module, state_dict, expected_digest: str | None = None) -> str:
+    """Every check a push must pass before anything is loaded; returns the weights' digest."""
+    check_state_dict_types(state_dict)
+    check_fit(weight_spec(model), {n: tuple(t.shape) for n, t in state_dict.items()})
+    check_finite(state_dict.items())
+    digest = state_dict_digest(state_dict)
+    if expected_digest is not None and digest != expected_digest:
+        raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
+    return digest
+
+
+def copy_into(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy tensors into the model's tensors of the same names (cast and moved as needed)."""
+    own = model.state_dict()
     with torch.no_grad():
-        for name, t in own.items():
-            t.copy_(state_dict[name].to(t.device, t.dtype))
-    return model_digest(model)
+        for name, t in named:
+            own[name].copy_(t, non_blocking=True)
+
+
+def load_weights(model: torch.nn.Module, state_dict, expected_digest: str | None = None) -> str:
+    """Check `state_dict` (all names, exact shapes, finite, the expected digest) and only then copy it
+    into `model`; returns the digest of what the model now holds."""
+    digest = check_weights(model, state_dict, expected_digest)
+    copy_into(model, state_dict.items())
+    return digest if _holds_bf16(model) else model_digest(model)
+
+
+def _holds_bf16(model: torch.nn.Module) -> bool:
+    """A model whose tensors are all bf16 holds exactly the pushed bits (the digest is of bf16 bits)."""
+    return all(t.dtype == torch.bfloat16 for t in model.state_dict().values())

@@ -19,6 +19,7 @@ from .config import ParallelConfig, split_worker_options
 from .engine import Engine, load_model
 from .params import Rollout
 from .tp import create_tp_group
+from .weight_sync import SyncPlan, WeightReceiver, gpu_uuid
 from .weights import load_weights
 
 
@@ -114,6 +115,8 @@ class RolloutWorker:
         self._changed: asyncio.Event | None = None
         self._update_lock: asyncio.Lock | None = None
         self._loop_task: asyncio.Task | None = None
+        self._receiver: WeightReceiver | None = None  # the bucketed push in progress
+        self._receiving: asyncio.Future | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -127,9 +130,15 @@ class RolloutWorker:
 
     async def ready(self) -> dict:
         self._start()
+        spec = getattr(self._engine, "weight_spec", None)  # None: no bucketed pushes (TP groups)
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "digest": await self._call(self._engine.weights_digest),
-                "canonical": await self._call(self._engine.canonical_config)}
+                "canonical": await self._call(self._engine.canonical_config),
+                "spec": await self._call(spec) if spec is not None else None, "gpu": self._gpu_uuid()}
+
+    def _gpu_uuid(self) -> str | None:
+        device = torch.device(getattr(self._engine, "device", "cpu"))
+        return gpu_uuid(device) if device.type == "cuda" else None
 
     async def liveness(self) -> None:
         """Never returns: the pool keeps one call outstanding, which fails the moment this actor dies."""
@@ -249,20 +258,80 @@ class RolloutWorker:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    async def update_weights(self, state_dict) -> str:
+    async def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
         """Load weights between requests: new requests wait, the ones in the engine finish first,
-        so no rollout mixes two weight versions."""
+        so no rollout mixes two weight versions. Weights that fail a check (or whose digest is not
+        `expected_digest`) are refused before anything is loaded."""
         self._start()
         async with self._update_lock:
-            self._updating = True
+            await self._drain()
             try:
-                while self._rid_of or self._ticking:
-                    self._changed.clear()
-                    await self._changed.wait()
-                return await self._call(self._update_weights, state_dict)
+                return await self._call(self._update_weights, state_dict, expected_digest)
             finally:
-                self._updating = False
-                self._wake.set()
+                self._resume()
+
+    async def _drain(self) -> None:
+        """Stop admitting requests and wait until the engine holds none."""
+        self._updating = True
+        while self._rid_of or self._ticking:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _resume(self) -> None:
+        self._updating = False
+        self._wake.set()
+
+    # bucketed pushes (weight_sync): begin, then buckets (ipc) or one background receive (broadcast), then end
+    async def begin_weight_receive(self, plan: SyncPlan, rank: int, world_size: int) -> None:
+        """Drain, then wait for the sender's buckets; the engine serves nothing until end_weight_receive."""
+        self._start()
+        await self._update_lock.acquire()
+        try:
+            await self._drain()
+            device = getattr(self._engine, "device", torch.device("cpu"))
+            if not hasattr(self._engine, "load_named_weights"):
+                raise ValueError("this worker's engine takes no bucketed pushes")
+            self._receiver = WeightReceiver(plan, device, self._engine.load_named_weights, rank, world_size)
+            if plan.transport == "broadcast":
+                self._receiving = asyncio.get_running_loop().run_in_executor(self._thread, self._receiver.receive_all)
+        except BaseException:
+            self._receiver = None
+            self._resume()
+            self._update_lock.release()
+            raise
+
+    async def receive_weight_bucket(self, sync_id: str, index: int, handle) -> None:
+        receiver = self._current_receiver(sync_id)
+        await self._call(receiver.receive_ipc, index, handle)
+
+    async def end_weight_receive(self, sync_id: str, error: str | None = None) -> str | None:
+        """The digest now held, after checking that everything arrived; with `error` (the sender gave up)
+        None if nothing was loaded. Raises if the engine holds part of the push (the pool restarts it)."""
+        receiver = self._current_receiver(sync_id)
+        try:
+            try:
+                if self._receiving is not None:
+                    await self._receiving
+                if error is None:
+                    digest = await self._call(receiver.finish)
+                    await self._call(self._engine.finish_weight_load)
+                    return digest
+            except Exception as e:
+                if receiver.loaded_any:  # the engine holds part of the push: only a restart mends that
+                    raise RuntimeError(f"this worker loaded part of the push, then: {e!r}") from e
+                raise
+            if receiver.loaded_any:
+                raise RuntimeError(f"the push was abandoned after part of it was loaded: {error}")
+            return None
+        finally:
+            self._receiver = self._receiving = None
+            self._resume()
+            self._update_lock.release()
+
+    def _current_receiver(self, sync_id: str) -> WeightReceiver:
+        if self._receiver is None or self._receiver.plan.sync_id != sync_id:
+            raise RuntimeError(f"no weight push {sync_id!r} in progress on this worker")
+        return self._receiver
 
     async def weights_digest(self) -> str:
         return await self._call(self._engine.weights_digest)
@@ -270,14 +339,15 @@ class RolloutWorker:
     def _model(self):
         return self._engine.model if self._full_model is None else self._full_model
 
-    def _update_weights(self, state_dict) -> str:
-        digest = self._engine.update_weights(state_dict)
+    def _update_weights(self, state_dict, expected_digest: str | None) -> str:
+        digest = self._engine.update_weights(state_dict, expected_digest=expected_digest)
         if self._full_model is not None:
             load_weights(self._full_model, state_dict)
         return digest
 
     async def state_dict(self) -> dict:
-        """A copy of the current weights (the pool's fallback when the sender's object is gone)."""
+        """A host copy of the current weights (how a restarted worker gets them from a ready peer
+        after a push that went worker to worker, or whose sender's object is gone)."""
         def snapshot():
             return {k: v.detach().to("cpu", copy=True) for k, v in self._model().state_dict().items()}
         return await self._call(snapshot)

@@ -74,6 +74,12 @@ class VLLMWorkerExtension:
         staged.extend(named_tensors)
         return len(staged)
 
+    def zerokl_load_weights(self, named_tensors) -> int:
+        """Tensors (by reference: in-process engines only) straight into the model, in place."""
+        model = self.get_model() if hasattr(self, "get_model") else self.model_runner.model
+        model.load_weights(iter(named_tensors))
+        return len(named_tensors)
+
     def zerokl_commit_weights(self) -> int:
         """Loads the staged (checkpoint-format) weights with vLLM's in-place reload."""
         staged = self.__dict__.pop("_zerokl_staged", [])
@@ -202,6 +208,21 @@ class VLLMFastPath:
         else:  # collective_rpc is for control messages: pass files, in chunks
             self._stage_through_files(named)
         self.llm.collective_rpc("zerokl_commit_weights")
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def load_named_weights(self, named) -> None:
+        """Part of a bucketed push: in place now (in-process engine), or staged until finish_weight_load."""
+        if self.in_process:
+            self.llm.collective_rpc("zerokl_load_weights", args=(list(named),))
+        else:
+            self._stage_through_files(named)
+            self._staged = True
+
+    def finish_weight_load(self) -> None:
+        if getattr(self, "_staged", False):
+            self._staged = False
+            self.llm.collective_rpc("zerokl_commit_weights")
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 

@@ -103,9 +103,14 @@ class TPEngine(Engine):
                          runner_factory=lambda m, cache, ops, dev: TPModelRunner(m, cache, ops, dev, ctx))
         self._closed = False
 
-    def update_weights(self, state_dict, followers_staged: bool = False) -> str:
+    def update_weights(self, state_dict, followers_staged: bool = False, expected_digest: str | None = None) -> str:
         """Load full (TP=1) weights on every rank; returns their digest. followers_staged: the followers
-        already hold them (TPFollower.stage_weights), so only a notice is broadcast."""
+        already hold them (TPFollower.stage_weights), so only a notice is broadcast. A digest other than
+        `expected_digest` is refused before any rank loads anything."""
+        if expected_digest is not None:
+            digest = state_dict_digest(_resolve(state_dict))
+            if digest != expected_digest:
+                raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
         self.ctx.send(LoadWeights(None if followers_staged else state_dict))
         state_dict = _resolve(state_dict)
         errors = [e for e in self.ctx.all_gather_object(_load_shard(self.model, state_dict, self.ctx)) if e]

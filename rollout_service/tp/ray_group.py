@@ -65,12 +65,12 @@ class TPGroup:
     def generate(self, prompts, params):
         return self._call("generate", prompts, params)
 
-    def update_weights(self, state_dict) -> str:
+    def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
         """Full (TP=1) weights to every rank through the object store; returns their digest."""
         import ray
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
         ray.get([a.stage_weights.remote(ref) for a in self.actors[1:]])
-        return self._call("update_weights", ref, followers_staged=True)
+        return self._call("update_weights", ref, followers_staged=True, expected_digest=expected_digest)
 
     def weights_digest(self) -> str:
         return self._call("weights_digest")

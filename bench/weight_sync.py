@@ -1,0 +1,143 @@
+"""Weight pushes to a rollout pool, by transport, against the copy limit of the link they use; prints JSON.
+
+    python -m bench.weight_sync --model qwen1.5b --transports object_store,ipc          # one GPU, colocated
+    python -m bench.weight_sync --model qwen1.5b --transports object_store,broadcast --separate-gpus
+
+The pool has one native-engine worker on a GPU (sharing the sender's GPU, or on a GPU of its own with
+--separate-gpus); the sender is this process, holding a bf16 state dict on its GPU, as a trainer
+rank does after gathering. Transports take turns push by push (machines are noisy), each push's
+digest is checked, and every figure is measured in this run: seconds per push (median), GB/s, and
+the copy limit (a device-to-device copy of the same bytes on the same link). The sender's check pass
+(finite values and fingerprints) is timed on its own as well.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {  # transformers configs with each model's real vocabulary; random weights
+    "qwen1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
+                     num_kv_heads=2, intermediate_size=8960),
+    "llama8b-8l": dict(arch="llama", vocab_size=128256, hidden_size=4096, num_layers=8, num_heads=32,
+                       num_kv_heads=8, intermediate_size=14336),
+    "tiny": dict(arch="qwen2"),
+}
+
+
+def build(shape: str, seed: int, device: str) -> torch.nn.Module:
+    """Random weights, initialised on `device` (a 1.5B model takes a minute on a CPU, a second on a GPU)."""
+    from rollout_service.tiny_models import tiny_model
+    opts = dict(SHAPES[shape])
+    arch = opts.pop("arch")
+    with torch.device(device):
+        return tiny_model(arch, seed=seed, **opts)
+
+
+_T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    """A timestamped line on stderr (stdout carries only the JSON)."""
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _sync(*devices: torch.device) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def copy_limit_s(nbytes: int, src: torch.device, dst: torch.device, repeats: int = 5) -> float:
+    """Seconds for one copy of `nbytes` from src to dst (the link's limit; a memcpy on the host)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    times = []
+    for _ in range(repeats):
+        _sync(src, dst)
+        t = time.perf_counter()
+        b.copy_(a)
+        _sync(src, dst)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(SHAPES), default="qwen1.5b")
+    ap.add_argument("--transports", default="object_store,ipc")
+    ap.add_argument("--separate-gpus", action="store_true", help="the worker on a GPU of its own")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (gloo, host copies)")
+    args = ap.parse_args()
+
+    import ray
+
+    from rollout_service import start_pool
+    from rollout_service.weight_sync import fingerprint_entries
+    from rollout_service.weights import state_dict_digest
+
+    transports = args.transports.split(",")
+    start_model, pushed = build(args.model, 0, args.device).cpu(), build(args.model, 1, args.device)
+    nbytes = sum(t.numel() * 2 for t in pushed.state_dict().values())
+    progress(f"models built ({nbytes / 1e9:.2f} GB of bf16)")
+    ray.init(include_dashboard=False, log_to_driver=False)
+    on_gpu = args.device == "cuda"
+    resources = {"num_cpus": 1, "num_gpus": (1 if args.separate_gpus else 0.5)} if on_gpu else {"num_cpus": 1}
+    pool = start_pool(start_model, num_workers=1, name="bench-weight-sync",
+                      engine_kwargs={"device": args.device, "backend": "native", "kv_cache_tokens": 4096,
+                                     "cuda_graphs": False},  # pushes only: nothing to capture
+                      resources_per_worker=resources)
+    progress("pool started")
+    try:
+        sender = receiver = torch.device("cpu")
+        if on_gpu:  # the sender on the worker's GPU, or on another one
+            worker_gpu = pool.stats()["workers"][0]["gpu"]
+            uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+            sender = torch.device("cuda", [i for i, u in enumerate(uuids) if (u != worker_gpu) == args.separate_gpus][0])
+            receiver = torch.device("cuda", uuids.index(worker_gpu))
+            torch.cuda.set_device(sender)
+        on_device = {k: v.detach().to(sender, torch.bfloat16) for k, v in pushed.state_dict().items()}
+        on_host = {k: v.detach().to("cpu", torch.bfloat16) for k, v in pushed.state_dict().items()}
+        digests = {"pushed": state_dict_digest(on_device)}
+        del start_model, pushed
+
+        t = time.perf_counter()
+        fingerprint_entries(on_device.items())
+        _sync(sender)
+        check_s = time.perf_counter() - t
+
+        seconds = {tr: [] for tr in transports}
+        for r in range(args.repeats + 1):  # round 0 warms up; every push rewrites all the weights
+            for tr in transports:
+                sd = on_device if tr != "object_store" else on_host  # object_store: as the trainer had it
+                t = time.perf_counter()
+                got = pool.update_weights(sd, transport=tr, bucket_bytes=args.bucket_mb << 20)
+                dt = time.perf_counter() - t
+                progress(f"round {r} {tr}: {dt:.3f}s")
+                assert got == digests["pushed"], (tr, got)
+                if r:
+                    seconds[tr].append(dt)
+        limit = copy_limit_s(nbytes, sender, receiver)
+        out = {"model": args.model, "bytes": nbytes, "separate_gpus": args.separate_gpus,
+               "bucket_mb": args.bucket_mb,
+               "device": torch.cuda.get_device_name(sender) if on_gpu else "cpu",
+               "sender_check_s": round(check_s, 4), "copy_limit_s": round(limit, 5),
+               "copy_limit_gb_s": round(nbytes / limit / 1e9, 1), "transports": {}}
+        for tr, times in seconds.items():
+            med = statistics.median(times)
+            out["transports"][tr] = {"seconds": [round(x, 4) for x in times], "median_s": round(med, 4),
+                                     "gb_s": round(nbytes / med / 1e9, 2)}
+        print(json.dumps(out))
+    finally:
+        pool.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

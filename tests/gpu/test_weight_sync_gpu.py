@@ -1,0 +1,128 @@
+"""Weight pushes on GPUs: the digest computed on the GPU equals the CPU's, CUDA IPC into a worker on the
+sender's GPU, NCCL broadcast to a worker on another GPU (when there are two), refusals that leave the
+old weights serving, a corrupted transfer caught, and the GRPO recipe pushing by IPC with KL 0."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # collected on CPU machines only when -m gpu is asked for
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+ray = pytest.importorskip("ray")
+
+from conftest import rollout_bits  # noqa: E402
+from rollout_service import Engine, SamplingParams, start_pool  # noqa: E402
+from rollout_service.tiny_models import tiny_model  # noqa: E402
+from rollout_service.weight_sync import WeightSender, fingerprint_entries  # noqa: E402
+from rollout_service.weights import (WeightMismatchError, model_digest, state_dict_digest,  # noqa: E402
+                                     tensor_fingerprint)
+
+ENGINE = {"device": "cuda", "kv_cache_tokens": 4096}
+WORKER = {**ENGINE, "backend": "native"}
+
+
+def _model(seed):
+    return tiny_model("qwen2", seed=seed, hidden_size=256, intermediate_size=768, num_heads=8, num_kv_heads=2,
+                      vocab_size=1024)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_digest_on_the_gpu_equals_the_cpus():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5000, (1 << 14) + 3, 20_000_000):
+        t = torch.randn(n, generator=g).to(torch.bfloat16)
+        assert tensor_fingerprint(t.cuda()) == tensor_fingerprint(t), n
+    sd = _model(1).state_dict()
+    assert state_dict_digest({k: v.cuda() for k, v in sd.items()}) == state_dict_digest(sd)
+
+
+def _reqs():
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [9]]
+    return prompts, [SamplingParams(max_tokens=12, temperature=1.0, seed=s) for s in range(3)]
+
+
+def _pool_on(cluster, separate: bool):
+    if separate and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    pool = start_pool(_model(0), num_workers=1, name=f"weight-sync-gpu-{separate}", engine_kwargs=WORKER,
+                      resources_per_worker={"num_cpus": 1, "num_gpus": 1 if separate else 0.5})
+    worker_gpu = pool.stats()["workers"][0]["gpu"]
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    mine = [i for i, u in enumerate(uuids) if (u != worker_gpu) == separate][0]
+    torch.cuda.set_device(mine)
+    return pool, torch.device("cuda", mine)
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["ipc-same-gpu", "nccl-other-gpu"])
+def test_push_on_gpus(cluster, separate):
+    old, new = _model(0), _model(1)
+    torch.cuda.set_device(0)  # the references on GPU 0; the engines are invariant to which GPU runs them
+    want_old = Engine(old, **ENGINE).generate(*_reqs())
+    want_new = Engine(new, **ENGINE).generate(*_reqs())
+    assert [r.token_ids for r in want_old] != [r.token_ids for r in want_new]
+    pool, device = _pool_on(cluster, separate)
+    try:
+        sd = {k: v.to(device) for k, v in new.state_dict().items()}
+        name = "model.layers.0.mlp.up_proj.weight"
+        for bad, kwargs, words in (({**sd, name: torch.full_like(sd[name], float("nan"))}, {}, "finite"),
+                                   (sd, {"expected_digest": "0" * 32}, "expected 0000")):
+            with pytest.raises(WeightMismatchError, match=words):
+                pool.update_weights(bad, transport="auto", **kwargs)
+            assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_old]
+        transport = "broadcast" if separate else "ipc"
+        # a corrupted transfer: caught by the worker, which comes back with the old weights
+        named = list(sd.items())
+        sender = WeightSender(pool, transport, bucket_bytes=1 << 20)
+        sender.begin(fingerprint_entries(named))
+        last = sender.plan.buckets[-1][0].name
+        try:
+            sender.send([(n, t + 1 if n == last else t) for n, t in named])
+        except Exception:  # ipc: the worker's refusal reaches the sender at that bucket
+            sender.abort("refused")
+        else:
+            with pytest.raises(RuntimeError):
+                sender.finish()
+        _wait(lambda: pool.stats()["workers"][0]["state"] == "ready")
+        assert pool.weights_digest() == model_digest(old)
+        assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_old]
+
+        assert pool.update_weights(sd, transport="auto") == model_digest(new)
+        assert pool.stats()["workers"][0]["restarts"] == 1
+        assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_new]
+    finally:
+        pool.shutdown()
+
+
+def _wait(cond, timeout=180.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_recipe_pushes_by_ipc_with_zero_kl(cluster, tmp_path):
+    from pathlib import Path
+
+    from recipes.config import load_config
+    from recipes.grpo import run
+    tiny = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "tiny.yaml"
+    cfg = load_config(tiny, ["train.steps=2", "train.prompts_per_step=8", "warmup.steps=20",
+                             "rollout.num_workers=1", "rollout.engine.device=cuda", "rollout.engine.backend=native",
+                             "rollout.resources_per_worker.num_gpus=0.45", "trainer.num_ranks=1",
+                             "trainer.device=cuda", "trainer.resources_per_rank.num_gpus=0.45",
+                             f"run_dir={tmp_path}", "metrics.wandb=false"])
+    records = run(cfg, progress=False)["records"]
+    assert [r["step"] for r in records] == [1, 2]
+    for rec in records:
+        assert rec["rollout_train/kl"] == 0.0 and rec["rollout_train/max_abs_logprob_diff"] == 0.0, rec
+        assert rec["weights/transport"] == "ipc"

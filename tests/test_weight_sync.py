@@ -1,0 +1,246 @@
+"""Weight pushes to a rollout pool (rollout_service.weight_sync) on CPU: the digest, bucket plans, the
+object-store and broadcast (gloo) transports, and what a refused, corrupted or abandoned push leaves
+behind: every worker serving the weights it had, and a later correct push landing.
+
+The GPU forms (NCCL broadcast, CUDA IPC between processes on one GPU) are in tests/gpu/test_weight_sync_gpu.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+import service_shared as shared  # noqa: E402
+from service_shared import ENGINE_KWARGS, assert_same  # noqa: E402
+
+from rollout_service import Engine, SamplingParams, start_pool  # noqa: E402
+from rollout_service.tiny_models import tiny_model  # noqa: E402
+from rollout_service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,  # noqa: E402
+                                         plan_buckets)
+from rollout_service.weights import (WeightMismatchError, model_digest, state_dict_digest,  # noqa: E402
+                                     tensor_fingerprint)
+
+# -- the digest --------------------------------------------------------------------------------------
+
+_P = 2 ** 31 - 1
+
+
+def _reference_fingerprint(t: torch.Tensor) -> tuple[int, int]:
+    """The fingerprint's definition in plain Python integers, element by element."""
+    def weight(i: int, seed: int) -> int:
+        x = (i * 48271 + seed) % _P
+        x = (x * x + 12345) % _P
+        x = (x * x + 67891) % _P
+        return (x & 0xFFFFF) + 1
+    bits = t.detach().reshape(-1).to(torch.bfloat16).view(torch.int16).tolist()
+    lanes = []
+    for seed in (0x2545F491, 0x61C88647):
+        rows: dict[int, int] = {}
+        for i, b in enumerate(bits):
+            row, col = divmod(i, 1 << 14)
+            rows[row] = rows.get(row, 0) + (b + 2 ** 15 + 1) * weight(col, seed)  # b: the bits as int16
+        lanes.append(sum((s % _P) * weight(r, seed) % _P for r, s in rows.items()) % _P)
+    return lanes[0], lanes[1]
+
+
+def test_fingerprint_is_its_exact_integer_definition():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, (1 << 14) - 1, (1 << 14) + 5, 3 * (1 << 14)):
+        t = torch.randn(n, generator=g).to(torch.bfloat16)
+        assert tensor_fingerprint(t) == _reference_fingerprint(t), n
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40], dtype=torch.bfloat16)
+    assert tensor_fingerprint(special) == _reference_fingerprint(special)
+
+
+def test_fingerprint_sees_every_bit_and_position_and_only_bf16_bits():
+    t = torch.randn(70_000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    base = tensor_fingerprint(t)
+    flipped = t.clone()
+    flipped.view(torch.int16)[12_345] ^= 1  # the lowest mantissa bit of one element
+    swapped = t.clone()
+    swapped[[10, 20_000]] = t[[20_000, 10]]
+    assert tensor_fingerprint(flipped) != base and tensor_fingerprint(swapped) != base
+    assert tensor_fingerprint(torch.zeros(5)) != tensor_fingerprint(torch.zeros(6))  # the length counts
+    assert tensor_fingerprint(-torch.zeros(5)) != tensor_fingerprint(torch.zeros(5))  # so does the sign bit
+    # the digest is of the bf16 bits: float32 masters digest like their bf16 copy, a bf16 step apart does not
+    assert tensor_fingerprint(t.float()) == base
+    assert tensor_fingerprint(t.float() * (1 + 2 ** -6)) != base
+
+
+def test_state_dict_digest_names_shapes_and_order():
+    sd = tiny_model("qwen2").state_dict()
+    digest = state_dict_digest(sd)
+    assert digest == state_dict_digest(dict(reversed(list(sd.items()))))  # name order, not dict order
+    assert digest == state_dict_digest({k: v.float() for k, v in sd.items()})
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert digest != state_dict_digest({**sd, name: sd[name].reshape(-1)})  # same bits, other shape
+    renamed = {("x." + k if k == name else k): v for k, v in sd.items()}
+    assert digest != state_dict_digest(renamed)
+
+
+def test_bucket_plan():
+    shapes = {"a": (4, 4), "b": (10,), "c": (100,), "d": (3,)}
+    buckets = plan_buckets(shapes, bucket_bytes=2 * 30)  # 30 bf16 elements a bucket
+    assert [[e.name for e in b] for b in buckets] == [["a", "b"], ["c"], ["d"]]
+    assert [(e.offset, e.numel) for e in buckets[0]] == [(0, 16), (16, 10)]
+
+
+def test_transport_choice():
+    cpu = torch.device("cpu")
+    assert choose_transport("auto", cpu, [None, None]) == "object_store"
+    assert choose_transport("broadcast", cpu, [None]) == "broadcast"
+    with pytest.raises(ValueError, match="weight transport"):
+        choose_transport("nccl", cpu, [None])
+
+
+# -- pushes to a pool -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pool(request):
+    shared.cluster()
+    client = start_pool(shared.model(), num_workers=2, name="rollout-weight-sync", engine_kwargs=ENGINE_KWARGS)
+    yield client
+    client.shutdown()
+    shared.release(request, "pool")
+
+
+@pytest.fixture(scope="module")
+def reqs():
+    prompts = [[1, 2, 3], [4, 5], [7, 8, 9, 10], [11]]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s) for s in range(4)]
+    return prompts, params
+
+
+def _engine_rollouts(model, reqs):
+    return Engine(model, **ENGINE_KWARGS).generate(*reqs)
+
+
+def _worker_digests(pool):
+    return [ray.get(w.weights_digest.remote()) for w in pool.workers()]
+
+
+def _bad_pushes(sd):
+    name = "model.layers.0.mlp.up_proj.weight"
+    return [({**sd, name: torch.zeros(3, 3, dtype=torch.bfloat16)}, {}, "wrong shape"),
+            ({k: v for k, v in sd.items() if k != name}, {}, "missing"),
+            ({**sd, name: torch.full_like(sd[name], float("nan"))}, {}, "finite"),
+            (sd, {"expected_digest": "0" * 32}, "expected 0000")]
+
+
+@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
+def test_push_lands_bitwise_and_refused_pushes_change_nothing(pool, reqs, transport):
+    old, new = shared.model(), tiny_model("qwen2", seed=2)
+    before = _engine_rollouts(old, reqs)
+    after = _engine_rollouts(new, reqs)
+    assert [r.token_ids for r in before] != [r.token_ids for r in after]  # the weights matter
+
+    sd = new.state_dict()
+    for bad, kwargs, words in _bad_pushes(sd):
+        with pytest.raises(WeightMismatchError, match=words):
+            pool.update_weights(bad, transport=transport, **kwargs)
+        # refused before any worker loaded anything: the old weights keep serving
+        assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
+        assert_same(pool.generate(*reqs), before, f"after a refused {transport} push ({words})")
+    assert all(w["state"] == "ready" and w["restarts"] == 0 for w in pool.stats()["workers"])
+
+    assert pool.update_weights(sd, transport=transport) == state_dict_digest(sd) == model_digest(new)
+    assert _worker_digests(pool) == [model_digest(new)] * 2
+    assert_same(pool.generate(*reqs), after, f"after a {transport} push")
+    assert pool.update_weights(old.state_dict(), transport=transport) == model_digest(old)  # and back
+    assert_same(pool.generate(*reqs), before, f"back on the old weights by {transport}")
+
+
+def test_ipc_has_no_cpu_form(pool):
+    with pytest.raises(ValueError, match="object store"):
+        pool.update_weights(shared.model().state_dict(), transport="ipc")
+    assert pool.weights_digest() == model_digest(shared.model())
+
+
+def _corrupted_push(pool, named):
+    """A sender whose bits differ from the fingerprints it announced (a broken transfer), in its last
+    bucket: every worker loads the buckets before it, then refuses, and the pool restarts them."""
+    restarts = [w["restarts"] for w in pool.stats()["workers"]]
+    sender = WeightSender(pool, "broadcast", bucket_bytes=64 << 10)  # several buckets
+    sender.begin(fingerprint_entries(named))
+    assert len(sender.plan.buckets) > 2
+    last = sender.plan.buckets[-1][0].name
+    sender.send([(n, t + 1 if n == last else t) for n, t in named])
+    with pytest.raises(RuntimeError, match="no worker loaded"):
+        sender.finish()
+    shared_wait(lambda: [w["restarts"] for w in pool.stats()["workers"]] == [r + 1 for r in restarts]
+                and all(w["state"] in ("ready", "stale") for w in pool.stats()["workers"]), "the restarts",
+                pool=pool)
+
+
+def test_corrupted_transfer_is_caught_and_the_pool_keeps_its_weights(pool, reqs):
+    """After a push through the object store the pool holds those weights: workers that a broken
+    transfer left half-loaded come back with them."""
+    old, new = shared.model(), tiny_model("qwen2", seed=2)
+    before = _engine_rollouts(old, reqs)
+    pool.update_weights(old.state_dict(), transport="object_store")
+    _corrupted_push(pool, list(new.state_dict().items()))
+    assert [w["state"] for w in pool.stats()["workers"]] == ["ready", "ready"]
+    assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
+    assert_same(pool.generate(*reqs), before, "after a corrupted push")
+    assert pool.update_weights(new.state_dict(), transport="broadcast") == model_digest(new)  # a good one lands
+
+
+def test_corrupted_transfer_after_a_worker_to_worker_push_waits_for_the_next_push(pool, reqs):
+    """After a broadcast push no copy of the weights outlives the workers: when a broken transfer
+    leaves every worker half-loaded, they come back "stale" (alive, serving nothing, saying why) and
+    the next push makes them serve again."""
+    new, newer = tiny_model("qwen2", seed=2), tiny_model("qwen2", seed=4)
+    pool.update_weights(new.state_dict(), transport="broadcast")
+    _corrupted_push(pool, list(newer.state_dict().items()))
+    stats = pool.stats()["workers"]
+    assert [w["state"] for w in stats] == ["stale", "stale"]
+    assert all("waiting for the next weight push" in w["error"] for w in stats)
+    [r] = pool.generate(reqs[0][:1], reqs[1][:1])
+    assert r.finish_reason == "error" and "waiting for the next weight push" in r.error
+    assert pool.update_weights(newer.state_dict(), transport="broadcast") == model_digest(newer)
+    assert [w["state"] for w in pool.stats()["workers"]] == ["ready", "ready"]
+    assert_same(pool.generate(*reqs), _engine_rollouts(newer, reqs), "after the next push")
+    assert pool.update_weights(shared.model().state_dict()) == model_digest(shared.model())
+
+
+def test_restart_after_a_worker_to_worker_push_copies_a_peer(pool, reqs):
+    new = tiny_model("qwen2", seed=3)
+    want = _engine_rollouts(new, reqs)
+    pool.update_weights(new.state_dict(), transport="broadcast")
+    restarts = pool.stats()["workers"][0]["restarts"]
+    ray.kill(pool.workers()[0])
+    shared_wait(lambda: pool.stats()["workers"][0]["restarts"] == restarts + 1
+                and pool.stats()["workers"][0]["state"] == "ready", "the restart")
+    assert _worker_digests(pool) == [model_digest(new)] * 2
+    assert_same(pool.generate(*reqs), want, "after the restart")
+    pool.update_weights(shared.model().state_dict())
+
+
+def shared_wait(cond, what: str, timeout: float = 120.0, pool=None):
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: {pool.stats() if pool else ''}")
+        time.sleep(0.1)
+
+
+def test_start_pool_checks_the_model_at_the_call(pool, tmp_path):
+    """A bad path, config or truncated checkpoint raises a one-line error at once, before any actor starts."""
+    import time
+    tiny_model("qwen2").save_pretrained(tmp_path / "ok")
+    weights = next((tmp_path / "ok").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-64])
+    (tmp_path / "no_config").mkdir()
+    cases = [("/no/such/path", FileNotFoundError, "not a local directory"),
+             (str(tmp_path / "ok"), ValueError, "truncated"),
+             (str(tmp_path / "no_config"), ValueError, "config does not load"),
+             ("tiny:gpt2", ValueError, "unknown tiny model")]
+    for model, error, words in cases:
+        t = time.monotonic()
+        with pytest.raises(error, match=words) as info:
+            start_pool(model, num_workers=1, name="rollout-bad-model")
+        assert time.monotonic() - t < 5 and "\n" not in str(info.value)
+    with pytest.raises(ValueError):
+        ray.get_actor("rollout-bad-model", namespace="rollout_service")  # no pool actor was made
