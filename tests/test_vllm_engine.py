@@ -264,9 +264,24 @@ def test_pool_worker_on_vllm_from_a_checkpoint_path(checkpoint, engine):
         new = tiny_model("qwen2", seed=23, **MODEL_KW).to(torch.bfloat16)
         assert pool.update_weights(new.state_dict()) == model_digest(new)
         after = pool.generate(prompts, params)
+        # the same weights bucket by bucket over a gloo group: into vLLM's canonical model in place and,
+        # through files, into the stock engine's own process
+        newer = tiny_model("qwen2", seed=24, **MODEL_KW).to(torch.bfloat16)
+        assert pool.update_weights(newer.state_dict(), transport="broadcast", bucket_bytes=1 << 16) == \
+            model_digest(newer)
+        after_broadcast = pool.generate(prompts, params)
+        after_broadcast_off = pool.generate(prompts, greedy_off)
     finally:
         pool.shutdown()
     shared.assert_same(got, Engine(checkpoint, window=4, group=4).generate(prompts, params), "vllm worker")
     shared.assert_same(got_off, engine.generate(prompts, greedy_off), "off in the worker's stock engine")
     shared.assert_same(after, Engine(new, window=4, group=4).generate(prompts, params), "after the push")
+    shared.assert_same(after_broadcast, Engine(newer, window=4, group=4).generate(prompts, params),
+                       "after the broadcast push")
+    stock = VLLMEngine(newer, device="cpu", max_model_len=256, max_num_seqs=8, stock_for_off=True,
+                       vllm_options=dict(VLLM_OPTIONS, block_size=32))
+    try:
+        shared.assert_same(after_broadcast_off, stock.generate(prompts, greedy_off), "off after the broadcast push")
+    finally:
+        stock.close()
     assert ray.is_initialized()
