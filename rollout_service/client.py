@@ -8,8 +8,8 @@ import ray
 import torch
 from ray.exceptions import RayTaskError
 
-from .params import Rollout, SamplingParams
-from .ray_cluster import init_ray
+from .params import Rollout, SamplingParams, check_batch
+from .ray_cluster import init_ray, original_error
 from .weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS, choose_transport, push_state_dict
 from .weights import WeightMismatchError, check_state_dict_types, state_dict_digest
 
@@ -48,9 +48,12 @@ class RolloutClient:
     # -- generation ------------------------------------------------------------------------------
 
     def submit(self, prompts: list[list[int]], params, request_ids: list[str] | None = None):
-        """Start generating; returns (ObjectRef of list[Rollout], request ids for cancel())."""
-        if isinstance(params, SamplingParams) or not isinstance(params, (list, tuple)):
-            params = [params] * len(prompts)  # a non-list, non-SamplingParams value fails per request
+        """Start generating; returns (ObjectRef of list[Rollout], request ids for cancel()). Errors
+        follow params.check_batch's contract: a malformed call raises, a request that cannot be
+        served comes back with finish_reason "error"."""
+        check_batch(prompts, params)
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         if request_ids is None:
@@ -144,14 +147,12 @@ class RolloutClient:
 
 
 def _unwrapped(ref):
-    """ray.get, raising the pool's own error (with its message, not Ray's remote traceback) for the
-    errors a caller handles."""
+    """ray.get, raising the pool's own error (its type and message; Ray's error, with the remote
+    traceback, as its __cause__)."""
     try:
         return ray.get(ref)
     except RayTaskError as e:
-        if isinstance(e.cause, (WeightMismatchError, ValueError, TypeError, RuntimeError)):
-            raise e.cause from None
-        raise
+        raise original_error(e) from e
 
 
 def _as_ids(prompt):

@@ -31,7 +31,7 @@ from .fast_path.base import DraftRequest, FastPath, Proposal
 from .fast_path.native import NativeFastPath
 from .fast_path.native_ops import FAST_OPS
 from .kv_cache import KVCache
-from .params import InvalidRequestError, Rollout, SamplingParams, check_params, check_prompt
+from .params import InvalidRequestError, Rollout, SamplingParams, check_batch, check_request
 from .config import EngineConfig
 from .cuda_graphs import GraphedModelRunner
 from .request import Request
@@ -117,6 +117,7 @@ def _check_safetensors(path: Path) -> None:
 def generate_in_order(engine, prompts, params, use_tqdm: bool = False) -> list[Rollout]:
     """Drive any engine (add_request / step) until every request finishes; rollouts in request order,
     a request the engine refuses gets finish_reason 'error'. `params`: one SamplingParams or a list."""
+    check_batch(prompts, params)
     params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(params_list) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
@@ -194,8 +195,7 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids, params: SamplingParams) -> int:
         """Queue a request; raises InvalidRequestError if it can never be served."""
-        prompt = check_prompt(prompt_token_ids, self.spec.vocab_size, self.max_model_len)
-        params = check_params(params)
+        prompt, params = check_request(prompt_token_ids, params, self.spec.vocab_size, self.max_model_len)
         need = self.cache.blocks_for(len(prompt) + params.max_tokens)
         if need > self.cache.num_blocks:
             raise InvalidRequestError(f"request can never fit: prompt + max_tokens needs {need} KV blocks, "

@@ -42,6 +42,64 @@ def check_prompt(prompt, vocab_size: int, max_model_len: int) -> list[int]:
     return prompt
 
 
+def check_request(prompt, params, vocab_size: int, max_model_len: int) -> tuple[list[int], SamplingParams]:
+    """A request every engine can serve in full, or InvalidRequestError saying why not: the prompt's
+    checks, the params' checks, and room for max_tokens (no engine cuts a request short silently;
+    vLLM's server refuses the same request)."""
+    prompt = check_prompt(prompt, vocab_size, max_model_len)
+    params = check_params(params)
+    if len(prompt) + params.max_tokens > max_model_len:
+        raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                  f"max_model_len {max_model_len}")
+    return prompt, params
+
+
+def check_sampling(temperature, top_k, top_p, seed) -> tuple[float, int, float, int | None]:
+    """The one check of the sampling values (SamplingParams, the vLLM plugin's params, the server):
+    temperature a finite number >= 0 (0 = greedy); top_k an int, -1 or 0 = off (vLLM takes both),
+    else >= 1; top_p in (0, 1]; seed None or an int in [0, 2**63). Returns them with top_k's "off"
+    as -1; raises InvalidRequestError naming the field."""
+    def number(name, value, kind):
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise InvalidRequestError(f"{name} must be {'an int' if kind is int else 'a number'}, got {value!r}")
+        return value
+    number("temperature", temperature, (int, float))
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    number("top_k", top_k, int)
+    if top_k < -1:
+        raise InvalidRequestError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k!r}")
+    number("top_p", top_p, (int, float))
+    if not 0 < top_p <= 1:
+        raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None and (number("seed", seed, int) < 0 or seed >= 2 ** 63):
+        raise InvalidRequestError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    return float(temperature), (-1 if top_k == 0 else int(top_k)), float(top_p), seed
+
+
+def check_batch(prompts, params) -> None:
+    """The error contract of every batch call (Engine.generate, RolloutClient.generate, the pool):
+
+    - a call that is not a batch of requests raises TypeError / ValueError at once: prompts that are
+      not a list of token-id sequences, params that are not SamplingParams (which check their own
+      values when made), mismatched lengths, duplicate request ids;
+    - each request of a well-formed call that the model cannot serve (ids outside the vocabulary, an
+      empty prompt, prompt + max_tokens beyond max_model_len: check_request), or that fails while
+      served, comes back as a Rollout with finish_reason "error" and `error` saying why, and the
+      other requests are served. Check `r.ok`.
+
+    The OpenAI server answers the second kind with a 400 per request."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) and not hasattr(prompts, "tolist"):
+        raise TypeError(f"prompts must be a list of prompts, each a list of token ids; got {type(prompts).__name__}")
+    if len(prompts) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        raise TypeError("prompts must be a list of prompts, each a list of token ids; got one list of ints "
+                        "(for a single prompt pass [prompt])")
+    many = params if isinstance(params, (list, tuple)) else [params]
+    bad = [type(p).__name__ for p in many if not isinstance(p, SamplingParams)]
+    if bad:
+        raise TypeError(f"params must be a SamplingParams or a list of them, got {bad[0]}")
+
+
 def check_params(params) -> SamplingParams:
     """Validated params; an unseeded sampled request (determinism "off") draws its own seed, as vLLM
     does, so n samples of one prompt differ."""
@@ -78,17 +136,13 @@ class SamplingParams:
             raise InvalidRequestError(f"invalid SamplingParams: {msg}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            bad(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        try:
+            _, top_k, _, _ = check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
+        except InvalidRequestError as e:
+            bad(str(e))
+        object.__setattr__(self, "top_k", top_k)  # off is -1 here, whether -1 or 0 was given
         if self.determinism not in DETERMINISM_MODES:
             bad(f"determinism must be one of {DETERMINISM_MODES}, got {self.determinism!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63):
-            bad(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if self.seed is None and not self.greedy and self.determinism != "off":
             bad(f"a sampled request (temperature={self.temperature}) with determinism="
                 f"{self.determinism!r} needs a seed")

@@ -18,6 +18,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from .client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
 from .config import split_worker_options
 from .engine import check_model_source
+from .ray_cluster import original_error
 from .supervisor import FROM_PEER, MAX_CONCURRENCY, WorkerSlot, WorkerSupervisor
 from .weights import WeightMismatchError
 from .worker import EarlyCancels, abort_rollout, error_rollout
@@ -44,10 +45,10 @@ class _PoolActor:
         self._update_lock: asyncio.Lock | None = None
         self._sync = None  # (plan, slots, exclusive block) of the bucketed push in progress
 
-    async def start(self, model_box: list, detached: bool) -> dict:
+    async def start(self, model_box: list, detached: bool, timeout_s: float) -> dict:
         self._gate, self._update_lock = asyncio.Event(), asyncio.Lock()
         self._gate.set()
-        return await self.workers.start(model_box, detached)
+        return await self.workers.start(model_box, detached, timeout_s)
 
     async def _pick(self) -> WorkerSlot | None:
         """The ready worker with the fewest requests in flight; waits while none is ready."""
@@ -284,7 +285,7 @@ _PoolActorRemote = ray.remote(_PoolActor)
 def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs: dict | None = None,
                resources_per_worker: dict | None = None, placement_group_bundles: list[dict] | None = None,
                placement_strategy: str = "STRICT_PACK", namespace: str = DEFAULT_NAMESPACE, detached: bool = False,
-               max_retries: int = 3) -> RolloutClient:
+               max_retries: int = 3, start_timeout_s: float = 120.0) -> RolloutClient:
     """Start `num_workers` RolloutWorker actors behind a pool actor named `name`; returns the owning
     client (`with start_pool(...) as pool:` shuts it down on exit).
 
@@ -295,6 +296,12 @@ def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs
     STRICT_PACK: one node): the worker takes bundle 0, and actors it starts (tensor-parallel ranks)
     are captured in the group. A detached pool outlives its creating driver; shut it down with
     RolloutClient(name).shutdown().
+
+    It returns or raises within start_timeout_s: TimeoutError naming the resources each worker asks
+    for and those the cluster has free when the workers cannot all be placed (or load) in time; a
+    worker's own error (e.g. ValueError for a bad engine option) when one fails to start, with Ray's
+    error and its remote traceback as __cause__. A missing path, unloadable config, unsupported
+    architecture or truncated weights file is a FileNotFoundError / ValueError before any actor starts.
     """
     # checked here, at the call: inside the actor a bad value would surface as ActorDiedError
     if isinstance(num_workers, bool) or not isinstance(num_workers, int):
@@ -316,10 +323,16 @@ def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs
             placement_strategy, max_retries)
     except ValueError as e:
         raise ValueError(f"cannot create rollout pool {name!r} in namespace {namespace!r}: {e}") from e
+    if isinstance(start_timeout_s, bool) or not isinstance(start_timeout_s, (int, float)) or start_timeout_s <= 0:
+        raise ValueError(f"start_timeout_s must be a number > 0, got {start_timeout_s!r}")
     try:
-        ray.get(actor.__ray_ready__.remote())
+        ray.get(actor.__ray_ready__.remote(), timeout=start_timeout_s)
         model_box = [model if isinstance(model, (str, os.PathLike)) else ray.put(model)]
-        info = ray.get(actor.start.remote(model_box, detached))
+        # the pool raises at start_timeout_s; this bound only guards against a pool actor that hangs
+        info = ray.get(actor.start.remote(model_box, detached, float(start_timeout_s)), timeout=start_timeout_s + 60)
+    except RayTaskError as e:
+        ray.kill(actor)
+        raise original_error(e) from e
     except BaseException:
         ray.kill(actor)
         raise

@@ -1,5 +1,6 @@
-"""The one place the service and the recipes meet Ray's cluster APIs: joining (or starting) Ray, and
-reserving placement groups for the pool's workers, a TP group's ranks and the trainer's ranks.
+"""The one place the service and the recipes meet Ray's cluster APIs: joining (or starting) Ray,
+reserving placement groups for the pool's workers, a TP group's ranks and the trainer's ranks, and
+taking an actor's own exception out of Ray's wrapper.
 
 Ray is imported inside the functions: `import rollout_service` works without it.
 """
@@ -49,3 +50,14 @@ def with_tree_width(options: dict | None, segments: int) -> dict:
 def release(placement) -> None:
     from ray.util.placement_group import remove_placement_group
     remove_placement_group(placement)
+
+
+def original_error(e: BaseException) -> BaseException:
+    """A worker's own exception out of Ray's wrapper (RayTaskError.cause), with Ray's error (and the
+    remote traceback in it) kept as its __cause__; anything else as it is."""
+    from ray.exceptions import RayTaskError
+    cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
+    if isinstance(cause, BaseException):
+        cause.__cause__ = e
+        return cause
+    return e

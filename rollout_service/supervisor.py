@@ -13,7 +13,7 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 import kernels as K
 
-from .ray_cluster import on_bundle, release, reserve
+from .ray_cluster import on_bundle, original_error, release, reserve
 from .weights import WeightMismatchError
 from .worker import RolloutWorker
 
@@ -21,6 +21,14 @@ log = logging.getLogger(__name__)
 
 # Concurrent calls an async actor accepts; requests beyond the engine's batch wait inside it.
 MAX_CONCURRENCY = 100_000
+
+# Restarts: a slot is never given up for a failure that may pass (a death, a lost object, a
+# replacement killed while it started); each failed replacement is logged and shown in stats(),
+# and the next one comes after a back-off that doubles up to RESTART_BACKOFF_MAX_S. A slot is given
+# up ("failed") only when a replacement shows that it can never serve: its canonical contract differs
+# from the pool's (another tree width or kernel family, e.g. after an environment change).
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
 
 # The restart source after a push that went worker to worker (weight_sync): the pool keeps no copy
 # of such weights (a host copy of every push would cost what those pushes save), so a restarted
@@ -41,6 +49,7 @@ class WorkerSlot:
     in_flight: int = 0
     completed: int = 0
     restarts: int = 0
+    failed_restarts: int = 0  # replacements that failed since this slot last served
     error: str | None = None
     info: dict = field(default_factory=dict)
 
@@ -70,16 +79,26 @@ class WorkerSupervisor:
         self.cond: asyncio.Condition | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    async def start(self, model_box: list, detached: bool) -> dict:
-        """model_box: [a local path, or an ObjectRef of the model] (boxed: this actor never loads it)."""
+    async def start(self, model_box: list, detached: bool, timeout_s: float) -> dict:
+        """model_box: [a local path, or an ObjectRef of the model] (boxed: this actor never loads it).
+        Raises TimeoutError naming the resources asked for and free when the workers are not ready
+        within timeout_s, and a worker's own error (its type and message) when one fails to start."""
         self.cond = asyncio.Condition()
         self._model = model_box[0]
-        spawned = [await self._spawn(s) for s in self.slots]
-        infos = await asyncio.gather(*(a.ready.remote() for a in spawned), return_exceptions=True)
+
+        async def start_one(slot):
+            return await (await self._spawn(slot)).ready.remote()
+        try:
+            infos = await asyncio.wait_for(asyncio.gather(*(start_one(s) for s in self.slots),
+                                                          return_exceptions=True), timeout_s)
+        except asyncio.TimeoutError:
+            report = self._placement_report(timeout_s)
+            await self.shutdown()
+            raise TimeoutError(report) from None
         for slot, info in zip(self.slots, infos):
             if isinstance(info, Exception):
                 await self.shutdown()
-                raise RuntimeError(f"rollout worker {slot.index} failed to start: {info}") from info
+                raise original_error(info)
             slot.info = info
         digests = {info["digest"] for info in infos}
         if len(digests) != 1:
@@ -100,6 +119,17 @@ class WorkerSupervisor:
             await self._set_state(slot, "ready")
             self._watch(slot)
         return {"digest": self.digest, "canonical": self.canonical, "workers": [s.info for s in self.slots]}
+
+    def _placement_report(self, timeout_s: float) -> str:
+        pending = sum(1 for s in self.slots if not s.info)
+        ask = self._bundles or [{"CPU": self._resources.get("num_cpus", 1), "GPU": self._resources.get("num_gpus", 0),
+                                 **self._resources.get("resources", {})}]
+        free = {k: round(v, 2) for k, v in ray.available_resources().items() if "memory" not in k and "node" not in k}
+        total = {k: round(v, 2) for k, v in ray.cluster_resources().items() if "memory" not in k and "node" not in k}
+        return (f"{pending} of {len(self.slots)} rollout workers were not ready within {timeout_s:.0f} s "
+                f"(start_pool's start_timeout_s). Each asks for {ask}; the cluster has {free} free of {total}. "
+                f"Free resources, add nodes, or ask for less; a worker that is placed but slow to load "
+                f"needs a longer start_timeout_s.")
 
     # -- which workers can take work ---------------------------------------------------------------
 
@@ -180,8 +210,9 @@ class WorkerSupervisor:
             self.cond.notify_all()
 
     async def _restart(self, slot: WorkerSlot, reason: str):
-        last = None
-        for attempt in range(3):
+        """Replace the slot's worker until a replacement holds the current weights (see RESTART_BACKOFF_S)."""
+        delay = RESTART_BACKOFF_S
+        while True:
             if self.closed:
                 return
             try:
@@ -210,13 +241,22 @@ class WorkerSupervisor:
                     ray.kill(actor)
                     return
                 slot.restarts += 1
+                slot.failed_restarts = 0
                 await self._set_state(slot, "ready")
                 self._watch(slot)
                 return
             except Exception as e:
-                last = e
-                await asyncio.sleep(0.5 * (attempt + 1))
-        await self._set_state(slot, "failed", f"{reason}; restart failed: {last!r}")
+                e = original_error(e)
+                slot.failed_restarts += 1
+                if isinstance(e, K.CanonicalMismatchError):  # no replacement can ever serve in this pool
+                    log.error("rollout worker %d given up: %s", slot.index, e)
+                    await self._set_state(slot, "failed", f"{reason}; given up: {e}")
+                    return
+                slot.error = (f"{reason}; replacement {slot.failed_restarts} failed ({type(e).__name__}: {e}); "
+                              f"next try in {delay:.1f} s")
+                log.warning("rollout worker %d: %s", slot.index, slot.error)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
 
     async def _load_current(self, actor, slot: WorkerSlot) -> str:
         if self._weights_ref is None:
@@ -239,7 +279,7 @@ class WorkerSupervisor:
 
     def worker_stats(self) -> list[dict]:
         return [{"index": s.index, "state": s.state, "in_flight": s.in_flight, "completed": s.completed,
-                 "restarts": s.restarts, "error": s.error, "pid": s.info.get("pid"), "gpu": s.info.get("gpu")}
+                 "restarts": s.restarts, "failed_restarts": s.failed_restarts, "error": s.error, "pid": s.info.get("pid"), "gpu": s.info.get("gpu")}
                 for s in self.slots]
 
     async def shutdown(self) -> None:

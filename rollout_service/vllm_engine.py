@@ -28,7 +28,7 @@ import kernels as K
 
 from .engine import generate_in_order, load_model
 from .fast_path.vllm import VLLMFastPath, canonical_vllm_params, completion_tokens
-from .params import InvalidRequestError, Rollout, SamplingParams, check_params, check_prompt
+from .params import InvalidRequestError, Rollout, SamplingParams, check_request
 from .weights import copy_into, load_weights, model_digest, weight_spec
 
 
@@ -84,14 +84,10 @@ class VLLMEngine:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids, params: SamplingParams) -> int:
         """Queue a request; raises InvalidRequestError if it can never be served."""
-        prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
-        params = check_params(params)
+        prompt, params = check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         if params.return_routed_experts:
             raise InvalidRequestError("return_routed_experts: the vLLM backend does not record MoE routing; "
                                       "use the native engine (engine_kwargs={'backend': 'native'})")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
-                                      f"max_model_len {self.max_model_len}")
         rid = next(self._ids)
         stock = self.stock is not None and params.determinism == "off"
         target = self.stock if stock else self.canonical

@@ -77,6 +77,35 @@ class RolloutWorker:
     """
 
     def __init__(self, model, engine_kwargs: dict | None = None):
+        # An engine that cannot be built is reported by ready() as its own exception (type and
+        # message), not as the actor's death, which reaches callers as Ray's ActorDiedError.
+        self._init_error: Exception | None = None
+        self._tp_group = self._full_model = None
+        try:
+            self._build_engine(model, engine_kwargs)
+        except Exception as e:
+            self._init_error = e
+            self._engine = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._pending: list[tuple[str, list, object]] = []  # not yet handed to the engine
+        self._futures: dict[str, asyncio.Future] = {}
+        self._prompts: dict[str, list] = {}
+        self._rid_of: dict[str, int] = {}  # key -> engine request id, while in the engine
+        self._key_of: dict[int, str] = {}
+        self._to_abort: list[int] = []
+        self._aborted_rids: set[int] = set()
+        self._early_aborts = EarlyCancels()
+        self._updating = False
+        self._ticking = False
+        self._completed = 0
+        self._wake: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._update_lock: asyncio.Lock | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._receiver: WeightReceiver | None = None  # the bucketed push in progress
+        self._receiving: asyncio.Future | None = None
+
+    def _build_engine(self, model, engine_kwargs: dict | None) -> None:
         parallel, kwargs = split_worker_options(engine_kwargs)
         kwargs.setdefault("copy_model", False)  # the model was deserialized for this actor alone
         if "device" not in kwargs and ray.get_gpu_ids():
@@ -99,24 +128,6 @@ class RolloutWorker:
         else:
             self._engine = Engine(model, **kwargs)
             self._full_model = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._pending: list[tuple[str, list, object]] = []  # not yet handed to the engine
-        self._futures: dict[str, asyncio.Future] = {}
-        self._prompts: dict[str, list] = {}
-        self._rid_of: dict[str, int] = {}  # key -> engine request id, while in the engine
-        self._key_of: dict[int, str] = {}
-        self._to_abort: list[int] = []
-        self._aborted_rids: set[int] = set()
-        self._early_aborts = EarlyCancels()
-        self._updating = False
-        self._ticking = False
-        self._completed = 0
-        self._wake: asyncio.Event | None = None
-        self._changed: asyncio.Event | None = None
-        self._update_lock: asyncio.Lock | None = None
-        self._loop_task: asyncio.Task | None = None
-        self._receiver: WeightReceiver | None = None  # the bucketed push in progress
-        self._receiving: asyncio.Future | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -129,6 +140,8 @@ class RolloutWorker:
             self._loop_task = asyncio.get_running_loop().create_task(self._serve())
 
     async def ready(self) -> dict:
+        if self._init_error is not None:
+            raise self._init_error
         self._start()
         spec = getattr(self._engine, "weight_spec", None)  # None: no bucketed pushes (TP groups)
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),

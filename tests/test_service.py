@@ -171,7 +171,6 @@ def test_bad_input_fails_only_that_request(service, reqs, reference):
         ([1.5, 2], good, "int token ids"),
         ([True, 2], good, "int token ids"),
         ([1] * 600, good, "max_model_len"),
-        ([1, 2], {"max_tokens": 4}, "SamplingParams"),
         ([3, 4], broken, "max_tokens"),
     ]
     prompts = [reqs[0][0]] + [c[0] for c in cases] + [reqs[0][1]]
@@ -186,6 +185,12 @@ def test_bad_input_fails_only_that_request(service, reqs, reference):
         SamplingParams(max_tokens=0)  # bad params are refused before they are sent
     with pytest.raises(ValueError, match="prompts but"):
         client.generate([[1], [2]], [good] * 3)
+    # a call that is not a batch of requests raises at once (rollout_service.params.check_batch)
+    for prompts, params, words in ((5, good, "list of prompts"), ([1, 2, 3], good, "single prompt"),
+                                   ([[1, 2]], {"max_tokens": 4}, "SamplingParams"),
+                                   ([[1, 2], [3]], [good, {"max_tokens": 4}], "SamplingParams")):
+        with pytest.raises(TypeError, match=words):
+            client.generate(prompts, params)
     with pytest.raises(ValueError, match="unique"):
         client.generate([[1], [2]], good, request_ids=["a", "a"])
 

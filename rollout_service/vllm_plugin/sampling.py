@@ -20,7 +20,6 @@ does not import vLLM.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from kernels.logprobs import token_logprobs
 from kernels.sampling import sampling_position
 
+from ..params import InvalidRequestError, check_sampling
 from ..sampler import RowParams, sample_with_logprobs
 
 EXTRA_ARGS_KEY = "zerokl"
@@ -118,21 +118,17 @@ def request_params(sampling_params) -> dict | None:
     if "temperature" not in raw:
         raise ValueError(f"zerokl params need a temperature ({XARGS_PREFIX}temperature, 0 = greedy)")
     temperature = _number("temperature", raw["temperature"], float)
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"zerokl temperature must be a finite number >= 0, got {temperature!r}")
     seed = raw.get("seed", sampling_params.seed)
-    if seed is None:
-        if temperature > 0:
-            raise ValueError(f"zerokl temperature > 0 needs a seed ({XARGS_PREFIX}seed or the request's seed)")
-        seed = 0
-    cfg = dict(temperature=temperature, seed=_number("seed", seed, int),
-               top_k=_number("top_k", raw.get("top_k", 0), int),
-               top_p=_number("top_p", raw.get("top_p", 1.0), float),
+    if seed is None and temperature > 0:
+        raise ValueError(f"zerokl temperature > 0 needs a seed ({XARGS_PREFIX}seed or the request's seed)")
+    try:  # the same rule as SamplingParams (top_k -1 or 0: off)
+        temperature, top_k, top_p, seed = check_sampling(
+            temperature, _number("top_k", raw.get("top_k", 0), int), _number("top_p", raw.get("top_p", 1.0), float),
+            None if seed is None else _number("seed", seed, int))
+    except InvalidRequestError as e:
+        raise ValueError(f"zerokl {e}") from None
+    cfg = dict(temperature=temperature, seed=0 if seed is None else seed, top_k=top_k, top_p=top_p,
                position=None if raw.get("position") is None else _number("position", raw["position"], int))
-    if not 0 <= cfg["seed"] < 2 ** 63:
-        raise ValueError(f"zerokl seed must be in [0, 2**63), got {cfg['seed']}")
-    if not 0 < cfg["top_p"] <= 1:
-        raise ValueError(f"zerokl top_p must be in (0, 1], got {cfg['top_p']}")
     if cfg["position"] is not None and cfg["position"] < 0:
         raise ValueError(f"zerokl position must be >= 0, got {cfg['position']}")
     _check_neutral(sampling_params)
