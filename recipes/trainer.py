@@ -188,9 +188,12 @@ class TrainerRank:
         sender = WeightSender(client, transport, self.cfg.weight_bucket_mb << 20) if self.rank == 0 else None
         verdict = [None]
         try:
-            entries = fingerprint_entries(iter_full_tensors(self.model))  # every rank gathers in step
-            if sender is not None:
-                sender.begin(entries)
+            tensors = iter_full_tensors(self.model)  # every rank takes part in every gather, in step
+            if sender is None:
+                for _ in tensors:
+                    pass
+            else:
+                sender.begin(fingerprint_entries(tensors))
         except Exception as e:  # refused before anything was sent: every rank stops here
             verdict[0] = e
         if self.world > 1:
@@ -202,12 +205,7 @@ class TrainerRank:
             for _ in tensors:  # the gathers rank 0 sends from
                 pass
             return None
-        try:
-            sender.send(tensors)
-        except BaseException as e:
-            sender.abort(f"the trainer failed while sending: {e!r}")
-            raise
-        return sender.finish()
+        return sender.complete(tensors)
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`."""

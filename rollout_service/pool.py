@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import uuid
 
 import ray
 import torch
@@ -44,6 +45,7 @@ class _PoolActor:
         self._gate: asyncio.Event | None = None  # cleared while weights are being swapped
         self._update_lock: asyncio.Lock | None = None
         self._sync = None  # (plan, slots, exclusive block) of the bucketed push in progress
+        self._broadcast_group = None  # (group id, sender id, members, store) of the last broadcast group
 
     async def start(self, model_box: list, detached: bool, timeout_s: float) -> dict:
         self._gate, self._update_lock = asyncio.Event(), asyncio.Lock()
@@ -212,24 +214,43 @@ class _PoolActor:
             plan.check(self.workers.spec)
             slots = self._sync_slots()
             world = len(slots) + 1
+            if plan.transport == "broadcast":
+                self._assign_group(plan, slots)
             results = await asyncio.gather(*(s.actor.begin_weight_receive.remote(plan, i + 1, world)
                                              for i, s in enumerate(slots)), return_exceptions=True)
             failed = [(s, r) for s, r in zip(slots, results) if isinstance(r, Exception)]
             if failed:
-                await asyncio.gather(*(s.actor.end_weight_receive.remote(plan.sync_id, "begin failed")
-                                       for s, r in zip(slots, results) if not isinstance(r, Exception)),
-                                     return_exceptions=True)
-                for slot, r in failed:
+                if plan.transport != "broadcast":
+                    await asyncio.gather(*(s.actor.end_weight_receive.remote(plan.sync_id, "begin failed")
+                                           for s, r in zip(slots, results) if not isinstance(r, Exception)),
+                                         return_exceptions=True)
+                for slot, r in zip(slots, results):
                     if isinstance(r, RayActorError):
                         self.workers.on_dead(slot, slot.actor)
-                cause = failed[0][1]
-                raise cause.cause if isinstance(cause, RayTaskError) else cause
+                    elif not isinstance(r, Exception) and plan.transport == "broadcast":
+                        # it waits in a collective that will never run: only a replacement mends that
+                        self.workers.restart_later(slot, "a weight push failed to begin on another worker")
+                raise original_error(failed[0][1])
         except BaseException:
+            self._broadcast_group = None
             await exclusive.__aexit__(None, None, None)
             raise
         self._sync = (plan, slots, exclusive)
         asyncio.get_running_loop().create_task(self._expire_sync(plan.sync_id, plan.timeout_s))
-        return {"workers": [s.actor for s in slots], "world_size": world}
+        return {"workers": [s.actor for s in slots], "world_size": world, "group_id": plan.group_id,
+                "new_group": plan.new_group, "store": (plan.store_host, plan.store_port)}
+
+    def _assign_group(self, plan, slots: list[WorkerSlot]) -> None:
+        """The last broadcast group when its members (the sender's process, these workers in this order)
+        are the same, else a new one at the sender's store."""
+        members = tuple(s.actor._actor_id.hex() for s in slots)
+        last = self._broadcast_group
+        if last is not None and last[1] == plan.sender_id and last[2] == members:
+            plan.group_id, plan.new_group = last[0], False
+            plan.store_host, plan.store_port = last[3]
+        else:
+            plan.group_id, plan.new_group = uuid.uuid4().hex[:12], True
+            self._broadcast_group = (plan.group_id, plan.sender_id, members, (plan.store_host, plan.store_port))
 
     async def end_weight_sync(self, sync_id: str, error: str | None = None) -> str:
         """Every worker's verdict: adopt the push, or (error: the sender gave up) keep the old weights,
@@ -242,6 +263,8 @@ class _PoolActor:
             results = await asyncio.gather(*(s.actor.end_weight_receive.remote(sync_id, error) for s in slots),
                                            return_exceptions=True)
             results = [r.cause if isinstance(r, RayTaskError) else r for r in results]
+            if error is not None or any(isinstance(r, Exception) for r in results):
+                self._broadcast_group = None  # a member failed mid-push: the next push sets up a new group
             if error is not None:
                 for slot, r in zip(slots, results):
                     if r is not None:

@@ -48,9 +48,14 @@ class SyncPlan:
     device_type: str  # "cuda" or "cpu": NCCL or gloo for broadcast
     timeout_s: float = 300.0
     sync_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    # broadcast: the sender's TCPStore; ipc: the sender's GPU
+    # broadcast: the sender's TCPStore, and the process group (kept by both sides between pushes
+    # while the pool's workers and the sender stay the same: set up once, like NCCL communicators
+    # in every RL framework); ipc: the sender's GPU
     store_host: str | None = None
     store_port: int | None = None
+    sender_id: str | None = None
+    group_id: str | None = None
+    new_group: bool = True
     gpu_uuid: str | None = None
 
     @property
@@ -89,18 +94,32 @@ def plan_buckets(shapes: dict[str, tuple[int, ...]], bucket_bytes: int) -> list[
     return buckets
 
 
-def join_group(plan: SyncPlan, rank: int, world_size: int):
-    """This process's member of the push's process group (rank 0: the sender, which hosts the store)."""
+# This process's ID as a sender, and its broadcast groups by group id: (store, process group)
+PROCESS_ID = uuid.uuid4().hex
+_SENDER_GROUPS: dict[str, tuple] = {}
+
+
+def join_group(plan: SyncPlan, rank: int, world_size: int, groups: dict[str, tuple]):
+    """This process's member of the push's process group (rank 0: the sender, which hosts the store):
+    `groups`' one for plan.group_id, or a new one that replaces every group held there."""
+    if not plan.new_group:
+        if plan.group_id not in groups:
+            raise RuntimeError(f"weight group {plan.group_id} is not held by this process")
+        return groups[plan.group_id][1]
     import torch.distributed as dist
+    groups.clear()  # a new group means the members changed: the old one is not used again
     timeout = datetime.timedelta(seconds=plan.timeout_s)
     store = dist.TCPStore(plan.store_host, plan.store_port, world_size, is_master=rank == 0, timeout=timeout,
                           wait_for_workers=False)
-    prefixed = dist.PrefixStore(f"zerokl-weights-{plan.sync_id}", store)
+    prefixed = dist.PrefixStore(f"zerokl-weights-{plan.group_id}", store)
     if plan.device_type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return store, dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    return store, dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    groups[plan.group_id] = (store, group)
+    return group
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -116,9 +135,10 @@ class WeightReceiver:
     sender's, then hand the tensors to `load` (the engine copies them into its weights in place)."""
 
     def __init__(self, plan: SyncPlan, device: torch.device, load: Callable[[list[tuple[str, torch.Tensor]]], None],
-                 rank: int | None = None, world_size: int | None = None):
+                 rank: int | None = None, world_size: int | None = None, groups: dict | None = None):
         self.plan, self.device, self._load = plan, torch.device(device), load
         self._rank, self._world = rank, world_size
+        self._groups = {} if groups is None else groups  # the worker's broadcast groups, kept between pushes
         self._received: set[str] = set()
         self._ipc_buffer = None
         self.loaded_any = False
@@ -126,15 +146,12 @@ class WeightReceiver:
 
     def receive_all(self) -> None:
         """broadcast: every bucket, in order (blocks until the sender has sent them all)."""
-        store, group = join_group(self.plan, self._rank, self._world)
-        try:
-            buf = torch.empty(self.plan.bucket_numel, dtype=torch.bfloat16, device=self.device)
-            for index, bucket in enumerate(self.plan.buckets):
-                n = bucket[-1].offset + bucket[-1].numel
-                group.broadcast(buf[:n].view(torch.uint8), 0).wait()  # received even after an error,
-                self._take(index, buf)  # so that the sender is never left waiting
-        finally:
-            del group, store
+        group = join_group(self.plan, self._rank, self._world, self._groups)
+        buf = torch.empty(self.plan.bucket_numel, dtype=torch.bfloat16, device=self.device)
+        for index, bucket in enumerate(self.plan.buckets):
+            n = bucket[-1].offset + bucket[-1].numel
+            group.broadcast(buf[:n].view(torch.uint8), 0).wait()  # received even after an error,
+            self._take(index, buf)  # so that the sender is never left waiting
         if self.error is not None:
             raise self.error
 
@@ -193,7 +210,7 @@ class WeightSender:
         self.client, self.transport = client, transport
         self.bucket_bytes, self.timeout_s = int(bucket_bytes), float(timeout_s)
         self.plan: SyncPlan | None = None
-        self._group = self._store = self._workers = self._buf = self._handle = None
+        self._group = self._workers = self._buf = self._handle = None
 
     def begin(self, entries: list[tuple[str, tuple, tuple[int, int], torch.device]],
               expected_digest: str | None = None) -> str:
@@ -214,11 +231,14 @@ class WeightSender:
             plan.gpu_uuid = gpu_uuid(device)
         else:
             plan.store_host, plan.store_port = _host_and_free_port()
+            plan.sender_id = PROCESS_ID
         self.plan = plan
         info = self.client._begin_weight_sync(plan)  # the pool's checks; workers drained and waiting
         self._workers = info["workers"]
-        if self.transport == "broadcast":
-            self._store, self._group = join_group(plan, 0, info["world_size"])
+        if self.transport == "broadcast":  # the pool says whether the last group still fits
+            plan.group_id, plan.new_group = info["group_id"], info["new_group"]
+            plan.store_host, plan.store_port = info["store"]
+            self._group = join_group(plan, 0, info["world_size"], _SENDER_GROUPS)
         self._buf = torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=device)
         if self.transport == "ipc":
             from torch.multiprocessing.reductions import reduce_tensor
@@ -243,6 +263,15 @@ class WeightSender:
             else:
                 ray.get([w.receive_weight_bucket.remote(self.plan.sync_id, index, self._handle) for w in self._workers])
 
+    def complete(self, named: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """send() then finish(); a failure while sending abandons the push (abort) and is raised."""
+        try:
+            self.send(named)
+        except BaseException as e:
+            self.abort(f"the sender failed while sending: {e!r}")
+            raise
+        return self.finish()
+
     def finish(self) -> str:
         """The pool's verdict once every worker has checked and loaded everything: the digest they hold."""
         try:
@@ -259,7 +288,7 @@ class WeightSender:
             self._release()
 
     def _release(self) -> None:
-        self._group = self._store = self._buf = self._handle = None
+        self._group = self._buf = self._handle = None
 
 
 def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]]):
@@ -288,12 +317,7 @@ def push_state_dict(client, state_dict, transport: str, expected_digest: str | N
     named = list(state_dict.items())
     sender = WeightSender(client, transport, bucket_bytes)
     sender.begin(fingerprint_entries(named), expected_digest)
-    try:
-        sender.send(named)
-    except BaseException as e:
-        sender.abort(f"the sender failed: {e!r}")
-        raise
-    return sender.finish()
+    return sender.complete(named)
 
 
 def choose_transport(requested: str, device: torch.device, worker_gpus: list[str | None]) -> str:

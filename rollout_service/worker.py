@@ -104,6 +104,7 @@ class RolloutWorker:
         self._loop_task: asyncio.Task | None = None
         self._receiver: WeightReceiver | None = None  # the bucketed push in progress
         self._receiving: asyncio.Future | None = None
+        self._weight_groups: dict[str, tuple] = {}  # broadcast groups kept between pushes (weight_sync)
 
     def _build_engine(self, model, engine_kwargs: dict | None) -> None:
         parallel, kwargs = split_worker_options(engine_kwargs)
@@ -304,7 +305,8 @@ class RolloutWorker:
             device = getattr(self._engine, "device", torch.device("cpu"))
             if not hasattr(self._engine, "load_named_weights"):
                 raise ValueError("this worker's engine takes no bucketed pushes")
-            self._receiver = WeightReceiver(plan, device, self._engine.load_named_weights, rank, world_size)
+            self._receiver = WeightReceiver(plan, device, self._engine.load_named_weights, rank, world_size,
+                                            self._weight_groups)
             if plan.transport == "broadcast":
                 self._receiving = asyncio.get_running_loop().run_in_executor(self._thread, self._receiver.receive_all)
         except BaseException:
@@ -321,6 +323,9 @@ class RolloutWorker:
         """The digest now held, after checking that everything arrived; with `error` (the sender gave up)
         None if nothing was loaded. Raises if the engine holds part of the push (the pool restarts it)."""
         receiver = self._current_receiver(sync_id)
+        if error is not None and self._receiving is not None and not self._receiving.done():
+            # the engine thread waits in a broadcast the sender will not finish: not this actor's to mend
+            raise RuntimeError(f"the push was abandoned while this worker was receiving it: {error}")
         try:
             try:
                 if self._receiving is not None:

@@ -164,14 +164,17 @@ def test_bad_requests_get_error_results_and_others_are_served(model):
     out = engine.generate(prompts, params)
     assert [r.finish_reason for r in out] == ["length", "error", "error", "error", "length", "error", "error"]
     assert "empty" in out[1].error and "outside" in out[2].error and "max_model_len" in out[3].error
-    assert "never fit" in out[5].error
+    assert "exceeds max_model_len 128" in out[5].error  # refused, not cut short
+    small_cache = Engine(model, kv_cache_tokens=64, max_model_len=128)
+    [r] = small_cache.generate([[1] * 10], SamplingParams(max_tokens=100, temperature=0.0))
+    assert r.finish_reason == "error" and "never fit" in r.error
     with pytest.raises(InvalidRequestError):
         engine.add_request([1, 2], "not params")
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=3, temperature=-1), "temperature"),
-    (dict(max_tokens=3, top_p=0.0), "top_p"), (dict(max_tokens=3, top_k=0), "top_k"),
+    (dict(max_tokens=3, top_p=0.0), "top_p"), (dict(max_tokens=3, top_k=-5), "top_k"),
     (dict(max_tokens=3, temperature=0.7), "needs a seed"), (dict(max_tokens=3, determinism="fast"), "determinism"),
     (dict(max_tokens=3, temperature=float("nan")), "temperature")])
 def test_bad_sampling_params(kwargs, match):

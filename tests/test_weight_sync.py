@@ -204,17 +204,28 @@ def test_corrupted_transfer_after_a_worker_to_worker_push_waits_for_the_next_pus
     assert pool.update_weights(shared.model().state_dict()) == model_digest(shared.model())
 
 
-def test_restart_after_a_worker_to_worker_push_copies_a_peer(pool, reqs):
+def _broadcast(pool, model) -> bool:
+    """Push by broadcast; returns whether the push set up a new process group."""
+    named = list(model.state_dict().items())
+    sender = WeightSender(pool, "broadcast")
+    sender.begin(fingerprint_entries(named))
+    assert sender.complete(named) == model_digest(model)
+    return sender.plan.new_group
+
+
+def test_broadcast_group_is_kept_until_its_members_change_and_a_restart_copies_a_peer(pool, reqs):
     new = tiny_model("qwen2", seed=3)
     want = _engine_rollouts(new, reqs)
-    pool.update_weights(new.state_dict(), transport="broadcast")
+    _broadcast(pool, shared.model())
+    assert not _broadcast(pool, new)  # same sender process, same workers: the group is reused
     restarts = pool.stats()["workers"][0]["restarts"]
     ray.kill(pool.workers()[0])
     shared_wait(lambda: pool.stats()["workers"][0]["restarts"] == restarts + 1
                 and pool.stats()["workers"][0]["state"] == "ready", "the restart")
-    assert _worker_digests(pool) == [model_digest(new)] * 2
+    assert _worker_digests(pool) == [model_digest(new)] * 2  # copied from the other worker
     assert_same(pool.generate(*reqs), want, "after the restart")
-    pool.update_weights(shared.model().state_dict())
+    assert _broadcast(pool, shared.model())  # a new member: a new group
+    assert not _broadcast(pool, shared.model())
 
 
 def shared_wait(cond, what: str, timeout: float = 120.0, pool=None):
