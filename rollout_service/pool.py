@@ -46,6 +46,7 @@ class _PoolActor:
         self._update_lock: asyncio.Lock | None = None
         self._sync = None  # (plan, slots, exclusive block) of the bucketed push in progress
         self._broadcast_group = None  # (group id, sender id, members, store) of the last broadcast group
+        self._dropped_groups: list[str] = []  # groups replaced or given up since, for the sender to drop
 
     async def start(self, model_box: list, detached: bool, timeout_s: float) -> dict:
         self._gate, self._update_lock = asyncio.Event(), asyncio.Lock()
@@ -232,13 +233,14 @@ class _PoolActor:
                         self.workers.restart_later(slot, "a weight push failed to begin on another worker")
                 raise original_error(failed[0][1])
         except BaseException:
-            self._broadcast_group = None
+            self._forget_group()
             await exclusive.__aexit__(None, None, None)
             raise
         self._sync = (plan, slots, exclusive)
         asyncio.get_running_loop().create_task(self._expire_sync(plan.sync_id, plan.timeout_s))
+        replaces, self._dropped_groups = (self._dropped_groups, []) if plan.new_group else ([], self._dropped_groups)
         return {"workers": [s.actor for s in slots], "world_size": world, "group_id": plan.group_id,
-                "new_group": plan.new_group, "store": (plan.store_host, plan.store_port)}
+                "new_group": plan.new_group, "store": (plan.store_host, plan.store_port), "replaces": replaces}
 
     def _assign_group(self, plan, slots: list[WorkerSlot]) -> None:
         """The last broadcast group when its members (the sender's process, these workers in this order)
@@ -249,8 +251,14 @@ class _PoolActor:
             plan.group_id, plan.new_group = last[0], False
             plan.store_host, plan.store_port = last[3]
         else:
+            self._forget_group()
             plan.group_id, plan.new_group = uuid.uuid4().hex[:12], True
             self._broadcast_group = (plan.group_id, plan.sender_id, members, (plan.store_host, plan.store_port))
+
+    def _forget_group(self) -> None:
+        if self._broadcast_group is not None:
+            self._dropped_groups.append(self._broadcast_group[0])
+            self._broadcast_group = None
 
     async def end_weight_sync(self, sync_id: str, error: str | None = None) -> str:
         """Every worker's verdict: adopt the push, or (error: the sender gave up) keep the old weights,
@@ -264,7 +272,7 @@ class _PoolActor:
                                            return_exceptions=True)
             results = [r.cause if isinstance(r, RayTaskError) else r for r in results]
             if error is not None or any(isinstance(r, Exception) for r in results):
-                self._broadcast_group = None  # a member failed mid-push: the next push sets up a new group
+                self._forget_group()  # a member failed mid-push: the next push sets up a new group
             if error is not None:
                 for slot, r in zip(slots, results):
                     if r is not None:

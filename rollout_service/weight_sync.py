@@ -99,15 +99,17 @@ PROCESS_ID = uuid.uuid4().hex
 _SENDER_GROUPS: dict[str, tuple] = {}
 
 
-def join_group(plan: SyncPlan, rank: int, world_size: int, groups: dict[str, tuple]):
+def join_group(plan: SyncPlan, rank: int, world_size: int, groups: dict[str, tuple], replaces: list[str]):
     """This process's member of the push's process group (rank 0: the sender, which hosts the store):
-    `groups`' one for plan.group_id, or a new one that replaces every group held there."""
+    `groups`' one for plan.group_id, or a new one; the groups named in `replaces` are dropped (their
+    members changed, so they are not used again)."""
     if not plan.new_group:
         if plan.group_id not in groups:
             raise RuntimeError(f"weight group {plan.group_id} is not held by this process")
         return groups[plan.group_id][1]
     import torch.distributed as dist
-    groups.clear()  # a new group means the members changed: the old one is not used again
+    for old in replaces:
+        groups.pop(old, None)
     timeout = datetime.timedelta(seconds=plan.timeout_s)
     store = dist.TCPStore(plan.store_host, plan.store_port, world_size, is_master=rank == 0, timeout=timeout,
                           wait_for_workers=False)
@@ -146,7 +148,7 @@ class WeightReceiver:
 
     def receive_all(self) -> None:
         """broadcast: every bucket, in order (blocks until the sender has sent them all)."""
-        group = join_group(self.plan, self._rank, self._world, self._groups)
+        group = join_group(self.plan, self._rank, self._world, self._groups, replaces=[])
         buf = torch.empty(self.plan.bucket_numel, dtype=torch.bfloat16, device=self.device)
         for index, bucket in enumerate(self.plan.buckets):
             n = bucket[-1].offset + bucket[-1].numel
@@ -235,14 +237,18 @@ class WeightSender:
         self.plan = plan
         info = self.client._begin_weight_sync(plan)  # the pool's checks; workers drained and waiting
         self._workers = info["workers"]
-        if self.transport == "broadcast":  # the pool says whether the last group still fits
-            plan.group_id, plan.new_group = info["group_id"], info["new_group"]
-            plan.store_host, plan.store_port = info["store"]
-            self._group = join_group(plan, 0, info["world_size"], _SENDER_GROUPS)
-        self._buf = torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=device)
-        if self.transport == "ipc":
-            from torch.multiprocessing.reductions import reduce_tensor
-            self._handle = reduce_tensor(self._buf)
+        try:
+            if self.transport == "broadcast":  # the pool says whether the last group still fits
+                plan.group_id, plan.new_group = info["group_id"], info["new_group"]
+                plan.store_host, plan.store_port = info["store"]
+                self._group = join_group(plan, 0, info["world_size"], _SENDER_GROUPS, info["replaces"])
+            self._buf = torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=device)
+            if self.transport == "ipc":
+                from torch.multiprocessing.reductions import reduce_tensor
+                self._handle = reduce_tensor(self._buf)
+        except BaseException as e:  # the workers are waiting: release them
+            self.abort(f"the sender could not set up the push: {e!r}")
+            raise
         return digest
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -305,6 +305,8 @@ class RolloutWorker:
             device = getattr(self._engine, "device", torch.device("cpu"))
             if not hasattr(self._engine, "load_named_weights"):
                 raise ValueError("this worker's engine takes no bucketed pushes")
+            if plan.new_group:  # a worker serves one pool: a new group replaces any it held
+                self._weight_groups.clear()
             self._receiver = WeightReceiver(plan, device, self._engine.load_named_weights, rank, world_size,
                                             self._weight_groups)
             if plan.transport == "broadcast":

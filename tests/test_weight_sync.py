@@ -226,6 +226,12 @@ def test_broadcast_group_is_kept_until_its_members_change_and_a_restart_copies_a
     assert_same(pool.generate(*reqs), want, "after the restart")
     assert _broadcast(pool, shared.model())  # a new member: a new group
     assert not _broadcast(pool, shared.model())
+    other = start_pool(shared.model(), num_workers=1, name="rollout-weight-sync-2", engine_kwargs=ENGINE_KWARGS)
+    try:  # one sender, two pools: each keeps its own group
+        assert _broadcast(other, new) and not _broadcast(other, new)
+        assert not _broadcast(pool, shared.model())
+    finally:
+        other.shutdown()
 
 
 def shared_wait(cond, what: str, timeout: float = 120.0, pool=None):
