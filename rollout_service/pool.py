@@ -151,8 +151,8 @@ class _PoolActor:
             slots = self._sync_slots()
             results = await asyncio.gather(*(s.actor.update_weights.remote(ref, expected) for s in slots),
                                            return_exceptions=True)
-            return await self._settle(slots, [r.cause if isinstance(r, RayTaskError) else r for r in results],
-                                expected, ref)
+            causes = [r.cause if isinstance(r, RayTaskError) else r for r in results]
+            return await self._settle(slots, causes, expected, ref)
 
     async def _settle(self, slots: list[WorkerSlot], results: list, expected: str, source) -> str:
         """Adopt a push that at least one worker verifiably loaded; restart the workers that failed it

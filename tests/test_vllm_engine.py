@@ -280,8 +280,10 @@ def test_pool_worker_on_vllm_from_a_checkpoint_path(checkpoint, engine):
                        "after the broadcast push")
     stock = VLLMEngine(newer, device="cpu", max_model_len=256, max_num_seqs=8, stock_for_off=True,
                        vllm_options=dict(VLLM_OPTIONS, block_size=32))
-    try:
-        shared.assert_same(after_broadcast_off, stock.generate(prompts, greedy_off), "off after the broadcast push")
+    try:  # stock vLLM is not invariant (its log-probs' low bits follow its threads): greedy tokens only
+        want_off = stock.generate(prompts, greedy_off)
     finally:
         stock.close()
+    assert [r.token_ids for r in after_broadcast_off] == [r.token_ids for r in want_off]
+    assert [r.token_ids for r in after_broadcast_off] != [r.token_ids for r in got_off]  # the weights changed
     assert ray.is_initialized()
