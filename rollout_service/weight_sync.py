@@ -202,8 +202,9 @@ class WeightSender:
 
         sender = WeightSender(client, "broadcast")
         sender.begin(fingerprint_entries(named_tensors()), expected_digest)   # every check, then the workers wait
-        sender.send(named_tensors())                                          # bucket by bucket
-        digest = sender.finish()
+        digest = sender.complete(named_tensors())                             # bucket by bucket, then the verdict
+
+    (push_state_dict does this for a state dict already on the device.)
     """
 
     def __init__(self, client, transport: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0):
