@@ -23,26 +23,26 @@ class WeightMismatchError(ValueError):
 # -- the digest --------------------------------------------------------------------------------------
 
 _P = 2 ** 31 - 1  # lane modulus (a prime)
-_ROW = 1 << 14  # bits summed per row in float64 matmuls
+_ROW = 1 << 14  # elements per row
 _LANE_SEEDS = (0x2545F491, 0x61C88647)
-_CHUNK_ROWS = 1024  # rows per matmul: 16M elements, a 128 MiB float64 temporary
+_CHUNK_ROWS = 1024  # rows per host matmul: 16M elements, a 128 MiB float64 temporary
 _row_weights: dict[torch.device, torch.Tensor] = {}
 
 
-def _position_weights(index: torch.Tensor, seed: int) -> torch.Tensor:
-    """Pseudo-random weights in [1, 2**20] for int64 positions (exact integer math on any device)."""
+def _position_weights(index: torch.Tensor, seed: int, bits: int = 20) -> torch.Tensor:
+    """Pseudo-random weights in [1, 2**bits] for int64 positions (exact integer math on any device)."""
     x = (index * 48271 + seed) % _P
     x = (x * x + 12345) % _P  # x < 2**31, so x * x < 2**62 fits int64
     x = (x * x + 67891) % _P
-    return (x & 0xFFFFF) + 1
+    return (x & ((1 << bits) - 1)) + 1
 
 
 def _weights_in_row(device: torch.device) -> torch.Tensor:
-    """[_ROW, 2] float64: each lane's weights for the positions inside one row."""
+    """[2, _ROW] int32: each lane's weights (in [1, 2**14]) for the positions inside one row."""
     w = _row_weights.get(device)
     if w is None:
         pos = torch.arange(_ROW, device=device, dtype=torch.int64)
-        w = torch.stack([_position_weights(pos, s) for s in _LANE_SEEDS], dim=1).to(torch.float64)
+        w = torch.stack([_position_weights(pos, s, bits=14) for s in _LANE_SEEDS]).to(torch.int32)
         _row_weights[device] = w
     return w
 
@@ -69,30 +69,53 @@ def fingerprint_lanes(t: torch.Tensor) -> torch.Tensor:
     """The fingerprint's two lanes as an int64 tensor on `t`'s device (no wait for the device).
 
     An element contributes its 16 bits read as a signed integer plus 2**15 + 1 (a number in
-    [1, 2**16]: every bit pattern counts, all-zero bits too) times its in-row weight, summed per row of 2**14 elements by a float64 matmul: every partial sum is an
-    integer below 2**50, exact in float64 whatever order the matmul sums in. The row sums are reduced
-    modulo a prime, weighted by their row's position and summed in int64 (exact, order-free)."""
+    [1, 2**16]: every bit pattern counts, all-zero bits too) times its in-row weight (in [1, 2**14]),
+    summed per row of 2**14 elements. Every product is below 2**31 and every row sum below 2**45, an
+    integer that float64 and int64 both hold exactly whatever order they add in: the host sums rows
+    with a float64 matmul, CUDA with a Triton kernel (kernels.triton.fingerprint), and the two agree
+    bit for bit. The row sums are reduced modulo a prime, weighted by their row's position and summed
+    in int64 (exact, order-free)."""
     flat = t.detach().reshape(-1)
     if flat.dtype != torch.bfloat16:
         flat = flat.to(torch.bfloat16)
-    bits, n = flat.view(torch.int16), flat.numel()
+    bits = flat.view(torch.int16)
     w = _weights_in_row(flat.device)
     lanes = torch.zeros(2, dtype=torch.int64, device=flat.device)
-    chunk = _CHUNK_ROWS * _ROW
-    for start in range(0, n, chunk):
-        # (s + 2**15 + 1) * w summed over a row = s @ w + (2**15 + 1) * sum(w)
-        s = bits[start:start + chunk].to(torch.float64)
-        full = s.numel() // _ROW * _ROW
-        parts = [s[:full].view(-1, _ROW) @ w + 32769.0 * w.sum(0)] if full else []
-        if full < s.numel():  # a last, partial row
-            tail = w[:s.numel() - full]
-            parts.append((s[full:] @ tail + 32769.0 * tail.sum(0)).unsqueeze(0))
-        rows = torch.cat(parts).to(torch.int64) % _P  # [R, 2]
+    step = bits.numel() if _triton_row_sums(flat.device) else _CHUNK_ROWS * _ROW
+    for start in range(0, bits.numel(), step):
+        rows = _row_sums(bits[start:start + step], w) % _P  # [R, 2] int64
         first = start // _ROW
         index = torch.arange(first, first + rows.shape[0], device=flat.device, dtype=torch.int64)
         row_w = torch.stack([_position_weights(index, seed) for seed in _LANE_SEEDS], dim=1)
         lanes += ((rows * row_w) % _P).sum(dim=0)
     return lanes % _P
+
+
+def _triton_row_sums(device: torch.device):
+    """kernels.triton.fingerprint.fingerprint_row_sums for CUDA tensors where Triton loads, else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from kernels.triton.fingerprint import fingerprint_row_sums
+    except ImportError:
+        return None
+    return fingerprint_row_sums
+
+
+def _row_sums(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[ceil(n / _ROW), 2] int64: each row's sum of (bits + 2**15 + 1) * in-row weight, per lane."""
+    on_gpu = _triton_row_sums(bits.device)
+    if on_gpu is not None:
+        return on_gpu(bits, w)
+    s = bits.to(torch.float64)
+    wf = w.to(torch.float64).T  # [_ROW, 2]
+    full = s.numel() // _ROW * _ROW
+    # (s + 2**15 + 1) @ w = s @ w + (2**15 + 1) * sum(w)
+    parts = [s[:full].view(-1, _ROW) @ wf + 32769.0 * wf.sum(0)] if full else []
+    if full < s.numel():  # a last, partial row
+        tail = wf[:s.numel() - full]
+        parts.append((s[full:] @ tail + 32769.0 * tail.sum(0)).unsqueeze(0))
+    return torch.cat(parts).to(torch.int64)
 
 
 def digest_of_fingerprints(entries: Iterable[tuple[str, tuple, tuple[int, int]]]) -> str:

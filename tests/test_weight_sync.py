@@ -28,18 +28,18 @@ _P = 2 ** 31 - 1
 
 def _reference_fingerprint(t: torch.Tensor) -> tuple[int, int]:
     """The fingerprint's definition in plain Python integers, element by element."""
-    def weight(i: int, seed: int) -> int:
+    def weight(i: int, seed: int, bits: int = 20) -> int:
         x = (i * 48271 + seed) % _P
         x = (x * x + 12345) % _P
         x = (x * x + 67891) % _P
-        return (x & 0xFFFFF) + 1
+        return (x & ((1 << bits) - 1)) + 1
     bits = t.detach().reshape(-1).to(torch.bfloat16).view(torch.int16).tolist()
     lanes = []
     for seed in (0x2545F491, 0x61C88647):
         rows: dict[int, int] = {}
         for i, b in enumerate(bits):
             row, col = divmod(i, 1 << 14)
-            rows[row] = rows.get(row, 0) + (b + 2 ** 15 + 1) * weight(col, seed)  # b: the bits as int16
+            rows[row] = rows.get(row, 0) + (b + 2 ** 15 + 1) * weight(col, seed, 14)  # b: the bits as int16
         lanes.append(sum((s % _P) * weight(r, seed) % _P for r, s in rows.items()) % _P)
     return lanes[0], lanes[1]
 
