@@ -25,6 +25,8 @@ TASK_KINDS = ("tiny", "gsm8k")
 MODEL_SOURCES = ("tiny", "hf")
 OLD_LOGPROBS = ("rollout", "recompute")
 TRAINER_DEVICES = ("cpu", "cuda")
+NUMERICS = ("canonical", "stock")
+PLACEMENTS = ("split", "colocated")
 WEIGHT_TRANSPORTS = ("auto", *TRANSPORTS)
 
 
@@ -58,6 +60,7 @@ class ModelConfig:
     num_kv_heads: int | None = None
     intermediate_size: int | None = None
     max_positions: int | None = None
+    vocab_size: int | None = None  # null: the tokenizer's; more: a real model's logits width (benchmarks)
 
     def tiny_options(self) -> dict:
         """The tiny model's keyword options that are set."""
@@ -79,6 +82,7 @@ class WarmupConfig:
     steps: int = 0
     lr: float = 3e-3
     batch_size: int = 64
+    device: str = "cpu"  # cpu | cuda (the driver's GPU, before the workers and ranks start)
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class TrainerConfig:
     num_ranks: int = 2
     device: str = "cpu"  # cpu (gloo) | cuda (NCCL, one GPU per rank)
     resources_per_rank: dict = field(default_factory=lambda: {"num_cpus": 1})  # Ray actor options, forwarded
-    placement: str = "PACK"  # Ray placement-group strategy for GPU ranks
+    placement_strategy: str = "PACK"  # Ray placement-group strategy for GPU ranks (split placement)
     torch_threads: int = 1
     lr: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -145,6 +149,15 @@ class RecipeConfig:
     seed: int = 0
     output_dir: str = "~/zerokl-runs"  # absolute by default: `ray job submit` runs in a temporary copy
     run_dir: str | None = None  # default: <output_dir>/<name>-<determinism>-<time>-<id>
+    # canonical: rollouts and training share the canonical forward and sampling rule (KL exactly 0).
+    # stock: the pipeline users run today, for comparison on the same data, model and optimizer:
+    # rollouts in `off` mode (vLLM's own model class and sampler on vLLM workers), the trainer the
+    # unpatched Hugging Face model (SDPA) under FSDP2, old log-probs recomputed by the trainer.
+    numerics: str = "canonical"
+    # split: rollout workers and trainer ranks on GPUs (or CPUs) of their own; weights by NCCL
+    # broadcast. colocated: worker i and trainer rank i share bundle i (one GPU) of one placement
+    # group; the engines sleep while the trainer steps and wake for the next rollout; weights by IPC.
+    placement: str = "split"
     task: TaskConfig = field(default_factory=TaskConfig)
     canonical: CanonicalTreeConfig = field(default_factory=CanonicalTreeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -279,7 +292,20 @@ def _check_values(cfg: RecipeConfig) -> None:
     if r.n < 2:
         raise ConfigError("rollout.n must be >= 2: group-normalised advantages need several samples per prompt")
     one_of("trainer.device", tr.device, TRAINER_DEVICES)
+    one_of("warmup.device", cfg.warmup.device, TRAINER_DEVICES)
     one_of("trainer.old_logprobs", tr.old_logprobs, OLD_LOGPROBS)
+    one_of("numerics", cfg.numerics, NUMERICS)
+    one_of("placement", cfg.placement, PLACEMENTS)
+    if cfg.numerics == "stock" and tr.old_logprobs != "recompute":
+        # stock rollouts' log-probs are not the trainer's: the ratio's denominator must be recomputed
+        raise ConfigError("numerics: stock needs trainer.old_logprobs=recompute (stock rollout log-probs "
+                          "differ from the trainer's)")
+    if cfg.numerics == "stock" and r.determinism != "off":
+        raise ConfigError("numerics: stock runs rollout.determinism=off (the stock engines); got "
+                          f"{r.determinism!r}")
+    if cfg.placement == "colocated" and r.num_workers != tr.num_ranks:
+        raise ConfigError(f"placement: colocated puts one rollout worker next to each trainer rank: "
+                          f"rollout.num_workers ({r.num_workers}) must equal trainer.num_ranks ({tr.num_ranks})")
     one_of("trainer.weight_sync", tr.weight_sync, WEIGHT_TRANSPORTS)
     if tr.weight_bucket_mb < 1:
         raise ConfigError("trainer.weight_bucket_mb must be >= 1")

@@ -19,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+import ray
 import torch
 
 import kernels as K
@@ -26,16 +27,16 @@ import kernels as K
 from rollout_service.client import DEFAULT_NAMESPACE, RolloutClient
 from rollout_service.params import DETERMINISM_MODES
 from rollout_service.pool import start_pool
-from rollout_service.ray_cluster import init_ray, with_tree_width
+from rollout_service.ray_cluster import init_ray, release, reserve, with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
 from .checkpoint import CONFIG_FILE, checkpoint_dir, find_checkpoint, read_state, write_state
 from .config import CanonicalTreeConfig, RecipeConfig, load_config
 from .grpo_loss import group_advantages
-from .metrics import MetricsLogger, StepProgress, step_metrics
+from .metrics import MetricsLogger, StepProgress, step_metrics, step_split
 from .models import initial_model
-from .rollouts import group_requests, prompt_indices, records_routing, rollouts_digest
+from .rollouts import engine_options, group_requests, prompt_indices, records_routing, rollouts_digest
 from .task import build_task
 from .trainer import TrainerGroup
 from .warmup import answer_examples, supervised_warmup
@@ -63,7 +64,7 @@ def _starting_model(cfg: RecipeConfig, task, resumed: bool) -> torch.nn.Module:
     warm = cfg.warmup
     if not resumed and warm.steps > 0:
         model = supervised_warmup(model, answer_examples(task), warm.steps, lr=warm.lr,
-                                  batch_size=warm.batch_size, seed=cfg.seed)
+                                  batch_size=warm.batch_size, seed=cfg.seed, device=warm.device)
     return model
 
 
@@ -105,17 +106,20 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
     t_model = time.perf_counter()
     pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
     pool_name, namespace = rc.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
-    pool = trainer = logger = None
+    pool = trainer = logger = shared = None
     records = []
+    colocated, canonical = cfg.placement == "colocated", cfg.numerics == "canonical"
     try:
         width = cfg.canonical.tree_segments
-        pool = start_pool(model, num_workers=rc.num_workers, name=pool_name, engine_kwargs=rc.engine,
+        shared = colocated_bundles(cfg) if colocated else None
+        pool = start_pool(model, num_workers=rc.num_workers, name=pool_name, engine_kwargs=engine_options(cfg),
                            resources_per_worker=with_tree_width(rc.resources_per_worker, width),
-                           namespace=namespace)
+                           namespace=namespace, colocate_with=shared)
         t_pool = time.perf_counter()
         ranks = dataclasses.replace(tc, resources_per_rank=with_tree_width(tc.resources_per_rank, width))
-        trainer = TrainerGroup(ranks, model, rc.temperature)
-        K.check_canonical({"rollout workers": pool.info["canonical"], "trainer ranks": trainer.canonical})
+        trainer = TrainerGroup(ranks, model, rc.temperature, cfg.numerics, colocate_with=shared)
+        if canonical:
+            K.check_canonical({"rollout workers": pool.info["canonical"], "trainer ranks": trainer.canonical})
         if ckpt is not None:
             trainer.load(str(ckpt / "trainer"))
         sync = _sync(trainer, pool_name, namespace)  # the pool starts from the trainer's exact weights
@@ -142,13 +146,17 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             rewards, samples = _score(task, rows, prompts, rollouts, rc.n, tc.scale_advantages)
             plans, tokens = split_for_ranks(samples, tc.num_ranks, tc.mini_batches, tc.micro_batch_size, pad_id)
             t2 = time.perf_counter()
+            if colocated:  # the engines' memory goes to the trainer; the weight push wakes them
+                client.sleep()
+            t_slept = time.perf_counter() if colocated else t2
             results = trainer.train_step(plans, tokens)
             t3 = time.perf_counter()
             sync = _sync(trainer, pool_name, namespace)
             cursor += trc.prompts_per_step
 
             metrics = step_metrics(rollouts, rewards, results, sum(tokens),
-                                   {"rollout": t1 - t0, "train": t3 - t2, "sync": sync["seconds"]})
+                                   {"rollout": t1 - t0, "train": t3 - t_slept, "sync": sync["seconds"],
+                                    "sleep": t_slept - t2})
             metrics.update({"data/cursor": cursor, "rollout/digest": rollouts_digest(rollouts),
                             "weights/digest": sync["digest"], "weights/transport": sync["transport"]})
             if trc.save_rollouts:
@@ -170,7 +178,27 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             trainer.close()
         if pool is not None:
             pool.shutdown()
+        if shared is not None:
+            release(shared)
     return {"run_dir": str(run_dir), "records": records}
+
+
+def colocated_bundles(cfg: RecipeConfig):
+    """The colocated placement's placement group: bundle i holds rollout worker i and trainer rank i,
+    with room for both actors' CPUs and one GPU (on GPU runs) that they share."""
+    w, t = cfg.rollout.resources_per_worker, cfg.trainer.resources_per_rank
+    cpus = w.get("num_cpus", 1) + t.get("num_cpus", 1)
+    gpus = w.get("num_gpus", 0) + t.get("num_gpus", 0)
+    if cfg.trainer.device == "cuda" and not 0 < t.get("num_gpus", 0) < 1:
+        raise ValueError("placement: colocated on GPUs needs trainer.resources_per_rank.num_gpus, a share below 1 "
+                         "(the rollout worker takes the rest)")
+    if gpus > 1:
+        raise ValueError(f"placement: colocated shares one GPU per bundle: the worker's and the rank's num_gpus "
+                         f"add up to {gpus} > 1")
+    bundle = {"CPU": cpus, **({"GPU": 1} if gpus else {})}
+    group = reserve([bundle] * cfg.trainer.num_ranks, cfg.trainer.placement_strategy)
+    ray.get(group.ready())
+    return group
 
 
 def _say(msg: str) -> None:
@@ -224,6 +252,7 @@ def main(argv=None) -> dict:
               f"max |Δ logprob| {last['rollout_train/max_abs_logprob_diff']}"
               + (f", routing agreement {last['rollout_train/routing_agreement']}"
                  if "rollout_train/routing_agreement" in last else ""))
+        print(step_split(result["records"]))
     run_dir = result["run_dir"]
     print(f"run directory: {run_dir}")
     plot = f"python -m recipes.plot {shlex.quote(run_dir)} --out {shlex.quote(os.path.join(run_dir, 'curves.png'))}"

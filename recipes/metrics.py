@@ -94,6 +94,7 @@ def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_toke
         "perf/rollout_s": times["rollout"],
         "perf/train_s": times["train"],
         "perf/weight_sync_s": times["sync"],
+        "perf/sleep_s": times.get("sleep", 0.0),  # colocated: the engines releasing their memory
         "perf/rollout_tokens_per_s": gen_tokens / max(times["rollout"], 1e-9),
         "perf/train_tokens_per_s": sum(r["tokens"] for r in results) / max(times["train"], 1e-9),
     }
@@ -107,7 +108,21 @@ def step_line(metrics: dict) -> str:
             f"mismatched {metrics['rollout_train/mismatched_tokens']}  "
             + ("" if routing is None else
                f"routing {routing:.2%} ({metrics['rollout_train/routing_mismatches']} differ)  ")
-            + f"{metrics['perf/step_s']:.1f}s")
+            + f"{metrics['perf/step_s']:.1f}s (rollout {metrics['perf/rollout_s']:.1f}s, "
+              f"train {metrics['perf/train_s']:.1f}s, sync {metrics['perf/weight_sync_s']:.2f}s)")
+
+
+def step_split(records: list[dict]) -> str:
+    """Where a run's steps went: mean seconds of rollout, train, weight sync and step, after the first
+    step (compiles and warms caches) when there are more."""
+    steady = records[1:] or records
+    mean = {k: sum(r[f"perf/{k}_s"] for r in steady) / len(steady)
+            for k in ("rollout", "train", "weight_sync", "sleep", "step")}
+    share = mean["weight_sync"] / mean["step"] if mean["step"] else 0.0
+    return (f"per step over {len(steady)} step(s){' after the first' if len(records) > 1 else ''}: "
+            f"{mean['step']:.2f}s = rollout {mean['rollout']:.2f}s + train {mean['train']:.2f}s + "
+            f"weight sync {mean['weight_sync']:.2f}s ({share:.1%})"
+            + (f" + engine sleep {mean['sleep']:.2f}s" if mean["sleep"] else "") + " + the rest")
 
 
 class StepProgress:

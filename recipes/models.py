@@ -16,7 +16,7 @@ def initial_model(cfg: RecipeConfig, tokenizer) -> torch.nn.Module:
     """
     spec = cfg.model
     if spec.source == "tiny":
-        model = tiny_model(seed=cfg.seed, vocab_size=len(tokenizer), **spec.tiny_options())
+        model = tiny_model(seed=cfg.seed, vocab_size=spec.vocab_size or len(tokenizer), **spec.tiny_options())
     elif spec.source == "hf":
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=torch.bfloat16)

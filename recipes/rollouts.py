@@ -56,17 +56,35 @@ def group_requests(prompts: list[list[int]], indices: list[int], step: int, roll
     return all_prompts, all_params
 
 
+def worker_backend(rollout: RolloutConfig) -> str:
+    """The engine the rollout workers will run ("vllm" on GPUs where vLLM is installed, else "native")."""
+    engine = rollout.engine
+    device = engine.get("device") or ("cuda" if rollout.resources_per_worker.get("num_gpus", 0) else "cpu")
+    tp = engine.get("tensor_parallel_size", 1)
+    return engine_backend(engine.get("backend", "auto"), device, tp)
+
+
+def engine_options(cfg) -> dict:
+    """rollout.engine, plus what the run's numerics and placement ask of a vLLM worker: the stock
+    engine alone for numerics stock, sleep mode for the colocated placement. The native engine needs
+    neither: its `off` mode is already its fast path alone, and it has no memory to release."""
+    options = dict(cfg.rollout.engine)
+    if worker_backend(cfg.rollout) == "vllm":
+        if cfg.numerics == "stock":
+            options.setdefault("stock_only", True)
+        if cfg.placement == "colocated":
+            options.setdefault("sleep_mode", True)
+    return options
+
+
 def records_routing(rollout: RolloutConfig, model) -> bool:
     """Whether rollouts record their MoE routing: rollout.return_routed_experts, or when that is null,
     for an MoE policy on workers that can: the native engine without tensor parallelism (the vLLM
     backend refuses the flag; TP does not record routing yet)."""
     if rollout.return_routed_experts is not None:
         return rollout.return_routed_experts
-    engine = rollout.engine
-    device = engine.get("device") or ("cuda" if rollout.resources_per_worker.get("num_gpus", 0) else "cpu")
-    tp = engine.get("tensor_parallel_size", 1)
-    return moe_spec(model.config) is not None and tp == 1 and engine_backend(
-        engine.get("backend", "auto"), device, tp) == "native"
+    tp = rollout.engine.get("tensor_parallel_size", 1)
+    return moe_spec(model.config) is not None and tp == 1 and worker_backend(rollout) == "native"
 
 
 def rollouts_digest(rollouts: list[Rollout]) -> str:

@@ -25,7 +25,7 @@ import kernels as K
 from rollout_service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,
                                          iter_full_tensors)
 from rollout_service.weights import state_dict_digest
-from trainer_patch import patch_model, token_logprobs
+from trainer_patch import patch_model, stock_token_logprobs, token_logprobs
 
 from .config import TrainerConfig
 from .grpo_loss import clipped_pg_loss
@@ -35,8 +35,9 @@ from .metrics import logprob_agreement, routing_agreement
 class TrainerRank:
     """One rank. Created by TrainerGroup as a Ray actor; every method except `address` is collective."""
 
-    def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, temperature: float):
-        self.rank, self.world, self.cfg = rank, world_size, cfg
+    def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, temperature: float,
+                 numerics: str = "canonical"):
+        self.rank, self.world, self.cfg, self.numerics = rank, world_size, cfg, numerics
         self.temperature = float(temperature) if temperature > 0 else 1.0
         torch.set_num_threads(cfg.torch_threads or 1)
         # The patched root returns a view of the logits; nothing here modifies it in place.
@@ -62,7 +63,10 @@ class TrainerRank:
         model = model.to(self.device)
         for p in model.parameters():  # float32 master weights (the canonical forward reads no buffers)
             p.data = p.data.float()
-        patch_model(model)
+        if self.numerics == "canonical":
+            patch_model(model)
+        else:  # the stock arm: the model's own forward with its best stock attention
+            model.config._attn_implementation = "sdpa"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -71,11 +75,15 @@ class TrainerRank:
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=tuple(self.cfg.betas),
                                      weight_decay=self.cfg.weight_decay)
-        return {"num_params": sum(p.numel() for p in model.parameters()), "canonical": K.canonical_config(self.device)}
+        canonical = K.canonical_config(self.device) if self.numerics == "canonical" else None
+        return {"num_params": sum(p.numel() for p in model.parameters()), "canonical": canonical}
 
     # -- training --------------------------------------------------------------------------------
 
     def _logprobs(self, mb: dict, routing: list | None = None) -> torch.Tensor:
+        if self.numerics == "stock":
+            return stock_token_logprobs(self.model, mb["input_ids"].to(self.device),
+                                        mb["attention_mask"].to(self.device), temperature=self.temperature)
         return token_logprobs(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
                               temperature=self.temperature, routing=routing)
 
@@ -226,29 +234,37 @@ class TrainerRank:
 class TrainerGroup:
     """Driver-side handle: starts the ranks, forms the process group, fans calls out to all ranks."""
 
-    def __init__(self, cfg: TrainerConfig, model: torch.nn.Module, temperature: float):
+    def __init__(self, cfg: TrainerConfig, model: torch.nn.Module, temperature: float, numerics: str = "canonical",
+                 colocate_with=None):
+        """colocate_with: a placement group with one bundle per rank (the colocated placement): rank r
+        takes a share of bundle r, which it shares with rollout worker r."""
         import ray
 
         self.world = cfg.num_ranks
         opts = {"num_cpus": 1, **cfg.resources_per_rank}
         self.placement = None
         per_rank = [dict(opts) for _ in range(self.world)]
-        if cfg.device == "cuda":
+        if colocate_with is not None:
+            from rollout_service.ray_cluster import on_bundle
+            per_rank = [dict(opts, scheduling_strategy=on_bundle(colocate_with, r)) for r in range(self.world)]
+        elif cfg.device == "cuda":
             from rollout_service.ray_cluster import on_bundle, reserve
             opts.setdefault("num_gpus", 1)
             # One node where possible: NCCL stays intra-node and checkpoints land on one disk.
             bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"]}
-            self.placement = reserve([bundle] * self.world, cfg.placement)
+            self.placement = reserve([bundle] * self.world, cfg.placement_strategy)
             ray.get(self.placement.ready())
             per_rank = [dict(opts, scheduling_strategy=on_bundle(self.placement, r)) for r in range(self.world)]
         actor = ray.remote(TrainerRank)
-        self.ranks = [actor.options(**per_rank[r]).remote(r, self.world, cfg, temperature) for r in range(self.world)]
+        self.ranks = [actor.options(**per_rank[r]).remote(r, self.world, cfg, temperature, numerics)
+                      for r in range(self.world)]
         try:
             addr, port = ray.get(self.ranks[0].address.remote())
             model_ref = ray.put(model)
             infos = ray.get([a.setup.remote(addr, port, model_ref) for a in self.ranks])
             self.num_params = infos[0]["num_params"]
-            self.canonical = K.check_canonical({f"trainer rank {r}": info["canonical"] for r, info in enumerate(infos)})
+            self.canonical = None if numerics == "stock" else K.check_canonical(
+                {f"trainer rank {r}": info["canonical"] for r, info in enumerate(infos)})
         except BaseException:
             self.kill()
             raise

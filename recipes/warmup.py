@@ -23,28 +23,29 @@ def sft_batch(examples: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor
 
 
 def supervised_warmup(model: torch.nn.Module, examples: list[tuple[list[int], list[int]]], steps: int,
-                      lr: float = 3e-3, batch_size: int = 64, seed: int = 0) -> torch.nn.Module:
-    """`steps` AdamW steps on (prompt ids, target ids) pairs; returns a new bf16 model."""
+                      lr: float = 3e-3, batch_size: int = 64, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
+    """`steps` AdamW steps on (prompt ids, target ids) pairs on `device`; returns a new bf16 model on
+    the host."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: extra threads only add contention
     try:
-        return _train(model, examples, steps, lr, batch_size, seed)
+        return _train(model, examples, steps, lr, batch_size, seed, torch.device(device))
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(model, examples, steps, lr, batch_size, seed):
-    work = copy.deepcopy(model).float().train()
+def _train(model, examples, steps, lr, batch_size, seed, device):
+    work = copy.deepcopy(model).to(device).float().train()
     opt = torch.optim.AdamW(work.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         pick = torch.randint(0, len(examples), (batch_size,), generator=gen).tolist()
         ids, labels = sft_batch([examples[i] for i in pick])
-        loss = work(input_ids=ids, labels=labels).loss
+        loss = work(input_ids=ids.to(device), labels=labels.to(device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return work.to(torch.bfloat16).eval()
+    return work.to("cpu", torch.bfloat16).eval()
 
 
 def answer_examples(task) -> list[tuple[list[int], list[int]]]:

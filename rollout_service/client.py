@@ -126,6 +126,14 @@ class RolloutClient:
     def weights_digest(self) -> str:
         return ray.get(self._pool.weights_digest.remote())
 
+    def sleep(self) -> None:
+        """Release the engines' GPU memory while another job (a colocated trainer) uses it: requests
+        finish first; the next request or weight push wakes an engine, wake() does it ahead of time."""
+        _unwrapped(self._pool.sleep.remote())
+
+    def wake(self) -> None:
+        _unwrapped(self._pool.wake.remote())
+
     def stats(self) -> dict:
         """Request counts, requests in flight, the weights digest, and each worker's state."""
         return ray.get(self._pool.stats.remote())

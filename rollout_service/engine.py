@@ -263,6 +263,14 @@ class Engine:
     def finish_weight_load(self) -> None:
         self.fast_path.update_weights(self.model.state_dict())
 
+    # The native engine's KV cache and graphs are allocated once and kept: sleep releases nothing
+    # (a colocated native worker keeps its memory while the trainer steps; vLLM engines free theirs).
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
     def capture_graphs(self) -> int:
         """Capture all decode / verify-window CUDA graphs now rather than on first use (CUDA only)."""
         runners = (self.canonical_runner, getattr(self.fast_path, "runner", None))

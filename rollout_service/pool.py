@@ -33,9 +33,10 @@ class _PoolActor:
     Lives in a named actor so that any driver can find it."""
 
     def __init__(self, num_workers: int, engine_kwargs: dict | None, resources_per_worker: dict | None,
-                 placement_group_bundles: list[dict] | None, placement_strategy: str, max_retries: int):
+                 placement_group_bundles: list[dict] | None, placement_strategy: str, max_retries: int,
+                 colocate_with=None):
         self.workers = WorkerSupervisor(num_workers, engine_kwargs, resources_per_worker, placement_group_bundles,
-                                        placement_strategy)
+                                        placement_strategy, colocate_with)
         self._max_retries = max_retries
         self._in_flight = 0
         self._active: dict[str, WorkerSlot | None] = {}
@@ -301,6 +302,13 @@ class _PoolActor:
         return {**self._counts, "in_flight": self._in_flight, "digest": self.workers.digest,
                 "workers": self.workers.worker_stats()}
 
+    async def sleep(self) -> None:
+        """Every serving worker's engine releases its memory (see RolloutWorker.sleep)."""
+        await asyncio.gather(*(s.actor.sleep.remote() for s in self.workers.receivers()))
+
+    async def wake(self) -> None:
+        await asyncio.gather(*(s.actor.wake.remote() for s in self.workers.receivers()))
+
     async def worker_handles(self) -> list:
         return [s.actor for s in self.workers.slots]
 
@@ -316,7 +324,7 @@ _PoolActorRemote = ray.remote(_PoolActor)
 def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs: dict | None = None,
                resources_per_worker: dict | None = None, placement_group_bundles: list[dict] | None = None,
                placement_strategy: str = "STRICT_PACK", namespace: str = DEFAULT_NAMESPACE, detached: bool = False,
-               max_retries: int = 3, start_timeout_s: float = 120.0) -> RolloutClient:
+               max_retries: int = 3, start_timeout_s: float = 120.0, colocate_with=None) -> RolloutClient:
     """Start `num_workers` RolloutWorker actors behind a pool actor named `name`; returns the owning
     client (`with start_pool(...) as pool:` shuts it down on exit).
 
@@ -325,7 +333,9 @@ def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs
     engine runs on "cuda" unless engine_kwargs names a device. placement_group_bundles (e.g.
     [{"GPU": 1, "CPU": 1}] * tp) gives each worker its own placement group (placement_strategy,
     STRICT_PACK: one node): the worker takes bundle 0, and actors it starts (tensor-parallel ranks)
-    are captured in the group. A detached pool outlives its creating driver; shut it down with
+    are captured in the group. colocate_with: a placement group of the caller's with a bundle per
+    worker, e.g. one GPU each, that other actors share (a colocated trainer rank on each): worker i
+    takes resources_per_worker out of bundle i. A detached pool outlives its creating driver; shut it down with
     RolloutClient(name).shutdown().
 
     It returns or raises within start_timeout_s: TimeoutError naming the resources each worker asks
@@ -343,6 +353,9 @@ def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs
         raise TypeError(f"model must be a Hugging Face model, a local checkpoint path or 'tiny:<arch>', "
                         f"got {type(model).__name__}")
     split_worker_options(engine_kwargs)  # tensor_parallel_size / backend checked here, once
+    if colocate_with is not None and (placement_group_bundles or len(colocate_with.bundle_specs) < num_workers):
+        raise ValueError(f"colocate_with needs a bundle per worker ({num_workers}), has "
+                         f"{len(colocate_with.bundle_specs)}, and excludes placement_group_bundles")
     check_model_source(model)  # a missing path, a bad config or a truncated file: raised here, at once
     ensure_ray()
     options = dict(name=name, namespace=namespace, num_cpus=0, max_concurrency=MAX_CONCURRENCY)
@@ -351,7 +364,7 @@ def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs
     try:
         actor = _PoolActorRemote.options(**options).remote(
             num_workers, engine_kwargs, resources_per_worker, placement_group_bundles,
-            placement_strategy, max_retries)
+            placement_strategy, max_retries, colocate_with)
     except ValueError as e:
         raise ValueError(f"cannot create rollout pool {name!r} in namespace {namespace!r}: {e}") from e
     if isinstance(start_timeout_s, bool) or not isinstance(start_timeout_s, (int, float)) or start_timeout_s <= 0:

@@ -58,7 +58,8 @@ class WorkerSupervisor:
     """The workers of one pool and the weights every one of them must hold (`digest`)."""
 
     def __init__(self, num_workers: int, engine_kwargs: dict | None, resources_per_worker: dict | None,
-                 placement_group_bundles: list[dict] | None, placement_strategy: str):
+                 placement_group_bundles: list[dict] | None, placement_strategy: str, colocate_with=None):
+        self._colocate_with = colocate_with  # a caller's placement group: worker i on its bundle i
         self._engine_kwargs = dict(engine_kwargs or {})
         if resources_per_worker is None and placement_group_bundles:
             # by default the worker takes exactly its bundle (bundle 0) of the group
@@ -180,7 +181,9 @@ class WorkerSupervisor:
         if self.closed:
             raise RuntimeError("the rollout pool is shut down")
         opts = dict(self._resources, max_concurrency=MAX_CONCURRENCY)
-        if self._bundles:
+        if self._colocate_with is not None:
+            opts["scheduling_strategy"] = on_bundle(self._colocate_with, slot.index)
+        elif self._bundles:
             if slot.placement is None:  # kept across restarts: the replacement reuses its reservation
                 slot.placement = reserve(self._bundles, self._strategy)
             await slot.placement.ready()

@@ -40,12 +40,16 @@ class VLLMEngine:
     (default: this process; False: its own, started by spawning on CUDA, compat.core_start_method).
     stock_memory_share: with stock_for_off on a GPU, the part of gpu_memory_utilization the stock
     engine gets, the canonical engine the rest (a worker whose traffic is mostly `off` gives it more;
-    its KV cache, and so how many `off` sequences run at once, follows)."""
+    its KV cache, and so how many `off` sequences run at once, follows). stock_only: the stock engine
+    alone, with all of gpu_memory_utilization (the stock pipeline's workers; requests other than `off`
+    are refused). sleep_mode: build the engines with vLLM's sleep mode on a GPU, so that sleep()
+    releases their memory (colocated placement)."""
 
     def __init__(self, model, *, device: str = "cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
                  copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None,
-                 stock_in_process: bool = True, stock_memory_share: float = 0.5):
+                 stock_in_process: bool = True, stock_memory_share: float = 0.5, stock_only: bool = False,
+                 sleep_mode: bool = False):
         from .vllm_plugin import HF_OVERRIDES, graph_options, register
 
         if isinstance(stock_memory_share, bool) or not isinstance(stock_memory_share, (int, float)) \
@@ -64,12 +68,15 @@ class VLLMEngine:
         register()  # the canonical engine's core runs in this process, where the entry point may not have run
         common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                       tensor_parallel_size=tensor_parallel_size, **(vllm_options or {}))
-        stock_share = gpu_memory_utilization * stock_memory_share if stock_for_off else 0.0
+        if sleep_mode and self.device.type == "cuda":  # vLLM's CPU build has no sleep mode
+            common["enable_sleep_mode"] = True
+        stock_for_off = stock_for_off or stock_only
+        stock_share = gpu_memory_utilization * (1.0 if stock_only else stock_memory_share) if stock_for_off else 0.0
         self.stock = VLLMFastPath(self._tmpdir, stock_sampler=True, in_process=stock_in_process,
                                   **self._sized(common, stock_share)) if stock_for_off else None
-        self.canonical = VLLMFastPath(self._tmpdir, hf_overrides=dict(HF_OVERRIDES),
-                                      **graph_options(cuda_graphs and self.device.type == "cuda"),
-                                      **self._sized(common, gpu_memory_utilization - stock_share))
+        self.canonical = None if stock_only else VLLMFastPath(
+            self._tmpdir, hf_overrides=dict(HF_OVERRIDES), **graph_options(cuda_graphs and self.device.type == "cuda"),
+            **self._sized(common, gpu_memory_utilization - stock_share))
         self._ids = itertools.count()
         self._where: dict[int, VLLMFastPath] = {}  # request id -> the engine serving it
         self._prompts: dict[int, list[int]] = {}
@@ -88,6 +95,9 @@ class VLLMEngine:
         if params.return_routed_experts:
             raise InvalidRequestError("return_routed_experts: the vLLM backend does not record MoE routing; "
                                       "use the native engine (engine_kwargs={'backend': 'native'})")
+        if self.canonical is None and params.determinism != "off":
+            raise InvalidRequestError(f"determinism {params.determinism!r}: this worker runs the stock engine "
+                                      "alone (stock_only=True), which serves only determinism='off'")
         rid = next(self._ids)
         stock = self.stock is not None and params.determinism == "off"
         target = self.stock if stock else self.canonical
@@ -168,6 +178,15 @@ class VLLMEngine:
     def finish_weight_load(self) -> None:
         for target in self._targets():
             target.finish_weight_load()
+
+    def sleep(self) -> None:
+        """Release each vLLM engine's GPU memory (vLLM's sleep mode, where it was enabled)."""
+        for target in self._targets():
+            target.sleep()
+
+    def wake(self) -> None:
+        for target in self._targets():
+            target.wake()
 
     def weights_digest(self) -> str:
         return model_digest(self.model)

@@ -97,6 +97,7 @@ class RolloutWorker:
         self._early_aborts = EarlyCancels()
         self._updating = False
         self._ticking = False
+        self._asleep = False  # engine memory released (sleep); touched only on the engine thread
         self._completed = 0
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
@@ -259,6 +260,7 @@ class RolloutWorker:
 
     def _tick(self, admit, aborts):
         """One engine round on the engine thread: admit, abort, step."""
+        self._wake_engine()
         added = []
         for key, prompt, params in admit:
             try:
@@ -302,6 +304,7 @@ class RolloutWorker:
         await self._update_lock.acquire()
         try:
             await self._drain()
+            await self._call(self._wake_engine)
             device = getattr(self._engine, "device", torch.device("cpu"))
             if not hasattr(self._engine, "load_named_weights"):
                 raise ValueError("this worker's engine takes no bucketed pushes")
@@ -356,10 +359,41 @@ class RolloutWorker:
     async def weights_digest(self) -> str:
         return await self._call(self._engine.weights_digest)
 
+    # -- sleep (colocated placement) ---------------------------------------------------------------
+    # Rule: sleeping is the engine's memory released for another process on the GPU (a trainer
+    # rank), never a state a caller must undo: the engine thread wakes the engine before any work
+    # that needs it (a request, a weight load), so a forgotten wake() costs time, not an error.
+
+    async def sleep(self) -> None:
+        """Finish what the engine holds, then release its memory (vLLM's sleep mode: KV cache freed,
+        weights offloaded to the host; nothing on CPU or in the native engine)."""
+        self._start()
+        async with self._update_lock:
+            await self._drain()
+            try:
+                await self._call(self._sleep_engine)
+            finally:
+                self._resume()
+
+    async def wake(self) -> None:
+        self._start()
+        await self._call(self._wake_engine)
+
+    def _sleep_engine(self) -> None:
+        if not self._asleep:
+            self._engine.sleep()
+            self._asleep = True
+
+    def _wake_engine(self) -> None:
+        if self._asleep:
+            self._engine.wake()
+            self._asleep = False
+
     def _model(self):
         return self._engine.model if self._full_model is None else self._full_model
 
     def _update_weights(self, state_dict, expected_digest: str | None) -> str:
+        self._wake_engine()
         digest = self._engine.update_weights(state_dict, expected_digest=expected_digest)
         if self._full_model is not None:
             load_weights(self._full_model, state_dict)

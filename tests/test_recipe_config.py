@@ -33,7 +33,7 @@ def _get(cfg, dotted: str):
     return cfg
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "tiny_moe.yaml", "gsm8k_qwen.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "tiny_moe.yaml", "gsm8k_qwen.yaml", "gpu_colocated.yaml", "gpu_split.yaml"])
 def test_shipped_configs_load_with_every_value(name):
     raw = coerce_numbers(yaml.safe_load((CONFIGS / name).read_text()))
     cfg = load_config(CONFIGS / name)
@@ -132,3 +132,14 @@ def test_malformed_override_is_named():
         load_config(TINY, ["trainer.betas=[0.9"])
     with pytest.raises(ConfigError, match="not key=value"):
         load_config(TINY, ["trainer.lr"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["numerics=stock"], r"numerics: stock needs trainer.old_logprobs=recompute"),
+    (["numerics=stock", "trainer.old_logprobs=recompute"], r"numerics: stock runs rollout.determinism=off"),
+    (["placement=colocated", "rollout.num_workers=1"], r"rollout.num_workers \(1\) must equal trainer.num_ranks \(2\)"),
+    (["placement=together"], r"placement must be one of split, colocated"),
+])
+def test_numerics_and_placement_settings_that_do_not_fit_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(CONFIGS / "tiny.yaml", overrides)

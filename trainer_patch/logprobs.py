@@ -42,3 +42,16 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     if attention_mask is not None:
         logp = torch.where(mask[:, 1:], logp, 0.0)
     return logp
+
+
+def stock_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         temperature: float = 1.0) -> torch.Tensor:
+    """The same quantity from an unpatched Hugging Face model, the way stock RL trainers compute it
+    (the stock arm of the recipe): its own forward (SDPA attention, cuBLAS matmuls), logits in
+    float32 divided by the temperature (greedy: 1), log_softmax, gathered at the next tokens. It does
+    not equal a rollout engine's log-probs bit for bit; that difference is what the recipe measures."""
+    mask = attention_mask.to(input_ids.device)
+    logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float()
+    logp = torch.log_softmax(logits / (float(temperature) or 1.0), dim=-1)
+    logp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.where(mask[:, 1:].bool(), logp, 0.0)

@@ -171,6 +171,8 @@ class VLLMFastPath:
                            skip_tokenizer_init=True, enable_prefix_caching=True,
                            worker_extension_cls=WORKER_EXTENSION, **sampler, **llm_options)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self._sleep_mode = bool(llm_options.get("enable_sleep_mode")) and not _on_cpu()
+        self._asleep = False
 
     # -- FastPath protocol --------------------------------------------------------------------
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
@@ -242,6 +244,18 @@ class VLLMFastPath:
                     chunk, size, k = {}, 0, k + 1
 
     # -- extras ---------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """vLLM's sleep mode, level 1 (KV cache freed, weights offloaded to pinned host memory), on
+        engines built with enable_sleep_mode=True on a GPU; otherwise nothing to release."""
+        if self._sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
     def capture(self, on: bool = True) -> list[dict]:
         """Switch recording of (params, position, logits row, chosen token, log-prob) per processed
         row on or off; returns the records kept since the previous call (first worker)."""

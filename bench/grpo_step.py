@@ -1,0 +1,99 @@
+"""GRPO step time, zero KL against the stock arm, on the same data, model, batch and optimizer; JSON.
+
+    python -m bench.grpo_step --config recipes/configs/gpu_colocated.yaml --steps 11 --rounds 2
+    python -m bench.grpo_step --config recipes/configs/gpu_split.yaml --steps 11
+    python -m bench.grpo_step --steps 3 --rounds 1 --device cpu          # a smoke run of the tiny config
+
+Each round runs the recipe once per arm, taking turns (these machines are noisy): `canonical` (the
+config as it is, KL 0) and `stock` (numerics=stock: the stock engine's rollouts, the unpatched model
+under FSDP2, old log-probs recomputed). Per arm and round: the median over the steps after the first
+(compiles, warm caches) of rollout, train, weight sync, engine sleep and step seconds, tokens/s, and
+the largest KL and max |Δ log-prob| of any step; per round the paired ratio stock step / canonical
+step (above 1: zero KL is faster). Progress goes to stderr, the JSON to stdout; --plot draws the split.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from recipes.metrics import read_metrics
+
+ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"]}
+PARTS = ("rollout", "train", "weight_sync", "sleep", "step")
+CPU_SMOKE = ["warmup.steps=10", "train.prompts_per_step=8", "metrics.wandb=false"]
+
+
+def run_arm(config: str, arm: str, steps: int, extra: list[str], run_dir: Path) -> list[dict]:
+    cmd = [sys.executable, "-m", "recipes.grpo", "--config", config, "--no-progress", "--run-dir", str(run_dir),
+           f"train.steps={steps}", "train.save_every=0", "metrics.wandb=false", *ARMS[arm], *extra]
+    print(f"[bench] {arm}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
+    return read_metrics(run_dir)
+
+
+def summarise(records: list[dict]) -> dict:
+    steady = records[1:] or records
+    out = {f"{p}_s": statistics.median(r[f"perf/{p}_s"] for r in steady) for p in PARTS}
+    out["rollout_tokens_per_s"] = statistics.median(r["perf/rollout_tokens_per_s"] for r in steady)
+    out["train_tokens_per_s"] = statistics.median(r["perf/train_tokens_per_s"] for r in steady)
+    out["sync_share"] = out["weight_sync_s"] / out["step_s"]
+    out["max_kl"] = max(abs(r["rollout_train/kl"]) for r in records)
+    out["max_abs_logprob_diff"] = max(r["rollout_train/max_abs_logprob_diff"] for r in records)
+    out["reward_first_last"] = [records[0]["reward/mean"], records[-1]["reward/mean"]]
+    out["steps"] = len(records)
+    return out
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rounds = result["rounds"]
+    labels = [f"{arm} r{i}" for i, r in enumerate(rounds) for arm in r if arm in ARMS]
+    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 2, 4))
+    bottom = [0.0] * len(labels)
+    for part in ("rollout", "train", "weight_sync", "sleep"):
+        vals = [r[arm][f"{part}_s"] for r in rounds for arm in r if arm in ARMS]
+        ax.bar(labels, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    rest = [r[arm]["step_s"] - b for (r, arm), b in zip([(r, a) for r in rounds for a in r if a in ARMS], bottom)]
+    ax.bar(labels, rest, bottom=bottom, label="other")
+    ax.set_ylabel("seconds per GRPO step (median)")
+    ax.set_title(f"{result['config']}: zero KL vs stock")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="recipes/configs/tiny.yaml")
+    ap.add_argument("--steps", type=int, default=11, help="per run; the first is left out of the medians")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the tiny config, a smoke run")
+    ap.add_argument("--plot", default=None, help="a PNG of each arm's step split")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value, given to both arms")
+    args = ap.parse_args()
+    extra = (CPU_SMOKE if args.device == "cpu" else []) + args.overrides
+    result = {"config": args.config, "steps": args.steps, "overrides": args.overrides, "rounds": []}
+    with tempfile.TemporaryDirectory(prefix="zerokl-bench-grpo-") as tmp:
+        for i in range(args.rounds):
+            row = {}
+            for arm in ARMS:
+                row[arm] = summarise(run_arm(args.config, arm, args.steps, extra, Path(tmp) / f"{arm}-{i}"))
+            row["stock_over_canonical_step"] = row["stock"]["step_s"] / row["canonical"]["step_s"]
+            result["rounds"].append(row)
+    ratios = [r["stock_over_canonical_step"] for r in result["rounds"]]
+    result["stock_over_canonical_step_median"] = statistics.median(ratios)
+    print(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
+
+
+if __name__ == "__main__":
+    main()
