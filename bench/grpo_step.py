@@ -7,7 +7,8 @@
 Each round runs the recipe once per arm, taking turns (these machines are noisy): `canonical` (the
 config as it is, KL 0) and `stock` (numerics=stock: the stock engine's rollouts, the unpatched model
 under FSDP2, old log-probs recomputed). Per arm and round: the median over the steps after the first
-(compiles, warm caches) of rollout, train, weight sync, engine sleep and step seconds, tokens/s, and
+(compiles, warm caches) of rollout, train, weight sync, engine sleep and step seconds (checkpoint
+writes left out), tokens/s, and
 the largest KL and max |Δ log-prob| of any step; per round the paired ratio stock step / canonical
 step (above 1: zero KL is faster). Progress goes to stderr, the JSON to stdout; --plot draws the split.
 """
@@ -38,7 +39,8 @@ def run_arm(config: str, arm: str, steps: int, extra: list[str], run_dir: Path) 
 
 def summarise(records: list[dict]) -> dict:
     steady = records[1:] or records
-    out = {f"{p}_s": statistics.median(r[f"perf/{p}_s"] for r in steady) for p in PARTS}
+    out = {f"{p}_s": statistics.median(r[f"perf/{p}_s"] for r in steady) for p in PARTS if p != "step"}
+    out["step_s"] = statistics.median(r["perf/step_s"] - r["perf/checkpoint_s"] for r in steady)  # no checkpoints
     out["rollout_tokens_per_s"] = statistics.median(r["perf/rollout_tokens_per_s"] for r in steady)
     out["train_tokens_per_s"] = statistics.median(r["perf/train_tokens_per_s"] for r in steady)
     out["sync_share"] = out["weight_sync_s"] / out["step_s"]

@@ -60,12 +60,14 @@ def _run_dir(cfg: RecipeConfig, ckpt: Path | None) -> Path:
 
 def _starting_model(cfg: RecipeConfig, task, resumed: bool) -> torch.nn.Module:
     """The initial policy; a resumed run loads its checkpoint over it, so no warm-up then."""
-    model = initial_model(cfg, task.tokenizer)
     warm = cfg.warmup
+    # built where the warm-up runs: a 1.5B model initialises in a second on a GPU, a minute on a CPU
+    with torch.device(warm.device if not resumed and warm.steps > 0 else "cpu"):
+        model = initial_model(cfg, task.tokenizer)
     if not resumed and warm.steps > 0:
         model = supervised_warmup(model, answer_examples(task), warm.steps, lr=warm.lr,
                                   batch_size=warm.batch_size, seed=cfg.seed, device=warm.device)
-    return model
+    return model.cpu()
 
 
 def _sync(trainer, pool_name: str, namespace: str) -> dict:
@@ -162,10 +164,12 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             if trc.save_rollouts:
                 _save_rollouts(run_dir, step, rollouts, rewards.view(-1).tolist())
             every = trc.save_every
+            t_save = time.perf_counter()
             if step == trc.steps or (every and step % every == 0):
                 path = checkpoint_dir(run_dir, step)
                 trainer.save(str(path / "trainer"))
                 write_state(path, {"step": step, "cursor": cursor, "digest": sync["digest"]}, cfg)
+            metrics["perf/checkpoint_s"] = time.perf_counter() - t_save
             metrics["perf/step_s"] = time.perf_counter() - t_step
             logger.log(step, metrics)
             records.append({"step": step, **metrics})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import netrc
+import statistics
 import os
 import sys
 import time
@@ -113,16 +114,17 @@ def step_line(metrics: dict) -> str:
 
 
 def step_split(records: list[dict]) -> str:
-    """Where a run's steps went: mean seconds of rollout, train, weight sync and step, after the first
-    step (compiles and warms caches) when there are more."""
+    """Where a run's steps went: median seconds of rollout, train, weight sync and step (checkpoint
+    writes left out), after the first step (compiles and warms caches) when there are more."""
     steady = records[1:] or records
-    mean = {k: sum(r[f"perf/{k}_s"] for r in steady) / len(steady)
-            for k in ("rollout", "train", "weight_sync", "sleep", "step")}
-    share = mean["weight_sync"] / mean["step"] if mean["step"] else 0.0
-    return (f"per step over {len(steady)} step(s){' after the first' if len(records) > 1 else ''}: "
-            f"{mean['step']:.2f}s = rollout {mean['rollout']:.2f}s + train {mean['train']:.2f}s + "
-            f"weight sync {mean['weight_sync']:.2f}s ({share:.1%})"
-            + (f" + engine sleep {mean['sleep']:.2f}s" if mean["sleep"] else "") + " + the rest")
+    parts = {k: [r[f"perf/{k}_s"] for r in steady] for k in ("rollout", "train", "weight_sync", "sleep")}
+    parts["step"] = [r["perf/step_s"] - r.get("perf/checkpoint_s", 0.0) for r in steady]
+    med = {k: statistics.median(v) for k, v in parts.items()}
+    share = med["weight_sync"] / med["step"] if med["step"] else 0.0
+    return (f"median step over {len(steady)} step(s){' after the first' if len(records) > 1 else ''}: "
+            f"{med['step']:.2f}s = rollout {med['rollout']:.2f}s + train {med['train']:.2f}s + "
+            f"weight sync {med['weight_sync']:.2f}s ({share:.1%})"
+            + (f" + engine sleep {med['sleep']:.2f}s" if med["sleep"] else "") + " + the rest")
 
 
 class StepProgress:

@@ -45,7 +45,11 @@ def _train(model, examples, steps, lr, batch_size, seed, device):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return work.to("cpu", torch.bfloat16).eval()
+    model = work.to("cpu", torch.bfloat16).eval()
+    del work, opt
+    if device.type == "cuda":  # the workers and ranks about to start on this GPU need the memory back
+        torch.cuda.empty_cache()
+    return model
 
 
 def answer_examples(task) -> list[tuple[list[int], list[int]]]:

@@ -1,0 +1,63 @@
+"""The GRPO recipe on GPUs with the vLLM plugin engine, as users run it: colocated on one GPU (the
+engine sleeping while the rank trains, weights by CUDA IPC) and split over two (NCCL), KL exactly 0
+at every step; the stock arm on the same GPU logs a non-zero KL."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # collected on CPU machines only when -m gpu is asked for
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+from recipes.config import load_config  # noqa: E402
+from recipes.grpo import run  # noqa: E402
+
+TINY = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "tiny.yaml"
+ONE_EACH = ["train.steps=3", "train.prompts_per_step=8", "warmup.steps=20", "rollout.num_workers=1",
+            "trainer.num_ranks=1", "trainer.device=cuda", "metrics.wandb=false",
+            "rollout.engine={device: cuda, backend: vllm, gpu_memory_utilization: 0.25}"]
+COLOCATED = ["placement=colocated", "rollout.resources_per_worker.num_gpus=0.5",
+             "trainer.resources_per_rank.num_gpus=0.5"]
+STOCK = ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _run(tmp_path, overrides):
+    return run(load_config(TINY, ONE_EACH + overrides + [f"run_dir={tmp_path}"]), progress=False)["records"]
+
+
+def test_colocated_vllm_run_has_zero_kl(cluster, tmp_path):
+    records = _run(tmp_path, COLOCATED)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for rec in records:
+        assert rec["rollout_train/kl"] == 0.0 and rec["rollout_train/max_abs_logprob_diff"] == 0.0, rec
+        assert rec["rollout_train/tokens"] > 0
+        assert rec["weights/transport"] == "ipc"
+        assert rec["perf/sleep_s"] > 0.0
+
+
+def test_colocated_stock_arm_has_nonzero_kl(cluster, tmp_path):
+    records = _run(tmp_path, COLOCATED + STOCK)
+    assert all(r["rollout_train/kl"] != 0.0 and r["rollout_train/max_abs_logprob_diff"] > 0.0 for r in records)
+
+
+def test_split_vllm_run_has_zero_kl(cluster, tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    records = _run(tmp_path, ["rollout.resources_per_worker.num_gpus=1", "trainer.resources_per_rank.num_gpus=1"])
+    for rec in records:
+        assert rec["rollout_train/kl"] == 0.0 and rec["rollout_train/max_abs_logprob_diff"] == 0.0, rec
+        assert rec["weights/transport"] == "broadcast"
