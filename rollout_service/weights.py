@@ -47,6 +47,20 @@ def _weights_in_row(device: torch.device) -> torch.Tensor:
     return w
 
 
+_rows_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights_of_rows(device: torch.device, rows: int) -> torch.Tensor:
+    """[>= rows, 2] int64: each lane's weights for row positions 0..rows-1, kept per device and grown
+    by doubling (a push fingerprints hundreds of tensors: their row weights are computed once)."""
+    w = _rows_weights.get(device)
+    if w is None or w.shape[0] < rows:
+        index = torch.arange(max(rows, 2 * (0 if w is None else w.shape[0]), 1024), device=device, dtype=torch.int64)
+        w = torch.stack([_position_weights(index, seed) for seed in _LANE_SEEDS], dim=1)
+        _rows_weights[device] = w
+    return w[:rows]
+
+
 def tensor_fingerprint(t: torch.Tensor) -> tuple[int, int]:
     """Two 31-bit lanes over `t`'s bf16 bits and their positions; equal on every device."""
     return fingerprints([t])[0]
@@ -85,9 +99,7 @@ def fingerprint_lanes(t: torch.Tensor) -> torch.Tensor:
     for start in range(0, bits.numel(), step):
         rows = _row_sums(bits[start:start + step], w) % _P  # [R, 2] int64
         first = start // _ROW
-        index = torch.arange(first, first + rows.shape[0], device=flat.device, dtype=torch.int64)
-        row_w = torch.stack([_position_weights(index, seed) for seed in _LANE_SEEDS], dim=1)
-        lanes += ((rows * row_w) % _P).sum(dim=0)
+        lanes += ((rows * _weights_of_rows(flat.device, first + rows.shape[0])[first:]) % _P).sum(dim=0)
     return lanes % _P
 
 
