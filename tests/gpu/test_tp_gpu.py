@@ -3,9 +3,8 @@ and the trainer bit for bit, with tree width 8, on a tiny Qwen2 and on two layer
 shapes (hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256; random weights).
 
 Ranks are processes started with torch.multiprocessing (NCCL for tensors, gloo for the batch messages,
-NVLink multicast off). Rank 0 also computes the TP=1 references on its GPU. Printed figures (run with
--s): tree all-gather-combine vs NCCL all_reduce for [M, 4096] fp32, and end-to-end rollout throughput
-of `verified` vs `off` at this TP degree (a small model: figures, not assertions).
+NVLink multicast off). Rank 0 also computes the TP=1 references on its GPU. Speed is measured by
+bench.tp_layer (the tree against NCCL all_reduce per layer), not here.
 """
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import copy
 import dataclasses
 import os
 import random
-import time
 
 import pytest
 import torch
@@ -37,7 +35,6 @@ PARAMS = [dict(max_tokens=24, temperature=t, seed=s, determinism=m)
 LAYER = (600, 4096, 512)  # M, K, N of the row-parallel layer check
 LAYER_ROWS = (1, 64, 600)  # row counts that pick different kernel configurations
 GRAPH_ROWS, GRAPH_STARTS = 64, (0, 200, 536)  # the captured layer's rows, and where its replays read them
-TIMING_ROWS = (1, 16, 256, 2048)
 
 
 def _requests():
@@ -57,27 +54,6 @@ def _verifier_logits(model, ops, device):
         chunks.append(Chunk(s, 0, list(range(start, start + n)), len(s)))
         start += n
     return [t.cpu() for t in ModelRunner(model, cache, ops, device).forward(chunks)]
-
-
-def _timed(fn, device, iters=50) -> float:
-    """Mean seconds per call."""
-    for _ in range(5):
-        fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters
-
-
-def _throughput(engine, reqs) -> float:
-    """Generated tokens per second of one generate call (after a warm-up call)."""
-    engine.generate(*reqs)
-    t0 = time.perf_counter()
-    out = engine.generate(*reqs)
-    return sum(len(r.token_ids) for r in out) / (time.perf_counter() - t0)
 
 
 def _references(model, device) -> dict:
@@ -155,9 +131,8 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None, arch="qwen2"
     import kernels as K
     from kernels.forward import CANONICAL_OPS
     from kernels.reference import exact_math as em
-    from kernels.tp import collectives, gather_ranks, row_parallel_matmul, shard_model, tp_ops
+    from kernels.tp import row_parallel_matmul, shard_model, tp_ops
     from rollout_service.tiny_models import tiny_model
-    from rollout_service import SamplingParams
     from rollout_service.tp import TPEngine, TPFollower, init_tp_group
 
     if device_type == "cuda":
@@ -205,24 +180,10 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None, arch="qwen2"
         CANONICAL_OPS, ctx.group, vocab_size=vocab, reduce="all_reduce", reduce_dtype=torch.bfloat16), device)
     del local
 
-    # collectives: tree all-gather-combine vs all_reduce of one [M, 4096] fp32 partial per rank
-    timings = []
-    for m in TIMING_ROWS:
-        t = torch.randn(m, 4096, device=device)
-        tree = _timed(lambda t=t: em.tree_combine(gather_ranks(t, collectives(ctx.group))), device)
-        plain = _timed(lambda t=t: dist.all_reduce(t, group=ctx.group), device)  # in place: values only grow
-        timings.append((m, tree, plain))
-    out["timings"] = timings
-
-    # whole rollouts through the TP engine, then throughput of verified vs off
+    # whole rollouts through the TP engine
     if rank == 0:
         engine = TPEngine(model, ctx, device=device, **ENGINE_KW)
         out["rollouts"] = engine.generate(*_requests())
-        bench = [[random.Random(100 + i).randrange(vocab) for _ in range(32)] for i in range(16)]
-        out["throughput"] = {
-            mode: _throughput(engine, (bench, [SamplingParams(max_tokens=64, temperature=0.7, seed=i,
-                                                              determinism=mode) for i in range(16)]))
-            for mode in ("verified", "off")}
         engine.close()
         torch.save(out, path)
     else:
@@ -303,13 +264,3 @@ def test_rollouts_equal_tp1_and_trainer(tp):
     for j, (r, train) in enumerate(zip(out["rollouts"], ref["train_rollouts"])):
         assert r.ok, r.error
         assert same_bits(torch.tensor(r.logprobs, dtype=torch.float32), train), f"TP={k} request {j}: KL != 0"
-
-
-def test_print_figures(tp):
-    k, out = tp
-    print(f"\nTP={k}, [M, 4096] fp32 per rank: tree all-gather + combine vs NCCL all_reduce (us)")
-    for m, tree, plain in out["timings"]:
-        print(f"  M={m:5d}  tree {tree * 1e6:9.1f}  all_reduce {plain * 1e6:9.1f}  ratio {tree / plain:5.2f}")
-    tput = out["throughput"]
-    print(f"TP={k} rollout throughput (tiny model, 16 x 64 tokens, T=0.7): verified {tput['verified']:.0f} tok/s, "
-          f"off {tput['off']:.0f} tok/s")
