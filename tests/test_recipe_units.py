@@ -232,7 +232,8 @@ def test_routing_agreement_metrics():
     assert not any("routing" in k for k in dense)
     with pytest.raises(ValueError, match="routing"):
         routing_agreement(rollout, flipped[:, :, :1], mask)
-    line = {"reward/mean": 0.5, "perf/step_s": 1.0, **dense}
+    line = {"reward/mean": 0.5, "perf/step_s": 1.0, "perf/rollout_s": 0.5, "perf/train_s": 0.3,
+            "perf/weight_sync_s": 0.1, **dense}
     assert "routing" not in step_line(line)
     assert "routing 87.50% (1 differ)" in step_line({**line, **m})
 

@@ -7,6 +7,7 @@ One server (a subprocess on 127.0.0.1) serves the module; runs wherever `import 
 import json
 import random
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,9 @@ def test_seed_and_position_fields(server):
 
 BAD = {
     "token id out of range": dict(prompt=[1, 2, VOCAB]),
-    "no zerokl params": dict(vllm_xargs=None),
+    "standard fields, min_p": dict(vllm_xargs=None, temperature=0.7, seed=1, min_p=0.1),
+    "standard fields, presence penalty": dict(vllm_xargs=None, temperature=0.7, seed=1, presence_penalty=0.5),
+    "standard fields, top_p 0": dict(vllm_xargs=None, temperature=0.7, seed=1, top_p=0.0),
     "vLLM temperature": dict(temperature=0.7),
     "sampled without seed": dict(vllm_xargs={"zerokl_temperature": 0.7}),
     "nested dict": dict(vllm_xargs={"zerokl": {"temperature": 0.7, "seed": 1}}),
@@ -103,6 +106,46 @@ BAD = {
     "repetition penalty": dict(repetition_penalty=1.2),
     "logit bias": dict(logit_bias={"3": 5.0}),
 }
+
+
+def _openai(base):
+    from openai import OpenAI
+    return OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def test_standard_openai_requests_sample_canonically(server, checkpoint, policy):
+    """The OpenAI client's own fields (temperature, top_p, seed, n = 4), concurrent requests: every
+    sample's log-probs are the trainer's, sample i is the zerokl request with seed + i, the samples
+    differ, and a repeat is identical."""
+    client = _openai(server)
+    prompts = _prompts(6, seed=11)
+
+    def ask(i):
+        out = client.completions.create(model=checkpoint, prompt=prompts[i], n=4, temperature=0.9, top_p=0.95,
+                                        seed=500 + 10 * i, max_tokens=6, logprobs=0,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+        return [(c.token_ids, c.logprobs.token_logprobs) for c in sorted(out.choices, key=lambda c: c.index)]
+    with ThreadPoolExecutor(6) as pool:
+        first, again = list(pool.map(ask, range(6))), list(pool.map(ask, range(6)))
+    assert first == again
+    for i, (prompt, samples) in enumerate(zip(prompts, first)):
+        assert len({tuple(tokens) for tokens, _ in samples}) > 1
+        for j, (tokens, logprobs) in enumerate(samples):
+            assert logprobs == trainer_logprobs(policy, prompt, tokens, 0.9)
+            assert (tokens, logprobs) == complete(server, prompt, 6, temperature=0.9, top_p=0.95, seed=500 + 10 * i + j)
+
+
+def test_standard_request_without_a_seed_gets_a_fresh_one(server, policy):
+    prompt = _prompts(1, seed=12)[0]
+    body = dict(prompt=prompt, max_tokens=10, temperature=1.0, logprobs=0, return_token_ids=True, ignore_eos=True)
+    answers = []
+    for _ in range(2):
+        status, out = call(server + "/v1/completions", body)
+        assert status == 200, out
+        choice = out["choices"][0]
+        assert choice["logprobs"]["token_logprobs"] == trainer_logprobs(policy, prompt, choice["token_ids"], 1.0)
+        answers.append(choice["token_ids"])
+    assert answers[0] != answers[1]
 
 
 def test_bad_requests_get_400_and_server_keeps_serving(server):
@@ -168,8 +211,8 @@ def test_readme_server_command_and_request_run_as_written(checkpoint, policy, tm
     except RuntimeError as err:
         pytest.fail(str(err))
     assert status == 200, answer
-    choice = answer["choices"][0]
-    xargs = request["vllm_xargs"]
-    assert 0 < len(choice["token_ids"]) <= request["max_tokens"]
-    assert choice["logprobs"]["token_logprobs"] == trainer_logprobs(
-        policy, request["prompt"], choice["token_ids"], xargs["zerokl_temperature"])
+    assert len(answer["choices"]) == request["n"] > 1
+    for choice in answer["choices"]:
+        assert 0 < len(choice["token_ids"]) <= request["max_tokens"]
+        assert choice["logprobs"]["token_logprobs"] == trainer_logprobs(
+            policy, request["prompt"], choice["token_ids"], request["temperature"])

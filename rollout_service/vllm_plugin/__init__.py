@@ -97,6 +97,10 @@ def register() -> None:
     # Our layers name their backend class directly (Attention(attn_backend=...)); vLLM still maps
     # get_name() back to an enum member, so CUSTOM must point at it.
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_QUALNAME)
+    # requests with vLLM's own sampling fields get our rule too (vllm_plugin.sampling.canonical_request)
+    from .compat import install_request_rule
+    from .sampling import canonical_request
+    install_request_rule(canonical_request, ARCHITECTURE)
 
 
 __all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "HF_OVERRIDES", "RUNNERS", "graph_options", "llm_options",

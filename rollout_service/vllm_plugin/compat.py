@@ -1,6 +1,7 @@
 """vLLM internals we depend on beyond its public API: the parts of the KV-cache API that differ between
-the versions we run (0.25 on GPU, 0.32 on CPU), vLLM's process-wide graph-capture flag, and how an
-engine's core is placed in or out of this process (and how that process is started).
+the versions we run (0.25 on GPU, 0.32 on CPU), vLLM's process-wide graph-capture flag, how an
+engine's core is placed in or out of this process (and how that process is started), and where a
+request's SamplingParams enter an engine (install_request_rule).
 
 0.25 allocates a layer's cache in the shape the backend's `get_kv_cache_shape` returns; we ask for
 [num_blocks, 2, block_size, Hkv, D] (FlashAttention's blocks-first shape) and unbind K and V.
@@ -12,6 +13,7 @@ Either way the result is two [num_blocks, block_size, Hkv, D] pools (strided vie
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -88,3 +90,31 @@ def engine_core_placement(own_process: bool):
                 os.environ[name] = value
         if frozen and not hasattr(envs.__getattr__, "cache_clear"):
             envs.enable_envs_cache()  # a fresh cache: it reads the restored variables
+
+
+def install_request_rule(rule, architecture: str) -> None:
+    """Every request's SamplingParams pass through `rule` (params -> params, or ValueError, raised as
+    vLLM's VLLMValidationError: a 400 from the server) where they enter an engine whose model is `architecture`, before vLLM validates and
+    copies them and before an n > 1 request fans out into its samples (which take seed + index).
+    That entry is InputProcessor.process_inputs(self, request_id, prompt, params, ...) in 0.25 and
+    0.32 alike; the engine's own processes and the OpenAI server's call it, so do vllm.LLM's. Other
+    engines of the process (a stock model class) are left alone. Idempotent."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor.process_inputs
+    if getattr(original, "_zerokl_rule", False):
+        return
+
+    @functools.wraps(original)
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        if isinstance(params, SamplingParams) and architecture in (self.model_config.architectures or ()):
+            try:
+                params = rule(params)
+            except ValueError as e:  # vLLM answers its validation error with a 400, other errors with a 500
+                raise VLLMValidationError(str(e)) from e
+        return original(self, request_id, prompt, params, *args, **kwargs)
+
+    process_inputs._zerokl_rule = True
+    InputProcessor.process_inputs = process_inputs

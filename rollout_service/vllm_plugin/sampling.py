@@ -20,6 +20,8 @@ does not import vLLM.
 """
 from __future__ import annotations
 
+import copy
+import secrets
 from typing import Any
 
 import torch
@@ -133,6 +135,36 @@ def request_params(sampling_params) -> dict | None:
         raise ValueError(f"zerokl position must be >= 0, got {cfg['position']}")
     _check_neutral(sampling_params)
     return cfg
+
+
+def canonical_request(sampling_params):
+    """The one rule for what a request to the canonical model samples with (compat.install_request_rule
+    applies it to every request as it enters the engine).
+
+    - zerokl fields (nested or flat extra_args): they decide, as request_params reads them.
+    - Otherwise vLLM's / OpenAI's own fields: temperature, top_k, top_p and seed become our params, on
+      a copy whose vLLM temperature is 0 (vLLM then picks and reports our token untouched; at its own
+      temperature it would divide the reported log-prob). A request without a seed gets a fresh one,
+      as vLLM would draw; `n` samples take seed + index (vLLM's fan-out), so they differ and repeat.
+    Raises ValueError (the server's 400) for anything that would change the canonical token or its
+    log-prob: min_p, penalties, a logit bias, banned or allowed ids, min_tokens, bad values."""
+    if request_params(sampling_params) is not None:
+        return sampling_params
+    sp = sampling_params
+    if sp.min_p:
+        raise ValueError(f"min_p={sp.min_p} would change the canonical token or log-prob; not supported")
+    seed = secrets.randbelow(1 << 62) if sp.seed is None else sp.seed
+    if isinstance(seed, int) and seed + sp.n > 2 ** 63:
+        raise ValueError(f"seed must leave room for n={sp.n} samples (seed + n <= 2**63), got {seed}")
+    # a shallow copy (the caller's params stay as they are), copied shallowly by vLLM too: a deep copy
+    # re-runs SamplingParams' checks, which refuse n > 1 at temperature 0
+    out = copy.copy(sp)
+    out.extra_args = {**(sp.extra_args or {}),
+                      EXTRA_ARGS_KEY: {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p}}
+    out.temperature, out.top_k, out.top_p, out.min_p, out.seed = 0.0, 0, 1.0, 0.0, seed
+    out.skip_clone = True
+    request_params(out)  # the checks a zerokl request gets
+    return out
 
 
 def _check_neutral(sp) -> None:

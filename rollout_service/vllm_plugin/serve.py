@@ -4,15 +4,15 @@
 
 execs `vllm serve CHECKPOINT` with the plugin's model class, the strict Gumbel processor, processed
 log-probs and vLLM temperature 0 as the server default; further args go to vLLM unchanged (a later
-flag wins). Requests to /v1/completions carry our params as flat `vllm_xargs`:
+flag wins). Ordinary requests get the canonical rule (vllm_plugin.sampling.canonical_request):
 
-    {"prompt": [token ids], "max_tokens": 16, "logprobs": 0, "return_token_ids": true,
-     "vllm_xargs": {"zerokl_temperature": 0.7, "zerokl_seed": 5}}
+    {"prompt": [token ids], "max_tokens": 16, "n": 4, "temperature": 0.7, "seed": 5, "logprobs": 0,
+     "return_token_ids": true}
 
-optionally with zerokl_top_k, zerokl_top_p and zerokl_position (default: the prompt length). A request
-without them, with vLLM temperature != 0, penalties, logit bias, bad words, allowed ids or min_tokens
-gets a 400. Each choice's `logprobs.token_logprobs` are trainer_patch.token_logprobs at
-zerokl_temperature (float32 values; JSON round-trips them).
+or carry our params as flat `vllm_xargs` at vLLM temperature 0 ({"zerokl_temperature": 0.7,
+"zerokl_seed": 5}, optionally zerokl_top_k, zerokl_top_p, zerokl_position). Penalties, logit bias,
+min_p, bad words, allowed ids or min_tokens get a 400. Each choice's `logprobs.token_logprobs` are
+trainer_patch.token_logprobs at the request's temperature (float32 values; JSON round-trips them).
 """
 from __future__ import annotations
 

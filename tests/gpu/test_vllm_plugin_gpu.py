@@ -143,9 +143,9 @@ def test_preemption_with_cuda_graphs(checkpoint, trainer, runner):
 
 def test_v2_sampler_output_ours_or_vllms(checkpoint, trainer, monkeypatch):
     """On the V2 runner our sampler builds vLLM's output itself when every row is ours and wants only
-    the sampled token's log-prob; rows without our params, or asking for top-k log-probs, go through
-    vLLM's sampler. Every one of our rows equals the trainer either way, and plain greedy rows get the
-    canonical argmax (vLLM's own greedy over the same logits)."""
+    the sampled token's log-prob; rows asking for top-k log-probs go through vLLM's sampler. Every one
+    of our rows equals the trainer either way, and plain vLLM greedy rows (which canonical_request
+    turns into ours) get the canonical argmax."""
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
