@@ -207,6 +207,41 @@ def test_dummy_runs_do_not_crash(llm):
     assert llm.collective_rpc(_dummy_runs) == [[True, True]]
 
 
+def test_plain_vllm_sampling_params_get_the_canonical_rule(llm, policy):
+    """A plain vllm.SamplingParams (vLLM's own temperature, top_p, seed and n) samples with our rule:
+    sample i of a request with seed S is the request with zerokl seed S + i, every log-prob is the
+    trainer's, the n samples differ, and a repeat is identical."""
+    from vllm import SamplingParams as VSamplingParams
+    prompts = _prompts(3, seed=21)
+    plain = VSamplingParams(n=4, temperature=0.8, top_p=0.95, seed=77, max_tokens=8, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
+    assert plain.temperature == 0.8 and plain.seed == 77  # the caller's params are left as they were
+    for prompt, out, rep in zip(prompts, outs, again):
+        samples = [completion_tokens(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+        assert samples == [completion_tokens(c) for c in sorted(rep.outputs, key=lambda c: c.index)]
+        assert len({tuple(tokens) for tokens, _ in samples}) > 1
+        ours = [SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, seed=77 + i) for i in range(4)]
+        assert [tuple(s) for s in samples] == [tuple(r[:2]) for r in vllm_generate(llm, [prompt] * 4, ours)]
+        for tokens, logprobs in samples:
+            assert logprobs == trainer_logprobs(policy, prompt, tokens, 0.8)
+
+
+def test_plain_requests_without_a_seed_get_fresh_ones_and_bad_fields_are_named(llm, policy):
+    from vllm import SamplingParams as VSamplingParams
+    prompt = _prompts(1, seed=22)[0]
+    seedless = VSamplingParams(temperature=1.0, max_tokens=12, logprobs=0, ignore_eos=True)
+    a, b = (completion_tokens(llm.generate([{"prompt_token_ids": prompt}], seedless, use_tqdm=False)[0].outputs[0])
+            for _ in range(2))
+    assert a[0] != b[0]  # fresh seeds: 96**12 continuations, a repeat by chance is out of reach
+    for tokens, logprobs in (a, b):
+        assert logprobs == trainer_logprobs(policy, prompt, tokens, 1.0)
+    from vllm.exceptions import VLLMValidationError
+    for field, value in (("min_p", 0.1), ("presence_penalty", 0.5), ("repetition_penalty", 1.2)):
+        with pytest.raises(VLLMValidationError, match=field):
+            llm.generate([{"prompt_token_ids": prompt}], VSamplingParams(temperature=1.0, seed=1, max_tokens=4,
+                                                                         **{field: value}), use_tqdm=False)
+
 def test_batch_of_256_mixed_requests(checkpoint, policy, llm):
     """256 requests in one engine of 256 slots (greedy, T = 0.7, T = 1 with top-k/top-p, one in three
     each; prefill chunked under the token budget): every log-prob is the trainer's, and the tokens
@@ -288,39 +323,3 @@ def test_qwen3_moe(tmp_path_factory):
     assert [r.token_ids for r in Engine(path, window=4, group=4).generate(prompts, params)] == [r[0] for r in results]
     assert_matches_trainer(new, prompts, params, after)
     assert [r[:2] for r in after] != [r[:2] for r in results]
-
-
-def test_plain_vllm_sampling_params_get_the_canonical_rule(llm, policy):
-    """A plain vllm.SamplingParams (vLLM's own temperature, top_p, seed and n) samples with our rule:
-    sample i of a request with seed S is the request with zerokl seed S + i, every log-prob is the
-    trainer's, the n samples differ, and a repeat is identical."""
-    from vllm import SamplingParams as VSamplingParams
-    prompts = _prompts(3, seed=21)
-    plain = VSamplingParams(n=4, temperature=0.8, top_p=0.95, seed=77, max_tokens=8, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
-    again = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
-    assert plain.temperature == 0.8 and plain.seed == 77  # the caller's params are left as they were
-    for prompt, out, rep in zip(prompts, outs, again):
-        samples = [completion_tokens(c) for c in sorted(out.outputs, key=lambda c: c.index)]
-        assert samples == [completion_tokens(c) for c in sorted(rep.outputs, key=lambda c: c.index)]
-        assert len({tuple(tokens) for tokens, _ in samples}) > 1
-        ours = [SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, seed=77 + i) for i in range(4)]
-        assert [tuple(s) for s in samples] == [tuple(r[:2]) for r in vllm_generate(llm, [prompt] * 4, ours)]
-        for tokens, logprobs in samples:
-            assert logprobs == trainer_logprobs(policy, prompt, tokens, 0.8)
-
-
-def test_plain_requests_without_a_seed_get_fresh_ones_and_bad_fields_are_named(llm, policy):
-    from vllm import SamplingParams as VSamplingParams
-    prompt = _prompts(1, seed=22)[0]
-    seedless = VSamplingParams(temperature=1.0, max_tokens=12, logprobs=0, ignore_eos=True)
-    a, b = (completion_tokens(llm.generate([{"prompt_token_ids": prompt}], seedless, use_tqdm=False)[0].outputs[0])
-            for _ in range(2))
-    assert a[0] != b[0]  # fresh seeds: 96**12 continuations, a repeat by chance is out of reach
-    for tokens, logprobs in (a, b):
-        assert logprobs == trainer_logprobs(policy, prompt, tokens, 1.0)
-    from vllm.exceptions import VLLMValidationError
-    for field, value in (("min_p", 0.1), ("presence_penalty", 0.5), ("repetition_penalty", 1.2)):
-        with pytest.raises(VLLMValidationError, match=field):
-            llm.generate([{"prompt_token_ids": prompt}], VSamplingParams(temperature=1.0, seed=1, max_tokens=4,
-                                                                         **{field: value}), use_tqdm=False)
