@@ -22,10 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from recipes.metrics import read_metrics
+from recipes.metrics import STEP_PARTS, read_metrics, step_medians
 
 ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"]}
-PARTS = ("rollout", "train", "weight_sync", "sleep", "step")
 CPU_SMOKE = ["warmup.steps=10", "train.prompts_per_step=8", "metrics.wandb=false"]
 
 
@@ -39,8 +38,7 @@ def run_arm(config: str, arm: str, steps: int, extra: list[str], run_dir: Path) 
 
 def summarise(records: list[dict]) -> dict:
     steady = records[1:] or records
-    out = {f"{p}_s": statistics.median(r[f"perf/{p}_s"] for r in steady) for p in PARTS if p != "step"}
-    out["step_s"] = statistics.median(r["perf/step_s"] - r["perf/checkpoint_s"] for r in steady)  # no checkpoints
+    out = {f"{part}_s": seconds for part, seconds in step_medians(records).items()}
     out["rollout_tokens_per_s"] = statistics.median(r["perf/rollout_tokens_per_s"] for r in steady)
     out["train_tokens_per_s"] = statistics.median(r["perf/train_tokens_per_s"] for r in steady)
     out["sync_share"] = out["weight_sync_s"] / out["step_s"]
@@ -59,7 +57,7 @@ def plot(result: dict, path: str) -> None:
     labels = [f"{arm} r{i}" for i, r in enumerate(rounds) for arm in r if arm in ARMS]
     fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 2, 4))
     bottom = [0.0] * len(labels)
-    for part in ("rollout", "train", "weight_sync", "sleep"):
+    for part in STEP_PARTS:
         vals = [r[arm][f"{part}_s"] for r in rounds for arm in r if arm in ARMS]
         ax.bar(labels, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]

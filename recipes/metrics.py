@@ -113,13 +113,22 @@ def step_line(metrics: dict) -> str:
               f"train {metrics['perf/train_s']:.1f}s, sync {metrics['perf/weight_sync_s']:.2f}s)")
 
 
-def step_split(records: list[dict]) -> str:
-    """Where a run's steps went: median seconds of rollout, train, weight sync and step (checkpoint
-    writes left out), after the first step (compiles and warms caches) when there are more."""
+STEP_PARTS = ("rollout", "train", "weight_sync", "sleep")
+
+
+def step_medians(records: list[dict]) -> dict:
+    """Median seconds of each STEP_PARTS entry and of the step (checkpoint writes left out), over the
+    steps after the first (it compiles and warms caches) when there are more."""
     steady = records[1:] or records
-    parts = {k: [r[f"perf/{k}_s"] for r in steady] for k in ("rollout", "train", "weight_sync", "sleep")}
-    parts["step"] = [r["perf/step_s"] - r.get("perf/checkpoint_s", 0.0) for r in steady]
-    med = {k: statistics.median(v) for k, v in parts.items()}
+    med = {k: statistics.median(r[f"perf/{k}_s"] for r in steady) for k in STEP_PARTS}
+    med["step"] = statistics.median(r["perf/step_s"] - r.get("perf/checkpoint_s", 0.0) for r in steady)
+    return med
+
+
+def step_split(records: list[dict]) -> str:
+    """Where a run's steps went (step_medians), as printed at its end."""
+    steady = records[1:] or records
+    med = step_medians(records)
     share = med["weight_sync"] / med["step"] if med["step"] else 0.0
     return (f"median step over {len(steady)} step(s){' after the first' if len(records) > 1 else ''}: "
             f"{med['step']:.2f}s = rollout {med['rollout']:.2f}s + train {med['train']:.2f}s + "

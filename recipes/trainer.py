@@ -244,11 +244,10 @@ class TrainerGroup:
         opts = {"num_cpus": 1, **cfg.resources_per_rank}
         self.placement = None
         per_rank = [dict(opts) for _ in range(self.world)]
+        from rollout_service.ray_cluster import on_bundle, reserve
         if colocate_with is not None:
-            from rollout_service.ray_cluster import on_bundle
             per_rank = [dict(opts, scheduling_strategy=on_bundle(colocate_with, r)) for r in range(self.world)]
         elif cfg.device == "cuda":
-            from rollout_service.ray_cluster import on_bundle, reserve
             opts.setdefault("num_gpus", 1)
             # One node where possible: NCCL stays intra-node and checkpoints land on one disk.
             bundle = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"]}

@@ -9,6 +9,7 @@ not against an adversary.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping
 
@@ -105,8 +106,11 @@ def fingerprint_lanes(t: torch.Tensor) -> torch.Tensor:
 
 def _triton_row_sums(device: torch.device):
     """kernels.triton.fingerprint.fingerprint_row_sums for CUDA tensors where Triton loads, else None."""
-    if device.type != "cuda":
-        return None
+    return _triton_kernel() if device.type == "cuda" else None
+
+
+@functools.cache  # asked once per tensor of a push: the import is tried once per process
+def _triton_kernel():
     try:
         from kernels.triton.fingerprint import fingerprint_row_sums
     except ImportError:
