@@ -201,7 +201,7 @@ class TrainerRank:
                 for _ in tensors:
                     pass
             else:
-                sender.begin(fingerprint_entries(tensors))
+                sender.begin(fingerprint_entries(tensors, sender.bucket_bytes))
         except Exception as e:  # refused before anything was sent: every rank stops here
             verdict[0] = e
         if self.world > 1:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .weights import WeightMismatchError, fingerprint_lanes, check_fit, digest_of_fingerprints, fingerprints
+from .weights import WeightMismatchError, check_fit, digest_of_fingerprints, packed_fingerprints
 
 TRANSPORTS = ("object_store", "broadcast", "ipc")
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -175,9 +175,11 @@ class WeightReceiver:
     def _take(self, index: int, buf: torch.Tensor) -> None:
         if self.error is not None:
             return
-        named = _views(self.plan.buckets[index], buf)
-        for (name, _), got in zip(named, fingerprints([t for _, t in named])):
-            if got != tuple(self.plan.fingerprints[name]):
+        bucket = self.plan.buckets[index]
+        named = _views(bucket, buf)
+        got = packed_fingerprints(buf, [(e.offset, e.numel) for e in bucket]).tolist()
+        for (name, _), (a, b, _) in zip(named, got):
+            if (a, b) != tuple(self.plan.fingerprints[name]):
                 self.error = WeightMismatchError(f"{name}: the received bits differ from the sender's")
                 return
         self.loaded_any = True
@@ -298,24 +300,41 @@ class WeightSender:
         self._group = self._buf = self._handle = None
 
 
-def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]]):
+def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """(name, shape, fingerprint, device) per tensor, in order, after checking it is finite floating point.
-    Each tensor may be freed once the next is asked for (FSDP gathers one at a time): only its small
-    results are kept, and the device is waited for once, at the end."""
-    meta, lanes, finite, bad = [], [], [], []
+
+    The tensors are packed into a bf16 bucket as plan_buckets packs them, and each bucket is
+    fingerprinted and checked in one pass (weights.packed_fingerprints: a few launches per bucket, not
+    per tensor; a push has hundreds of tensors). Each tensor may be freed once the next is asked for
+    (FSDP gathers one at a time): it has been copied into the bucket, and the device is waited for
+    once, at the end."""
+    cap = max(1, int(bucket_bytes) // 2)
+    meta, results, bad = [], [], []
+    buf, layout = None, []
     for name, t in named:
         if not torch.is_floating_point(t):
             bad.append(name)
             continue
         meta.append((name, tuple(t.shape), t.device))
-        lanes.append(fingerprint_lanes(t))
-        finite.append(torch.isfinite(t).all())
-    ok = torch.stack(finite).tolist() if finite else []
-    bad += [m[0] for m, good in zip(meta, ok) if not good]
+        n = t.numel()
+        used = layout[-1][0] + layout[-1][1] if layout else 0
+        if layout and (used + n > cap or buf.device != t.device):  # plan_buckets' rule: a new bucket
+            results.append(packed_fingerprints(buf, layout))
+            layout, used = [], 0
+        if n > cap:  # a bucket of its own: fingerprinted where it is
+            results.append(packed_fingerprints(t, [(0, n)]))
+            continue
+        if buf is None or buf.device != t.device:
+            buf = torch.empty(cap, dtype=torch.bfloat16, device=t.device)
+        buf[used:used + n].copy_(t.detach().reshape(-1))
+        layout.append((used, n))
+    if layout:
+        results.append(packed_fingerprints(buf, layout))
+    rows = [row for part in results for row in part.tolist()]  # the one wait for the device
+    bad += [m[0] for m, (_, _, nonfinite) in zip(meta, rows) if nonfinite]
     if bad:
         raise WeightMismatchError(f"weights must be finite floating-point tensors: {bad[:5]}")
-    prints = torch.stack(lanes).tolist() if lanes else []
-    return [(name, shape, (int(a), int(b)), device) for (name, shape, device), (a, b) in zip(meta, prints)]
+    return [(name, shape, (a, b), device) for (name, shape, device), (a, b, _) in zip(meta, rows)]
 
 
 def push_state_dict(client, state_dict, transport: str, expected_digest: str | None = None,
@@ -323,7 +342,7 @@ def push_state_dict(client, state_dict, transport: str, expected_digest: str | N
     """A whole state dict (tensors on the sender's device) to every worker of `client`'s pool."""
     named = list(state_dict.items())
     sender = WeightSender(client, transport, bucket_bytes)
-    sender.begin(fingerprint_entries(named), expected_digest)
+    sender.begin(fingerprint_entries(named, bucket_bytes), expected_digest)
     return sender.complete(named)
 
 

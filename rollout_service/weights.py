@@ -81,27 +81,70 @@ def fingerprints(tensors) -> list[tuple[int, int]]:
 
 
 def fingerprint_lanes(t: torch.Tensor) -> torch.Tensor:
-    """The fingerprint's two lanes as an int64 tensor on `t`'s device (no wait for the device).
+    """The fingerprint's two lanes as an int64 tensor on `t`'s device (no wait for the device)."""
+    return packed_fingerprints(t, [(0, t.numel())])[0, :2]
+
+
+def packed_fingerprints(buf: torch.Tensor, layout: Iterable[tuple[int, int]]) -> torch.Tensor:
+    """[len(layout), 3] int64 on `buf`'s device, one row per tensor packed in `buf` (flattened to bf16)
+    at (offset, numel): its fingerprint's two lanes and its count of non-finite values; no wait for
+    the device.
 
     An element contributes its 16 bits read as a signed integer plus 2**15 + 1 (a number in
     [1, 2**16]: every bit pattern counts, all-zero bits too) times its in-row weight (in [1, 2**14]),
-    summed per row of 2**14 elements. Every product is below 2**31 and every row sum below 2**45, an
-    integer that float64 and int64 both hold exactly whatever order they add in: the host sums rows
-    with a float64 matmul, CUDA with a Triton kernel (kernels.triton.fingerprint), and the two agree
-    bit for bit. The row sums are reduced modulo a prime, weighted by their row's position and summed
-    in int64 (exact, order-free)."""
-    flat = t.detach().reshape(-1)
+    summed per row of 2**14 elements of its tensor. Every product is below 2**31 and every row sum
+    below 2**45, an integer that float64 and int64 both hold exactly whatever order they add in: the
+    host sums rows with a float64 matmul, CUDA with one Triton launch for all the rows of the buffer
+    (kernels.triton.fingerprint), and the two agree bit for bit. The row sums are reduced modulo a
+    prime, weighted by their row's position in its tensor and summed in int64 (exact, order-free)."""
+    layout = tuple((int(o), int(n)) for o, n in layout)
+    flat = buf.detach().reshape(-1)
     if flat.dtype != torch.bfloat16:
         flat = flat.to(torch.bfloat16)
     bits = flat.view(torch.int16)
-    w = _weights_in_row(flat.device)
-    lanes = torch.zeros(2, dtype=torch.int64, device=flat.device)
-    step = bits.numel() if _triton_row_sums(flat.device) else _CHUNK_ROWS * _ROW
+    w = _weights_in_row(bits.device)
+    kernel = _triton_row_sums(bits.device)
+    if kernel is None:  # the host: each tensor's rows with float64 matmuls, a chunk of rows at a time
+        rows = [torch.cat([_host_lanes(bits[o:o + n], w), (~torch.isfinite(flat[o:o + n])).sum().view(1)])
+                for o, n in layout]
+        return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.int64)
+    starts, lengths, row_in_tensor, tensor_index = _row_table(bits.device, layout)
+    sums = kernel(bits, starts, lengths, w)  # [R, 3]
+    weighted = (sums[:, :2] % _P * _weights_of_rows(bits.device, _max_rows(layout))[row_in_tensor]) % _P
+    out = torch.zeros(len(layout), 3, dtype=torch.int64, device=bits.device)
+    out.index_add_(0, tensor_index, torch.cat([weighted, sums[:, 2:]], dim=1))  # integer sums: exact in any order
+    out[:, :2] %= _P
+    return out
+
+
+def _host_lanes(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[2] int64: the fingerprint's lanes of one tensor's bits, on the host."""
+    lanes = torch.zeros(2, dtype=torch.int64)
+    step = _CHUNK_ROWS * _ROW
     for start in range(0, bits.numel(), step):
-        rows = _row_sums(bits[start:start + step], w) % _P  # [R, 2] int64
+        rows = _host_row_sums(bits[start:start + step], w) % _P  # [R, 2] int64
         first = start // _ROW
-        lanes += ((rows * _weights_of_rows(flat.device, first + rows.shape[0])[first:]) % _P).sum(dim=0)
+        lanes += ((rows * _weights_of_rows(bits.device, first + rows.shape[0])[first:]) % _P).sum(dim=0)
     return lanes % _P
+
+
+def _max_rows(layout: tuple[tuple[int, int], ...]) -> int:
+    return max((-(-n // _ROW) for _, n in layout), default=0)
+
+
+@functools.lru_cache(maxsize=256)  # a push's buckets have the same layouts every time
+def _row_table(device: torch.device, layout: tuple[tuple[int, int], ...]):
+    """Every row of every tensor in `layout`: (start in the buffer int64, length int32, index of the row
+    in its tensor int64, index of its tensor int64), on `device`."""
+    numels = torch.tensor([n for _, n in layout], dtype=torch.int64).reshape(-1)
+    offsets = torch.tensor([o for o, _ in layout], dtype=torch.int64).reshape(-1)
+    counts = -(-numels // _ROW)
+    tensor_index = torch.repeat_interleave(torch.arange(len(layout)), counts)
+    first_row = torch.cumsum(counts, 0) - counts
+    row_in_tensor = torch.arange(int(counts.sum())) - first_row[tensor_index]
+    starts = offsets[tensor_index] + row_in_tensor * _ROW
+    lengths = torch.clamp(numels[tensor_index] - row_in_tensor * _ROW, max=_ROW).to(torch.int32)
+    return tuple(x.to(device) for x in (starts, lengths, row_in_tensor, tensor_index))
 
 
 def _triton_row_sums(device: torch.device):
@@ -118,11 +161,8 @@ def _triton_kernel():
     return fingerprint_row_sums
 
 
-def _row_sums(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _host_row_sums(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[ceil(n / _ROW), 2] int64: each row's sum of (bits + 2**15 + 1) * in-row weight, per lane."""
-    on_gpu = _triton_row_sums(bits.device)
-    if on_gpu is not None:
-        return on_gpu(bits, w)
     s = bits.to(torch.float64)
     wf = w.to(torch.float64).T  # [_ROW, 2]
     full = s.numel() // _ROW * _ROW
@@ -131,7 +171,7 @@ def _row_sums(bits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if full < s.numel():  # a last, partial row
         tail = wf[:s.numel() - full]
         parts.append((s[full:] @ tail + 32769.0 * tail.sum(0)).unsqueeze(0))
-    return torch.cat(parts).to(torch.int64)
+    return torch.cat(parts).to(torch.int64) if parts else torch.zeros(0, 2, dtype=torch.int64)
 
 
 def digest_of_fingerprints(entries: Iterable[tuple[str, tuple, tuple[int, int]]]) -> str:

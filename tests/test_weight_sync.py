@@ -68,6 +68,73 @@ def test_fingerprint_sees_every_bit_and_position_and_only_bf16_bits():
     assert tensor_fingerprint(t.float() * (1 + 2 ** -6)) != base
 
 
+def _packed_case():
+    """Tensors of awkward sizes packed at gaps in one buffer, one with a NaN and an inf."""
+    g = torch.Generator().manual_seed(2)
+    sizes = [5, (1 << 14) + 3, 0, 1, 2 * (1 << 14), 777]
+    layout, at = [], 3
+    for n in sizes:
+        layout.append((at, n))
+        at += n + 11
+    buf = torch.randn(at, generator=g).to(torch.bfloat16)
+    buf[layout[4][0] + 99] = float("nan")
+    buf[layout[4][0] + 100] = float("inf")
+    return buf, layout
+
+
+def test_packed_fingerprints_are_each_tensors_fingerprint_and_count_non_finite():
+    from rollout_service.weights import packed_fingerprints
+    buf, layout = _packed_case()
+    got = packed_fingerprints(buf, layout).tolist()
+    for (o, n), (a, b, bad) in zip(layout, got):
+        assert (a, b) == tensor_fingerprint(buf[o:o + n]) == _reference_fingerprint(buf[o:o + n])
+        assert bad == int((~torch.isfinite(buf[o:o + n].float())).sum())
+    assert [row[2] for row in got] == [0, 0, 0, 0, 2, 0]
+
+
+def test_packed_fingerprints_through_the_triton_kernel_equal_the_hosts():
+    """The CUDA path (one Triton launch for the rows of every tensor, then the row table's reduction)
+    run in Triton's interpreter on CPU tensors, against the host's float64 matmuls."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import torch, test_weight_sync as t, rollout_service.weights as w\n"
+        "from kernels.triton.fingerprint import fingerprint_row_sums\n"
+        "buf, layout = t._packed_case()\n"
+        "host = w.packed_fingerprints(buf, layout).tolist()\n"
+        "w._triton_row_sums = lambda device: fingerprint_row_sums\n"
+        "kernel = w.packed_fingerprints(buf, layout).tolist()\n"
+        "assert kernel == host, (kernel, host)\n"
+        "flipped = buf.clone(); flipped.view(torch.int16)[layout[1][0] + 70] ^= 1\n"
+        "other = w.packed_fingerprints(flipped, layout).tolist()\n"
+        "assert [r != s for r, s in zip(other, kernel)] == [False, True, False, False, False, False]\n"
+        "print('ok')\n")
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_sender_check_packs_buckets_and_names_what_is_not_finite():
+    sd = tiny_model("qwen2").state_dict()
+    named = list(sd.items())
+    whole = fingerprint_entries(named)
+    for bucket_bytes in (1 << 10, 64 << 10):  # many buckets, tensors larger than a bucket among them
+        assert fingerprint_entries(named, bucket_bytes) == whole
+    assert [fp for _, _, fp, _ in whole] == [tensor_fingerprint(t) for _, t in named]
+    name = "model.layers.0.mlp.up_proj.weight"
+    broken = {**sd, name: sd[name].clone()}
+    broken[name][0, 0] = float("inf")
+    with pytest.raises(WeightMismatchError, match="finite") as e:
+        fingerprint_entries(broken.items(), 1 << 10)
+    assert name in str(e.value) and "down_proj" not in str(e.value)
+    with pytest.raises(WeightMismatchError, match="finite"):
+        fingerprint_entries([*named, ("step", torch.tensor([3]))])
+
+
 def test_state_dict_digest_names_shapes_and_order():
     sd = tiny_model("qwen2").state_dict()
     digest = state_dict_digest(sd)

@@ -43,6 +43,14 @@ def test_digest_on_the_gpu_equals_the_cpus():
         assert tensor_fingerprint(t.cuda()) == tensor_fingerprint(t), n
     sd = _model(1).state_dict()
     assert state_dict_digest({k: v.cuda() for k, v in sd.items()}) == state_dict_digest(sd)
+    # a bucket's tensors in one launch, non-finite values counted, as on the host
+    from test_weight_sync import _packed_case
+    from rollout_service.weights import packed_fingerprints
+    buf, layout = _packed_case()
+    assert packed_fingerprints(buf.cuda(), layout).tolist() == packed_fingerprints(buf, layout).tolist()
+    named = list(sd.items())
+    on_gpu = fingerprint_entries([(k, v.cuda()) for k, v in named], 64 << 10)
+    assert [e[:3] for e in on_gpu] == [e[:3] for e in fingerprint_entries(named)]
 
 
 def _reqs():
