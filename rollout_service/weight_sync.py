@@ -303,8 +303,8 @@ class WeightSender:
 def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """(name, shape, fingerprint, device) per tensor, in order, after checking it is finite floating point.
 
-    The tensors are packed into a bf16 bucket as plan_buckets packs them, and each bucket is
-    fingerprinted and checked in one pass (weights.packed_fingerprints: a few launches per bucket, not
+    The tensors are packed into bf16 buffers of `bucket_bytes` (fingerprints are per tensor, so this
+    packing need not match the send's), and each buffer is fingerprinted and checked in one pass (weights.packed_fingerprints: a few launches per bucket, not
     per tensor; a push has hundreds of tensors). Each tensor may be freed once the next is asked for
     (FSDP gathers one at a time): it has been copied into the bucket, and the device is waited for
     once, at the end."""
@@ -318,7 +318,7 @@ def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes:
         meta.append((name, tuple(t.shape), t.device))
         n = t.numel()
         used = layout[-1][0] + layout[-1][1] if layout else 0
-        if layout and (used + n > cap or buf.device != t.device):  # plan_buckets' rule: a new bucket
+        if layout and (used + n > cap or buf.device != t.device):  # a new buffer
             results.append(packed_fingerprints(buf, layout))
             layout, used = [], 0
         if n > cap:  # a bucket of its own: fingerprinted where it is

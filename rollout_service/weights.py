@@ -82,7 +82,14 @@ def fingerprints(tensors) -> list[tuple[int, int]]:
 
 def fingerprint_lanes(t: torch.Tensor) -> torch.Tensor:
     """The fingerprint's two lanes as an int64 tensor on `t`'s device (no wait for the device)."""
+    if _triton_row_sums(t.device) is None:  # the host: no non-finite count (check_finite is its own pass)
+        return _host_lanes(_bf16_bits(t), _weights_in_row(t.device))
     return packed_fingerprints(t, [(0, t.numel())])[0, :2]
+
+
+def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    return (flat if flat.dtype == torch.bfloat16 else flat.to(torch.bfloat16)).view(torch.int16)
 
 
 def packed_fingerprints(buf: torch.Tensor, layout: Iterable[tuple[int, int]]) -> torch.Tensor:
@@ -98,13 +105,11 @@ def packed_fingerprints(buf: torch.Tensor, layout: Iterable[tuple[int, int]]) ->
     (kernels.triton.fingerprint), and the two agree bit for bit. The row sums are reduced modulo a
     prime, weighted by their row's position in its tensor and summed in int64 (exact, order-free)."""
     layout = tuple((int(o), int(n)) for o, n in layout)
-    flat = buf.detach().reshape(-1)
-    if flat.dtype != torch.bfloat16:
-        flat = flat.to(torch.bfloat16)
-    bits = flat.view(torch.int16)
+    bits = _bf16_bits(buf)
     w = _weights_in_row(bits.device)
     kernel = _triton_row_sums(bits.device)
     if kernel is None:  # the host: each tensor's rows with float64 matmuls, a chunk of rows at a time
+        flat = bits.view(torch.bfloat16)
         rows = [torch.cat([_host_lanes(bits[o:o + n], w), (~torch.isfinite(flat[o:o + n])).sum().view(1)])
                 for o, n in layout]
         return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.int64)
