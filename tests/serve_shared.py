@@ -6,13 +6,14 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rollout_service.vllm_plugin.serve import serve_argv
+from rollout_service.vllm_plugin.serve import cpu_sizing, serve_argv
 
 STARTUP_S = 300
 REQUEST_S = 120
@@ -30,6 +31,18 @@ def save_word_tokenizer(path, vocab: int) -> None:
     # transformers loads it as Qwen2's tokenizer, which appends <|endoftext|>: `vocab` ids in all
     loaded = AutoTokenizer.from_pretrained(path)
     assert max(loaded.get_vocab().values()) == vocab - 1, loaded.get_vocab()
+
+
+def save_text_tokenizer(path, vocab: int) -> None:
+    """A word-level tokenizer over every id ("t<i>" is id i) in a directory of its own, for `--tokenizer`:
+    text (a chat template's output) then becomes ids. Beside a Qwen2 config transformers would load any
+    tokenizer as Qwen2's byte-level BPE, which turns these words into no ids at all."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+    assert AutoTokenizer.from_pretrained(path)("t5 t6 ")["input_ids"] == [5, 6]
 
 
 def _free_port():
@@ -69,11 +82,15 @@ def _stop(proc):
 
 
 @contextlib.contextmanager
-def running_server(checkpoint, log_path, *vllm_args):
-    """The plugin's `vllm serve` on a free local port, healthy; yields its base URL. Raises
-    RuntimeError with the log's tail if it exits or is not healthy within STARTUP_S."""
+def running_server(checkpoint, log_path, *vllm_args, plugin: bool = True):
+    """The plugin's `vllm serve` (plugin=False: vLLM's own server, the same sizing) on a free local port,
+    healthy; yields its base URL. Raises RuntimeError with the log's tail if it exits or is not healthy
+    within STARTUP_S."""
     port = _free_port()
-    argv = serve_argv(checkpoint, "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *vllm_args)
+    args = ("--host", "127.0.0.1", "--port", str(port), "--seed", "0", *vllm_args)
+    argv = serve_argv(checkpoint, *args) if plugin else [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--dtype", "bfloat16",
+        *cpu_sizing(args), *args]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # set by other tests
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -18,13 +18,16 @@ pytest.importorskip("vllm")
 
 from rollout_service import Engine, SamplingParams  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
+from rollout_service.vllm_plugin.seed_echo import SEED_HEADER  # noqa: E402
 from rollout_service.vllm_plugin.serve import serve_argv  # noqa: E402
-from serve_shared import call, complete, complete_all, running_server, save_word_tokenizer  # noqa: E402
+from serve_shared import (call, complete, complete_all, running_server, save_text_tokenizer,  # noqa: E402
+                          save_word_tokenizer)
 from vllm_shared import trainer_logprobs  # noqa: E402
 
 MODEL_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
 VOCAB = 96
 MAX_BATCHED = 48  # longer prompts are prefilled in chunks
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # word tokens "t<id>" in, ids out
 
 
 def _prompts(n, seed=0, lo=1, hi=40):
@@ -49,10 +52,13 @@ def policy(checkpoint):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("zerokl-serve-log") / "server.log"
+    tokenizer = tmp_path_factory.mktemp("zerokl-serve-tokenizer")
+    save_text_tokenizer(tokenizer, VOCAB)
     try:
         with running_server(checkpoint, log_path, "--block-size", "16", "--kv-cache-memory-bytes", str(64 << 20),
                             "--max-model-len", "256", "--max-num-seqs", "8",
-                            "--max-num-batched-tokens", str(MAX_BATCHED)) as base:
+                            "--max-num-batched-tokens", str(MAX_BATCHED), "--tokenizer", str(tokenizer),
+                            "--chat-template", CHAT_TEMPLATE) as base:
             yield base
     except RuntimeError as err:  # the server did not come up: the log says why
         pytest.fail(str(err))
@@ -99,7 +105,6 @@ BAD = {
     "standard fields, presence penalty": dict(vllm_xargs=None, temperature=0.7, seed=1, presence_penalty=0.5),
     "standard fields, top_p 0": dict(vllm_xargs=None, temperature=0.7, seed=1, top_p=0.0),
     "vLLM temperature": dict(temperature=0.7),
-    "sampled without seed": dict(vllm_xargs={"zerokl_temperature": 0.7}),
     "nested dict": dict(vllm_xargs={"zerokl": {"temperature": 0.7, "seed": 1}}),
     "unknown param": dict(vllm_xargs={"zerokl_temperature": 0.7, "zerokl_seed": 1, "zerokl_topk": 5}),
     "bad value": dict(vllm_xargs={"zerokl_temperature": "hot", "zerokl_seed": 1}),
@@ -135,17 +140,68 @@ def test_standard_openai_requests_sample_canonically(server, checkpoint, policy)
             assert (tokens, logprobs) == complete(server, prompt, 6, temperature=0.9, top_p=0.95, seed=500 + 10 * i + j)
 
 
-def test_standard_request_without_a_seed_gets_a_fresh_one(server, policy):
+def test_request_without_a_seed_gets_one_echoed_and_replays(server, checkpoint, policy):
+    """A seedless request (n = 3) gets a fresh seed, returned in the x-zerokl-seed header; two such
+    requests differ; sending the echoed seed replays each bit for bit; all are the trainer's."""
+    client = _openai(server)
     prompt = _prompts(1, seed=12)[0]
-    body = dict(prompt=prompt, max_tokens=10, temperature=1.0, logprobs=0, return_token_ids=True, ignore_eos=True)
-    answers = []
-    for _ in range(2):
-        status, out = call(server + "/v1/completions", body)
-        assert status == 200, out
-        choice = out["choices"][0]
-        assert choice["logprobs"]["token_logprobs"] == trainer_logprobs(policy, prompt, choice["token_ids"], 1.0)
-        answers.append(choice["token_ids"])
-    assert answers[0] != answers[1]
+
+    def ask(**seed):
+        raw = client.completions.with_raw_response.create(
+            model=checkpoint, prompt=prompt, n=3, temperature=1.0, max_tokens=8, logprobs=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True}, **seed)
+        out = raw.parse()
+        choices = sorted(out.choices, key=lambda c: c.index)
+        return int(raw.headers[SEED_HEADER]), [(c.token_ids, c.logprobs.token_logprobs) for c in choices]
+
+    (seed1, first), (seed2, second) = ask(), ask()
+    assert seed1 != seed2 and first != second
+    for tokens, logprobs in first + second:
+        assert logprobs == trainer_logprobs(policy, prompt, tokens, 1.0)
+    assert ask(seed=seed1) == (seed1, first)
+    assert ask(seed=seed2) == (seed2, second)
+
+
+def test_chat_completions_sample_canonically(server, checkpoint, policy):
+    """/v1/chat/completions with the OpenAI client's own fields (n = 4, temperature, top_p, seed): the
+    samples differ, repeat exactly, carry the trainer's log-probs over the templated prompt's ids, and
+    sample j is the zerokl request with seed + j."""
+    client = _openai(server)
+    ids = [i % 90 for i in _prompts(1, seed=13, lo=6, hi=20)[0]]
+    messages = [{"role": "user", "content": " ".join(f"t{i}" for i in ids)}]
+
+    def ask():
+        out = client.chat.completions.create(model=checkpoint, messages=messages, n=4, temperature=0.8, top_p=0.9,
+                                             seed=77, max_tokens=6, logprobs=True,
+                                             extra_body={"return_token_ids": True, "ignore_eos": True})
+        choices = sorted(out.choices, key=lambda c: c.index)
+        return out.prompt_token_ids, [(c.token_ids, [t.logprob for t in c.logprobs.content]) for c in choices]
+
+    prompt, samples = ask()
+    assert prompt == ids
+    assert ask() == (prompt, samples)
+    assert len({tuple(tokens) for tokens, _ in samples}) > 1
+    for j, (tokens, logprobs) in enumerate(samples):
+        assert logprobs == trainer_logprobs(policy, prompt, tokens, 0.8)
+        assert (tokens, logprobs) == complete(server, prompt, 6, temperature=0.8, top_p=0.9, seed=77 + j)
+
+
+def test_stock_server_is_not_the_trainer(checkpoint, policy, tmp_path):
+    """Negative control: vLLM's own server (plugin not selected), asked the same standard request with
+    temperature-scaled log-probs, returns log-probs that are not the trainer's, and echoes no seed."""
+    prompt = _prompts(1, seed=14, lo=20, hi=30)[0]
+    body = dict(prompt=prompt, n=4, temperature=0.9, seed=5, max_tokens=16, logprobs=0, return_token_ids=True,
+                ignore_eos=True)
+    try:
+        with running_server(checkpoint, tmp_path / "stock.log", "--max-model-len", "256", "--logprobs-mode",
+                            "processed_logprobs", plugin=False) as base:
+            status, out = call(base + "/v1/completions", body)
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    assert status == 200, out
+    differ = sum(a != b for c in out["choices"] for a, b in zip(
+        c["logprobs"]["token_logprobs"], trainer_logprobs(policy, prompt, c["token_ids"], 0.9)))
+    assert differ > 0, "vLLM's own server matched the trainer bit for bit: this control cannot fail"
 
 
 def test_bad_requests_get_400_and_server_keeps_serving(server):
@@ -216,3 +272,19 @@ def test_readme_server_command_and_request_run_as_written(checkpoint, policy, tm
         assert 0 < len(choice["token_ids"]) <= request["max_tokens"]
         assert choice["logprobs"]["token_logprobs"] == trainer_logprobs(
             policy, request["prompt"], choice["token_ids"], request["temperature"])
+
+
+def test_seed_echo_body_rule():
+    """SeedEcho's rewrite: a JSON object without a seed (or with null) gets one; anything else is
+    handed to vLLM as it came (vLLM answers a malformed body or seed with its 400)."""
+    from rollout_service.vllm_plugin.seed_echo import with_seed
+    body, seed = with_seed(b'{"prompt": [1, 2], "n": 2}')
+    assert isinstance(seed, int) and 0 <= seed < 2 ** 62 and json.loads(body) == {"prompt": [1, 2], "n": 2, "seed": seed}
+    assert with_seed(b'{"prompt": [1], "seed": null}')[1] is not None
+    given = b'{"prompt": [1], "seed": 5}'
+    assert with_seed(given) == (given, 5)
+    for untouched in (b'{"seed": "5"}', b'{"seed": true}', b"[1, 2]", b"not json", b""):
+        assert with_seed(untouched) == (untouched, None)
+    ours = b'{"prompt": [1], "vllm_xargs": {"zerokl_temperature": 0.7, "zerokl_seed": 9}}'
+    assert with_seed(ours) == (ours, 9)  # the seed the sampling rule will use, not a new one
+    assert with_seed(b'{"vllm_xargs": {"zerokl_seed": "9"}}')[1] is None

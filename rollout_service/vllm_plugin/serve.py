@@ -10,7 +10,9 @@ flag wins). Ordinary requests get the canonical rule (vllm_plugin.sampling.canon
      "return_token_ids": true}
 
 or carry our params as flat `vllm_xargs` at vLLM temperature 0 ({"zerokl_temperature": 0.7,
-"zerokl_seed": 5}, optionally zerokl_top_k, zerokl_top_p, zerokl_position). Penalties, logit bias,
+"zerokl_seed": 5}, optionally zerokl_top_k, zerokl_top_p, zerokl_position). A request without a seed
+gets one (seed_echo.SeedEcho), and every seeded request's seed comes back in the `x-zerokl-seed`
+response header. Penalties, logit bias,
 min_p, bad words, allowed ids or min_tokens get a 400. Each choice's `logprobs.token_logprobs` are
 trainer_patch.token_logprobs at the request's temperature (float32 values; JSON round-trips them).
 """
@@ -34,7 +36,9 @@ def plugin_args(*, eager: bool = False) -> list[str]:
             # checkpoint's generation_config.json (a repetition penalty would alter our log-probs)
             "--generation-config", "vllm",
             "--override-generation-config", json.dumps({"temperature": 0}),
-            "--enable-prefix-caching"]
+            "--enable-prefix-caching",
+            # a seedless request gets its seed here and back in a header, so every rollout replays
+            "--middleware", "rollout_service.vllm_plugin.seed_echo.SeedEcho"]
     args += ["--enforce-eager"] if eager else ["--compilation-config", json.dumps(CUDA_GRAPH_COMPILATION)]
     return args
 
