@@ -30,7 +30,7 @@ CPU_SMOKE = ["warmup.steps=10", "train.prompts_per_step=8", "metrics.wandb=false
 
 def run_arm(config: str, arm: str, steps: int, extra: list[str], run_dir: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "recipes.grpo", "--config", config, "--no-progress", "--run-dir", str(run_dir),
-           f"train.steps={steps}", "train.save_every=0", "metrics.wandb=false", *ARMS[arm], *extra]
+           f"train.steps={steps}", "train.save_every=0", "train.save_final=false", "metrics.wandb=false", *ARMS[arm], *extra]
     print(f"[bench] {arm}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, stdout=sys.stderr)
     return read_metrics(run_dir)

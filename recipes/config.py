@@ -133,6 +133,7 @@ class TrainConfig:
     steps: int = 10
     prompts_per_step: int = 8
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
+    save_final: bool = True  # checkpoint the last step (benchmarks turn it off: it is no step's work)
     save_rollouts: bool = False
 
 

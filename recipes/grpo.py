@@ -165,7 +165,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
                 _save_rollouts(run_dir, step, rollouts, rewards.view(-1).tolist())
             every = trc.save_every
             t_save = time.perf_counter()
-            if step == trc.steps or (every and step % every == 0):
+            if (step == trc.steps and trc.save_final) or (every and step % every == 0):
                 path = checkpoint_dir(run_dir, step)
                 trainer.save(str(path / "trainer"))
                 write_state(path, {"step": step, "cursor": cursor, "digest": sync["digest"]}, cfg)

@@ -32,6 +32,15 @@ from .params import InvalidRequestError, Rollout, SamplingParams, check_request
 from .weights import copy_into, load_weights, model_digest, weight_spec
 
 
+def pin_host_copy(model: torch.nn.Module) -> None:
+    """Page-lock the host copy's tensors, once: every push copies each bucket into it from the GPU,
+    and a copy into pageable memory runs at a fraction of the link's speed (tied tensors stay tied:
+    each Parameter object is re-pointed once)."""
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            t.data = t.data.pin_memory()
+
+
 class VLLMEngine:
     """model: a checkpoint directory, "tiny:<arch>" or a Hugging Face model object (saved to a temp
     dir for vLLM). tensor_parallel_size: vLLM's workers per engine, one GPU each (the canonical
@@ -43,24 +52,34 @@ class VLLMEngine:
     its KV cache, and so how many `off` sequences run at once, follows). stock_only: the stock engine
     alone, with all of gpu_memory_utilization (the stock pipeline's workers; requests other than `off`
     are refused). sleep_mode: build the engines with vLLM's sleep mode on a GPU, so that sleep()
-    releases their memory (colocated placement)."""
+    releases their memory (colocated placement); sleep_level: vLLM's level, 2 by default (the weights
+    are discarded, not offloaded: see sleep)."""
 
     def __init__(self, model, *, device: str = "cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
                  copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None,
                  stock_in_process: bool = True, stock_memory_share: float = 0.5, stock_only: bool = False,
-                 sleep_mode: bool = False):
+                 sleep_mode: bool = False, sleep_level: int = 2):
         from .vllm_plugin import HF_OVERRIDES, graph_options, register
 
         if isinstance(stock_memory_share, bool) or not isinstance(stock_memory_share, (int, float)) \
                 or not 0.0 < stock_memory_share < 1.0:
             raise ValueError(f"stock_memory_share must be a number strictly between 0 and 1, got {stock_memory_share!r}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
+        if sleep_level == 2 and sleep_mode and tensor_parallel_size > 1:
+            raise ValueError("sleep_level 2 is checked on one GPU per engine; use sleep_level=1 with "
+                             "tensor_parallel_size > 1")
         self.device = torch.device(device)
+        self.sleep_level = sleep_level
+        self._weights_discarded = False  # see sleep()
         if (self.device.type == "cuda") != torch.cuda.is_available():
             raise ValueError(f"VLLMEngine on {self.device} needs vLLM's build for it (CUDA available: "
                              f"{torch.cuda.is_available()})")
         # the weights the workers report and verify (digest, state_dict), on the host
         self.model = load_model(model, "cpu", copy_model)
+        if self.device.type == "cuda":
+            pin_host_copy(self.model)
         self._tmpdir = tempfile.mkdtemp(prefix="zerokl-vllm-engine-")
         self.model.save_pretrained(self._tmpdir)
         self.max_model_len = max_model_len or self.model.config.max_position_embeddings
@@ -92,6 +111,7 @@ class VLLMEngine:
     def add_request(self, prompt_token_ids, params: SamplingParams) -> int:
         """Queue a request; raises InvalidRequestError if it can never be served."""
         prompt, params = check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        self._restore_discarded_weights()
         if params.return_routed_experts:
             raise InvalidRequestError("return_routed_experts: the vLLM backend does not record MoE routing; "
                                       "use the native engine (engine_kwargs={'backend': 'native'})")
@@ -160,6 +180,7 @@ class VLLMEngine:
         digest = load_weights(self.model, state_dict, expected_digest)
         for target in self._targets():
             target.update_weights(self.model.state_dict())
+        self._weights_discarded = False
         return digest
 
     def _targets(self) -> list[VLLMFastPath]:
@@ -176,13 +197,28 @@ class VLLMEngine:
         copy_into(self.model, named)
 
     def finish_weight_load(self) -> None:
+        """The push is complete and checked: every weight of every engine is the host copy's."""
         for target in self._targets():
             target.finish_weight_load()
+        self._weights_discarded = False
 
+    # Rule: at sleep level 2 the engines' weights are discarded, not copied to the host, because in
+    # the colocated loop the next push replaces them all anyway (level 1 spends seconds copying them
+    # out and back in). Until a complete push lands, the host copy (self.model, always the weights
+    # last accepted) is what the engines serve: the first request after a wake without a push loads it.
     def sleep(self) -> None:
         """Release each vLLM engine's GPU memory (vLLM's sleep mode, where it was enabled)."""
         for target in self._targets():
-            target.sleep()
+            target.sleep(self.sleep_level)
+        if self.sleep_level == 2 and any(t.sleeping for t in self._targets()):
+            self._weights_discarded = True
+
+    def _restore_discarded_weights(self) -> None:
+        if self._weights_discarded:
+            for target in self._targets():
+                target.wake()
+                target.update_weights(self.model.state_dict())
+            self._weights_discarded = False
 
     def wake(self) -> None:
         for target in self._targets():

@@ -181,8 +181,11 @@ def test_the_gpu_memory_share_is_split_as_asked(monkeypatch, checkpoint):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(vllm_engine, "VLLMFastPath", Recorded)
+    pinned = []  # page-locking needs a real GPU; on one the host copy is pinned (test_vllm_plugin_gpu)
+    monkeypatch.setattr(vllm_engine, "pin_host_copy", pinned.append)
     VLLMEngine(checkpoint, stock_for_off=True, gpu_memory_utilization=0.8, stock_memory_share=0.75).close()
     stock, canonical = built
+    assert len(pinned) == 1
     assert "hf_overrides" not in stock and "hf_overrides" in canonical
     assert stock["gpu_memory_utilization"] == pytest.approx(0.6)
     assert canonical["gpu_memory_utilization"] == pytest.approx(0.2)
@@ -197,6 +200,12 @@ def test_the_gpu_memory_share_is_split_as_asked(monkeypatch, checkpoint):
         with pytest.raises(ValueError, match="stock_memory_share"):
             VLLMEngine(checkpoint, stock_for_off=True, stock_memory_share=bad)
         assert not built
+    for bad in (0, 3, "2", None):  # vLLM's levels are 1 and 2 (0 releases no memory)
+        with pytest.raises(ValueError, match="sleep_level"):
+            VLLMEngine(checkpoint, sleep_mode=True, sleep_level=bad)
+    with pytest.raises(ValueError, match="sleep_level 2"):  # level 2 is checked on one GPU per engine
+        VLLMEngine(checkpoint, sleep_mode=True, tensor_parallel_size=2)
+    assert not built
 
 
 def test_off_engine_core_in_its_own_process(split_engine, engine, checkpoint):

@@ -244,12 +244,19 @@ class VLLMFastPath:
                     chunk, size, k = {}, 0, k + 1
 
     # -- extras ---------------------------------------------------------------------------------
-    def sleep(self) -> None:
-        """vLLM's sleep mode, level 1 (KV cache freed, weights offloaded to pinned host memory), on
-        engines built with enable_sleep_mode=True on a GPU; otherwise nothing to release."""
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode on engines built with enable_sleep_mode=True on a GPU (otherwise nothing to
+        release): level 1 frees the KV cache and offloads the weights to pinned host memory; level 2
+        discards the weights too (the caller must load every weight again before the next step)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if self._sleep_mode and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=level)
             self._asleep = True
+
+    @property
+    def sleeping(self) -> bool:
+        return self._asleep
 
     def wake(self) -> None:
         if self._asleep:

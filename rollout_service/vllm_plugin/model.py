@@ -78,7 +78,13 @@ class ZeroKLForCausalLM(nn.Module):
             attn.append(layer.self_attn.attn)
         self.__dict__["attn_layers"] = attn  # layer_idx order, as kernels.forward indexes them
         # every position a request can reach, on the device now: no forward grows it or checks for growth
-        rope_table(hf).bound(vllm_config.model_config.max_model_len, torch.device(device))
+        rope = rope_table(hf)
+        rope.bound(vllm_config.model_config.max_model_len, torch.device(device))
+        # Rule: whatever the forward reads besides the weights is a registered buffer, because vLLM's
+        # level-2 sleep discards all that load_model allocated and brings back only the weights (loaded
+        # again) and the buffers (saved and restored in place)
+        self.register_buffer("rope_cos", rope.cos, persistent=False)
+        self.register_buffer("rope_sin", rope.sin, persistent=False)
 
     @classmethod
     def get_model_state_cls(cls):

@@ -287,3 +287,53 @@ def test_worker_engine_serves_verified_and_off_side_by_side(checkpoint, trainer)
         assert count_trainer_mismatches(trainer, prompts[1::2], params[1::2], results[1::2]) > 0
     finally:
         engine.close()
+
+
+def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer):
+    """VLLMEngine with sleep_mode (the colocated placement): level 2 discards the weights. A wake with
+    no push serves the host copy again, bit for bit; a complete bucketed push after a wake serves the
+    new weights, bit for bit. Control: the engine woken without either, after another allocation has
+    used the freed memory (a trainer rank does), does not match."""
+    from rollout_service.vllm_engine import VLLMEngine
+
+    gc.collect()
+    engine = VLLMEngine(checkpoint, device="cuda", max_model_len=1024, max_num_seqs=64, sleep_mode=True,
+                        sleep_level=2, gpu_memory_utilization=0.3)
+    prompts = random_prompts(16, VOCAB, seed=21, lo=5, hi=200)
+    params = [SamplingParams(max_tokens=16, seed=1300 + i, **MIXED[i % 3]) for i in range(len(prompts))]
+
+    def rollouts():
+        return [(o.token_ids, o.logprobs, 0) for o in engine.generate(prompts, params)]
+
+    def sleep_and_scribble():
+        engine.sleep()
+        free, _ = torch.cuda.mem_get_info()
+        scribble = torch.full((int(free * 0.8),), 0x3F, dtype=torch.uint8, device="cuda")
+        del scribble
+        torch.cuda.empty_cache()
+
+    try:
+        assert all(t.is_pinned() for t in engine.model.state_dict().values())  # pushes copy into it
+        before = rollouts()
+        assert_matches_trainer(trainer, prompts, params, before)
+
+        sleep_and_scribble()
+        engine.canonical.wake()  # what the engine's own wake does, without the restore on the next request
+        discarded = vllm_generate(engine.canonical.llm, prompts, params)
+        assert [r[:2] for r in discarded] != [r[:2] for r in before], "discarded weights served the old tokens"
+        assert rollouts() == before  # the next request loaded the host copy first
+
+        sleep_and_scribble()
+        engine.wake()
+        assert rollouts() == before
+
+        new = tiny_model("qwen2", seed=9, dtype=torch.float32, **SHAPE).to(torch.bfloat16).cuda()
+        sleep_and_scribble()
+        engine.wake()
+        engine.load_named_weights(list(new.state_dict().items()))
+        engine.finish_weight_load()
+        after = rollouts()
+        assert_matches_trainer(new, prompts, params, after)
+        assert [r[:2] for r in after] != [r[:2] for r in before]
+    finally:
+        engine.close()
