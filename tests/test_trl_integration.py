@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     from transformers import PreTrainedTokenizerFast
     from trl import GRPOConfig
 
-    path, mode, out = sys.argv[1:4]
+    path, mode, out, num_generations, batch = sys.argv[1:4] + [int(a) for a in sys.argv[4:6]]
     if mode == "zerokl":
         from rollout_service.integrations.trl import GRPOTrainer
         extra = dict(vllm_kwargs=dict(kv_cache_memory_bytes=64 << 20, block_size=16))
@@ -39,8 +39,8 @@ SCRIPT = textwrap.dedent("""
     def reward(completions, **kwargs):  # dense: the share of even token ids
         return [sum(int(w[1:]) % 2 == 0 for w in c.split() if w[1:].isdigit()) / 8 for c in completions]
 
-    args = GRPOConfig(output_dir=out + ".d", use_vllm=True, vllm_mode="colocate", num_generations=4,
-                      per_device_train_batch_size=8, max_completion_length=8, temperature=0.9, top_k=top_k,
+    args = GRPOConfig(output_dir=out + ".d", use_vllm=True, vllm_mode="colocate", num_generations=num_generations,
+                      per_device_train_batch_size=batch, max_completion_length=8, temperature=0.9, top_k=top_k,
                       learning_rate=1e-3, max_steps=4 if mode == "zerokl" else 1, logging_steps=1, report_to="none",
                       save_strategy="no", bf16=False, use_cpu=True, seed=3, vllm_importance_sampling_correction=True,
                       model_init_kwargs={"dtype": torch.bfloat16}, dataloader_num_workers=0)
@@ -56,7 +56,8 @@ SCRIPT = textwrap.dedent("""
     for h in logs:
         h.pop("step_time", None)
     ids = tokenizer(text="t1 t2 t3")["input_ids"]
-    _, completions, _, _ = trainer.vllm_generation.generate(prompts=[ids] * 4, images=None, num_generations=4)
+    _, completions, _, _ = trainer.vllm_generation.generate(prompts=[ids] * num_generations, images=None,
+                                                            num_generations=num_generations)
     json.dump({"logs": logs, "completions": [list(c) for c in completions]}, open(out, "w"))
 """)
 
@@ -95,7 +96,7 @@ def test_left_padded_rows_score_like_unpadded_ones():
         assert (row[len(c):] == 0).all()
 
 
-def run(checkpoint, mode, tmp_path):
+def run(checkpoint, mode, tmp_path, num_generations=4, batch=8):
     out = str(tmp_path / f"{mode}.json")
     import socket
     with socket.socket() as s:  # the run's own torch.distributed rendezvous, not one a test left in the env
@@ -103,11 +104,19 @@ def run(checkpoint, mode, tmp_path):
         port = s.getsockname()[1]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint, mode, out], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint, mode, out, str(num_generations), str(batch)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     with open(out) as f:
         return json.load(f)
+
+
+def assert_exactly_zero(logs):
+    for h in logs:
+        assert h["sampling/sampling_logp_difference/max"] == 0.0, h
+        assert h["sampling/sampling_logp_difference/mean"] == 0.0, h
+        for k in ("min", "mean", "max"):
+            assert h[f"sampling/importance_sampling_ratio/{k}"] == 1.0, h
 
 
 def test_zerokl_difference_is_exactly_zero(checkpoint, tmp_path):
@@ -115,11 +124,7 @@ def test_zerokl_difference_is_exactly_zero(checkpoint, tmp_path):
     logs = result["logs"]
     assert len(logs) == 4
     assert all(h["grad_norm"] > 0 for h in logs[:-1]), "the weights must change, so that syncs are exercised"
-    for h in logs:
-        assert h["sampling/sampling_logp_difference/max"] == 0.0, h
-        assert h["sampling/sampling_logp_difference/mean"] == 0.0, h
-        for k in ("min", "mean", "max"):
-            assert h[f"sampling/importance_sampling_ratio/{k}"] == 1.0, h
+    assert_exactly_zero(logs)
     assert len(set(map(tuple, result["completions"]))) > 1, "the samples of one prompt must differ"
     assert run(checkpoint, "zerokl", tmp_path) == result  # the same run repeats bit for bit
 
@@ -128,3 +133,16 @@ def test_stock_trl_difference_is_not_zero(checkpoint, tmp_path):
     [h] = run(checkpoint, "stock", tmp_path)["logs"]
     assert h["sampling/sampling_logp_difference/max"] > 0.0
     assert h["sampling/importance_sampling_ratio/max"] != 1.0 or h["sampling/importance_sampling_ratio/min"] != 1.0
+
+
+def test_llama_with_three_generations_per_prompt(tmp_path):
+    """A Llama-family policy with num_generations = 3 (so batches of 6, not the default 8): exactly 0 too."""
+    from rollout_service.tiny_models import save_with_word_tokenizer, tiny_model
+
+    path = str(tmp_path / "llama")
+    save_with_word_tokenizer(tiny_model("llama", seed=6, hidden_size=128, num_heads=4, num_kv_heads=2,
+                                        intermediate_size=256), path)
+    result = run(path, "zerokl", tmp_path, num_generations=3, batch=6)
+    assert len(result["logs"]) == 4 and all(h["grad_norm"] > 0 for h in result["logs"][:-1])
+    assert_exactly_zero(result["logs"])
+    assert len(result["completions"]) == 3 and len(set(map(tuple, result["completions"]))) > 1
