@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -87,6 +88,7 @@ def run_arm(arm: str, path: str, weights, prompts, cycles: int, trainer_bytes: i
 
 
 def main() -> None:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON alone
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(SHAPES), default="qwen1.5b")
     ap.add_argument("--arms", default="canonical,stock")

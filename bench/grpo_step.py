@@ -42,6 +42,8 @@ def summarise(records: list[dict]) -> dict:
     out["rollout_tokens_per_s"] = statistics.median(r["perf/rollout_tokens_per_s"] for r in steady)
     out["train_tokens_per_s"] = statistics.median(r["perf/train_tokens_per_s"] for r in steady)
     out["sync_share"] = out["weight_sync_s"] / out["step_s"]
+    phases = sorted({k for r in steady for k in r if k.startswith("perf/sync_")})  # where the sync went
+    out["sync_phases_s"] = {k[len("perf/sync_"):-2]: statistics.median(r.get(k, 0.0) for r in steady) for k in phases}
     out["max_kl"] = max(abs(r["rollout_train/kl"]) for r in records)
     out["max_abs_logprob_diff"] = max(r["rollout_train/max_abs_logprob_diff"] for r in records)
     out["reward_first_last"] = [records[0]["reward/mean"], records[-1]["reward/mean"]]

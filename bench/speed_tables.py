@@ -1,4 +1,4 @@
-"""The speed tables of the README, one name each: the one home of their workloads and systems.
+"""The plugin-against-stock speed tables (docs/performance.md), one name each: the one home of their workloads and systems.
 
     python -m bench.speed_tables --list
     python -m bench.speed_tables qwen1.5b-64 --out qwen1.5b_64.json

@@ -159,6 +159,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             metrics = step_metrics(rollouts, rewards, results, sum(tokens),
                                    {"rollout": t1 - t0, "train": t3 - t_slept, "sync": sync["seconds"],
                                     "sleep": t_slept - t2})
+            metrics.update({f"perf/sync_{phase}_s": s for phase, s in sync["phases"].items()})
             metrics.update({"data/cursor": cursor, "rollout/digest": rollouts_digest(rollouts),
                             "weights/digest": sync["digest"], "weights/transport": sync["transport"]})
             if trc.save_rollouts:

@@ -158,7 +158,8 @@ class TrainerRank:
 
     def push_weights(self, pool_name: str, namespace: str) -> dict | None:
         """Load the weights into the rollout pool (rank 0 sends; every rank takes part in the gathers);
-        returns, on rank 0, both digests, the transport and the seconds it took.
+        returns, on rank 0, both digests, the transport, the seconds it took and those of its phases
+        (connect: the pool found and the transport chosen; bucketed pushes: check, begin, send, finish).
 
         object_store: the full bf16 state dict on rank 0's host, through ray.put. broadcast / ipc
         (rollout_service.weight_sync): one parameter gathered at a time on the device, twice: first
@@ -169,18 +170,21 @@ class TrainerRank:
         start = time.perf_counter()
         client = RolloutClient(pool_name, namespace=namespace) if self.rank == 0 else None
         transport = self._transport(client)
+        connected = time.perf_counter()
         if transport == "object_store":
             sd = self.full_state_dict()
             if sd is None:
                 return None
             digest = state_dict_digest(sd)
             pool_digest = client.update_weights(sd, expected_digest=digest)
+            phases = {}
         else:
-            digest = pool_digest = self._push_bucketed(client, transport)
+            digest, phases = self._push_bucketed(client, transport)
+            pool_digest = digest
         if self.rank != 0:
             return None
         return {"digest": digest, "pool_digest": pool_digest, "transport": transport,
-                "seconds": time.perf_counter() - start}
+                "seconds": time.perf_counter() - start, "phases": {"connect": connected - start, **phases}}
 
     def _transport(self, client) -> str:
         """The configured transport, "auto" resolved on rank 0 and shared with every rank."""
@@ -192,16 +196,20 @@ class TrainerRank:
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def _push_bucketed(self, client, transport: str) -> str | None:
+    def _push_bucketed(self, client, transport: str) -> tuple[str | None, dict]:
+        """(the digest the pool holds, on rank 0; the seconds of each phase: check, begin, send, finish)."""
         sender = WeightSender(client, transport, self.cfg.weight_bucket_mb << 20) if self.rank == 0 else None
         verdict = [None]
+        start = time.perf_counter()
         try:
             tensors = iter_full_tensors(self.model)  # every rank takes part in every gather, in step
             if sender is None:
                 for _ in tensors:
                     pass
             else:
-                sender.begin(fingerprint_entries(tensors, sender.bucket_bytes))
+                entries = fingerprint_entries(tensors, sender.bucket_bytes)
+                checked = time.perf_counter()
+                sender.begin(entries)
         except Exception as e:  # refused before anything was sent: every rank stops here
             verdict[0] = e
         if self.world > 1:
@@ -212,8 +220,9 @@ class TrainerRank:
         if sender is None:
             for _ in tensors:  # the gathers rank 0 sends from
                 pass
-            return None
-        return sender.complete(tensors)
+            return None, {}
+        digest = sender.complete(tensors)
+        return digest, {"check": checked - start, **sender.seconds}
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`."""

@@ -31,7 +31,7 @@ from .fast_path.base import DraftRequest, FastPath, Proposal
 from .fast_path.native import NativeFastPath
 from .fast_path.native_ops import FAST_OPS
 from .kv_cache import KVCache
-from .params import InvalidRequestError, Rollout, SamplingParams, check_batch, check_request
+from .params import Determinism, InvalidRequestError, Rollout, SamplingParams, check_batch, check_request
 from .config import EngineConfig
 from .cuda_graphs import GraphedModelRunner
 from .request import Request
@@ -297,8 +297,8 @@ class Engine:
 
     def _decode(self, plan: StepPlan) -> None:
         start, before = time.perf_counter(), sum(len(w.req.tokens) for w in plan.decode)
-        fast = [w for w in plan.decode if w.num_tokens > 0 and (w.verify or w.req.params.determinism == "off")]
-        canonical = [w for w in plan.decode if not w.verify and w.req.params.determinism != "off"]
+        fast = [w for w in plan.decode if w.num_tokens > 0 and (w.verify or w.req.params.determinism == Determinism.OFF)]
+        canonical = [w for w in plan.decode if not w.verify and w.req.params.determinism != Determinism.OFF]
         proposals = {**self._propose(self.fast_path, fast), **self._propose(self.canonical_decoder, canonical)}
         windows = []
         for w in plan.decode:

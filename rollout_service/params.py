@@ -6,8 +6,21 @@ import math
 import numbers
 import secrets
 from dataclasses import dataclass, field
+from enum import Enum
 
-DETERMINISM_MODES = ("verified", "invariant", "off")
+
+class Determinism(str, Enum):
+    """A request's determinism mode (README, "Modes"). A str, so "off" and Determinism.OFF are equal and
+    SamplingParams takes either; validate() stores the member."""
+    VERIFIED = "verified"  # DVR or canonical steps, whichever is faster: the trainer's bits
+    INVARIANT = "invariant"  # a canonical step for every token: the same bits
+    OFF = "off"  # the fast path alone: no guarantee
+
+    def __str__(self) -> str:
+        return self.value
+
+
+DETERMINISM_MODES = tuple(m.value for m in Determinism)
 
 
 class InvalidRequestError(ValueError):
@@ -119,7 +132,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    determinism: str = "verified"
+    determinism: Determinism | str = Determinism.VERIFIED
     # record each generated token's MoE expert ids (Rollout.routed_experts); the name is vLLM's
     return_routed_experts: bool = False
 
@@ -143,7 +156,8 @@ class SamplingParams:
         object.__setattr__(self, "top_k", top_k)  # off is -1 here, whether -1 or 0 was given
         if self.determinism not in DETERMINISM_MODES:
             bad(f"determinism must be one of {DETERMINISM_MODES}, got {self.determinism!r}")
-        if self.seed is None and not self.greedy and self.determinism != "off":
+        object.__setattr__(self, "determinism", Determinism(self.determinism))
+        if self.seed is None and not self.greedy and self.determinism != Determinism.OFF:
             bad(f"a sampled request (temperature={self.temperature}) with determinism="
                 f"{self.determinism!r} needs a seed")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

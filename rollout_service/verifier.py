@@ -17,6 +17,7 @@ import torch
 import kernels as K
 from kernels.forward import model_spec
 
+from .params import Determinism
 from .sampler import sample_rows, token_logprobs_at
 from .request import Request
 from .runner import Chunk
@@ -74,7 +75,7 @@ class Verifier:
             experts = routing[offset:offset + n + 1] if record else None
             offset += n + 1
             accepted = next((i for i in range(n) if canon[i] != it.proposals[i]), n)
-            if it.is_window and req.params.determinism == "verified":
+            if it.is_window and req.params.determinism == Determinism.VERIFIED:
                 req.stats.verify_windows += 1
                 req.stats.proposed_tokens += n
                 req.stats.accepted_tokens += accepted

@@ -8,13 +8,13 @@ memory share is split between the two (`stock_memory_share` of it to the stock e
 they run on the canonical engine too (canonical tokens, which `off` permits). The stock engine's core
 runs in this process unless `stock_in_process=False` gives it its own (vLLM's default; weights then
 reach it through files). How fast `off` runs against stock vLLM, with either placement, is measured
-by `bench.speed_tables` (README, "Speed").
+by `bench.speed_tables` (docs/performance.md, "Latest figures by component").
 
 It has the interface RolloutWorker drives (add_request / abort / step / has_unfinished, weights and
 the canonical contract), like the native Engine. Steps go through `LLM.llm_engine` (vLLM's
 LLMEngine: add_request, step, abort_request), so vLLM's scheduler, chunked prefill, prefix caching,
 preemption and CUDA graphs apply. Decode-verify-rollback stays with the native engine: inside vLLM
-every step runs the canonical forward (see the README for why and what it costs).
+every step runs the canonical forward (docs/vllm_plugin.md says why and what it costs).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import kernels as K
 
 from .engine import generate_in_order, load_model
 from .fast_path.vllm import VLLMFastPath, canonical_vllm_params, completion_tokens
-from .params import InvalidRequestError, Rollout, SamplingParams, check_request
+from .params import Determinism, InvalidRequestError, Rollout, SamplingParams, check_request
 from .weights import copy_into, load_weights, model_digest, weight_spec
 
 
@@ -115,11 +115,11 @@ class VLLMEngine:
         if params.return_routed_experts:
             raise InvalidRequestError("return_routed_experts: the vLLM backend does not record MoE routing; "
                                       "use the native engine (engine_kwargs={'backend': 'native'})")
-        if self.canonical is None and params.determinism != "off":
+        if self.canonical is None and params.determinism != Determinism.OFF:
             raise InvalidRequestError(f"determinism {params.determinism!r}: this worker runs the stock engine "
                                       "alone (stock_only=True), which serves only determinism='off'")
         rid = next(self._ids)
-        stock = self.stock is not None and params.determinism == "off"
+        stock = self.stock is not None and params.determinism == Determinism.OFF
         target = self.stock if stock else self.canonical
         target.llm.llm_engine.add_request(str(rid), {"prompt_token_ids": prompt}, self._vllm_params(
             prompt, params, stock))

@@ -16,6 +16,7 @@ holds part of the new weights and is restarted by the pool.
 from __future__ import annotations
 
 import datetime
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -216,6 +217,9 @@ class WeightSender:
         self.bucket_bytes, self.timeout_s = int(bucket_bytes), float(timeout_s)
         self.plan: SyncPlan | None = None
         self._group = self._workers = self._buf = self._handle = None
+        # where the push's time went: begin (the pool's checks, its workers drained and woken, the
+        # sender's buffer), send (every bucket copied, sent, checked and loaded), finish (the verdict)
+        self.seconds: dict[str, float] = {}
 
     def begin(self, entries: list[tuple[str, tuple, tuple[int, int], torch.device]],
               expected_digest: str | None = None) -> str:
@@ -238,6 +242,7 @@ class WeightSender:
             plan.store_host, plan.store_port = _host_and_free_port()
             plan.sender_id = PROCESS_ID
         self.plan = plan
+        start = time.perf_counter()
         info = self.client._begin_weight_sync(plan)  # the pool's checks; workers drained and waiting
         self._workers = info["workers"]
         try:
@@ -252,11 +257,13 @@ class WeightSender:
         except BaseException as e:  # the workers are waiting: release them
             self.abort(f"the sender could not set up the push: {e!r}")
             raise
+        self.seconds["begin"] = time.perf_counter() - start
         return digest
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The tensors in begin()'s order, each sent as soon as its bucket is full."""
         import ray
+        start = time.perf_counter()
         tensors = iter(named)
         for index, bucket in enumerate(self.plan.buckets):
             for entry in bucket:
@@ -271,6 +278,7 @@ class WeightSender:
                 self._group.broadcast(self._buf[:n].view(torch.uint8), 0).wait()
             else:
                 ray.get([w.receive_weight_bucket.remote(self.plan.sync_id, index, self._handle) for w in self._workers])
+        self.seconds["send"] = time.perf_counter() - start
 
     def complete(self, named: Iterable[tuple[str, torch.Tensor]]) -> str:
         """send() then finish(); a failure while sending abandons the push (abort) and is raised."""
@@ -283,9 +291,11 @@ class WeightSender:
 
     def finish(self) -> str:
         """The pool's verdict once every worker has checked and loaded everything: the digest they hold."""
+        start = time.perf_counter()
         try:
             return self.client._end_weight_sync(self.plan.sync_id)
         finally:
+            self.seconds["finish"] = time.perf_counter() - start
             self._release()
 
     def abort(self, reason: str) -> None:

@@ -347,28 +347,14 @@ def _combine_kernel(p_ptr, bias_ptr, out_ptr, M, N, stride_g, stride_pm, stride_
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Hand-picked launch tables (H100, bf16, from bench/kernels.py --sweep). Each row: (max_M, config);
-# the first row with M <= max_M wins. Columns by N: <= 4096, <= 8192, wider. Small M streams the
-# weight (narrow tiles, deep pipelines, many programs); from M = 128 on Hopper the Gluon kernel
-# (matmul_sm90.py with one segment: a loader warp, the epilogue through a TMA store) does most shapes.
-# Decode-sized M (65-160, bench/results/2026-11-26-h100-waves): 64 x 64 Gluon tiles for N <= 4096 at
-# 65-128 (o and down as plain products at M = 96 / 128: 0.72 / 0.73 -> 0.85 / 0.88 and 0.85 / 0.88 ->
-# 0.91 / 1.01 of cuBLAS), 128 x 256 for the widest N at 65-128 (gate_up 0.83 -> 0.98, lm_head 0.90 ->
-# 1.01 at 65-96; at 104 / 112 gate_up 0.76 / 0.86 -> 0.98 / 0.98 and lm_head 0.75 / 0.89 -> 1.01 /
-# 0.99 against 128 x 128 tiles, bench/results/2026-11-27-h200-swapped). At 129-192 one tile of 3 x 64
-# rows covers the batch: no rows of a second 128-row tile are computed for nothing
-# (bench/results/2026-11-27-h200-row-chunks, H200, M = 136 / 168 / 192: qkv 0.62 / 0.78 / 0.77 -> 0.63 /
-# 0.90 / 0.87 as 192 x 64, gate_up 0.74 / 0.72 / 0.84 -> 0.86 / 0.88 / 0.98 as 192 x 256; the best
-# power-of-two tiles swept: qkv 0.61 / 0.78 / 0.77, gate_up 0.74 / 0.76 / 0.85).
-# At 209-256 rows, N = 4097-8192 (Llama-3.1-8B's qkv, N = 6,144), tiles of 128 rows x 96 columns (64 + 32,
-# the Gluon kernel with x's rows on the wgmma M side and the weight rows as two chunks on its N side): 128
-# tiles on 132 SMs, where 128 x 128 tiles make 96 (bench/results/2026-11-27-h100-column-chunks, H100, M =
-# 216 / 232 / 248 / 256: 0.89 / 0.83 / 0.83 / 0.83 -> 0.93 / 0.89 / 0.87 / 0.87 of cuBLAS; at 200 they lose,
-# 0.84 -> 0.81).
-# Measured vs cuBLAS (Llama-3.1-8B shapes, M = 128 / 256 / 512 / 1024 / 2048 / 4096 / 8192):
-# qkv 0.87 / 0.82 / 0.83 / 0.92 / 0.97 / 1.02 / 1.04, o 0.74 / 0.91 / 0.91 / 0.99 / 0.94 / 0.98 / 0.96,
-# down 0.88 / 0.96 / 0.92 / 0.96 / 1.00 / 1.00 / 1.01, gate_up 1.02 / 0.98 / 0.93 / 0.97 / 1.01 / 1.11 / 1.05.
-# Runs of the same configuration spread by a few points.
+# Launch tables. Rule: each row is (max_M, config per N column: <= 4096, <= 8192, wider); the first
+# row with M <= max_M wins. Tile shapes only change speed, never bits (K is reduced in BLOCK_K order
+# whatever the tile), so every row is a measured choice (bench/kernels.py --sweep against cuBLAS; the
+# measurements behind each row are in docs/performance.md, "The matmul launch tables"). Small M
+# streams the weight (narrow tiles, deep pipelines, many programs); from M = 128 on Hopper the Gluon
+# kernel (matmul_sm90.py) takes most shapes; just above a power of two, row-chunked tiles cover the
+# batch without computing a second tile of padding; where output tiles fill the SMs' last wave badly,
+# narrower ones (column chunks) fill it.
 C = MMConfig
 _G64 = C(64, 128, 4, 6, gluon=True, tma_store=True)
 _G128 = C(128, 128, 4, 5, gluon=True, tma_store=True)
@@ -390,24 +376,9 @@ _PLAIN = [
     (None, (_G256,) * 3),
 ]
 # Decode-sized batches where the swapped kernel (matmul_sm90.swapped_matmul_kernel: the batch's rows on
-# the wgmma N side as two power-of-two chunks, e.g. 128 + 8 at M = 136, weights on its M side) beat the
-# tables above (bench/results/2026-11-27-h200-swapped, H200, × cuBLAS, M = 72 / 104 / 128 / 136): qkv
-# 0.77 / 0.79 / 0.79 / 0.64 -> 0.89 / 0.87 / 0.89 / 0.93 (64 weight rows, 4 warps, 8 stages); at 136, o
-# 0.66 -> 0.84 and down 0.75 -> 0.96 (64 rows, 4 leaves per program), gate_up 0.86 -> 0.87 and lm_head
-# 0.83 -> 0.92 (128 rows, 8 warps); at 168, o 0.71 -> 0.77 and down 0.77 -> 0.96 (128 rows, 2 leaves).
-# At 65-128 the trees tie; gate_up and lm_head lose (0.89-0.95 against 0.98-1.01 for 128 x 256 tiles),
-# as does every product from 200 rows (two 128-row chunks: too many registers per tree node). None: the
-# tables above; so does an entry whose work items fill the SMs' waves badly (_SWAPPED_MIN_FILL).
-# Below 65 rows too (bench/results/2026-11-27-h100-small-batches, H100, × cuBLAS at M = 8 / 16 / 24 / 32 /
-# 40 / 48 / 56 / 64, the Triton tiles -> swapped): qkv 0.93 / 0.93 / 0.92 / 0.92 / 0.57 / 0.69 / 0.87 /
-# 0.92 -> 0.96 / 0.97 / 0.97 / 0.98 / 0.98 / 0.96 / 0.97 / 0.92; gate_up at 8-40 0.96 / 0.97 / 0.85 / 0.88 /
-# 0.96 -> 1.00 / 1.00 / 0.99 / 1.00 / 1.00 (lm_head level, 1.01-1.06); o and down (trees of 8) from 33
-# rows, where a 64-row tile pads the batch: o 0.63 / 0.74 / 0.83 / 0.86 -> 0.86 and down 0.78 / 0.87 /
-# 0.96 / 0.96 -> 0.98 at 40 / 48 / 56 / 64.
-# An entry applies where its work items fill at least this share of the SMs' waves: Llama-3.1-8B's qkv
-# makes 96 tiles of 64 weight rows (0.73 of 132 SMs), its gate_up 224 of 128 (0.85); Qwen2.5-1.5B's gate_up
-# (N = 17,920) would make 140 (two waves, 0.53) and lost there (0.88 / 0.86 of cuBLAS at 8 / 24 rows
-# against 1.03 / 1.00 for the Triton tiles), its o (N = 1,536) 48 items.
+# the wgmma N side, the weight's on its M side) beats the tables above; None: the tables above. An
+# entry applies only where its work items fill at least _SWAPPED_MIN_FILL of the SMs' waves, because
+# below that a wave of idle SMs costs more than the swap saves.
 _SWAPPED_MIN_FILL = 0.7
 _SW64 = C(0, 64, 4, 8, gluon=True, swap_ab=True)
 _SW128 = C(0, 128, 8, 5, gluon=True, swap_ab=True)
@@ -437,29 +408,11 @@ _PLAIN_NO_GLUON = [
 ]
 # Segment tree (row-parallel layers). Small M: segment pairs spread over programs (parallelism for a
 # weight-streaming product; the fp32 partials are tiny). From M = 128 on Hopper: the Gluon kernel
-# (matmul_sm90.py: a loader warp whose copy stream never drains, tree nodes held in registers); where
-# output tiles fill the last wave badly, each tile's segments are split over 2 or 4 programs (see
-# _gluon_split; short segments too, e.g. Qwen2.5-1.5B's o, K = 1536: 0.58 -> 0.69 at M = 256). Measured
-# (H100, vs cuBLAS): o 0.84 / 0.83 / 0.78 / 0.55 / 0.54 / 0.68 and down 1.02 / 0.86 / 0.83 / 0.63 /
-# 0.65 / 0.85 at M = 128 / 256 / 512 / 576 / 1088 / 2048. Segments that end mid-tile (Qwen2.5-1.5B's
-# down, K = 8960) run there too, through a segment view (bench/results/2026-11-28-h200-segment-view, H200,
-# against the pairs kernel they took before: 0.60-0.75 -> 0.66-0.83 of cuBLAS at M = 72-256, 0.35-0.63 ->
-# 0.71-0.86 at 512-16,384). Elsewhere (not Hopper, ...) _TREE_NO_GLUON applies. At M <= 64 a narrow N runs
-# one segment per program (_few_programs; Qwen2.5-1.5B's down at M = 64: 0.73 -> 0.89). 128 x 128 tiles
-# from M = 145 (Llama-3.1-8B's o / down at M = 256 in the sweep: 0.84 / 0.89 for 64 x 128, 0.90 / 1.02;
-# with the 8-leaf item in two halves, bench/results/2026-11-27-h100-tree-halves, 64 x 128 tiles that
-# hold all 8 leaves still lose at 136-232 rows to the launches the tables pick, the swapped ones
-# included: o 0.69-0.76 against 0.73-0.80, down 0.82-0.92 against 0.95-1.01; at 256 o 0.89 against
-# 0.88, down 0.93 against 1.00).
-# Just above 128 rows, where a second 128-row tile is nearly all padding, 64 x 128 tiles with two
-# segments per program (each tile split over 4) win (bench/results/2026-11-27-h200-decode-trees, two H200
-# sweeps at M = 136: o 0.62 / 0.61 -> 0.65 / 0.65, down 0.63 / 0.64 -> 0.74 / 0.73); at M = 168 128 x 128
-# is ahead again for o (0.73 against 0.66). Where the swapped table below has an entry, it wins over these.
-# From 145 rows the root leaves by TMA through the first half's node buffer in shared memory (bench/
-# results/2026-11-27-h100-tree-epilogue, H100, two runs against pointer stores in the same run, M =
-# 2,048-16,384: o 0.66-0.82 -> 0.70-0.84, down 0.75-0.81 -> 0.81-0.85, Qwen2.5-1.5B's o 0.52-0.55 ->
-# 0.59-0.61; with the two halves, bench/results/2026-11-27-h100-tree-halves, M = 512-16,384: o 0.67-0.78
-# -> 0.76-0.89, down 0.79-0.90 -> 0.87-1.13, Qwen2.5-1.5B's o 0.55-0.67 -> 0.79-0.92).
+# (a loader warp whose copy stream never drains, tree nodes held in registers, segments that end
+# mid-tile read through a segment view); where output tiles fill the last wave badly each tile's
+# segments are split over 2 or 4 programs (_gluon_split), and at M <= 64 a narrow N runs one segment
+# per program (_few_programs). From 145 rows the root leaves go out by TMA. Elsewhere (not Hopper, ...)
+# _TREE_NO_GLUON applies.
 _TREE_G64 = C(64, 128, 4, 6, gluon=True)
 _TREE = [
     (16, (C(16, 64, 4, 6, seg_per_prog=2),) * 3),
@@ -475,13 +428,11 @@ _TREE_NO_GLUON = [
     (256, (C(64, 128, 4, 4, seg_per_prog=2),) * 3),
     (None, (C(128, 128, 8, 3, pairs=True, hold=False),) * 3),
 ]
-# A plain product whose tiles would leave most SMs idle in their last wave (e.g. N = 2048 at M = 1024:
-# 64 tiles of 128 x 256) takes the first of these whose tiles fill the machine at least as given (see
-# _wave_fill). 128-row tiles at 70% beat 64-row ones at 85% (Qwen2.5-1.5B's gate_up, N = 17920, at
-# M = 256: 0.79 of cuBLAS against 0.74); 64-row ones at 71% lose to 128 x 128 at 53% (M = 128).
+# A plain product whose tiles would leave most SMs idle in their last wave takes the first of these
+# whose tiles fill the machine at least as given (_wave_fill): a fuller wave of larger tiles beats a
+# fuller one of smaller tiles only above these shares.
 _SMALLER_TILES = ((_G128, 0.7), (_G64, 0.8))
-# ... and at M <= 64 (Qwen2.5-1.5B's gate_up at M = 64: 140 tiles of 64 x 128 on 132 SMs, 0.90 of
-# cuBLAS; 280 of 64 x 64, 0.99).
+# ... and at M <= 64, where a wide N in 64 x 128 tiles spills into a second wave.
 _NARROWER_SMALL_M = C(64, 64, 4, 4)
 _FP32_WIDE = C(128, 128, 8, 4, tma=True)  # a 128x256 fp32 epilogue needs more shared memory than there is
 del C, _G64, _G64N, _G128, _G256, _R192, _R192W, _COL96, _SW64, _SW128, _SW128_DEEP

@@ -9,16 +9,14 @@ that Triton's pipeliner does not give:
   (tile, K tile) pairs, as far ahead as the ring has free slots, so neither a segment end nor a tile
   end (where the MMA warps fold the tree and store) stops the copies;
 - a finished segment's accumulator is folded into the tree right away, while the next segment's
-  first wgmma runs (the fold does not drain the tensor cores). At 128 x 128 the MMA warps' registers
-  hold three fp32 tiles: the accumulator, the finished leaf and one pending node. That covers a tree of
-  4 leaves. An 8-leaf tree runs as two such halves in a loop; the first half's node waits in shared
-  memory, and the root leaves through that memory by TMA (no room for a buffer of its own beside the
-  ring). Unrolled over 8 leaves, ptxas spilled and serialised the wgmmas wherever a fourth tile was
-  live; before the halves the 8-leaf tree parked nodes in shared memory and in an L2 scratch tile,
-  whose round trip cost 10-30% of its time. (Starting the next item's first wgmma before an item's last
-  fold also made ptxas serialise every wgmma: the in-flight accumulator crossed the item loop's back
-  edge. Two K tiles started before a fold instead of one gained nothing. docs/performance.md has all
-  three; scripts/sm90_compile_check.py shows spills and wgmma waits without a GPU.)
+  first wgmma runs (the fold does not drain the tensor cores). Rule: at most three fp32 tiles are live
+  in the MMA warps' registers (the accumulator, the finished leaf, one pending node), because a
+  fourth makes ptxas spill and serialise the wgmmas. That covers a tree of 4 leaves; an 8-leaf tree
+  runs as two such halves in a loop, the first half's node waiting in shared memory, and the root
+  leaves through that memory by TMA. For the same reason no item's first wgmma starts before the
+  previous item's last fold (an accumulator live across the item loop's back edge). The variants that
+  lost are in docs/performance.md; scripts/sm90_compile_check.py shows spills and wgmma waits
+  without a GPU.
 
 swapped_matmul_kernel is the same product as wgmmas of one A tile against two B chunks, each a power
 of two (tensor shapes are), on the wgmma N side, which takes any multiple of 8:
