@@ -203,8 +203,8 @@ class VLLMEngine:
         self._weights_discarded = False
 
     # Rule: at sleep level 2 the engines' weights are discarded, not copied to the host, because in
-    # the colocated loop the next push replaces them all anyway (level 1 spends seconds copying them
-    # out and back in). Until a complete push lands, the host copy (self.model, always the weights
+    # the colocated loop the next push replaces them all anyway (level 1 copies them to pinned host
+    # memory and back, for nothing). Until a complete push lands, the host copy (self.model, always the weights
     # last accepted) is what the engines serve: the first request after a wake without a push loads it.
     def sleep(self) -> None:
         """Release each vLLM engine's GPU memory (vLLM's sleep mode, where it was enabled)."""

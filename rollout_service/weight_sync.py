@@ -314,10 +314,10 @@ def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes:
     """(name, shape, fingerprint, device) per tensor, in order, after checking it is finite floating point.
 
     The tensors are packed into bf16 buffers of `bucket_bytes` (fingerprints are per tensor, so this
-    packing need not match the send's), and each buffer is fingerprinted and checked in one pass (weights.packed_fingerprints: a few launches per bucket, not
-    per tensor; a push has hundreds of tensors). Each tensor may be freed once the next is asked for
-    (FSDP gathers one at a time): it has been copied into the bucket, and the device is waited for
-    once, at the end."""
+    packing need not match the send's), and each buffer is fingerprinted and checked in one pass
+    (weights.packed_fingerprints: a few launches per bucket, not per tensor; a push has hundreds of
+    tensors). Each tensor may be freed once the next is asked for (FSDP gathers one at a time): it has
+    been copied into the bucket, and the device is waited for once, at the end."""
     cap = max(1, int(bucket_bytes) // 2)
     meta, results, bad = [], [], []
     buf, layout = None, []

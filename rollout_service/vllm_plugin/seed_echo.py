@@ -31,15 +31,15 @@ def with_seed(body: bytes) -> tuple[bytes, int | None]:
         return body, None
     xargs = payload.get("vllm_xargs")
     if isinstance(xargs, dict) and XARGS_SEED in xargs:  # our own field names the seed, and wins
-        seed = xargs[XARGS_SEED]
-        return body, seed if isinstance(seed, int) and not isinstance(seed, bool) else None
-    seed = payload.get("seed")
-    if seed is None:
+        return body, _integer(xargs[XARGS_SEED])
+    if payload.get("seed") is None:
         payload["seed"] = seed = secrets.randbelow(1 << SEED_BITS)
         return json.dumps(payload).encode(), seed
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        return body, None
-    return body, seed
+    return body, _integer(payload["seed"])
+
+
+def _integer(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class SeedEcho:
