@@ -3,6 +3,8 @@
     python -m bench.grpo_step --config recipes/configs/gpu_colocated.yaml --steps 11 --rounds 2
     python -m bench.grpo_step --config recipes/configs/gpu_split.yaml --steps 11
     python -m bench.grpo_step --steps 3 --rounds 1 --device cpu          # a smoke run of the tiny config
+    python -m bench.grpo_step ... --arms canonical > a.json; ... --arms stock > b.json
+    python -m bench.grpo_step --merge a.json b.json                      # one arm per call, joined
 
 Each round runs the recipe once per arm, taking turns (these machines are noisy): `canonical` (the
 config as it is, KL 0) and `stock` (numerics=stock: the stock engine's rollouts, the unpatched model
@@ -51,6 +53,38 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
+def with_ratios(result: dict) -> dict:
+    """Each round's stock step / canonical step where it has both arms, and their median."""
+    for row in result["rounds"]:
+        if all(arm in row for arm in ARMS):
+            row["stock_over_canonical_step"] = row["stock"]["step_s"] / row["canonical"]["step_s"]
+    ratios = [r["stock_over_canonical_step"] for r in result["rounds"] if "stock_over_canonical_step" in r]
+    if ratios:
+        result["stock_over_canonical_step_median"] = statistics.median(ratios)
+    return result
+
+
+def merge(parts: list[dict]) -> dict:
+    """Outputs of runs with other arms (--arms), joined round by round; they must share config, steps
+    and overrides, and no arm may appear twice in a round."""
+    keys = {(p["config"], p["steps"], tuple(p["overrides"])) for p in parts}
+    if len(keys) != 1:
+        raise ValueError(f"--merge: the runs differ in config, steps or overrides: {sorted(keys)}")
+    result = {k: parts[0][k] for k in ("config", "steps", "overrides")}
+    result["rounds"] = []
+    for i in range(max(len(p["rounds"]) for p in parts)):
+        row = {}
+        for p in parts:
+            for arm, figures in (p["rounds"][i] if i < len(p["rounds"]) else {}).items():
+                if arm not in ARMS:
+                    continue
+                if arm in row:
+                    raise ValueError(f"--merge: arm {arm!r} appears twice in round {i}")
+                row[arm] = figures
+        result["rounds"].append(row)
+    return with_ratios(result)
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -79,19 +113,31 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the tiny config, a smoke run")
     ap.add_argument("--plot", default=None, help="a PNG of each arm's step split")
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help="the arms to run, in this order (one per call when a call's time is capped)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no runs: join earlier outputs of this benchmark (one arm each, the same config "
+                         "and machine, run in turns) round by round, with their ratios")
     ap.add_argument("overrides", nargs="*", help="key.sub=value, given to both arms")
     args = ap.parse_args()
-    extra = (CPU_SMOKE if args.device == "cpu" else []) + args.overrides
-    result = {"config": args.config, "steps": args.steps, "overrides": args.overrides, "rounds": []}
-    with tempfile.TemporaryDirectory(prefix="zerokl-bench-grpo-") as tmp:
-        for i in range(args.rounds):
-            row = {}
-            for arm in ARMS:
-                row[arm] = summarise(run_arm(args.config, arm, args.steps, extra, Path(tmp) / f"{arm}-{i}"))
-            row["stock_over_canonical_step"] = row["stock"]["step_s"] / row["canonical"]["step_s"]
-            result["rounds"].append(row)
-    ratios = [r["stock_over_canonical_step"] for r in result["rounds"]]
-    result["stock_over_canonical_step_median"] = statistics.median(ratios)
+    if args.merge:
+        result = merge([json.loads(Path(p).read_text()) for p in args.merge])
+    else:
+        arms = args.arms.split(",")
+        unknown = sorted(set(arms) - set(ARMS))
+        if unknown:
+            ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+        extra = (CPU_SMOKE if args.device == "cpu" else []) + args.overrides
+        result = {"config": args.config, "steps": args.steps, "overrides": args.overrides, "rounds": []}
+        with tempfile.TemporaryDirectory(prefix="zerokl-bench-grpo-") as tmp:
+            for i in range(args.rounds):
+                row = {}
+                for arm in arms:
+                    row[arm] = summarise(run_arm(args.config, arm, args.steps, extra, Path(tmp) / f"{arm}-{i}"))
+                    # each arm's figures as soon as it ends: a later arm that fails does not lose them
+                    print(f"[bench] {arm} round {i}: {json.dumps(row[arm])}", file=sys.stderr, flush=True)
+                result["rounds"].append(row)
+        with_ratios(result)
     print(json.dumps(result, indent=1))
     if args.plot:
         plot(result, args.plot)

@@ -93,6 +93,9 @@ class RolloutConfig:
     # resources are Ray actor options.
     engine: dict = field(default_factory=dict)
     resources_per_worker: dict = field(default_factory=lambda: {"num_cpus": 1})
+    # how long a worker may take to build its engine; a stock vLLM engine compiles its graphs
+    # (inductor) on first start, which on a fresh GPU machine takes minutes
+    start_timeout_s: float = 120.0
     determinism: str = "verified"
     n: int = 8  # samples per prompt (the GRPO group)
     max_tokens: int = 16
@@ -308,6 +311,8 @@ def _check_values(cfg: RecipeConfig) -> None:
         raise ConfigError(f"placement: colocated puts one rollout worker next to each trainer rank: "
                           f"rollout.num_workers ({r.num_workers}) must equal trainer.num_ranks ({tr.num_ranks})")
     one_of("trainer.weight_sync", tr.weight_sync, WEIGHT_TRANSPORTS)
+    if r.start_timeout_s <= 0:
+        raise ConfigError("rollout.start_timeout_s must be > 0")
     if tr.weight_bucket_mb < 1:
         raise ConfigError("trainer.weight_bucket_mb must be >= 1")
     if tr.num_ranks < 1 or tr.mini_batches < 1:

@@ -116,7 +116,8 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
         shared = colocated_bundles(cfg) if colocated else None
         pool = start_pool(model, num_workers=rc.num_workers, name=pool_name, engine_kwargs=engine_options(cfg),
                            resources_per_worker=with_tree_width(rc.resources_per_worker, width),
-                           namespace=namespace, colocate_with=shared)
+                           namespace=namespace, colocate_with=shared,
+                           start_timeout_s=rc.start_timeout_s)
         t_pool = time.perf_counter()
         ranks = dataclasses.replace(tc, resources_per_rank=with_tree_width(tc.resources_per_rank, width))
         trainer = TrainerGroup(ranks, model, rc.temperature, cfg.numerics, colocate_with=shared)

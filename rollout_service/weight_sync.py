@@ -387,6 +387,18 @@ def iter_full_tensors(model: torch.nn.Module, dtype=torch.bfloat16) -> Iterator[
     """(name, full tensor) per entry of the model's state dict, on its device; an FSDP2 (DTensor) shard is
     gathered one parameter at a time (a collective: every rank must iterate in step)."""
     for name, t in model.state_dict().items():
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
-        yield name, t.detach().to(dtype)
+        yield name, _whole(t).detach().to(dtype)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a state-dict entry. On a one-rank mesh an FSDP2 shard is the whole
+    parameter, so it is taken as it is: full_tensor() there is no copy but still a collective and a
+    DTensor dispatch, and a push makes two passes over hundreds of tensors (about 0.15 s a pass at
+    1.5B parameters on an H200)."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device_mesh.size() == 1:
+        local = t.to_local()
+        if local.shape == t.shape:
+            return local
+    return t.full_tensor()

@@ -1,4 +1,5 @@
 import os
+import socket
 import struct
 
 import pytest
@@ -47,3 +48,26 @@ def tree_width():
 @pytest.fixture(scope="session")
 def device():
     return torch.device("cuda" if os.environ.get("ZEROKL_TEST_DEVICE") == "cuda" else "cpu")
+
+
+@pytest.fixture(scope="module")
+def gloo_group():
+    """A one-rank gloo process group and its device mesh, for FSDP2 in this process; torn down after the
+    module that asks for it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+        for key, value in before.items():  # later tests' subprocesses must not inherit this port
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

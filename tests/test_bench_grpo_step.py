@@ -1,5 +1,6 @@
-"""bench.grpo_step runs both arms of the tiny recipe on CPU, in turn, and prints its JSON: the zero-KL
-arm's KL and max |Δ| are exactly 0, the stock arm's are not, and every step part has its median."""
+"""bench.grpo_step runs the tiny recipe's arms on CPU, one call each (--arms), and joins them (--merge):
+the zero-KL arm's KL and max |Δ| are exactly 0, the stock arm's are not, every step part has its
+median, and the joined round has their ratio."""
 import json
 import os
 import subprocess
@@ -12,13 +13,21 @@ pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _bench(args: list[str], env: dict, tmp_path: Path, out: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "bench.grpo_step", *args], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (tmp_path / out).write_text(proc.stdout[proc.stdout.index("{"):])
+    return json.loads((tmp_path / out).read_text())
+
+
 def test_bench_grpo_step_cpu_smoke(tmp_path):
     env = {**os.environ, "RAY_ADDRESS": "local", "HOME": str(tmp_path)}  # runs land in tmp_path/zerokl-runs
-    proc = subprocess.run([sys.executable, "-m", "bench.grpo_step", "--device", "cpu", "--steps", "2",
-                           "--rounds", "1", "trainer.weight_sync=broadcast"],
-                          cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    common = ["--device", "cpu", "--steps", "2", "--rounds", "1", "trainer.weight_sync=broadcast"]
+    parts = [_bench([*common, "--arms", arm], env, tmp_path, f"{arm}.json") for arm in ("canonical", "stock")]
+    assert all("stock_over_canonical_step_median" not in p for p in parts)  # one arm: no ratio
+    out = _bench(["--merge", str(tmp_path / "canonical.json"), str(tmp_path / "stock.json")], env, tmp_path,
+                 "both.json")
     [row] = out["rounds"]
     canonical, stock = row["canonical"], row["stock"]
     assert canonical["max_kl"] == 0.0 and canonical["max_abs_logprob_diff"] == 0.0
@@ -28,3 +37,13 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
         assert set(arm["sync_phases_s"]) == {"connect", "check", "begin", "send", "finish"}
         assert sum(arm["sync_phases_s"].values()) <= arm["weight_sync_s"] * 1.0001
     assert row["stock_over_canonical_step"] == stock["step_s"] / canonical["step_s"]
+    assert out["stock_over_canonical_step_median"] == row["stock_over_canonical_step"]
+
+
+def test_merge_refuses_runs_that_do_not_pair():
+    from bench.grpo_step import merge
+    run = {"config": "c.yaml", "steps": 3, "overrides": [], "rounds": [{"canonical": {"step_s": 1.0}}]}
+    with pytest.raises(ValueError, match="differ"):
+        merge([run, {**run, "steps": 4}])
+    with pytest.raises(ValueError, match="twice"):
+        merge([run, run])

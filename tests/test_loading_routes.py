@@ -11,17 +11,15 @@ routes each generated token as the rollout recorded it (return_routed_experts).
 from __future__ import annotations
 
 import math
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from conftest import assert_bitwise_equal
 
 import trainer_patch
-from conftest import assert_bitwise_equal
 from rollout_service import Engine, SamplingParams
 from rollout_service.params import Rollout
 from rollout_service.tiny_models import tiny_model
@@ -109,28 +107,6 @@ def served(tmp_path_factory):
             cache[name] = _serve(name, tmp_path_factory.mktemp(name))
         return cache[name]
     return get
-
-
-@pytest.fixture(scope="module")
-def gloo_group():
-    """A one-rank gloo process group for FSDP2, torn down after this module."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-        for key, value in before.items():  # later tests' subprocesses must not inherit this port
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 # ---- the trainer's loading routes --------------------------------------------------------------

@@ -17,7 +17,7 @@ from service_shared import ENGINE_KWARGS, assert_same  # noqa: E402
 from rollout_service import Engine, SamplingParams, start_pool  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,  # noqa: E402
-                                         plan_buckets)
+                                         iter_full_tensors, plan_buckets)
 from rollout_service.weights import (WeightMismatchError, model_digest, state_dict_digest,  # noqa: E402
                                      tensor_fingerprint)
 
@@ -144,6 +144,28 @@ def test_state_dict_digest_names_shapes_and_order():
     assert digest != state_dict_digest({**sd, name: sd[name].reshape(-1)})  # same bits, other shape
     renamed = {("x." + k if k == name else k): v for k, v in sd.items()}
     assert digest != state_dict_digest(renamed)
+
+
+def test_fsdp2_weights_on_one_rank_are_read_without_a_gather(gloo_group, monkeypatch):
+    """An FSDP2 model on a one-rank mesh pushes its shards as they are (no collective, no DTensor
+    dispatch): the same names and bf16 bits as the unsharded model, and full_tensor() never runs."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    model = tiny_model("qwen2", dtype=torch.float32)
+    expected = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=gloo_group)
+    fully_shard(model, mesh=gloo_group)
+    assert all(isinstance(t, DTensor) for t in model.state_dict().values())
+
+    def gathered(self, *args, **kwargs):
+        raise AssertionError("full_tensor() ran on a one-rank mesh")
+    monkeypatch.setattr(DTensor, "full_tensor", gathered)
+    pushed = dict(iter_full_tensors(model))
+    assert list(pushed) == list(expected)
+    for name, t in expected.items():
+        assert pushed[name].dtype == torch.bfloat16 and pushed[name].shape == t.shape
+        assert torch.equal(pushed[name].view(torch.int16), t.view(torch.int16)), name
 
 
 def test_bucket_plan():
