@@ -46,7 +46,7 @@ def trainer_like(nbytes: int) -> None:
 
 def run_arm(arm: str, path: str, weights, prompts, cycles: int, trainer_bytes: int) -> dict:
     from rollout_service import SamplingParams
-    from rollout_service.vllm_engine import VLLMEngine
+    from rollout_service.vllm.engine import VLLMEngine
 
     determinism = "off" if arm == "stock" else "verified"
 

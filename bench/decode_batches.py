@@ -46,7 +46,7 @@ def main():
     from vllm import LLM, SamplingParams
 
     from rollout_service.tiny_models import tiny_model
-    from rollout_service.vllm_plugin.compat import engine_core_placement
+    from rollout_service.vllm.plugin.compat import engine_core_placement
     block = args.block_size or (16 if torch.cuda.is_available() else 32)
     max_len = args.prompt_len + args.max_tokens + 8
     steps = record_step_rows()  # the scheduler runs in this process (in-process engine core below)

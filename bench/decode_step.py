@@ -20,10 +20,10 @@ from torch.profiler import ProfilerActivity, profile
 from bench.rollout import SHAPES, build_model
 from kernels.forward import CANONICAL_OPS
 from rollout_service import Engine, SamplingParams
-from rollout_service.fast_path.native_ops import FAST_OPS
-from rollout_service.fast_path.base import DraftRequest
-from rollout_service.sampler import sample_rows, token_logprobs_at
-from rollout_service.runner import Chunk, ModelRunner
+from rollout_service.engine.fast_path.native_ops import FAST_OPS
+from rollout_service.engine.fast_path.base import DraftRequest
+from rollout_service.engine.sampler import sample_rows, token_logprobs_at
+from rollout_service.engine.runner import Chunk, ModelRunner
 
 
 def gpu_ms(fn, reps: int = 20) -> float:

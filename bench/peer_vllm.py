@@ -16,7 +16,7 @@ Systems (--systems, comma list):
 - `vllm`, `vllm-batch-invariant`: stock vLLM (CUDA graphs, torch.compile) without and with
   VLLM_BATCH_INVARIANT=1; `vllm-eager`: stock vLLM without CUDA graphs; `vllm-v1`: stock vLLM on its
   V1 model runner (the one custom logits processors need);
-- `vllm-plugin`: vLLM's own engine running the canonical forward (rollout_service.vllm_plugin) with
+- `vllm-plugin`: vLLM's own engine running the canonical forward (rollout_service.vllm.plugin) with
   the seeded Gumbel rule, on the model runner vLLM picks (V2 for dense models on GPU), decode steps
   from CUDA graphs; `vllm-plugin-eager`: the same without; `vllm-plugin-v1`: with graphs, on vLLM's
   V1 runner (the rule as a logits processor). At TP > 1, row-parallel outputs are
@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from rollout_service.decode_policy import VERIFIED_DECODE  # noqa: E402
+from rollout_service.engine.decode_policy import VERIFIED_DECODE  # noqa: E402
 from bench import emit  # noqa: E402
 
 DEFAULT_SYSTEMS = ("vllm", "vllm-batch-invariant", "ours-verified")
@@ -123,7 +123,7 @@ def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
         options["enforce_eager"] = True
     k = args.tensor_parallel_size
     if system.startswith("vllm-plugin"):
-        from rollout_service.vllm_plugin import llm_options, register, require_entry_point
+        from rollout_service.vllm.plugin import llm_options, register, require_entry_point
         register()  # in-process engine core: the entry point may not be installed
         if own_process:
             require_entry_point()  # vLLM's engine-core process builds the model
@@ -131,14 +131,14 @@ def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
                                    runner="v1" if system == "vllm-plugin-v1" else None, tensor_parallel_size=k))
         reduce = {"vllm-plugin-gather": "tree", "vllm-plugin-scatter": "tree_scatter"}.get(system)
         if reduce:  # TP > 1: the same tree, scheduled otherwise
-            from rollout_service.vllm_plugin.tensor_parallel import TP_REDUCE_KEY
+            from rollout_service.vllm.plugin.tensor_parallel import TP_REDUCE_KEY
             options["additional_config"] = {TP_REDUCE_KEY: reduce}
     else:
-        from rollout_service.vllm_plugin.tensor_parallel import tp_options
+        from rollout_service.vllm.plugin.tensor_parallel import tp_options
         options.update(tp_options(None, k))
     if not own_process:
         options.setdefault("distributed_executor_backend", "uni" if k == 1 else "mp")
-    from rollout_service.vllm_plugin.compat import engine_core_placement
+    from rollout_service.vllm.plugin.compat import engine_core_placement
     with engine_core_placement(own_process):  # own process: the plugin is found through its entry point
         return LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
                    max_num_seqs=max(max_num_seqs, 1), **options)
@@ -151,7 +151,7 @@ def request_params(args, system: str, prompts) -> list:
     from vllm import SamplingParams
     flat = args.logprobs_layout == "flat"
     if system.startswith("vllm-plugin"):
-        from rollout_service.vllm_plugin.sampling import EXTRA_ARGS_KEY
+        from rollout_service.vllm.plugin.sampling import EXTRA_ARGS_KEY
         return [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
                                logprobs=0, flat_logprobs=flat, extra_args={EXTRA_ARGS_KEY: dict(
                                    seed=args.seed + i, temperature=args.temperature, top_k=-1, top_p=args.top_p,
@@ -211,7 +211,7 @@ def _warm_worker_engine(args, prompts, mode: str, stock_in_process: bool = True)
     """VLLMEngine, as a RolloutWorker runs it on a GPU. For `off` its stock engine and its canonical
     engine each get the vllm system's memory share."""
     from rollout_service import SamplingParams
-    from rollout_service.vllm_engine import VLLMEngine
+    from rollout_service.vllm.engine import VLLMEngine
     options = _vllm_options(args)
     max_model_len = options.pop("max_model_len")
     options.pop("enforce_eager", None)  # VLLMEngine sets it (graphs on CUDA only)

@@ -20,7 +20,7 @@ import transformers
 
 import kernels as K
 from rollout_service import Engine, SamplingParams
-from rollout_service.decode_policy import DecodePolicy
+from rollout_service.engine.decode_policy import DecodePolicy
 from rollout_service.tiny_models import tiny_config
 from bench import emit
 

@@ -158,7 +158,7 @@ def _p2p_all_reduce_us(part: torch.Tensor, iters: int) -> float | None:
 
 
 def run_degree(k: int, rows: list[int], iters: int) -> list[dict]:
-    from rollout_service.tp import free_port
+    from rollout_service.engine.tp import free_port
     with tempfile.TemporaryDirectory(prefix="tp-layer-") as tmp:
         path = os.path.join(tmp, "rows.pt")
         mp.start_processes(_rank, args=(k, free_port(), rows, iters, path), nprocs=k, start_method="spawn")

@@ -110,15 +110,15 @@ HOST_TIMED = (
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "postprocess_sampled"),
     ("vllm.v1.worker.gpu.sample.sampler", "Sampler", "__call__"),
-    ("rollout_service.vllm_plugin.runner_v2", "CanonicalSampler", "__call__"),
+    ("rollout_service.vllm.plugin.runner_v2", "CanonicalSampler", "__call__"),
     ("vllm.v1.worker.gpu.async_utils", "AsyncOutput", "get_output"),  # waits for the GPU's results
     ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM", "compute_logits"),
-    ("rollout_service.vllm_plugin.model", "ZeroKLForCausalLM", "compute_logits"),
-    ("rollout_service.vllm_plugin.runner_v2", "RequestTable", "rows"),
-    ("rollout_service.vllm_plugin.runner_v2", None, "canonical_rows"),
-    ("rollout_service.vllm_plugin.runner_v2", None, "own_sampler_output"),
-    ("rollout_service.sampler_graphs", "SamplerGraphs", "__call__"),
-    ("rollout_service.sampler", None, "sample_with_logprobs"),
+    ("rollout_service.vllm.plugin.model", "ZeroKLForCausalLM", "compute_logits"),
+    ("rollout_service.vllm.plugin.runner_v2", "RequestTable", "rows"),
+    ("rollout_service.vllm.plugin.runner_v2", None, "canonical_rows"),
+    ("rollout_service.vllm.plugin.runner_v2", None, "own_sampler_output"),
+    ("rollout_service.vllm.sampler_graphs", "SamplerGraphs", "__call__"),
+    ("rollout_service.engine.sampler", None, "sample_with_logprobs"),
     ("kernels", None, "matmul"),  # the plugin's lm_head (ops.logits looks it up per call)
     ("vllm.v1.worker.gpu.input_batch", None, "get_num_sampled_and_rejected"),  # own_sampler_output's
     ("vllm.v1.worker.gpu.sample.sampler", None, "get_num_sampled_and_rejected"),  # vLLM's sampler's
@@ -129,7 +129,7 @@ HOST_TIMED = (
     ("vllm.v1.worker.gpu.model_states.default", "DefaultModelState", "add_request"),
     ("vllm.v1.worker.gpu.cudagraph_utils", "ModelCudaGraphManager", "run_fullgraph"),
     ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadataBuilder", "build"),
-    ("rollout_service.vllm_plugin.attention", "ZeroKLMetadataBuilder", "build"),
+    ("rollout_service.vllm.plugin.attention", "ZeroKLMetadataBuilder", "build"),
 )
 
 

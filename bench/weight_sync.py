@@ -79,7 +79,7 @@ def main() -> None:
     import ray
 
     from rollout_service import start_pool
-    from rollout_service.weight_sync import fingerprint_entries
+    from rollout_service.service.weight_sync import fingerprint_entries
     from rollout_service.weights import state_dict_digest
 
     transports = args.transports.split(",")

@@ -103,7 +103,7 @@ def check_row_values(temperature: np.ndarray, top_p: np.ndarray, positions: np.n
 
 def sample_checked(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    seeds: torch.Tensor, positions: torch.Tensor, needs_mask: bool) -> torch.Tensor:
-    """sample() for per-row values its callers have checked already (rollout_service.sampler.RowParams
+    """sample() for per-row values its callers have checked already (rollout_service.engine.sampler.RowParams
     does, on the host), on the host or the device: no check and no device sync here. needs_mask: some
     row has top_k > 0 or top_p < 1."""
     logits = logits.float()

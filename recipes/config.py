@@ -19,7 +19,7 @@ import yaml
 from kernels import TREE_WIDTHS
 from rollout_service.params import DETERMINISM_MODES
 from rollout_service.tiny_models import ARCHITECTURES
-from rollout_service.weight_sync import TRANSPORTS
+from rollout_service.service.weight_sync import TRANSPORTS
 
 TASK_KINDS = ("tiny", "gsm8k")
 MODEL_SOURCES = ("tiny", "hf")
@@ -124,7 +124,7 @@ class TrainerConfig:
     micro_batch_size: int = 0  # sequences per forward on a rank; 0 = all at once
     old_logprobs: str = "rollout"  # or "recompute" (the trainer's own, before the update)
     scale_advantages: bool = True  # divide by the group's std (GRPO); False = mean-centred only
-    # How weights reach the rollout workers (rollout_service.weight_sync): auto | object_store |
+    # How weights reach the rollout workers (rollout_service.service.weight_sync): auto | object_store |
     # broadcast | ipc. auto: ipc when the workers share rank 0's GPU, broadcast when they have GPUs of
     # their own, else the object store.
     weight_sync: str = "auto"
@@ -132,7 +132,7 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainLoopConfig:
     steps: int = 10
     prompts_per_step: int = 8
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
@@ -168,7 +168,7 @@ class RecipeConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self):

@@ -24,10 +24,10 @@ import torch
 
 import kernels as K
 
-from rollout_service.client import DEFAULT_NAMESPACE, RolloutClient
+from rollout_service.service.client import DEFAULT_NAMESPACE, RolloutClient
 from rollout_service.params import DETERMINISM_MODES
-from rollout_service.pool import start_pool
-from rollout_service.ray_cluster import init_ray, release, reserve, with_tree_width
+from rollout_service.service.pool import start_pool
+from rollout_service.service.ray_cluster import init_ray, release, reserve, with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
@@ -97,30 +97,31 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
     K.set_tree_segments(cfg.canonical.tree_segments or K.tree_segments())
     # null meant the process's width: the run records the one it ran with
     cfg = dataclasses.replace(cfg, canonical=CanonicalTreeConfig(tree_segments=K.tree_segments()))
-    rc, tc, trc = cfg.rollout, cfg.trainer, cfg.train
+    rollout_cfg, trainer_cfg, loop_cfg = cfg.rollout, cfg.trainer, cfg.train
     run_dir = _run_dir(cfg, ckpt)
-    run_name = f"{cfg.name}-{rc.determinism}"
+    run_name = f"{cfg.name}-{rollout_cfg.determinism}"
 
     t_start = time.perf_counter()
     task = build_task(cfg)
     model = _starting_model(cfg, task, resumed=ckpt is not None)
-    routed = records_routing(rc, model)  # MoE: rollouts record routing, the trainer compares its own
+    routed = records_routing(rollout_cfg, model)  # MoE: rollouts record routing, the trainer compares its own
     t_model = time.perf_counter()
     pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
-    pool_name, namespace = rc.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
+    pool_name, namespace = rollout_cfg.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
     pool = trainer = logger = shared = None
     records = []
     colocated, canonical = cfg.placement == "colocated", cfg.numerics == "canonical"
     try:
         width = cfg.canonical.tree_segments
         shared = colocated_bundles(cfg) if colocated else None
-        pool = start_pool(model, num_workers=rc.num_workers, name=pool_name, engine_kwargs=engine_options(cfg),
-                           resources_per_worker=with_tree_width(rc.resources_per_worker, width),
+        pool = start_pool(model, num_workers=rollout_cfg.num_workers, name=pool_name, engine_kwargs=engine_options(cfg),
+                           resources_per_worker=with_tree_width(rollout_cfg.resources_per_worker, width),
                            namespace=namespace, colocate_with=shared,
-                           start_timeout_s=rc.start_timeout_s)
+                           start_timeout_s=rollout_cfg.start_timeout_s)
         t_pool = time.perf_counter()
-        ranks = dataclasses.replace(tc, resources_per_rank=with_tree_width(tc.resources_per_rank, width))
-        trainer = TrainerGroup(ranks, model, rc.temperature, cfg.numerics, colocate_with=shared)
+        ranks = dataclasses.replace(trainer_cfg,
+                                    resources_per_rank=with_tree_width(trainer_cfg.resources_per_rank, width))
+        trainer = TrainerGroup(ranks, model, rollout_cfg.temperature, cfg.numerics, colocate_with=shared)
         if canonical:
             K.check_canonical({"rollout workers": pool.info["canonical"], "trainer ranks": trainer.canonical})
         if ckpt is not None:
@@ -133,12 +134,12 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
         t_ready = time.perf_counter()
         _say(f"run directory {run_dir}; set up in {t_ready - t_start:.0f}s (task and model {t_model - t_start:.0f}s, "
              f"rollout pool {t_pool - t_model:.0f}s, trainer ranks {t_ready - t_pool:.0f}s)")
-        bar = StepProgress(trc.steps, initial=step0, desc=run_name, enabled=progress)
-        for step in range(step0 + 1, trc.steps + 1):
+        bar = StepProgress(loop_cfg.steps, initial=step0, desc=run_name, enabled=progress)
+        for step in range(step0 + 1, loop_cfg.steps + 1):
             t_step = time.perf_counter()
-            indices = prompt_indices(cursor, trc.prompts_per_step, len(task.dataset), cfg.seed)
+            indices = prompt_indices(cursor, loop_cfg.prompts_per_step, len(task.dataset), cfg.seed)
             rows = [task.dataset[i] for i in indices]
-            prompts, params = group_requests([r["prompt_ids"] for r in rows], indices, step, rc, cfg.seed,
+            prompts, params = group_requests([r["prompt_ids"] for r in rows], indices, step, rollout_cfg, cfg.seed,
                                              task.stop_token_ids, routed)
             t0 = time.perf_counter()
             rollouts = client.generate(prompts, params)
@@ -146,8 +147,9 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             failed = [ro for ro in rollouts if not ro.ok]
             if failed:
                 raise RuntimeError(f"{len(failed)} rollouts failed, e.g. {failed[0].finish_reason}: {failed[0].error}")
-            rewards, samples = _score(task, rows, prompts, rollouts, rc.n, tc.scale_advantages)
-            plans, tokens = split_for_ranks(samples, tc.num_ranks, tc.mini_batches, tc.micro_batch_size, pad_id)
+            rewards, samples = _score(task, rows, prompts, rollouts, rollout_cfg.n, trainer_cfg.scale_advantages)
+            plans, tokens = split_for_ranks(samples, trainer_cfg.num_ranks, trainer_cfg.mini_batches,
+                                            trainer_cfg.micro_batch_size, pad_id)
             t2 = time.perf_counter()
             if colocated:  # the engines' memory goes to the trainer; the weight push wakes them
                 client.sleep()
@@ -155,7 +157,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             results = trainer.train_step(plans, tokens)
             t3 = time.perf_counter()
             sync = _sync(trainer, pool_name, namespace)
-            cursor += trc.prompts_per_step
+            cursor += loop_cfg.prompts_per_step
 
             metrics = step_metrics(rollouts, rewards, results, sum(tokens),
                                    {"rollout": t1 - t0, "train": t3 - t_slept, "sync": sync["seconds"],
@@ -163,11 +165,11 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             metrics.update({f"perf/sync_{phase}_s": s for phase, s in sync["phases"].items()})
             metrics.update({"data/cursor": cursor, "rollout/digest": rollouts_digest(rollouts),
                             "weights/digest": sync["digest"], "weights/transport": sync["transport"]})
-            if trc.save_rollouts:
+            if loop_cfg.save_rollouts:
                 _save_rollouts(run_dir, step, rollouts, rewards.view(-1).tolist())
-            every = trc.save_every
+            every = loop_cfg.save_every
             t_save = time.perf_counter()
-            if (step == trc.steps and trc.save_final) or (every and step % every == 0):
+            if (step == loop_cfg.steps and loop_cfg.save_final) or (every and step % every == 0):
                 path = checkpoint_dir(run_dir, step)
                 trainer.save(str(path / "trainer"))
                 write_state(path, {"step": step, "cursor": cursor, "digest": sync["digest"]}, cfg)

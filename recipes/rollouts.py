@@ -12,7 +12,7 @@ import struct
 
 from kernels.moe import moe_spec
 from rollout_service.params import Rollout, SamplingParams
-from rollout_service.worker import engine_backend
+from rollout_service.service.worker import engine_backend
 
 from .config import RolloutConfig
 

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import kernels as K
-from rollout_service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,
+from rollout_service.service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,
                                          iter_full_tensors)
 from rollout_service.weights import state_dict_digest
 from trainer_patch import patch_model, stock_token_logprobs, token_logprobs
@@ -162,7 +162,7 @@ class TrainerRank:
         (connect: the pool found and the transport chosen; bucketed pushes: check, begin, send, finish).
 
         object_store: the full bf16 state dict on rank 0's host, through ray.put. broadcast / ipc
-        (rollout_service.weight_sync): one parameter gathered at a time on the device, twice: first
+        (rollout_service.service.weight_sync): one parameter gathered at a time on the device, twice: first
         for every check (finite, fingerprints, the pool's names and shapes), then bucket by bucket
         to the workers, so a refused push never reaches them."""
         from rollout_service import RolloutClient  # imports ray
@@ -253,7 +253,7 @@ class TrainerGroup:
         opts = {"num_cpus": 1, **cfg.resources_per_rank}
         self.placement = None
         per_rank = [dict(opts) for _ in range(self.world)]
-        from rollout_service.ray_cluster import on_bundle, reserve
+        from rollout_service.service.ray_cluster import on_bundle, reserve
         if colocate_with is not None:
             per_rank = [dict(opts, scheduling_strategy=on_bundle(colocate_with, r)) for r in range(self.world)]
         elif cfg.device == "cuda":
@@ -305,7 +305,7 @@ class TrainerGroup:
             except Exception:  # already gone
                 pass
         if self.placement is not None:
-            from rollout_service.ray_cluster import release
+            from rollout_service.service.ray_cluster import release
             release(self.placement)
             self.placement = None
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Engine": "rollout_service.engine",
+    "Engine": "rollout_service.engine.engine",
     "SamplingParams": "rollout_service.params",
     "Rollout": "rollout_service.params",
     "RolloutStats": "rollout_service.params",
     "InvalidRequestError": "rollout_service.params",
     "WeightMismatchError": "rollout_service.weights",
-    "RolloutWorker": "rollout_service.worker",
-    "start_pool": "rollout_service.pool",
-    "RolloutClient": "rollout_service.client",
+    "RolloutWorker": "rollout_service.service.worker",
+    "start_pool": "rollout_service.service.pool",
+    "RolloutClient": "rollout_service.service.client",
     "CanonicalMismatchError": "kernels.contract",
 }
 

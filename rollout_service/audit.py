@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .params import DETERMINISM_MODES, Rollout, SamplingParams
+from rollout_service.params import DETERMINISM_MODES, Rollout, SamplingParams
 
 ENGINE_VARIANTS = (dict(), dict(window=4, group=2), dict(window=16, group=16, max_prefill_tokens=24),
                    dict(window=8, group=3, kv_cache_tokens=512))

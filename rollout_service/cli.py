@@ -7,9 +7,9 @@ import sys
 
 from rich.console import Console
 
-from .audit import format_table, run_audit
-from .decode_policy import VERIFIED_DECODE
-from .engine import Engine, load_model
+from rollout_service.audit import format_table, run_audit
+from rollout_service.engine.decode_policy import VERIFIED_DECODE
+from rollout_service.engine.engine import Engine, load_model
 
 
 def audit(args) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-# "tiny:qwen2" names a tiny model wherever a checkpoint path is accepted (rollout_service.engine.load_model)
+# "tiny:qwen2" names a tiny model wherever a checkpoint path is accepted (rollout_service.engine.engine.load_model)
 TINY_PREFIX = "tiny:"
 
 

@@ -13,7 +13,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rollout_service.vllm_plugin.serve import cpu_sizing, serve_argv
+from rollout_service.vllm.plugin.serve import cpu_sizing, serve_argv
 
 STARTUP_S = 300
 REQUEST_S = 120

@@ -9,7 +9,7 @@ import torch
 import trainer_patch
 from rollout_service import Engine, InvalidRequestError, SamplingParams
 from rollout_service.audit import run_audit
-from rollout_service.decode_policy import STRATEGIES, DecodePolicy
+from rollout_service.engine.decode_policy import STRATEGIES, DecodePolicy
 from rollout_service.tiny_models import tiny_model
 
 
@@ -270,9 +270,9 @@ def test_no_livelock_when_a_young_prefill_cannot_get_blocks(model):
 def test_native_proposals_equal_host_fed_steps(model):
     """The fast path feeds sampled tokens back on the device (no per-step readback); its proposals
     equal stepping the same runner with host token ids, live sets shrinking as requests run out."""
-    from rollout_service.fast_path.base import DraftRequest
-    from rollout_service.sampler import sample_rows
-    from rollout_service.runner import Chunk
+    from rollout_service.engine.fast_path.base import DraftRequest
+    from rollout_service.engine.sampler import sample_rows
+    from rollout_service.engine.runner import Chunk
     engine = Engine(model, window=6, group=4, copy_model=False)
     prompts = _prompts(4, seed=3)
     params = [SamplingParams(max_tokens=8, temperature=t, seed=11 + i) for i, t in enumerate((0.0, 0.7, 1.0, 1.3))]

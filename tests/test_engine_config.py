@@ -3,7 +3,7 @@ and a config object build the same engine."""
 import pytest
 
 from rollout_service import Engine
-from rollout_service.config import EngineConfig
+from rollout_service.engine.config import EngineConfig
 
 
 def test_keywords_and_config_object_are_the_same_engine():
@@ -32,7 +32,7 @@ def test_bad_options_name_the_option(options, error, name):
 
 
 def test_worker_options_split_into_a_checked_parallel_config():
-    from rollout_service.config import ParallelConfig, split_worker_options
+    from rollout_service.engine.config import ParallelConfig, split_worker_options
     parallel, engine = split_worker_options({"tensor_parallel_size": 2, "backend": "native", "window": 4})
     assert parallel == ParallelConfig(2, "native") and engine == {"window": 4}
     assert split_worker_options(None) == (ParallelConfig(), {})

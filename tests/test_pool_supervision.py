@@ -103,7 +103,7 @@ def test_the_error_contract_of_a_batch_call():
 
 
 def test_one_rule_for_sampling_values():
-    from rollout_service.vllm_plugin.sampling import request_params
+    from rollout_service.vllm.plugin.sampling import request_params
     pytest.importorskip("vllm")
     from vllm import SamplingParams as VSamplingParams
 

@@ -94,7 +94,7 @@ def test_bad_sampler_arguments_raise(bad):
 @pytest.mark.parametrize("bad", [dict(temperature=[-0.5]), dict(temperature=[float("nan")]), dict(top_p=[0.0]),
                                  dict(top_p=[1.5]), dict(position=[-1]), dict(seed=[1, 2])])
 def test_row_params_refuse_bad_values_when_built(bad):
-    from rollout_service.sampler import RowParams
+    from rollout_service.engine.sampler import RowParams
     values = dict(temperature=[1.0], top_k=[0], top_p=[1.0], seed=[3], position=[7])
     values.update(bad)
     with pytest.raises(ValueError):
@@ -103,7 +103,7 @@ def test_row_params_refuse_bad_values_when_built(bad):
 
 def test_row_params_sample_as_the_rule_does():
     """sample_tokens (host arrays, one staged copy) picks what kernels.sample picks for the same rows."""
-    from rollout_service.sampler import RowParams, sample_tokens
+    from rollout_service.engine.sampler import RowParams, sample_tokens
     logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 2
     values = ([0.0, 0.7, 1.0, 1.3], [0, 5, 0, 0], [1.0, 1.0, 0.9, 1.0], [1, 2, 3, 2 ** 40], [5, 9, 0, 11])
     rows = RowParams.from_values(*values)

@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service import (CanonicalMismatchError, Engine, InvalidRequestError, RolloutClient,  # noqa: E402
                              SamplingParams, WeightMismatchError, start_pool)
-from rollout_service.ray_cluster import with_tree_width  # noqa: E402
+from rollout_service.service.ray_cluster import with_tree_width  # noqa: E402
 from rollout_service.weights import model_digest, state_dict_digest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,9 +24,9 @@ from kernels.forward import CANONICAL_OPS, model_spec
 from kernels.tp import check_tp, row_parallel_matmul, shard_model, supported_degrees, tp_ops
 from rollout_service.tiny_models import tiny_model
 from rollout_service import Engine, SamplingParams
-from rollout_service.kv_cache import KVCache
-from rollout_service.runner import Chunk, ModelRunner
-from rollout_service.tp import TPContext, TPEngine, TPFollower, free_port, init_tp_group
+from rollout_service.engine.kv_cache import KVCache
+from rollout_service.engine.runner import Chunk, ModelRunner
+from rollout_service.engine.tp import TPContext, TPEngine, TPFollower, free_port, init_tp_group
 from rollout_service.weights import model_digest
 from conftest import rollout_bits, same_bits
 
@@ -324,7 +324,7 @@ def local_ray():
 
 def test_ray_tp_group_equals_tp1(models, tp1, local_ray):
     """TP=2 as Ray actors in a placement group (gloo): same bits as TP=1, weight updates included."""
-    from rollout_service.tp import create_tp_group
+    from rollout_service.engine.tp import create_tp_group
     group = None
     try:
         group = create_tp_group(models[0], 2, ENGINE_KW)  # {"CPU": 1} bundles, gloo

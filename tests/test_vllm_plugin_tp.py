@@ -1,4 +1,4 @@
-"""vLLM's own tensor parallelism running the canonical model (rollout_service.vllm_plugin.tensor_parallel),
+"""vLLM's own tensor parallelism running the canonical model (rollout_service.vllm.plugin.tensor_parallel),
 on vLLM's CPU build: TP = 2, 4 and 8 worker processes (vLLM's multiprocessing executor and its CPU
 communicator) give tokens and log-probs bitwise equal to the TP = 1 trainer (`from_pretrained` in bf16)
 and to the TP = 1 native engine, through chunked prefill, prefix-cache hits, batch compositions and an
@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("vllm")
 
 from rollout_service import Engine, SamplingParams  # noqa: E402
-from rollout_service.fast_path.vllm import WORKER_EXTENSION  # noqa: E402
+from rollout_service.vllm.instance import WORKER_EXTENSION  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.vllm_plugin import llm_options, register  # noqa: E402
-from rollout_service.vllm_plugin.tensor_parallel import TP_REDUCE_KEY  # noqa: E402
+from rollout_service.vllm.plugin import llm_options, register  # noqa: E402
+from rollout_service.vllm.plugin.tensor_parallel import TP_REDUCE_KEY  # noqa: E402
 from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501
 
 # 8 heads, 4 KV heads: TP up to 4 (the TP = 8 checkpoint has 8 KV heads). A vocabulary of 97 pads
@@ -152,7 +152,7 @@ def test_worker_engine_at_tp2_with_a_weight_push(checkpoint, policy):
     the trainer's; a weight push (files to each worker process, vLLM's in-place reload, each rank
     loading its slice of the full weights) returns the pushed weights' digest and the new rollouts
     equal the new trainer's."""
-    from rollout_service.vllm_engine import VLLMEngine
+    from rollout_service.vllm.engine import VLLMEngine
     from rollout_service.weights import model_digest
     prompts, params = _workload()
     engine = VLLMEngine(checkpoint, device="cpu", tensor_parallel_size=2, max_model_len=256, max_num_seqs=8,
@@ -203,7 +203,7 @@ def test_reduce_setting_is_checked_before_the_model_is_built():
     "tree" without GPUs by default; an unknown name, and the peer-to-peer tree without CUDA, are
     refused with the reason."""
     from types import SimpleNamespace
-    from rollout_service.vllm_plugin.tensor_parallel import PluginTP
+    from rollout_service.vllm.plugin.tensor_parallel import PluginTP
 
     def config(reduce=None, k=2):
         return SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=k),

@@ -1,4 +1,4 @@
-"""The V2-runner sampler (rollout_service.vllm_plugin.runner_v2) on its own, with vLLM's sampler
+"""The V2-runner sampler (rollout_service.vllm.plugin.runner_v2) on its own, with vLLM's sampler
 stood in for: which rows it takes, the positions it hashes (prefix hits, chunked prefill, a client's
 position offset), what it leaves vLLM to pick, and the log-prob it reports. vLLM's CPU build has no
 V2 runner; the same sampler inside real vLLM is tests/gpu/test_vllm_plugin_gpu.py."""
@@ -10,7 +10,7 @@ import torch
 
 from kernels import sample
 from kernels.logprobs import token_logprobs
-from rollout_service.vllm_plugin.runner_v2 import CanonicalSampler, RequestTable
+from rollout_service.vllm.plugin.runner_v2 import CanonicalSampler, RequestTable
 
 VOCAB = 50
 
@@ -138,8 +138,8 @@ def _config(device_graphs: str = "FULL_DECODE_ONLY", enforce_eager: bool = False
 
 
 def test_sampling_is_graphed_only_where_vllm_replays_graphs_on_cuda():
-    from rollout_service.sampler_graphs import SamplerGraphs
-    from rollout_service.vllm_plugin.runner_v2 import sampler_graphs
+    from rollout_service.vllm.sampler_graphs import SamplerGraphs
+    from rollout_service.vllm.plugin.runner_v2 import sampler_graphs
 
     assert sampler_graphs(_config(), "cpu") is None
     assert sampler_graphs(_config("NONE"), "cuda:0") is None
@@ -161,8 +161,8 @@ class FixedGraphs:
 
 
 def test_covered_rows_come_from_the_graphs_a_test_rule_never_does():
-    from rollout_service.sampler import RowParams
-    from rollout_service.vllm_plugin.sampling import canonical_rows
+    from rollout_service.engine.sampler import RowParams
+    from rollout_service.vllm.plugin.sampling import canonical_rows
 
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
     rows = RowParams.from_values([1.0, 0.0], [0, 0], [1.0, 1.0], [1, 2], [5, 5])

@@ -1,4 +1,4 @@
-"""`vllm serve` with the plugin (rollout_service.vllm_plugin.serve): /v1/completions answers token-id
+"""`vllm serve` with the plugin (rollout_service.vllm.plugin.serve): /v1/completions answers token-id
 prompts with the canonical tokens and log-probs, bitwise equal to trainer_patch.token_logprobs and to
 the native Engine for the same seeds; bad requests get a 400 and the server keeps serving.
 
@@ -18,8 +18,8 @@ pytest.importorskip("vllm")
 
 from rollout_service import Engine, SamplingParams  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.vllm_plugin.seed_echo import SEED_HEADER  # noqa: E402
-from rollout_service.vllm_plugin.serve import serve_argv  # noqa: E402
+from rollout_service.vllm.plugin.seed_echo import SEED_HEADER  # noqa: E402
+from rollout_service.vllm.plugin.serve import serve_argv  # noqa: E402
 from serve_shared import (call, complete, complete_all, running_server, save_text_tokenizer,  # noqa: E402
                           save_word_tokenizer)
 from vllm_shared import trainer_logprobs  # noqa: E402
@@ -233,7 +233,7 @@ def test_readme_vllm_serve_command_is_the_plugins():
     """The README's plain `vllm serve` line carries exactly the flags the serve module passes."""
     import re
     import shlex
-    from rollout_service.vllm_plugin.serve import plugin_args
+    from rollout_service.vllm.plugin.serve import plugin_args
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     [command] = re.findall(r"^(vllm serve CHECKPOINT .*?)\n```", readme, flags=re.S | re.M)
     argv = shlex.split(command.replace("\\\n", " "))
@@ -242,7 +242,7 @@ def test_readme_vllm_serve_command_is_the_plugins():
 
 
 def test_serve_sizes_a_cpu_kv_cache_unless_told():
-    from rollout_service.vllm_plugin.serve import CPU_KV_CACHE_BYTES
+    from rollout_service.vllm.plugin.serve import CPU_KV_CACHE_BYTES
     if torch.cuda.is_available():
         pytest.skip("the default applies to CPU servers")
     argv = serve_argv("/ckpt")
@@ -253,12 +253,12 @@ def test_serve_sizes_a_cpu_kv_cache_unless_told():
 
 
 def test_readme_server_command_and_request_run_as_written(checkpoint, policy, tmp_path):
-    """`python -m rollout_service.vllm_plugin.serve CHECKPOINT --port ...` with no sizing flags (the
+    """`python -m rollout_service.vllm.plugin.serve CHECKPOINT --port ...` with no sizing flags (the
     README's command) starts on this machine and answers the README's request with the trainer's
     log-probs."""
     import re
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "`python -m rollout_service.vllm_plugin.serve CHECKPOINT --port 8000`" in readme
+    assert "`python -m rollout_service.vllm.plugin.serve CHECKPOINT --port 8000`" in readme
     [body] = re.findall(r"^```\n(\{\"prompt\".*?)\n```", readme, flags=re.S | re.M)
     request = json.loads(body)
     try:
@@ -277,7 +277,7 @@ def test_readme_server_command_and_request_run_as_written(checkpoint, policy, tm
 def test_seed_echo_body_rule():
     """SeedEcho's rewrite: a JSON object without a seed (or with null) gets one; anything else is
     handed to vLLM as it came (vLLM answers a malformed body or seed with its 400)."""
-    from rollout_service.vllm_plugin.seed_echo import with_seed
+    from rollout_service.vllm.plugin.seed_echo import with_seed
     body, seed = with_seed(b'{"prompt": [1, 2], "n": 2}')
     assert isinstance(seed, int) and 0 <= seed < 2 ** 62 and json.loads(body) == {"prompt": [1, 2], "n": 2, "seed": seed}
     assert with_seed(b'{"prompt": [1], "seed": null}')[1] is not None

@@ -1,4 +1,4 @@
-"""Weight pushes to a rollout pool (rollout_service.weight_sync) on CPU: the digest, bucket plans, the
+"""Weight pushes to a rollout pool (rollout_service.service.weight_sync) on CPU: the digest, bucket plans, the
 object-store and broadcast (gloo) transports, and what a refused, corrupted or abandoned push leaves
 behind: every worker serving the weights it had, and a later correct push landing.
 
@@ -16,7 +16,7 @@ from service_shared import ENGINE_KWARGS, assert_same  # noqa: E402
 
 from rollout_service import Engine, SamplingParams, start_pool  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,  # noqa: E402
+from rollout_service.service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,  # noqa: E402
                                          iter_full_tensors, plan_buckets)
 from rollout_service.weights import (WeightMismatchError, model_digest, state_dict_digest,  # noqa: E402
                                      tensor_fingerprint)

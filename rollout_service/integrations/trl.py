@@ -27,7 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from rollout_service.vllm_plugin.sampling import EXTRA_ARGS_KEY
+from rollout_service.vllm.plugin.sampling import EXTRA_ARGS_KEY
 
 # Verified against TRL 1.16.0: trl/trainer/grpo_trainer.py (GRPOTrainer.__init__ builds VLLMGeneration,
 # _get_per_token_logps_and_entropies scores through add_fused_lm_head) and trl/generation/vllm_generation.py.
@@ -128,7 +128,7 @@ def _build(trl_module):
             from trl.trainer.utils import ensure_master_addr_port
             from vllm import LLM
 
-            from rollout_service.vllm_plugin import llm_options, register
+            from rollout_service.vllm.plugin import llm_options, register
 
             register()  # also done by vLLM's plugin entry point; harmless twice
             acc = self.accelerator

@@ -13,8 +13,8 @@ import kernels as K  # noqa: E402
 import trainer_patch  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service import Engine, SamplingParams  # noqa: E402
-from rollout_service.cuda_graphs import GraphedModelRunner  # noqa: E402
-from rollout_service.fast_path.decode_attention import decode_attention  # noqa: E402
+from rollout_service.engine.cuda_graphs import GraphedModelRunner  # noqa: E402
+from rollout_service.engine.fast_path.decode_attention import decode_attention  # noqa: E402
 
 CUDA = torch.device("cuda")
 

@@ -257,7 +257,7 @@ def test_engine_replays_moe_graphs_and_equals_the_trainer(tmp_path, mode):
     from transformers import AutoModelForCausalLM
 
     from rollout_service import Engine, SamplingParams
-    from rollout_service.cuda_graphs import GraphedModelRunner
+    from rollout_service.engine.cuda_graphs import GraphedModelRunner
 
     tiny_model("qwen3_moe", seed=3, dtype=torch.float32, num_layers=3).save_pretrained(tmp_path)
     trainer = trainer_patch.patch_model(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=BF).to(CUDA))

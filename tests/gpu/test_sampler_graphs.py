@@ -1,4 +1,4 @@
-"""GPU: the sampling rule and token log-probs replayed from CUDA graphs (rollout_service.sampler_graphs)
+"""GPU: the sampling rule and token log-probs replayed from CUDA graphs (rollout_service.vllm.sampler_graphs)
 equal the eager rule bit for bit, for row counts that fill a bucket and ones that pad it, call after
 call with new logits and params (a replay reads this step's inputs, not the capture's)."""
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.logprobs import token_logprobs
-from rollout_service.sampler import RowParams, sample_tokens
+from rollout_service.engine.sampler import RowParams, sample_tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from rollout_service.sampler_graphs import SamplerGraphs  # noqa: E402
+from rollout_service.vllm.sampler_graphs import SamplerGraphs  # noqa: E402
 
 VOCAB = 50_000
 

@@ -45,8 +45,8 @@ def _requests():
 
 def _verifier_logits(model, ops, device):
     from kernels.forward import model_spec
-    from rollout_service.kv_cache import KVCache
-    from rollout_service.runner import Chunk, ModelRunner
+    from rollout_service.engine.kv_cache import KVCache
+    from rollout_service.engine.runner import Chunk, ModelRunner
     cache = KVCache(model_spec(model), 64, 16, device)
     chunks, start = [], 0
     for s in SEQS:
@@ -133,7 +133,7 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None, arch="qwen2"
     from kernels.reference import exact_math as em
     from kernels.tp import row_parallel_matmul, shard_model, tp_ops
     from rollout_service.tiny_models import tiny_model
-    from rollout_service.tp import TPEngine, TPFollower, init_tp_group
+    from rollout_service.engine.tp import TPEngine, TPFollower, init_tp_group
 
     if device_type == "cuda":
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off
@@ -192,7 +192,7 @@ def _worker(rank, k, port, path, device_type="cuda", model_kw=None, arch="qwen2"
 
 
 def run_group(k: int, path: str, device_type: str = "cuda", model_kw=None, arch="qwen2") -> dict:
-    from rollout_service.tp import free_port
+    from rollout_service.engine.tp import free_port
     mp.start_processes(_worker, args=(k, free_port(), path, device_type, model_kw, arch), nprocs=k,
                        start_method="spawn")
     return torch.load(path, weights_only=False)

@@ -1,5 +1,5 @@
 """On CUDA with real vLLM (the 0.25 bundle on the GPU machine): vLLM's engine running the canonical
-forward (rollout_service.vllm_plugin) gives every token the log-prob the trainer computes, bit for bit,
+forward (rollout_service.vllm.plugin) gives every token the log-prob the trainer computes, bit for bit,
 on vLLM's V2 model runner (our sampler from the model state) and its V1 runner (our logits processor),
 with decode steps replayed from CUDA graphs and without them, for batches of 1 to 256 mixed requests,
 chunked prefill, prefix-cache hits, preemption, in-place weight updates, and Llama / Qwen2 / Qwen3.
@@ -20,10 +20,10 @@ pytest.importorskip("vllm")
 import transformers  # noqa: E402
 
 from rollout_service import SamplingParams  # noqa: E402
-from rollout_service.fast_path.vllm import WORKER_EXTENSION  # noqa: E402
-from rollout_service.vllm_plugin.sampling import PROCESSOR_FQCN  # noqa: E402
+from rollout_service.vllm.instance import WORKER_EXTENSION  # noqa: E402
+from rollout_service.vllm.plugin.sampling import PROCESSOR_FQCN  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.vllm_plugin import llm_options, register  # noqa: E402
+from rollout_service.vllm.plugin import llm_options, register  # noqa: E402
 from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501
 
 VOCAB = 2048
@@ -149,8 +149,8 @@ def test_v2_sampler_output_ours_or_vllms(checkpoint, trainer, monkeypatch):
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from rollout_service.fast_path.vllm import canonical_vllm_params, completion_tokens
-    from rollout_service.vllm_plugin import runner_v2
+    from rollout_service.vllm.instance import canonical_vllm_params, completion_tokens
+    from rollout_service.vllm.plugin import runner_v2
 
     built = []
     original = runner_v2.own_sampler_output
@@ -199,7 +199,7 @@ def test_rollout_sampling_replayed_from_graphs(checkpoint, trainer, monkeypatch)
     """Rollout batches (no top-k / top-p) sample from our CUDA graphs on V2 with CUDA graphs, padded
     to power-of-two buckets; the bits equal the trainer's and those of the eager sampler (enforce_eager,
     where the graphs are not used)."""
-    from rollout_service.sampler_graphs import SamplerGraphs
+    from rollout_service.vllm.sampler_graphs import SamplerGraphs
 
     calls = []
     original = SamplerGraphs.__call__
@@ -270,7 +270,7 @@ def test_worker_engine_serves_verified_and_off_side_by_side(checkpoint, trainer)
     canonical one and stock vLLM (its own sampler) for `off`, both with their cores in this process
     (the default placement), on the V2 runner with CUDA graphs. Verified requests equal the trainer
     bit for bit; off ones do not."""
-    from rollout_service.vllm_engine import VLLMEngine
+    from rollout_service.vllm.engine import VLLMEngine
 
     gc.collect()
     engine = VLLMEngine(checkpoint, device="cuda", max_model_len=1024, max_num_seqs=64, stock_for_off=True,
@@ -294,7 +294,7 @@ def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer):
     no push serves the host copy again, bit for bit; a complete bucketed push after a wake serves the
     new weights, bit for bit. Control: the engine woken without either, after another allocation has
     used the freed memory (a trainer rank does), does not match."""
-    from rollout_service.vllm_engine import VLLMEngine
+    from rollout_service.vllm.engine import VLLMEngine
 
     gc.collect()
     engine = VLLMEngine(checkpoint, device="cuda", max_model_len=1024, max_num_seqs=64, sleep_mode=True,

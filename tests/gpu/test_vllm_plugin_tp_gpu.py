@@ -1,6 +1,6 @@
 """vLLM's own tensor parallelism on several GPUs (the 0.25 bundle): k worker processes, one GPU each,
 run the canonical model's shards and combine row-parallel outputs by the segment tree
-(rollout_service.vllm_plugin.tensor_parallel; on GPUs by default one kernel reading the peers' nodes
+(rollout_service.vllm.plugin.tensor_parallel; on GPUs by default one kernel reading the peers' nodes
 from symmetric memory, `tree_p2p`). Every token's log-prob equals the TP = 1 trainer's
 (`from_pretrained` in bf16, one GPU) bit for bit, with decode steps from CUDA graphs and without, through
 chunked prefill, prefix-cache hits and mixed batches, also with the tree split by output columns
@@ -26,10 +26,10 @@ pytest.importorskip("vllm")
 import transformers  # noqa: E402
 
 from rollout_service import SamplingParams  # noqa: E402
-from rollout_service.fast_path.vllm import WORKER_EXTENSION  # noqa: E402
+from rollout_service.vllm.instance import WORKER_EXTENSION  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.vllm_plugin import llm_options, register, require_entry_point  # noqa: E402
-from rollout_service.vllm_plugin.tensor_parallel import TP_REDUCE_KEY  # noqa: E402
+from rollout_service.vllm.plugin import llm_options, register, require_entry_point  # noqa: E402
+from rollout_service.vllm.plugin.tensor_parallel import TP_REDUCE_KEY  # noqa: E402
 from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate  # noqa: E402,E501
 
 VOCAB = 4099  # not a multiple of k: each rank's lm_head shard is padded with zero rows
@@ -112,7 +112,7 @@ def test_tp_equals_tp1_trainer_with_and_without_graphs(checkpoint, trainer, k):
 
 
 def test_default_reduce_on_gpus_is_the_peer_tree():
-    from rollout_service.vllm_plugin.tensor_parallel import default_reduce
+    from rollout_service.vllm.plugin.tensor_parallel import default_reduce
     assert default_reduce() == "tree_p2p"
 
 
@@ -128,14 +128,14 @@ def test_other_tree_schedules_equal_tp1_trainer_with_graphs(checkpoint, trainer,
 
 
 def test_weight_push_reaches_every_rank(checkpoint, trainer, k):
-    """VLLMFastPath.update_weights: the full state dict through files to every worker, each loading its slice."""
-    from rollout_service.fast_path.vllm import VLLMFastPath
-    from rollout_service.vllm_plugin import HF_OVERRIDES
+    """VLLMInstance.update_weights: the full state dict through files to every worker, each loading its slice."""
+    from rollout_service.vllm.instance import VLLMInstance
+    from rollout_service.vllm.plugin import HF_OVERRIDES
     prompts, params = _workload()
     prompts, params = prompts[:16], params[:16]
     new = tiny_model("qwen2", seed=32, dtype=torch.float32, **MODEL_KW).to(torch.bfloat16)
     gc.collect()
-    fast = VLLMFastPath(checkpoint, hf_overrides=dict(HF_OVERRIDES), tensor_parallel_size=k, max_model_len=1024,
+    fast = VLLMInstance(checkpoint, hf_overrides=dict(HF_OVERRIDES), tensor_parallel_size=k, max_model_len=1024,
                         gpu_memory_utilization=0.3, enforce_eager=True)
     try:
         before = vllm_generate(fast.llm, prompts, params)

@@ -32,7 +32,7 @@ MIXED = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.0, top
 def checkpoint(tmp_path_factory):
     from importlib.metadata import entry_points
     plugins = {ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert "rollout_service.vllm_plugin:register" in plugins, \
+    assert "rollout_service.vllm.plugin:register" in plugins, \
         "vLLM's engine-core process loads the plugin by its entry point: pip install -e . --no-deps"
     path = str(tmp_path_factory.mktemp("zerokl-serve-gpu"))
     tiny_model("qwen2", seed=11, dtype=torch.float32, hidden_size=512, intermediate_size=1536, num_heads=8,

@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 from conftest import rollout_bits  # noqa: E402
 from rollout_service import Engine, SamplingParams, start_pool  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.weight_sync import WeightSender, fingerprint_entries  # noqa: E402
+from rollout_service.service.weight_sync import WeightSender, fingerprint_entries  # noqa: E402
 from rollout_service.weights import (WeightMismatchError, model_digest, state_dict_digest,  # noqa: E402
                                      tensor_fingerprint)
 

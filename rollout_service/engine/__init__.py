@@ -1,0 +1,2 @@
+"""The native DVR engine: the scheduler plans each step, a fast path proposes tokens, the verifier
+runs the canonical forward over them and commits; the runner, KV cache and sampler serve all three."""

@@ -1,0 +1,91 @@
+"""Typed configuration of an engine and of a worker's parallel layout: every option, its default and
+its check, in one place.
+
+`Engine(model, EngineConfig(...))` or `Engine(model, window=8, ...)` (keywords build the config);
+an unknown option or a bad value fails here, once, with the option's name. A worker's
+`engine_kwargs` are engine options plus the ParallelConfig fields (`split_worker_options`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_service.engine.decode_policy import VERIFIED_DECODE
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    fast_path: Any = "native"  # "native", "vllm" or a FastPath object: who proposes tokens for DVR
+    window: int = 16  # W: tokens proposed per request before a verify
+    group: int = 64  # G: verify windows per canonical forward
+    device: str = "cpu"
+    block_size: int = 16  # KV cache page, in tokens
+    kv_cache_tokens: int = 65536
+    max_num_seqs: int = 256
+    max_prefill_tokens: int = 4096  # prefill token budget per step
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    copy_model: bool = True  # deep-copy a model object handed in (False: the engine may cast it)
+    fast_path_options: dict = field(default_factory=dict)
+    cuda_graphs: bool = True  # on CUDA: replay decode steps and verify windows from graphs
+    # how `verified` decodes: "auto" times DVR and canonical steps and keeps the cheaper, "dvr" always
+    # proposes and verifies (canonical steps on every request: determinism="invariant")
+    verified_decode: str = "auto"
+
+    def __post_init__(self):
+        for name in ("window", "group", "block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"EngineConfig.max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
+        if self.verified_decode not in VERIFIED_DECODE:
+            hint = ("; canonical steps for every token are the request mode SamplingParams(determinism='invariant')"
+                    if self.verified_decode == "canonical" else "")
+            raise ValueError(f"EngineConfig.verified_decode must be one of {VERIFIED_DECODE}, "
+                             f"got {self.verified_decode!r}{hint}")
+        if not isinstance(self.fast_path_options, dict):
+            raise TypeError(f"EngineConfig.fast_path_options must be a dict, got {type(self.fast_path_options).__name__}")
+
+    @classmethod
+    def build(cls, config: EngineConfig | None = None, **options) -> EngineConfig:
+        """`config` (default: all defaults) with `options` replaced; unknown names are a TypeError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        if options.get("fast_path_options") is None:
+            options.pop("fast_path_options", None)
+        return dataclasses.replace(config or cls(), **options)
+
+
+BACKENDS = ("auto", "native", "vllm")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How a RolloutWorker runs its engine: which engine (`backend`: "auto" is vLLM running the
+    canonical forward where vLLM is installed and the worker holds a GPU per rank, the native engine
+    otherwise) over how many devices. `tensor_parallel_size` > 1: vLLM's own tensor parallelism
+    inside the worker (its actor holds that many GPUs: resources_per_worker={"num_gpus": k}), or for
+    the native engine a group of rank actors."""
+    tensor_parallel_size: int = 1
+    backend: str = "auto"
+
+    def __post_init__(self):
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+def split_worker_options(options: dict | None) -> tuple[ParallelConfig, dict]:
+    """A worker's engine_kwargs -> (its ParallelConfig, the engine's own options)."""
+    options = dict(options or {})
+    names = [f.name for f in dataclasses.fields(ParallelConfig)]
+    parallel = ParallelConfig(**{n: options.pop(n) for n in names if n in options})
+    return parallel, options
+
+
+__all__ = ["BACKENDS", "EngineConfig", "ParallelConfig", "VERIFIED_DECODE", "split_worker_options"]

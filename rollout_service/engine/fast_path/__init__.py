@@ -1,0 +1,1 @@
+"""The proposers' interface (base) and the native fast path's ordinary torch ops (native_ops)."""

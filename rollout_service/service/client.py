@@ -1,0 +1,178 @@
+"""RolloutClient: what a training loop calls, from any driver or job in the Ray cluster."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import ray
+import torch
+from ray.exceptions import RayTaskError
+
+from rollout_service.params import Rollout, SamplingParams, check_batch
+from rollout_service.service.ray_cluster import init_ray, original_error
+from rollout_service.service.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    TRANSPORTS,
+    choose_transport,
+    push_state_dict,
+)
+from rollout_service.weights import (
+    WeightMismatchError,
+    check_state_dict_types,
+    state_dict_digest,
+)
+
+# Named actors are per namespace; a fixed one lets every job in the cluster find the pool.
+DEFAULT_NAMESPACE = "rollout_service"
+
+
+def ensure_ray() -> None:
+    init_ray()  # joins the cluster of RAY_ADDRESS / `ray start`, else starts a local one
+
+
+class RolloutClient:
+    """Handle on a rollout pool found by name (start one with rollout_service.start_pool). Thread-safe;
+    the sync and async calls can be mixed. As a context manager it shuts the pool down on exit only
+    when start_pool made this client (the pool's owner)."""
+
+    def __init__(self, name: str = "rollout", namespace: str = DEFAULT_NAMESPACE, *, _handle=None,
+                 _info: dict | None = None):
+        ensure_ray()
+        self.name, self.namespace = name, namespace
+        if _handle is None:
+            try:
+                _handle = ray.get_actor(name, namespace=namespace)
+            except ValueError as e:
+                raise ValueError(f"no rollout pool named {name!r} in namespace {namespace!r}") from e
+        self._pool = _handle
+        self.info = _info  # what start_pool saw at start (digest, canonical config, workers); else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.info is not None:
+            self.shutdown()
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def submit(self, prompts: list[list[int]], params, request_ids: list[str] | None = None):
+        """Start generating; returns (ObjectRef of list[Rollout], request ids for cancel()). Errors
+        follow params.check_batch's contract: a malformed call raises, a request that cannot be
+        served comes back with finish_reason "error"."""
+        check_batch(prompts, params)
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        if request_ids is None:
+            request_ids = [uuid.uuid4().hex for _ in prompts]
+        elif len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids must be unique, one per prompt")
+        requests = [(str(key), _as_ids(p), sp) for key, p, sp in zip(request_ids, prompts, params)]
+        return self._pool.generate.remote(requests), list(request_ids)
+
+    def generate(self, prompts: list[list[int]], params, request_ids: list[str] | None = None,
+                 timeout: float | None = None) -> list[Rollout]:
+        """Rollouts in request order; a request that cannot be served comes back with
+        finish_reason "error" and a message, without failing the others."""
+        ref, keys = self.submit(prompts, params, request_ids)
+        try:
+            return ray.get(ref, timeout=timeout)
+        except BaseException:  # timeout or interrupt: don't leave the work running
+            self._pool.cancel.remote(keys)
+            raise
+
+    async def generate_async(self, prompts: list[list[int]], params,
+                             request_ids: list[str] | None = None) -> list[Rollout]:
+        ref, keys = self.submit(prompts, params, request_ids)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            self._pool.cancel.remote(keys)
+            raise
+
+    def cancel(self, request_ids: list[str] | str) -> int:
+        """Cancel requests; they finish with finish_reason "abort". Returns how many were running."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        return ray.get(self._pool.cancel.remote([str(k) for k in request_ids]))
+
+    # -- weights and status ----------------------------------------------------------------------
+
+    def update_weights(self, state_dict, expected_digest: str | None = None, transport: str = "object_store",
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+        """Load `state_dict` (name -> tensor) into every worker and return their common digest.
+
+        transport: "auto" (weight_sync.choose_transport), "object_store" (the tensors enter Ray's object store once; every worker reads the
+        same object), "broadcast" (a NCCL/gloo group from this process to the workers, in buckets of
+        `bucket_bytes`) or "ipc" (workers on this process's GPU read its bucket in place); see
+        rollout_service.service.weight_sync. Every check (names, shapes, finite values, `expected_digest`)
+        passes before any worker loads anything: a refused push raises WeightMismatchError and every
+        worker keeps serving the weights it had.
+        """
+        check_state_dict_types(state_dict)
+        if transport == "auto":
+            device = next((t.device for t in state_dict.values()), torch.device("cpu"))
+            transport = choose_transport("auto", device, [w["gpu"] for w in self.stats()["workers"]])
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {transport!r}")
+        if transport != "object_store":
+            return push_state_dict(self, state_dict, transport, expected_digest, bucket_bytes)
+        digest = state_dict_digest(state_dict)
+        if expected_digest is not None and digest != expected_digest:
+            raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
+        # One object for all workers. This driver owns it; the pool keeps the ref for restarts.
+        ref = ray.put(state_dict)
+        return _unwrapped(self._pool.update_weights.remote([ref], digest))
+
+    def _begin_weight_sync(self, plan) -> dict:
+        return _unwrapped(self._pool.begin_weight_sync.remote(plan))
+
+    def _end_weight_sync(self, sync_id: str, error: str | None = None) -> str:
+        return _unwrapped(self._pool.end_weight_sync.remote(sync_id, error))
+
+    def weights_digest(self) -> str:
+        return ray.get(self._pool.weights_digest.remote())
+
+    def sleep(self) -> None:
+        """Release the engines' GPU memory while another job (a colocated trainer) uses it: requests
+        finish first; the next request or weight push wakes an engine, wake() does it ahead of time."""
+        _unwrapped(self._pool.sleep.remote())
+
+    def wake(self) -> None:
+        _unwrapped(self._pool.wake.remote())
+
+    def stats(self) -> dict:
+        """Request counts, requests in flight, the weights digest, and each worker's state."""
+        return ray.get(self._pool.stats.remote())
+
+    def shutdown(self) -> None:
+        """Stop the pool: every worker (releasing its CPUs/GPUs and placement group), then the pool
+        actor itself. Works from any driver, e.g. for a detached pool."""
+        from ray.exceptions import RayActorError
+
+        try:
+            ray.get(self._pool.shutdown.remote())
+        except RayActorError:
+            pass  # already gone
+        ray.kill(self._pool)
+
+    def workers(self) -> list:
+        """The current RolloutWorker actor handles, in slot order."""
+        return ray.get(self._pool.worker_handles.remote())
+
+
+def _unwrapped(ref):
+    """ray.get, raising the pool's own error (its type and message; Ray's error, with the remote
+    traceback, as its __cause__)."""
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        raise original_error(e) from e
+
+
+def _as_ids(prompt):
+    if hasattr(prompt, "tolist"):  # tensors and arrays
+        prompt = prompt.tolist()
+    return list(prompt) if isinstance(prompt, tuple) else prompt

@@ -1,0 +1,306 @@
+"""Supervision of a pool's RolloutWorker actors: start them (each in its own placement group when
+asked), watch each for death, restart a dead or out-of-sync worker with the pool's current weights,
+and shut them down. The pool actor (pool.py) routes requests over the workers kept "ready" here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+
+import kernels as K
+from rollout_service.service.ray_cluster import (
+    on_bundle,
+    original_error,
+    release,
+    reserve,
+)
+from rollout_service.service.worker import RolloutWorker
+from rollout_service.weights import WeightMismatchError
+
+log = logging.getLogger(__name__)
+
+# Concurrent calls an async actor accepts; requests beyond the engine's batch wait inside it.
+MAX_CONCURRENCY = 100_000
+
+# Restarts: a slot is never given up for a failure that may pass (a death, a lost object, a
+# replacement killed while it started); each failed replacement is logged and shown in stats(),
+# and the next one comes after a back-off that doubles up to RESTART_BACKOFF_MAX_S. A slot is given
+# up ("failed") only when a replacement shows that it can never serve: its canonical contract differs
+# from the pool's (another tree width or kernel family, e.g. after an environment change).
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
+
+# The restart source after a push that went worker to worker (weight_sync): the pool keeps no copy
+# of such weights (a host copy of every push would cost what those pushes save), so a restarted
+# worker copies a ready peer's, or, when no worker holds them, waits "stale" for the next push.
+FROM_PEER = "from a ready peer"
+
+
+class NoCurrentWeights(RuntimeError):
+    """No live worker holds the weights last pushed worker to worker."""
+
+
+@dataclass
+class WorkerSlot:
+    index: int
+    actor: object = None
+    state: str = "starting"  # starting | ready | restarting | stale | failed | stopped
+    placement: object = None
+    in_flight: int = 0
+    completed: int = 0
+    restarts: int = 0
+    failed_restarts: int = 0  # replacements that failed since this slot last served
+    error: str | None = None
+    info: dict = field(default_factory=dict)
+
+
+class WorkerSupervisor:
+    """The workers of one pool and the weights every one of them must hold (`digest`)."""
+
+    def __init__(self, num_workers: int, engine_kwargs: dict | None, resources_per_worker: dict | None,
+                 placement_group_bundles: list[dict] | None, placement_strategy: str, colocate_with=None):
+        self._colocate_with = colocate_with  # a caller's placement group: worker i on its bundle i
+        self._engine_kwargs = dict(engine_kwargs or {})
+        if resources_per_worker is None and placement_group_bundles:
+            # by default the worker takes exactly its bundle (bundle 0) of the group
+            first = placement_group_bundles[0]
+            resources_per_worker = {"num_cpus": first.get("CPU", 0), "num_gpus": first.get("GPU", 0)}
+        self._resources = {"num_cpus": 1, **(resources_per_worker or {})}
+        self._bundles = placement_group_bundles
+        self._strategy = placement_strategy
+        self.slots = [WorkerSlot(i) for i in range(num_workers)]
+        self._model = None  # model path, or an ObjectRef of the model
+        self._weights_ref = None  # last weights pushed (an ObjectRef, or FROM_PEER), which restarts load
+        self.digest = None
+        self.spec = None  # name -> shape of the weights every push must carry (None: TP workers)
+        self.canonical = None  # kernels.CanonicalConfig of every worker
+        self._version = 0
+        self.closed = False
+        # notified on every worker state change (and by the pool when its in-flight count drops)
+        self.cond: asyncio.Condition | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, model_box: list, detached: bool, timeout_s: float) -> dict:
+        """model_box: [a local path, or an ObjectRef of the model] (boxed: this actor never loads it).
+        Raises TimeoutError naming the resources asked for and free when the workers are not ready
+        within timeout_s, and a worker's own error (its type and message) when one fails to start."""
+        self.cond = asyncio.Condition()
+        self._model = model_box[0]
+
+        async def start_one(slot):
+            return await (await self._spawn(slot)).ready.remote()
+        try:
+            infos = await asyncio.wait_for(asyncio.gather(*(start_one(s) for s in self.slots),
+                                                          return_exceptions=True), timeout_s)
+        except asyncio.TimeoutError:
+            report = self._placement_report(timeout_s)
+            await self.shutdown()
+            raise TimeoutError(report) from None
+        for slot, info in zip(self.slots, infos):
+            if isinstance(info, Exception):
+                await self.shutdown()
+                raise original_error(info)
+            slot.info = info
+        digests = {info["digest"] for info in infos}
+        if len(digests) != 1:
+            await self.shutdown()
+            raise WeightMismatchError(f"workers loaded the same model with different digests: {digests}")
+        self.digest = digests.pop()
+        self.spec = self.slots[0].info.get("spec")
+        try:
+            self.canonical = K.check_canonical({f"worker {s.index}": s.info["canonical"] for s in self.slots})
+        except K.CanonicalMismatchError:
+            await self.shutdown()
+            raise
+        if detached and isinstance(self._model, ray.ObjectRef):
+            # The creating driver owns the model object and may exit before this pool does; a copy
+            # returned by a worker is owned by this actor, so restarts can always read it.
+            self._model = self.slots[0].actor.model_copy.remote()
+        for slot in self.slots:
+            await self._set_state(slot, "ready")
+            self._watch(slot)
+        return {"digest": self.digest, "canonical": self.canonical, "workers": [s.info for s in self.slots]}
+
+    def _placement_report(self, timeout_s: float) -> str:
+        pending = sum(1 for s in self.slots if not s.info)
+        ask = self._bundles or [{"CPU": self._resources.get("num_cpus", 1), "GPU": self._resources.get("num_gpus", 0),
+                                 **self._resources.get("resources", {})}]
+        free = {k: round(v, 2) for k, v in ray.available_resources().items() if "memory" not in k and "node" not in k}
+        total = {k: round(v, 2) for k, v in ray.cluster_resources().items() if "memory" not in k and "node" not in k}
+        return (f"{pending} of {len(self.slots)} rollout workers were not ready within {timeout_s:.0f} s "
+                f"(start_pool's start_timeout_s). Each asks for {ask}; the cluster has {free} free of {total}. "
+                f"Free resources, add nodes, or ask for less; a worker that is placed but slow to load "
+                f"needs a longer start_timeout_s.")
+
+    # -- which workers can take work ---------------------------------------------------------------
+
+    def ready(self) -> list[WorkerSlot]:
+        return [s for s in self.slots if s.state == "ready"]
+
+    def receivers(self) -> list[WorkerSlot]:
+        """The workers a weight push goes to: the ready ones and the stale ones (alive, waiting for it)."""
+        return [s for s in self.slots if s.state in ("ready", "stale")]
+
+    def all_failed(self) -> bool:
+        return all(s.state == "failed" for s in self.slots)
+
+    def none_can_serve(self) -> bool:
+        """No worker serves now or will without a weight push (none ready, starting or restarting)."""
+        return all(s.state in ("failed", "stale", "stopped") for s in self.slots)
+
+    async def now_current(self, slots: list[WorkerSlot]) -> None:
+        """These workers verifiably hold the current weights: stale ones serve again."""
+        for slot in slots:
+            if slot.state == "stale":
+                await self._set_state(slot, "ready")
+
+    def unavailable(self) -> str:
+        if self.closed:
+            return "the rollout pool is shut down"
+        return "no healthy rollout workers: " + "; ".join(
+            f"worker {s.index}: {s.error}" for s in self.slots if s.error)
+
+    # -- deaths and restarts -----------------------------------------------------------------------
+
+    def on_dead(self, slot: WorkerSlot, actor):
+        if self.closed or slot.actor is not actor or slot.state not in ("ready", "stale"):
+            return  # already known, or an older incarnation
+        self.restart_later(slot, "died")
+
+    def restart_later(self, slot: WorkerSlot, reason: str):
+        """Out of rotation now; back when a replacement verifiably holds the current weights."""
+        slot.state = "restarting"
+        self._spawn_task(self._restart(slot, reason))
+
+    def adopt_weights(self, weights_ref, digest: str) -> None:
+        """The weights every worker must hold from now on (restarts load them): an ObjectRef, or
+        FROM_PEER after a push that reached the workers directly. Called only once they are verified."""
+        self._weights_ref, self.digest = weights_ref, digest
+        self._version += 1
+    async def _spawn(self, slot: WorkerSlot):
+        if self.closed:
+            raise RuntimeError("the rollout pool is shut down")
+        opts = dict(self._resources, max_concurrency=MAX_CONCURRENCY)
+        if self._colocate_with is not None:
+            opts["scheduling_strategy"] = on_bundle(self._colocate_with, slot.index)
+        elif self._bundles:
+            if slot.placement is None:  # kept across restarts: the replacement reuses its reservation
+                slot.placement = reserve(self._bundles, self._strategy)
+            await slot.placement.ready()
+            opts["scheduling_strategy"] = on_bundle(slot.placement, 0, capture_child_tasks=True)
+        slot.actor = RolloutWorker.options(**opts).remote(self._model, self._engine_kwargs)
+        return slot.actor
+
+    def _watch(self, slot: WorkerSlot):
+        """Keep one call outstanding on the worker; it fails the moment the actor dies."""
+        actor = slot.actor
+
+        async def watch():
+            try:
+                await actor.liveness.remote()
+            except RayActorError:
+                self.on_dead(slot, actor)
+        self._spawn_task(watch())
+
+    def _spawn_task(self, coro):
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _set_state(self, slot: WorkerSlot, state: str, error: str | None = None):
+        async with self.cond:
+            slot.state, slot.error = state, error
+            self.cond.notify_all()
+
+    async def _restart(self, slot: WorkerSlot, reason: str):
+        """Replace the slot's worker until a replacement holds the current weights (see RESTART_BACKOFF_S)."""
+        delay = RESTART_BACKOFF_S
+        while True:
+            if self.closed:
+                return
+            try:
+                ray.kill(slot.actor)
+            except Exception:
+                pass
+            try:
+                actor = await self._spawn(slot)
+                slot.info = await actor.ready.remote()
+                K.check_canonical({"the pool": self.canonical, f"restarted worker {slot.index}": slot.info["canonical"]})
+                try:
+                    while True:  # load the current weights; again if they change meanwhile
+                        version, expected = self._version, self.digest
+                        digest = await self._load_current(actor, slot)
+                        if version == self._version:
+                            break
+                except NoCurrentWeights as e:
+                    slot.restarts += 1
+                    await self._set_state(slot, "stale", f"{reason}; waiting for the next weight push: {e}")
+                    log.warning("rollout worker %d is waiting for the next weight push: %s", slot.index, e)
+                    self._watch(slot)
+                    return
+                if digest != expected:
+                    raise WeightMismatchError(f"restarted worker {slot.index} has digest {digest}, expected {expected}")
+                if self.closed:
+                    ray.kill(actor)
+                    return
+                slot.restarts += 1
+                slot.failed_restarts = 0
+                await self._set_state(slot, "ready")
+                self._watch(slot)
+                return
+            except Exception as e:
+                e = original_error(e)
+                slot.failed_restarts += 1
+                if isinstance(e, K.CanonicalMismatchError):  # no replacement can ever serve in this pool
+                    log.error("rollout worker %d given up: %s", slot.index, e)
+                    await self._set_state(slot, "failed", f"{reason}; given up: {e}")
+                    return
+                slot.error = (f"{reason}; replacement {slot.failed_restarts} failed ({type(e).__name__}: {e}); "
+                              f"next try in {delay:.1f} s")
+                log.warning("rollout worker %d: %s", slot.index, slot.error)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
+
+    async def _load_current(self, actor, slot: WorkerSlot) -> str:
+        if self._weights_ref is None:
+            return await actor.weights_digest.remote()
+        if self._weights_ref is not FROM_PEER:
+            try:
+                return await actor.update_weights.remote(self._weights_ref, self.digest)
+            except (ObjectLostError, RayTaskError) as e:
+                if not isinstance(getattr(e, "cause", e), ObjectLostError):
+                    raise
+        # Pushed worker to worker, or their sender (the object's owner) is gone: copy them from a
+        # ready worker, into an object this actor owns.
+        peers = [s for s in self.slots if s.state == "ready" and s is not slot]
+        if not peers:
+            raise NoCurrentWeights("no live worker holds the current weights (and their sender's copy is gone)")
+        self._weights_ref = peers[0].actor.state_dict.remote()
+        return await actor.update_weights.remote(self._weights_ref, self.digest)
+
+    # -- status and shutdown -----------------------------------------------------------------------
+
+    def worker_stats(self) -> list[dict]:
+        return [{"index": s.index, "state": s.state, "in_flight": s.in_flight, "completed": s.completed,
+                 "restarts": s.restarts, "failed_restarts": s.failed_restarts, "error": s.error, "pid": s.info.get("pid"), "gpu": s.info.get("gpu")}
+                for s in self.slots]
+
+    async def shutdown(self) -> None:
+        self.closed = True
+        for slot in self.slots:
+            if slot.actor is not None:
+                try:
+                    ray.kill(slot.actor)
+                except Exception:
+                    pass
+            if slot.placement is not None:
+                release(slot.placement)
+                slot.placement = None
+            slot.state = "stopped"
+        if self.cond is not None:
+            async with self.cond:
+                self.cond.notify_all()

@@ -1,0 +1,409 @@
+"""Weights from the trainer to the rollout workers in buckets, without the host: the plan both sides
+follow, and each side's half of the two device transports.
+
+- "broadcast": a torch.distributed process group of the sender (rank 0) and every worker, NCCL on
+  GPUs (gloo on CPU); each bucket is one broadcast. For workers on other GPUs than the trainer.
+- "ipc": the sender's bucket buffer is opened in place by workers on the same GPU through a CUDA IPC
+  handle (colocated rollout and training). It has no CPU form: there the object store's shared
+  memory is that path ("object_store": the whole state dict through ray.put).
+
+Safety rule: nothing reaches a worker before every check has passed on the sender (names and
+shapes against the pool's model, finite values, the expected digest), so a refused push leaves every
+worker serving the weights it had. Each worker then checks every received tensor's fingerprint
+against the sender's before loading it, which catches a broken transfer; a worker that fails there
+holds part of the new weights and is restarted by the pool.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout_service.weights import (
+    WeightMismatchError,
+    check_fit,
+    digest_of_fingerprints,
+    packed_fingerprints,
+)
+
+TRANSPORTS = ("object_store", "broadcast", "ipc")
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # in elements of the bucket
+    numel: int
+
+
+@dataclass
+class SyncPlan:
+    """What the sender will send; the pool checks it and every receiver follows it."""
+
+    transport: str
+    digest: str
+    shapes: dict[str, tuple[int, ...]]  # in the sender's order, which is the order of the buckets
+    fingerprints: dict[str, tuple[int, int]]
+    buckets: list[list[BucketEntry]]
+    device_type: str  # "cuda" or "cpu": NCCL or gloo for broadcast
+    timeout_s: float = 300.0
+    sync_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # broadcast: the sender's TCPStore, and the process group (kept by both sides between pushes
+    # while the pool's workers and the sender stay the same: set up once, like NCCL communicators
+    # in every RL framework); ipc: the sender's GPU
+    store_host: str | None = None
+    store_port: int | None = None
+    sender_id: str | None = None
+    group_id: str | None = None
+    new_group: bool = True
+    gpu_uuid: str | None = None
+
+    @property
+    def bucket_numel(self) -> int:
+        return max((b[-1].offset + b[-1].numel for b in self.buckets if b), default=0)
+
+    def check(self, spec: dict[str, tuple[int, ...]] | None) -> None:
+        """The pool's checks, before any worker is touched."""
+        if self.transport not in TRANSPORTS[1:]:
+            raise ValueError(f"transport must be one of {TRANSPORTS[1:]} for a bucketed push, got {self.transport!r}")
+        if spec is None:
+            raise ValueError(f"these workers cannot receive weights by {self.transport} (tensor-parallel "
+                             f"workers take transport='object_store')")
+        check_fit(spec, self.shapes)
+        entries = [(n, self.shapes[n], self.fingerprints[n]) for n in self.shapes]
+        if digest_of_fingerprints(entries) != self.digest:
+            raise WeightMismatchError("the push's digest does not match its fingerprints")
+
+
+def plan_buckets(shapes: dict[str, tuple[int, ...]], bucket_bytes: int) -> list[list[BucketEntry]]:
+    """Consecutive tensors (in `shapes`' order) packed into bf16 buckets of at most `bucket_bytes`; a
+    larger tensor has a bucket of its own."""
+    cap = max(1, bucket_bytes // 2)
+    buckets, current, used = [], [], 0
+    for name, shape in shapes.items():
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        if current and used + numel > cap:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(BucketEntry(name, tuple(int(s) for s in shape), used, numel))
+        used += numel
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+# This process's ID as a sender, and its broadcast groups by group id: (store, process group)
+PROCESS_ID = uuid.uuid4().hex
+_SENDER_GROUPS: dict[str, tuple] = {}
+
+
+def join_group(plan: SyncPlan, rank: int, world_size: int, groups: dict[str, tuple], replaces: list[str]):
+    """This process's member of the push's process group (rank 0: the sender, which hosts the store):
+    `groups`' one for plan.group_id, or a new one; the groups named in `replaces` are dropped (their
+    members changed, so they are not used again)."""
+    if not plan.new_group:
+        if plan.group_id not in groups:
+            raise RuntimeError(f"weight group {plan.group_id} is not held by this process")
+        return groups[plan.group_id][1]
+    import torch.distributed as dist
+    for old in replaces:
+        groups.pop(old, None)
+    timeout = datetime.timedelta(seconds=plan.timeout_s)
+    store = dist.TCPStore(plan.store_host, plan.store_port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    prefixed = dist.PrefixStore(f"zerokl-weights-{plan.group_id}", store)
+    if plan.device_type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    groups[plan.group_id] = (store, group)
+    return group
+
+
+def gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _views(bucket: list[BucketEntry], buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [(e.name, buf[e.offset:e.offset + e.numel].view(e.shape)) for e in bucket]
+
+
+class WeightReceiver:
+    """A worker's half of one push: receive each bucket, check every tensor's fingerprint against the
+    sender's, then hand the tensors to `load` (the engine copies them into its weights in place)."""
+
+    def __init__(self, plan: SyncPlan, device: torch.device, load: Callable[[list[tuple[str, torch.Tensor]]], None],
+                 rank: int | None = None, world_size: int | None = None, groups: dict | None = None):
+        self.plan, self.device, self._load = plan, torch.device(device), load
+        self._rank, self._world = rank, world_size
+        self._groups = {} if groups is None else groups  # the worker's broadcast groups, kept between pushes
+        self._received: set[str] = set()
+        self._ipc_buffer = None
+        self.loaded_any = False
+        self.error: Exception | None = None  # the first check that failed; later buckets are not loaded
+
+    def receive_all(self) -> None:
+        """broadcast: every bucket, in order (blocks until the sender has sent them all)."""
+        group = join_group(self.plan, self._rank, self._world, self._groups, replaces=[])
+        buf = torch.empty(self.plan.bucket_numel, dtype=torch.bfloat16, device=self.device)
+        for index, bucket in enumerate(self.plan.buckets):
+            n = bucket[-1].offset + bucket[-1].numel
+            group.broadcast(buf[:n].view(torch.uint8), 0).wait()  # received even after an error,
+            self._take(index, buf)  # so that the sender is never left waiting
+        if self.error is not None:
+            raise self.error
+
+    def receive_ipc(self, index: int, handle) -> None:
+        """ipc: bucket `index`, read in place from the sender's buffer."""
+        if self._ipc_buffer is None:
+            if self.device.type != "cuda" or gpu_uuid(self.device) != self.plan.gpu_uuid:
+                raise ValueError("transport='ipc' needs the worker on the sender's GPU; use 'broadcast'")
+            rebuild, args = handle
+            # The handle names the sender's device index; the same GPU may have another index here
+            # (Ray gives each actor its own CUDA_VISIBLE_DEVICES). Argument 6 of torch's
+            # rebuild_cuda_tensor is that index.
+            args = (*args[:6], self.device.index or 0, *args[7:])
+            self._ipc_buffer = rebuild(*args)
+        self._take(index, self._ipc_buffer)
+        if self.error is not None:
+            raise self.error
+
+    def _take(self, index: int, buf: torch.Tensor) -> None:
+        if self.error is not None:
+            return
+        bucket = self.plan.buckets[index]
+        named = _views(bucket, buf)
+        got = packed_fingerprints(buf, [(e.offset, e.numel) for e in bucket]).tolist()
+        for (name, _), (a, b, _) in zip(named, got):
+            if (a, b) != tuple(self.plan.fingerprints[name]):
+                self.error = WeightMismatchError(f"{name}: the received bits differ from the sender's")
+                return
+        self.loaded_any = True
+        self._load(named)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the buffer is reused next
+        self._received.update(n for n, _ in named)
+
+    def finish(self) -> str:
+        if self.error is not None:
+            raise self.error
+        missing = set(self.plan.shapes) - self._received
+        if missing:
+            raise WeightMismatchError(f"the push ended before {len(missing)} tensors arrived: {sorted(missing)[:5]}")
+        self._ipc_buffer = None
+        return self.plan.digest
+
+
+class WeightSender:
+    """The sender's half of one push, on the process that holds the full tensors (trainer rank 0, or
+    any driver with a state dict on its device).
+
+        sender = WeightSender(client, "broadcast")
+        sender.begin(fingerprint_entries(named_tensors()), expected_digest)   # every check, then the workers wait
+        digest = sender.complete(named_tensors())                             # bucket by bucket, then the verdict
+
+    (push_state_dict does this for a state dict already on the device.)
+    """
+
+    def __init__(self, client, transport: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0):
+        if transport not in TRANSPORTS[1:]:
+            raise ValueError(f"WeightSender transport must be one of {TRANSPORTS[1:]}, got {transport!r}")
+        self.client, self.transport = client, transport
+        self.bucket_bytes, self.timeout_s = int(bucket_bytes), float(timeout_s)
+        self.plan: SyncPlan | None = None
+        self._group = self._workers = self._buf = self._handle = None
+        # where the push's time went: begin (the pool's checks, its workers drained and woken, the
+        # sender's buffer), send (every bucket copied, sent, checked and loaded), finish (the verdict)
+        self.seconds: dict[str, float] = {}
+
+    def begin(self, entries: list[tuple[str, tuple, tuple[int, int], torch.device]],
+              expected_digest: str | None = None) -> str:
+        """Check the push (fingerprint_entries' output) and have the pool's workers wait for it; raises
+        WeightMismatchError / ValueError before any worker is touched."""
+        shapes = {name: tuple(shape) for name, shape, _, _ in entries}
+        prints = {name: fp for name, _, fp, _ in entries}
+        digest = digest_of_fingerprints((n, shapes[n], prints[n]) for n in shapes)
+        if expected_digest is not None and digest != expected_digest:
+            raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
+        device = entries[0][3] if entries else torch.device("cpu")
+        plan = SyncPlan(self.transport, digest, shapes, prints, plan_buckets(shapes, self.bucket_bytes),
+                        device.type, timeout_s=self.timeout_s)
+        if self.transport == "ipc":
+            if device.type != "cuda":
+                raise ValueError("transport='ipc' shares GPU memory; on CPU the object store is the shared-memory "
+                                 "path (transport='object_store')")
+            plan.gpu_uuid = gpu_uuid(device)
+        else:
+            plan.store_host, plan.store_port = _host_and_free_port()
+            plan.sender_id = PROCESS_ID
+        self.plan = plan
+        start = time.perf_counter()
+        info = self.client._begin_weight_sync(plan)  # the pool's checks; workers drained and waiting
+        self._workers = info["workers"]
+        try:
+            if self.transport == "broadcast":  # the pool says whether the last group still fits
+                plan.group_id, plan.new_group = info["group_id"], info["new_group"]
+                plan.store_host, plan.store_port = info["store"]
+                self._group = join_group(plan, 0, info["world_size"], _SENDER_GROUPS, info["replaces"])
+            self._buf = torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=device)
+            if self.transport == "ipc":
+                from torch.multiprocessing.reductions import reduce_tensor
+                self._handle = reduce_tensor(self._buf)
+        except BaseException as e:  # the workers are waiting: release them
+            self.abort(f"the sender could not set up the push: {e!r}")
+            raise
+        self.seconds["begin"] = time.perf_counter() - start
+        return digest
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The tensors in begin()'s order, each sent as soon as its bucket is full."""
+        import ray
+        start = time.perf_counter()
+        tensors = iter(named)
+        for index, bucket in enumerate(self.plan.buckets):
+            for entry in bucket:
+                name, t = next(tensors)
+                if name != entry.name:
+                    raise ValueError(f"send() got {name!r} where the plan has {entry.name!r}")
+                self._buf[entry.offset:entry.offset + entry.numel].copy_(t.detach().reshape(-1))
+            n = bucket[-1].offset + bucket[-1].numel
+            if self._buf.is_cuda:
+                torch.cuda.current_stream(self._buf.device).synchronize()
+            if self.transport == "broadcast":
+                self._group.broadcast(self._buf[:n].view(torch.uint8), 0).wait()
+            else:
+                ray.get([w.receive_weight_bucket.remote(self.plan.sync_id, index, self._handle) for w in self._workers])
+        self.seconds["send"] = time.perf_counter() - start
+
+    def complete(self, named: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """send() then finish(); a failure while sending abandons the push (abort) and is raised."""
+        try:
+            self.send(named)
+        except BaseException as e:
+            self.abort(f"the sender failed while sending: {e!r}")
+            raise
+        return self.finish()
+
+    def finish(self) -> str:
+        """The pool's verdict once every worker has checked and loaded everything: the digest they hold."""
+        start = time.perf_counter()
+        try:
+            return self.client._end_weight_sync(self.plan.sync_id)
+        finally:
+            self.seconds["finish"] = time.perf_counter() - start
+            self._release()
+
+    def abort(self, reason: str) -> None:
+        try:
+            self.client._end_weight_sync(self.plan.sync_id, error=reason)
+        except Exception:
+            pass
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._group = self._buf = self._handle = None
+
+
+def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """(name, shape, fingerprint, device) per tensor, in order, after checking it is finite floating point.
+
+    The tensors are packed into bf16 buffers of `bucket_bytes` (fingerprints are per tensor, so this
+    packing need not match the send's), and each buffer is fingerprinted and checked in one pass
+    (weights.packed_fingerprints: a few launches per bucket, not per tensor; a push has hundreds of
+    tensors). Each tensor may be freed once the next is asked for (FSDP gathers one at a time): it has
+    been copied into the bucket, and the device is waited for once, at the end."""
+    cap = max(1, int(bucket_bytes) // 2)
+    meta, results, bad = [], [], []
+    buf, layout = None, []
+    for name, t in named:
+        if not torch.is_floating_point(t):
+            bad.append(name)
+            continue
+        meta.append((name, tuple(t.shape), t.device))
+        n = t.numel()
+        used = layout[-1][0] + layout[-1][1] if layout else 0
+        if layout and (used + n > cap or buf.device != t.device):  # a new buffer
+            results.append(packed_fingerprints(buf, layout))
+            layout, used = [], 0
+        if n > cap:  # a bucket of its own: fingerprinted where it is
+            results.append(packed_fingerprints(t, [(0, n)]))
+            continue
+        if buf is None or buf.device != t.device:
+            buf = torch.empty(cap, dtype=torch.bfloat16, device=t.device)
+        buf[used:used + n].copy_(t.detach().reshape(-1))
+        layout.append((used, n))
+    if layout:
+        results.append(packed_fingerprints(buf, layout))
+    rows = [row for part in results for row in part.tolist()]  # the one wait for the device
+    bad += [m[0] for m, (_, _, nonfinite) in zip(meta, rows) if nonfinite]
+    if bad:
+        raise WeightMismatchError(f"weights must be finite floating-point tensors: {bad[:5]}")
+    return [(name, shape, (a, b), device) for (name, shape, device), (a, b, _) in zip(meta, rows)]
+
+
+def push_state_dict(client, state_dict, transport: str, expected_digest: str | None = None,
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+    """A whole state dict (tensors on the sender's device) to every worker of `client`'s pool."""
+    named = list(state_dict.items())
+    sender = WeightSender(client, transport, bucket_bytes)
+    sender.begin(fingerprint_entries(named, bucket_bytes), expected_digest)
+    return sender.complete(named)
+
+
+def choose_transport(requested: str, device: torch.device, worker_gpus: list[str | None]) -> str:
+    """"auto": ipc when every worker is on the sender's GPU, broadcast when none is and all are on GPUs,
+    else the object store; any other choice is returned as it is."""
+    if requested not in (*TRANSPORTS, "auto"):
+        raise ValueError(f"weight transport must be 'auto' or one of {TRANSPORTS}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    if device.type != "cuda" or not worker_gpus or None in worker_gpus:
+        return "object_store"
+    mine = gpu_uuid(device)
+    if all(g == mine for g in worker_gpus):
+        return "ipc"
+    return "broadcast" if mine not in worker_gpus else "object_store"
+
+
+def _host_and_free_port() -> tuple[str, int]:
+    import socket
+    try:
+        import ray
+        host = ray.util.get_node_ip_address()
+    except Exception:
+        host = "127.0.0.1"
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return host, s.getsockname()[1]
+
+
+def iter_full_tensors(model: torch.nn.Module, dtype=torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) per entry of the model's state dict, on its device; an FSDP2 (DTensor) shard is
+    gathered one parameter at a time (a collective: every rank must iterate in step)."""
+    for name, t in model.state_dict().items():
+        yield name, _whole(t).detach().to(dtype)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a state-dict entry. On a one-rank mesh an FSDP2 shard is the whole
+    parameter, so it is taken as it is: full_tensor() there is no copy but still a collective and a
+    DTensor dispatch, and a push makes two passes over hundreds of tensors (about 0.15 s a pass at
+    1.5B parameters on an H200)."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device_mesh.size() == 1:
+        local = t.to_local()
+        if local.shape == t.shape:
+            return local
+    return t.full_tensor()

@@ -1,0 +1,258 @@
+"""One vllm.LLM on a checkpoint, through vLLM's public offline API only: built with the project's
+options (the plugin's canonical model, or vLLM's stock model and sampler), fed weights in place,
+put to sleep and woken. VLLMEngine builds its engines from it; the native engine's vLLM proposer
+(vllm.proposer) drafts with one.
+
+Weights reach vLLM through `worker_extension_cls` + `LLM.collective_rpc`. `import vllm` happens only
+when a VLLMInstance is built, so `import rollout_service` works without vLLM installed.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import tempfile
+
+import torch
+
+from rollout_service.vllm.plugin import (
+    HF_OVERRIDES,
+    compat,
+    pick_runner,
+    require_entry_point,
+    runner_options,
+)
+from rollout_service.vllm.plugin.sampling import CAPTURE, EXTRA_ARGS_KEY, PROCESSOR_FQCN
+from rollout_service.vllm.plugin.tensor_parallel import tp_options
+
+WORKER_EXTENSION = f"{__name__}.VLLMWorkerExtension"
+
+
+def canonical_vllm_params(params, num_preceding: int, max_tokens: int):
+    """vLLM SamplingParams that make vLLM emit our rule's tokens and log-probs for a
+    rollout_service.SamplingParams request whose first new token follows `num_preceding` tokens.
+    Final output only: a per-step cumulative RequestOutput costs the engine loop a copy of every
+    request's tokens and log-probs at every step (LLM.generate asks the same). Flat log-probs: the
+    default layout allocates a dict and a Logprob per token, which sets off Python's garbage
+    collector every step or two and, as they pile up, full collections that stall the engine
+    loop for 0.1 s (`bench.vllm_step_profile --timeline` counts them)."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    cfg = dict(seed=params.effective_seed, temperature=float(params.temperature), top_k=int(params.top_k),
+               top_p=float(params.top_p), position=num_preceding)
+    return VSamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, flat_logprobs=True, ignore_eos=True,
+                           detokenize=False, stop_token_ids=list(params.stop_token_ids) or None,
+                           extra_args={EXTRA_ARGS_KEY: cfg}, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def completion_tokens(completion) -> tuple[list[int], list[float]]:
+    """(token ids, the log-prob vLLM reported for each) of a vLLM CompletionOutput, its log-probs in
+    either layout: vLLM's FlatLogprobs (flat_logprobs=True) or a dict per position."""
+    tokens = list(completion.token_ids)
+    reported = completion.logprobs
+    if reported is None or len(reported) != len(tokens):
+        raise ValueError(f"vLLM reported log-probs for {0 if reported is None else len(reported)} of "
+                         f"{len(tokens)} tokens; request them with logprobs=0")
+    if hasattr(reported, "start_indices"):  # FlatLogprobs: read its lists, building no dict per position
+        ids, values = reported.token_ids, reported.logprobs
+        return tokens, [values[ids.index(t, start, end)]
+                        for t, start, end in zip(tokens, reported.start_indices, reported.end_indices)]
+    return tokens, [reported[j][t].logprob for j, t in enumerate(tokens)]
+
+
+class VLLMWorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); reached with `LLM.collective_rpc`."""
+
+    def zerokl_stage_weights(self, named_tensors=None, path: str | None = None) -> int:
+        """Tensors by reference (in-process engine) or a safetensors file (worker processes)."""
+        if path is not None:
+            from safetensors.torch import load_file
+            named_tensors = list(load_file(path).items())
+        staged = self.__dict__.setdefault("_zerokl_staged", [])
+        staged.extend(named_tensors)
+        return len(staged)
+
+    def zerokl_load_weights(self, named_tensors) -> int:
+        """Tensors (by reference: in-process engines only) straight into the model, in place."""
+        model = self.get_model() if hasattr(self, "get_model") else self.model_runner.model
+        model.load_weights(iter(named_tensors))
+        return len(named_tensors)
+
+    def zerokl_commit_weights(self) -> int:
+        """Loads the staged (checkpoint-format) weights with vLLM's in-place reload."""
+        staged = self.__dict__.pop("_zerokl_staged", [])
+        self.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+        return len(staged)
+
+    def zerokl_capture(self, on: bool) -> list[dict]:
+        records, CAPTURE["records"] = CAPTURE["records"], []
+        CAPTURE["on"] = bool(on)
+        return records
+
+
+def _on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def sized_options(llm_options: dict, gpu_share: float) -> dict:
+    """vllm.LLM options with our defaults where the caller set none: on CPU eager mode, blocks of 32
+    tokens and a 1 GiB KV cache; on GPU `gpu_share` of the GPU's memory."""
+    options = dict(llm_options)
+    sized = {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(options)
+    if _on_cpu():
+        options.setdefault("enforce_eager", True)
+        options.setdefault("block_size", 32)  # CPU default 128: prefix reuse is per full block
+        if not sized:  # vLLM's CPU default (0.9 of the NUMA node's RAM) rarely fits next to us
+            options["kv_cache_memory_bytes"] = 1 << 30
+    elif not sized:
+        options["gpu_memory_utilization"] = gpu_share
+    return options
+
+
+class VLLMInstance:
+    """A vllm.LLM built from a checkpoint.
+
+    model: a checkpoint directory / hub id, or a Hugging Face model object (saved to a temp dir).
+    Options go to vllm.LLM; defaults here: dtype bfloat16, prefix caching on, no tokenizer; on CPU
+    eager mode, block_size 32 and a 1 GiB KV cache; on GPU gpu_memory_utilization=0.4 (a verifier
+    may share the GPU) unless gpu_memory_utilization or kv_cache_memory_bytes is given.
+    `stock_sampler=True`: vLLM's own sampler and log-probs instead of our rule. With the plugin's
+    model class (`hf_overrides=HF_OVERRIDES`) the rule runs on the model runner vLLM picks
+    (`self.runner`, vllm.plugin.pick_runner); a stock class takes it as a V1 logits processor.
+    `in_process=True` runs vLLM's engine core in this process (uniprocess executor: weights pass as
+    tensors); vLLM's CPU worker then makes torch.set_num_threads a no-op process-wide. False gives it
+    its own process, as vLLM does by default (the plugin's model class is then found through the
+    package's entry point). `tensor_parallel_size` > 1: vLLM's worker processes, one per rank
+    (vllm.plugin.tensor_parallel); weights then reach them through files. `logits_processor`: the
+    processor class (or "module:Class"); the default applies kernels.sample. `capture()` records what
+    the processor saw (all LLMs of the process).
+    """
+
+    def __init__(self, model, *, max_model_len: int | None = None, dtype: str = "bfloat16",
+                 in_process: bool = True, logits_processor=None, seed: int = 0,
+                 weight_chunk_bytes: int = 1 << 29, stock_sampler: bool = False, tensor_parallel_size: int = 1,
+                 **llm_options):
+        self._tmpdir = None
+        if isinstance(model, (str, os.PathLike)):
+            path = str(model)
+        else:
+            self._tmpdir = tempfile.mkdtemp(prefix="zerokl-vllm-")
+            model.save_pretrained(self._tmpdir)
+            path = self._tmpdir
+        canonical = llm_options.get("hf_overrides") == HF_OVERRIDES
+        if canonical and (tensor_parallel_size != 1 or not in_process):
+            require_entry_point()  # vLLM's own processes find the canonical model through it
+        # k > 1: vLLM's worker processes (mp executor), the checkpoint checked for a k-way split first
+        llm_options.update(tp_options(path if canonical else None, tensor_parallel_size))
+        if in_process:
+            llm_options.setdefault("distributed_executor_backend", "uni")
+        # tensors can be handed over only to an engine core and model runner in this process
+        self.in_process = in_process and llm_options.get("distributed_executor_backend") == "uni"
+        llm_options = sized_options(llm_options, gpu_share=0.4)  # the verifier shares the GPU
+        from vllm import LLM
+        self.weight_chunk_bytes = weight_chunk_bytes
+        # the sampling rule's carrier: our logits processor on vLLM's V1 runner (a stock model class,
+        # or a caller's processor, keeps vLLM there), the canonical model's own sampler on V2
+        if stock_sampler:
+            self.runner, sampler = None, dict(logprobs_mode="processed_logprobs")
+        elif logits_processor is not None or not canonical:
+            self.runner, sampler = "v1", dict(logits_processors=[logits_processor or PROCESSOR_FQCN],
+                                              logprobs_mode="processed_logits")
+        else:
+            self.runner = pick_runner(path)
+            sampler = runner_options(self.runner)
+        compat.allow_graph_capture()  # an earlier engine of this process may have cleared it
+        with compat.engine_core_placement(own_process=not in_process):
+            self.llm = LLM(model=path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                           skip_tokenizer_init=True, enable_prefix_caching=True,
+                           worker_extension_cls=WORKER_EXTENSION, **sampler, **llm_options)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self._sleep_mode = bool(llm_options.get("enable_sleep_mode")) and not _on_cpu()
+        self._asleep = False
+
+    # -- weights ------------------------------------------------------------------------------
+    def update_weights(self, state_dict) -> None:
+        """Load a Hugging Face-named state dict into vLLM's model (vLLM's in-place reload, through
+        the worker extension) and drop the prefix-cache KV computed with the old weights."""
+        items = state_dict.items() if hasattr(state_dict, "items") else state_dict
+        named = []
+        for name, tensor in items:
+            t = tensor.detach()
+            if hasattr(t, "full_tensor"):  # DTensor from FSDP2
+                t = t.full_tensor()
+            named.append((name, t))
+        if self.in_process:
+            self.llm.collective_rpc("zerokl_stage_weights", args=(named,))
+        else:  # collective_rpc is for control messages: pass files, in chunks
+            self._stage_through_files(named)
+        self.llm.collective_rpc("zerokl_commit_weights")
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def load_named_weights(self, named) -> None:
+        """Part of a bucketed push: in place now (in-process engine), or staged until finish_weight_load."""
+        if self.in_process:
+            self.llm.collective_rpc("zerokl_load_weights", args=(list(named),))
+        else:
+            self._stage_through_files(named)
+            self._staged = True
+
+    def finish_weight_load(self) -> None:
+        if getattr(self, "_staged", False):
+            self._staged = False
+            self.llm.collective_rpc("zerokl_commit_weights")
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def _stage_through_files(self, named) -> None:
+        from safetensors.torch import save_file
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(prefix="zerokl-weights-", dir=shm) as tmp:
+            chunk, size, k = {}, 0, 0
+            for i, (name, t) in enumerate(named):
+                chunk[name] = t.to("cpu", copy=True).contiguous()
+                size += t.numel() * t.element_size()
+                if size >= self.weight_chunk_bytes or i == len(named) - 1:
+                    path = os.path.join(tmp, f"{k}.safetensors")
+                    save_file(chunk, path)
+                    self.llm.collective_rpc("zerokl_stage_weights", kwargs={"path": path})
+                    os.remove(path)
+                    chunk, size, k = {}, 0, k + 1
+
+    # -- extras ---------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode on engines built with enable_sleep_mode=True on a GPU (otherwise nothing to
+        release): level 1 frees the KV cache and offloads the weights to pinned host memory; level 2
+        discards the weights too (the caller must load every weight again before the next step)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self._sleep_mode and not self._asleep:
+            self.llm.sleep(level=level)
+            self._asleep = True
+
+    @property
+    def sleeping(self) -> bool:
+        return self._asleep
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def capture(self, on: bool = True) -> list[dict]:
+        """Switch recording of (params, position, logits row, chosen token, log-prob) per processed
+        row on or off; returns the records kept since the previous call (first worker)."""
+        records = self.llm.collective_rpc("zerokl_capture", args=(on,))[0]
+        for r in records:  # kept as floats in the worker (plain data crosses processes)
+            r["logits"] = torch.tensor(r["logits"], dtype=torch.float32)
+        return records
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:  # an in-process engine core frees weights, KV cache and graphs only now
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
