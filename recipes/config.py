@@ -36,31 +36,49 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TaskConfig:
-    kind: str = "tiny"  # tiny | gsm8k
-    # tiny: "a<op>b=" problems with 0 <= a, b <= max_operand
+    """The `task` section: the prompts the policy answers and the reward its completions get."""
+    kind: str = "tiny"
+    """Which task: tiny (the built-in arithmetic problems) | gsm8k."""
     max_operand: int = 19
+    """tiny: problems "a<op>b=" with 0 <= a, b <= max_operand."""
     ops: str = "+"
-    # gsm8k: the hub's split, or path = a directory of <split>.jsonl files (or one JSONL file)
+    """tiny: the operators, each a character of "+-*"; "-" makes only the problems with b <= a."""
     split: str = "train"
+    """gsm8k: the split to read: the hub's, or <split>.jsonl in the directory `path`."""
     path: str | None = None
-    max_prompt_tokens: int | None = None  # longer prompts are dropped; null keeps all
-    stop_token_ids: list[int] = field(default_factory=list)  # besides EOS and the chat end-of-turn tokens
+    """gsm8k: a directory of <split>.jsonl files, or one JSONL file; null: the hub's openai/gsm8k (main)."""
+    max_prompt_tokens: int | None = None
+    """gsm8k: prompts longer than this many tokens are dropped; null (or 0) keeps all."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """gsm8k: more token ids that end a rollout, besides EOS and the chat end-of-turn tokens."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    source: str = "tiny"  # tiny (made by the project) | hf (a hub id or local checkpoint in `name`)
+    """The `model` section: the policy's starting weights (and the tokenizer of the gsm8k task)."""
+    source: str = "tiny"
+    """tiny (a random model made by the project) | hf (a hub id or local checkpoint in `name`)."""
     name: str | None = None
-    tokenizer: str | None = None  # hf: when it is not `name`'s
+    """hf: the hub id or local checkpoint directory (required); also gsm8k's tokenizer unless `tokenizer`."""
+    tokenizer: str | None = None
+    """gsm8k: the tokenizer's hub id or local directory, when it is not `name`'s; null: `name`."""
     # tiny: rollout_service.tiny_models options; null keeps that module's default
     arch: str | None = None
+    """tiny: the architecture, llama | qwen2 | qwen3 | qwen3_moe."""
     hidden_size: int | None = None
+    """tiny: the hidden size (model width)."""
     num_layers: int | None = None
+    """tiny: the number of decoder layers."""
     num_heads: int | None = None
+    """tiny: the number of attention (query) heads."""
     num_kv_heads: int | None = None
+    """tiny: the number of key/value heads (fewer than num_heads: grouped-query attention)."""
     intermediate_size: int | None = None
+    """tiny: the MLP's intermediate width (qwen3_moe: each expert's is half of it)."""
     max_positions: int | None = None
-    vocab_size: int | None = None  # null: the tokenizer's; more: a real model's logits width (benchmarks)
+    """tiny: max_position_embeddings, the engines' default max_model_len."""
+    vocab_size: int | None = None
+    """tiny: logits width, >= the tokenizer's; null: the tokenizer's; more: a real model's (benchmarks)."""
 
     def tiny_options(self) -> dict:
         """The tiny model's keyword options that are set."""
@@ -71,105 +89,163 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CanonicalTreeConfig:
-    # Row-parallel segment tree width (1, 2, 4 or 8: the largest TP degree that reproduces the trainer);
-    # null = ZEROKL_TREE_SEGMENTS or 8. Given to every rollout worker and trainer rank.
+    """The `canonical` section: the canonical forward's row-parallel segment tree."""
     tree_segments: int | None = None
+    """Tree width, 1, 2, 4 or 8: the largest TP degree that reproduces the trainer; null: ZEROKL_TREE_SEGMENTS
+    or 8. Given to every rollout worker and trainer rank; the run's config.yaml records the width used."""
 
 
 @dataclass(frozen=True)
 class WarmupConfig:
     """Supervised steps on the task's answers before GRPO (0 = none); skipped when resuming."""
     steps: int = 0
+    """AdamW steps of the warm-up; 0: no warm-up."""
     lr: float = 3e-3
+    """The warm-up's AdamW learning rate (no weight decay)."""
     batch_size: int = 64
-    device: str = "cpu"  # cpu | cuda (the driver's GPU, before the workers and ranks start)
+    """(prompt, answer) examples per step, drawn at random with replacement from the whole task (seeded)."""
+    device: str = "cpu"
+    """cpu | cuda (the driver's GPU, before the workers and ranks start)."""
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    """The `rollout` section: the pool of rollout workers and how each rollout is sampled."""
     num_workers: int = 2
-    pool_name: str | None = None  # default: unique per run
-    # Forwarded verbatim: engine options go to RolloutWorker / EngineConfig, which check them;
-    # resources are Ray actor options.
+    """Rollout workers (Ray actors, one engine each) in the pool; colocated: equal to trainer.num_ranks."""
+    pool_name: str | None = None
+    """The pool's Ray actor name; null: grpo-<random hex>, unique per run."""
     engine: dict = field(default_factory=dict)
+    """Every worker's engine options, forwarded verbatim: EngineConfig and ParallelConfig fields, or a vLLM
+    engine's; RolloutWorker / EngineConfig check them."""
     resources_per_worker: dict = field(default_factory=lambda: {"num_cpus": 1})
-    # how long a worker may take to build its engine; a stock vLLM engine compiles its graphs
-    # (inductor) on first start, which on a fresh GPU machine takes minutes
+    """Ray actor options of each worker, forwarded verbatim (e.g. {num_cpus: 2, num_gpus: 1})."""
     start_timeout_s: float = 120.0
+    """Seconds a worker may take to build its engine (> 0); a stock vLLM engine compiles its graphs (inductor)
+    on first start, which on a fresh GPU machine takes minutes."""
     determinism: str = "verified"
-    n: int = 8  # samples per prompt (the GRPO group)
+    """Every request's determinism mode: verified | invariant | off (numerics stock: off)."""
+    n: int = 8
+    """Samples per prompt (the GRPO group), each with its own seed; at least 2."""
     max_tokens: int = 16
+    """Most tokens generated per rollout."""
     temperature: float = 1.0
+    """Sampling temperature, >= 0 (0: greedy); the trainer's log-probs use it too (0: 1.0 there)."""
     top_k: int = -1
+    """Top-k sampling; -1 or 0: off."""
     top_p: float = 1.0
-    # record each token's MoE routing and log rollout_train/routing_agreement; null: on for MoE
-    # policies on native-engine workers without TP (recipes.rollouts.records_routing)
+    """Top-p (nucleus) sampling, in (0, 1]; 1.0: off."""
     return_routed_experts: bool | None = None
+    """Record each token's MoE routing and log rollout_train/routing_agreement; null: on for MoE policies on
+    native-engine workers without TP (recipes.rollouts.records_routing)."""
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
+    """The `trainer` section: the FSDP2 trainer ranks, their optimizer and loss, and the weight pushes."""
     num_ranks: int = 2
-    device: str = "cpu"  # cpu (gloo) | cuda (NCCL, one GPU per rank)
-    resources_per_rank: dict = field(default_factory=lambda: {"num_cpus": 1})  # Ray actor options, forwarded
-    placement_strategy: str = "PACK"  # Ray placement-group strategy for GPU ranks (split placement)
+    """Trainer ranks (Ray actors, one torch.distributed process group), at least 1."""
+    device: str = "cpu"
+    """cpu (gloo) | cuda (NCCL, one GPU per rank)."""
+    resources_per_rank: dict = field(default_factory=lambda: {"num_cpus": 1})
+    """Ray actor options of each rank, forwarded; colocated on GPUs: num_gpus, a share below 1."""
+    placement_strategy: str = "PACK"
+    """Ray placement-group strategy for GPU ranks (split placement) and for the colocated bundles."""
     torch_threads: int = 1
+    """torch.set_num_threads on each rank; 0: 1."""
     lr: float = 1e-4
+    """AdamW learning rate."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas, [beta1, beta2]."""
     weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0  # null or 0: no clipping
+    """AdamW weight decay."""
+    max_grad_norm: float | None = 1.0
+    """Gradient-norm clipping threshold; null or 0: no clipping."""
     clip_low: float = 0.2
+    """PPO clip: the probability ratio is clamped below at 1 - clip_low."""
     clip_high: float = 0.2
-    mini_batches: int = 1  # optimizer steps per rollout batch
-    micro_batch_size: int = 0  # sequences per forward on a rank; 0 = all at once
-    old_logprobs: str = "rollout"  # or "recompute" (the trainer's own, before the update)
-    scale_advantages: bool = True  # divide by the group's std (GRPO); False = mean-centred only
-    # How weights reach the rollout workers (rollout_service.service.weight_sync): auto | object_store |
-    # broadcast | ipc. auto: ipc when the workers share rank 0's GPU, broadcast when they have GPUs of
-    # their own, else the object store.
+    """PPO clip: the probability ratio is clamped above at 1 + clip_high."""
+    mini_batches: int = 1
+    """Optimizer steps per rollout batch, at least 1; train.prompts_per_step must be divisible by it."""
+    micro_batch_size: int = 0
+    """Sequences per forward on a rank; 0 = all at once."""
+    old_logprobs: str = "rollout"
+    """rollout (the rollouts' own) | recompute (the trainer's, before the update; numerics stock needs it)."""
+    scale_advantages: bool = True
+    """Divide advantages by the group's std (GRPO); False = mean-centred only."""
     weight_sync: str = "auto"
-    weight_bucket_mb: int = 256  # bucket size of broadcast / ipc pushes
+    """How weights reach the workers (rollout_service.service.weight_sync): auto | object_store | broadcast |
+    ipc. auto: ipc if they share rank 0's GPU, broadcast if they have GPUs of their own, else object_store."""
+    weight_bucket_mb: int = 256
+    """Bucket size of broadcast / ipc pushes, in MiB; at least 1."""
 
 
 @dataclass(frozen=True)
 class TrainLoopConfig:
+    """The `train` section: how many steps, how many prompts each, and what is saved."""
     steps: int = 10
+    """GRPO steps of the run (a resumed run continues up to this step)."""
     prompts_per_step: int = 8
-    save_every: int = 0  # checkpoint every N steps (0 = only at the end)
-    save_final: bool = True  # checkpoint the last step (benchmarks turn it off: it is no step's work)
+    """Prompts per step, each sampled rollout.n times; divisible by trainer.mini_batches."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    save_final: bool = True
+    """Checkpoint the last step (benchmarks turn it off: it is no step's work)."""
     save_rollouts: bool = False
+    """Write every step's rollouts and rewards to <run_dir>/rollouts/step_NNNNNN.jsonl."""
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
+    """The `metrics` section: wandb logging (<run_dir>/metrics.jsonl is written either way)."""
     wandb: bool = True
+    """Log every step's numeric metrics (and the config) to wandb."""
     wandb_project: str = "zerokl"
-    wandb_mode: str | None = None  # null: WANDB_MODE, else online when logged in, else offline
+    """The wandb project."""
+    wandb_mode: str | None = None
+    """wandb's mode (e.g. online, offline; disabled: no wandb run); null: WANDB_MODE, else online when logged
+    in, else offline."""
 
 
 @dataclass(frozen=True)
 class RecipeConfig:
+    """The whole YAML recipe config: run-level keys, then one section per part of the run."""
     name: str = "grpo"
+    """Run name: a new run directory's name and the wandb run's start with <name>-<determinism>."""
     seed: int = 0
-    output_dir: str = "~/zerokl-runs"  # absolute by default: `ray job submit` runs in a temporary copy
-    run_dir: str | None = None  # default: <output_dir>/<name>-<determinism>-<time>-<id>
+    """Run seed: tiny model weights, tiny task order, prompt order, sampling seeds, warm-up batches."""
+    output_dir: str = "~/zerokl-runs"
+    """Where new run directories go; absolute by default: `ray job submit` runs in a temporary copy."""
+    run_dir: str | None = None
+    """The run's directory (config.yaml, metrics, checkpoints); null: a resumed checkpoint's run, else
+    <output_dir>/<name>-<determinism>-<time>-<id>."""
     # canonical: rollouts and training share the canonical forward and sampling rule (KL exactly 0).
     # stock: the pipeline users run today, for comparison on the same data, model and optimizer:
     # rollouts in `off` mode (vLLM's own model class and sampler on vLLM workers), the trainer the
     # unpatched Hugging Face model (SDPA) under FSDP2, old log-probs recomputed by the trainer.
     numerics: str = "canonical"
+    """canonical | stock; stock needs rollout.determinism=off and trainer.old_logprobs=recompute."""
     # split: rollout workers and trainer ranks on GPUs (or CPUs) of their own; weights by NCCL
     # broadcast. colocated: worker i and trainer rank i share bundle i (one GPU) of one placement
     # group; the engines sleep while the trainer steps and wake for the next rollout; weights by IPC.
     placement: str = "split"
+    """split | colocated; colocated needs rollout.num_workers == trainer.num_ranks."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    """The `task` section: prompts and reward."""
     canonical: CanonicalTreeConfig = field(default_factory=CanonicalTreeConfig)
+    """The `canonical` section: the canonical forward's segment tree."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The `model` section: the policy's starting weights."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """The `warmup` section: supervised steps before GRPO."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The `rollout` section: the worker pool and sampling."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The `trainer` section: FSDP2 ranks, optimizer, loss, weight pushes."""
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    """The `train` section: steps, prompts per step, checkpoints."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """The `metrics` section: wandb logging."""
 
     def __post_init__(self):
         _check_values(self)  # also on dataclasses.replace

@@ -16,21 +16,34 @@ from rollout_service.engine.decode_policy import VERIFIED_DECODE
 
 @dataclass(frozen=True)
 class EngineConfig:
-    fast_path: Any = "native"  # "native", "vllm" or a FastPath object: who proposes tokens for DVR
-    window: int = 16  # W: tokens proposed per request before a verify
-    group: int = 64  # G: verify windows per canonical forward
+    """The native engine's options: decode-verify-rollback (DVR), KV cache, scheduling and device."""
+    fast_path: Any = "native"
+    """Who proposes tokens for DVR (and decodes `off` requests): "native", "vllm" or a FastPath object."""
+    window: int = 16
+    """W: tokens proposed per request before a verify (>= 1)."""
+    group: int = 64
+    """G: verify windows per canonical forward, and the most requests prefilled per step (>= 1)."""
     device: str = "cpu"
-    block_size: int = 16  # KV cache page, in tokens
+    """The torch device the model, the KV cache and every forward run on (e.g. "cpu", "cuda")."""
+    block_size: int = 16
+    """KV cache page, in tokens (>= 1)."""
     kv_cache_tokens: int = 65536
+    """KV cache capacity in tokens, rounded up to whole pages (>= 1); a request that cannot fit is refused."""
     max_num_seqs: int = 256
-    max_prefill_tokens: int = 4096  # prefill token budget per step
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    copy_model: bool = True  # deep-copy a model object handed in (False: the engine may cast it)
+    """Most requests running at once; the rest wait (>= 1)."""
+    max_prefill_tokens: int = 4096
+    """Prefill token budget per step (>= 1)."""
+    max_model_len: int | None = None
+    """Longest prompt + max_tokens a request may have (>= 2); None: the model's max_position_embeddings."""
+    copy_model: bool = True
+    """Deep-copy a model object handed in (False: the engine may cast it)."""
     fast_path_options: dict = field(default_factory=dict)
-    cuda_graphs: bool = True  # on CUDA: replay decode steps and verify windows from graphs
-    # how `verified` decodes: "auto" times DVR and canonical steps and keeps the cheaper, "dvr" always
-    # proposes and verifies (canonical steps on every request: determinism="invariant")
+    """Keyword options of the "vllm" fast path (its VLLMInstance); unused by the native one."""
+    cuda_graphs: bool = True
+    """On CUDA: replay decode steps and verify windows from graphs."""
     verified_decode: str = "auto"
+    """How `verified` decodes: "auto" times DVR and canonical steps and keeps the cheaper, "dvr" always
+    proposes and verifies (canonical steps on every request: determinism="invariant")."""
 
     def __post_init__(self):
         for name in ("window", "group", "block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):
@@ -70,7 +83,9 @@ class ParallelConfig:
     inside the worker (its actor holds that many GPUs: resources_per_worker={"num_gpus": k}), or for
     the native engine a group of rank actors."""
     tensor_parallel_size: int = 1
+    """The engine's tensor-parallel degree (>= 1): vLLM's own TP, or a group of native rank actors."""
     backend: str = "auto"
+    """Which engine the worker runs: "auto", "native" or "vllm" (BACKENDS)."""
 
     def __post_init__(self):
         tp = self.tensor_parallel_size
