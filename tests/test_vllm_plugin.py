@@ -228,19 +228,32 @@ def test_plain_vllm_sampling_params_get_the_canonical_rule(llm, policy):
 
 
 def test_plain_requests_without_a_seed_get_fresh_ones_and_bad_fields_are_named(llm, policy):
+    """A seedless request gets a fresh seed, given back by seed_of(request id): a request with that seed
+    replays it sample for sample (sample i: seed + i). Fields that would change the token get a 400."""
     from vllm import SamplingParams as VSamplingParams
+
+    from rollout_service.vllm.plugin import seed_of
     prompt = _prompts(1, seed=22)[0]
-    seedless = VSamplingParams(temperature=1.0, max_tokens=12, logprobs=0, ignore_eos=True)
-    a, b = (completion_tokens(llm.generate([{"prompt_token_ids": prompt}], seedless, use_tqdm=False)[0].outputs[0])
-            for _ in range(2))
-    assert a[0] != b[0]  # fresh seeds: 96**12 continuations, a repeat by chance is out of reach
-    for tokens, logprobs in (a, b):
+    seedless = VSamplingParams(n=2, temperature=1.0, max_tokens=12, logprobs=0, ignore_eos=True)
+    runs = [llm.generate([{"prompt_token_ids": prompt}], seedless, use_tqdm=False)[0] for _ in range(2)]
+    a, b = ([completion_tokens(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in runs)
+    assert a[0][0] != b[0][0]  # fresh seeds: 96**12 continuations, a repeat by chance is out of reach
+    assert seedless.seed is None  # the caller's params are left as they were
+    for tokens, logprobs in a + b:
         assert logprobs == trainer_logprobs(policy, prompt, tokens, 1.0)
+    seeds = [seed_of(out.request_id) for out in runs]
+    assert all(isinstance(s, int) for s in seeds) and seeds[0] != seeds[1]
+    for seed, samples in zip(seeds, (a, b)):
+        replay = VSamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=12, logprobs=0, ignore_eos=True)
+        [out] = llm.generate([{"prompt_token_ids": prompt}], replay, use_tqdm=False)
+        assert [completion_tokens(c) for c in sorted(out.outputs, key=lambda c: c.index)] == samples
+        assert seed_of(out.request_id) == seed
     from vllm.exceptions import VLLMValidationError
     for field, value in (("min_p", 0.1), ("presence_penalty", 0.5), ("repetition_penalty", 1.2)):
         with pytest.raises(VLLMValidationError, match=field):
             llm.generate([{"prompt_token_ids": prompt}], VSamplingParams(temperature=1.0, seed=1, max_tokens=4,
                                                                          **{field: value}), use_tqdm=False)
+
 
 def test_batch_of_256_mixed_requests(checkpoint, policy, llm):
     """256 requests in one engine of 256 slots (greedy, T = 0.7, T = 1 with top-k/top-p, one in three

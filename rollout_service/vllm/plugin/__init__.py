@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from rollout_service.vllm.plugin.sampling import PROCESSOR_FQCN
+from rollout_service.vllm.plugin.sampling import PROCESSOR_FQCN, seed_of
 
 ARCHITECTURE = "ZeroKLForCausalLM"
 MODEL_QUALNAME = f"{__name__}.model:ZeroKLForCausalLM"
@@ -107,4 +107,4 @@ def register() -> None:
 
 
 __all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "HF_OVERRIDES", "RUNNERS", "graph_options", "llm_options",
-           "pick_runner", "register", "require_entry_point", "runner_options"]
+           "pick_runner", "register", "require_entry_point", "runner_options", "seed_of"]

@@ -93,9 +93,10 @@ def engine_core_placement(own_process: bool):
 
 
 def install_request_rule(rule, architecture: str) -> None:
-    """Every request's SamplingParams pass through `rule` (params -> params, or ValueError, raised as
-    vLLM's VLLMValidationError: a 400 from the server) where they enter an engine whose model is `architecture`, before vLLM validates and
-    copies them and before an n > 1 request fans out into its samples (which take seed + index).
+    """Every request's SamplingParams pass through `rule` ((params, request id) -> params, or
+    ValueError, raised as vLLM's VLLMValidationError: a 400 from the server) where they enter an
+    engine whose model is `architecture`, before vLLM validates and copies them and before an n > 1
+    request fans out into its samples (which take seed + index).
     That entry is InputProcessor.process_inputs(self, request_id, prompt, params, ...) in 0.25 and
     0.32 alike; the engine's own processes and the OpenAI server's call it, so do vllm.LLM's. Other
     engines of the process (a stock model class) are left alone. Idempotent."""
@@ -111,7 +112,7 @@ def install_request_rule(rule, architecture: str) -> None:
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
         if isinstance(params, SamplingParams) and architecture in (self.model_config.architectures or ()):
             try:
-                params = rule(params)
+                params = rule(params, request_id)
             except ValueError as e:  # vLLM answers its validation error with a 400, other errors with a 500
                 raise VLLMValidationError(str(e)) from e
         return original(self, request_id, prompt, params, *args, **kwargs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import secrets
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -136,9 +137,23 @@ def request_params(sampling_params) -> dict | None:
     return cfg
 
 
-def canonical_request(sampling_params):
+# The seed each recent request sampled with, by its request id, in the process where requests enter
+# the engine (a vllm.LLM's, or the server's frontend): a request without a seed gets a fresh one, and
+# seed_of gives it back so the rollout can be replayed. Bounded: the oldest entries go first.
+SEEDS_KEPT = 1 << 16
+_seeds: OrderedDict[str, int] = OrderedDict()
+
+
+def seed_of(request_id: str) -> int | None:
+    """The seed a recent request to the canonical model sampled with (its sample i: seed + i), by the
+    request id vLLM reports (RequestOutput.request_id); None for an unknown or long-gone request, or
+    one whose zerokl fields set the seed themselves."""
+    return _seeds.get(str(request_id))
+
+
+def canonical_request(sampling_params, request_id: str | None = None):
     """The one rule for what a request to the canonical model samples with (compat.install_request_rule
-    applies it to every request as it enters the engine).
+    applies it to every request as it enters the engine, with the request's id).
 
     - zerokl fields (nested or flat extra_args): they decide, as request_params reads them.
     - Otherwise vLLM's / OpenAI's own fields: temperature, top_k, top_p and seed become our params, on
@@ -163,6 +178,11 @@ def canonical_request(sampling_params):
     out.temperature, out.top_k, out.top_p, out.min_p, out.seed = 0.0, 0, 1.0, 0.0, seed
     out.skip_clone = True
     request_params(out)  # the checks a zerokl request gets
+    if request_id is not None:
+        _seeds[str(request_id)] = seed
+        _seeds.move_to_end(str(request_id))
+        while len(_seeds) > SEEDS_KEPT:
+            _seeds.popitem(last=False)
     return out
 
 
