@@ -70,6 +70,15 @@ def _starting_model(cfg: RecipeConfig, task, resumed: bool) -> torch.nn.Module:
     return model.cpu()
 
 
+def _start_rollout_pool(cfg: RecipeConfig, model, pool_name: str, namespace: str, shared):
+    """The rollout workers, each told the run's tree width (on `shared` bundles when colocated)."""
+    rollout_cfg = cfg.rollout
+    return start_pool(model, num_workers=rollout_cfg.num_workers, name=pool_name, engine_kwargs=engine_options(cfg),
+                      resources_per_worker=with_tree_width(rollout_cfg.resources_per_worker,
+                                                           cfg.canonical.tree_segments),
+                      namespace=namespace, colocate_with=shared, start_timeout_s=rollout_cfg.start_timeout_s)
+
+
 def _sync(trainer, pool_name: str, namespace: str) -> dict:
     result = trainer.push_weights(pool_name, namespace)
     if result["pool_digest"] != result["digest"]:
@@ -114,10 +123,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
     try:
         width = cfg.canonical.tree_segments
         shared = colocated_bundles(cfg) if colocated else None
-        pool = start_pool(model, num_workers=rollout_cfg.num_workers, name=pool_name, engine_kwargs=engine_options(cfg),
-                           resources_per_worker=with_tree_width(rollout_cfg.resources_per_worker, width),
-                           namespace=namespace, colocate_with=shared,
-                           start_timeout_s=rollout_cfg.start_timeout_s)
+        pool = _start_rollout_pool(cfg, model, pool_name, namespace, shared)
         t_pool = time.perf_counter()
         ranks = dataclasses.replace(trainer_cfg,
                                     resources_per_rank=with_tree_width(trainer_cfg.resources_per_rank, width))
