@@ -180,6 +180,7 @@ class Engine:
         self.verifier = Verifier(self.canonical_runner, self.max_model_len)
         self.scheduler = Scheduler(self.cache, cfg, self.max_model_len, DecodePolicy(cfg.verified_decode),
                                    self._release)
+        self.weight_version = 0  # what generated tokens are stamped with (see update_weights)
         self._ids = itertools.count()
         self._done: list[tuple[int, Rollout]] = []
 
@@ -248,6 +249,8 @@ class Engine:
             self._prefill(plan.prefill)
         elif plan.decode:
             self._decode(plan)
+        for req in self.scheduler.running:  # weights change only between steps
+            req.stamp(self.weight_version)
         for req in self.scheduler.take_finished():
             self._finish(req)
         done, self._done = self._done, []
@@ -257,11 +260,20 @@ class Engine:
         """Rollouts in request order; a request that cannot be served gets finish_reason 'error'."""
         return generate_in_order(self, prompts, params, use_tqdm)
 
-    def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
+    # Rule: weights may change between steps with requests running. Each generated token is stamped
+    # with the version of the weights that produced it (Rollout.weight_versions), and KV computed under
+    # other weights is never reused: a running request is prefilled again, prompt and generated tokens,
+    # under the new weights before its next token, so that token's log-prob is the trainer's under its
+    # version over the whole prefix.
+    def update_weights(self, state_dict, expected_digest: str | None = None, version: int | None = None) -> str:
         """Load new weights (names and shapes must match, and the digest when one is expected; a refused
-        push loads nothing); returns the content digest."""
+        push loads nothing and keeps the version); returns the content digest. version: the id later
+        tokens are stamped with (default: the current one + 1)."""
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise TypeError(f"version must be an int, got {version!r}")
         digest = load_weights(self.model, state_dict, expected_digest)
         self.fast_path.update_weights(state_dict)
+        self._new_version(version)
         return digest
 
     # bucketed pushes (rollout_service.service.weight_sync): tensors already checked against the sender's
@@ -273,6 +285,11 @@ class Engine:
 
     def finish_weight_load(self) -> None:
         self.fast_path.update_weights(self.model.state_dict())
+        self._new_version(None)
+
+    def _new_version(self, version: int | None) -> None:
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self.scheduler.drop_all_kv()
 
     # The native engine's KV cache and graphs are allocated once and kept: sleep releases nothing
     # (a colocated native worker keeps its memory while the trainer steps; vLLM engines free theirs).

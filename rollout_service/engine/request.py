@@ -21,6 +21,7 @@ class Request:
     # per committed token its expert ids [moe_layers][k], when params.return_routed_experts; None once a
     # commit came without them (a dense model, the vLLM fast path): a partial record would misalign
     routed_experts: list | None = None
+    weight_versions: list[int] = field(default_factory=list)  # per generated token (Engine stamps them)
 
     def __post_init__(self):
         if not self.tokens:
@@ -58,7 +59,12 @@ class Request:
             if self.finish_reason:
                 return
 
+    def stamp(self, version: int) -> None:
+        """Tokens committed since the last stamp were produced by weights `version`."""
+        self.weight_versions += [version] * (self.num_generated - len(self.weight_versions))
+
     def to_rollout(self) -> Rollout:
         return Rollout(list(self.prompt), self.tokens[len(self.prompt):], list(self.logprobs),
                        self.finish_reason, None, self.stats,
-                       None if self.routed_experts is None else list(self.routed_experts))
+                       None if self.routed_experts is None else list(self.routed_experts),
+                       list(self.weight_versions))

@@ -130,6 +130,13 @@ class Scheduler:
                     return False
                 self._preempt(max(victims, key=lambda r: r.arrival))
 
+    def drop_all_kv(self) -> None:
+        """Free every running request's KV (new weights: KV computed under others is never reused);
+        each is prefilled again, prompt and generated tokens, before its next token."""
+        for req in self.running:
+            self._release(req)
+            req.num_cached = 0
+
     def _preempt(self, req: Request) -> None:
         """Free req's KV; it is recomputed canonically (same bits) when it runs again."""
         self.num_preemptions += 1
