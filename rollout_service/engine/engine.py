@@ -34,21 +34,9 @@ from rollout_service.engine.fast_path.native_ops import FAST_OPS
 from rollout_service.engine.kv_cache import KVCache
 from rollout_service.engine.request import Request
 from rollout_service.engine.runner import ModelRunner
-from rollout_service.engine.scheduler import (
-    DecodeWork,
-    PrefillWork,
-    Scheduler,
-    StepPlan,
-)
+from rollout_service.engine.scheduler import DecodeWork, PrefillWork, Scheduler, StepPlan
 from rollout_service.engine.verifier import Verifier, VerifyItem
-from rollout_service.params import (
-    Determinism,
-    InvalidRequestError,
-    Rollout,
-    SamplingParams,
-    check_batch,
-    check_request,
-)
+from rollout_service.params import Determinism, InvalidRequestError, Rollout, SamplingParams, check_batch, check_request
 from rollout_service.tiny_models import ARCHITECTURES, TINY_PREFIX, tiny_model
 from rollout_service.weights import copy_into, load_weights, model_digest, weight_spec
 

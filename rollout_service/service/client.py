@@ -10,17 +10,8 @@ from ray.exceptions import RayTaskError
 
 from rollout_service.params import Rollout, SamplingParams, check_batch
 from rollout_service.service.ray_cluster import init_ray, original_error
-from rollout_service.service.weight_sync import (
-    DEFAULT_BUCKET_BYTES,
-    TRANSPORTS,
-    choose_transport,
-    push_state_dict,
-)
-from rollout_service.weights import (
-    WeightMismatchError,
-    check_state_dict_types,
-    state_dict_digest,
-)
+from rollout_service.service.weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS, choose_transport, push_state_dict
+from rollout_service.weights import WeightMismatchError, check_state_dict_types, state_dict_digest
 
 # Named actors are per namespace; a fixed one lets every job in the cluster find the pool.
 DEFAULT_NAMESPACE = "rollout_service"

@@ -20,12 +20,7 @@ from rollout_service.engine.config import split_worker_options
 from rollout_service.engine.engine import check_model_source
 from rollout_service.service.client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
 from rollout_service.service.ray_cluster import original_error
-from rollout_service.service.supervisor import (
-    FROM_PEER,
-    MAX_CONCURRENCY,
-    WorkerSlot,
-    WorkerSupervisor,
-)
+from rollout_service.service.supervisor import FROM_PEER, MAX_CONCURRENCY, WorkerSlot, WorkerSupervisor
 from rollout_service.service.worker import EarlyCancels, abort_rollout, error_rollout
 from rollout_service.weights import WeightMismatchError
 

@@ -12,12 +12,7 @@ import ray
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 import kernels as K
-from rollout_service.service.ray_cluster import (
-    on_bundle,
-    original_error,
-    release,
-    reserve,
-)
+from rollout_service.service.ray_cluster import on_bundle, original_error, release, reserve
 from rollout_service.service.worker import RolloutWorker
 from rollout_service.weights import WeightMismatchError
 

@@ -23,12 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout_service.weights import (
-    WeightMismatchError,
-    check_fit,
-    digest_of_fingerprints,
-    packed_fingerprints,
-)
+from rollout_service.weights import WeightMismatchError, check_fit, digest_of_fingerprints, packed_fingerprints
 
 TRANSPORTS = ("object_store", "broadcast", "ipc")
 DEFAULT_BUCKET_BYTES = 256 << 20

@@ -26,18 +26,8 @@ import torch
 
 import kernels as K
 from rollout_service.engine.engine import generate_in_order, load_model
-from rollout_service.params import (
-    Determinism,
-    InvalidRequestError,
-    Rollout,
-    SamplingParams,
-    check_request,
-)
-from rollout_service.vllm.instance import (
-    VLLMInstance,
-    canonical_vllm_params,
-    completion_tokens,
-)
+from rollout_service.params import Determinism, InvalidRequestError, Rollout, SamplingParams, check_request
+from rollout_service.vllm.instance import VLLMInstance, canonical_vllm_params, completion_tokens
 from rollout_service.weights import copy_into, load_weights, model_digest, weight_spec
 
 

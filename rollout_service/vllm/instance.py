@@ -15,13 +15,7 @@ import tempfile
 
 import torch
 
-from rollout_service.vllm.plugin import (
-    HF_OVERRIDES,
-    compat,
-    pick_runner,
-    require_entry_point,
-    runner_options,
-)
+from rollout_service.vllm.plugin import HF_OVERRIDES, compat, pick_runner, require_entry_point, runner_options
 from rollout_service.vllm.plugin.sampling import CAPTURE, EXTRA_ARGS_KEY, PROCESSOR_FQCN
 from rollout_service.vllm.plugin.tensor_parallel import tp_options
 

@@ -37,9 +37,7 @@ def _attention(q, k, v, positions, block_table=None, scale=None):
     if q.is_cuda:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if block_table is not None and q.shape[1] == 1:
-            from rollout_service.engine.fast_path.decode_attention import (
-                decode_attention,
-            )
+            from rollout_service.engine.fast_path.decode_attention import decode_attention
             return decode_attention(q, k, v, positions, block_table, scale)
         return K.attention(q, k, v, positions, block_table=block_table, scale=scale)
     return _sdpa_attention(q, k, v, positions, block_table, scale)

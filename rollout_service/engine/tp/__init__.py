@@ -16,20 +16,8 @@ ray_group.py (the Ray actors).
 """
 from __future__ import annotations
 
-from rollout_service.engine.tp.comm import (
-           ForwardBatch,
-           LoadWeights,
-           Shutdown,
-           TPContext,
-           free_port,
-           init_tp_group,
-)
-from rollout_service.engine.tp.engine import (
-           OPS_BY_NAME,
-           TPEngine,
-           TPFollower,
-           TPModelRunner,
-)
+from rollout_service.engine.tp.comm import ForwardBatch, LoadWeights, Shutdown, TPContext, free_port, init_tp_group
+from rollout_service.engine.tp.engine import OPS_BY_NAME, TPEngine, TPFollower, TPModelRunner
 from rollout_service.engine.tp.ray_group import TPGroup, create_tp_group
 
 __all__ = ["ForwardBatch", "LoadWeights", "OPS_BY_NAME", "Shutdown", "TPContext", "TPEngine", "TPFollower", "TPGroup",

@@ -14,18 +14,8 @@ from rollout_service.engine.engine import Engine, load_model
 from rollout_service.engine.fast_path.native_ops import FAST_OPS
 from rollout_service.engine.kv_cache import KVCache
 from rollout_service.engine.runner import Chunk, ModelRunner
-from rollout_service.engine.tp.comm import (
-    ForwardBatch,
-    LoadWeights,
-    Shutdown,
-    TPContext,
-)
-from rollout_service.weights import (
-    WeightMismatchError,
-    load_weights,
-    model_digest,
-    state_dict_digest,
-)
+from rollout_service.engine.tp.comm import ForwardBatch, LoadWeights, Shutdown, TPContext
+from rollout_service.weights import WeightMismatchError, load_weights, model_digest, state_dict_digest
 
 # Op sets a follower can run, by name (rank 0 names its op set in each ForwardBatch).
 OPS_BY_NAME = {CANONICAL_OPS.name: CANONICAL_OPS, FAST_OPS.name: FAST_OPS}

@@ -90,10 +90,7 @@ def require_entry_point() -> None:
 def register() -> None:
     """Idempotent; vLLM calls it in every process that builds an engine."""
     from vllm import ModelRegistry
-    from vllm.v1.attention.backends.registry import (
-        AttentionBackendEnum,
-        register_backend,
-    )
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_QUALNAME)

@@ -10,13 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from vllm.v1.attention.backend import (
-    AttentionBackend,
-    AttentionCGSupport,
-    AttentionImpl,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder,
+                                       CommonAttentionMetadata)
 
 import kernels as K
 from rollout_service.engine.staging import stage

@@ -21,13 +21,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from kernels.forward import (
-    compute_logits,
-    forward_hidden,
-    fuse_projections,
-    model_spec,
-    rope_table,
-)
+from kernels.forward import compute_logits, forward_hidden, fuse_projections, model_spec, rope_table
 from kernels.moe import is_moe_block
 from rollout_service.vllm.plugin.attention import PagedKVAdapter, ZeroKLAttentionBackend
 from rollout_service.vllm.plugin.runner_v2 import model_state_class

@@ -24,11 +24,7 @@ import torch
 
 from kernels.sampling import check_row_values, sampling_position
 from rollout_service.engine.sampler import RowParams
-from rollout_service.vllm.plugin.sampling import (
-    canonical_rows,
-    keep_only,
-    request_params,
-)
+from rollout_service.vllm.plugin.sampling import canonical_rows, keep_only, request_params
 from rollout_service.vllm.sampler_graphs import SamplerGraphs
 
 log = logging.getLogger(__name__)

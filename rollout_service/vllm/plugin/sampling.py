@@ -201,11 +201,7 @@ def _check_neutral(sp) -> None:
         raise ValueError(f"{bad} would change the canonical token or log-prob; not supported with zerokl params")
 
 def _build_processor_class():
-    from vllm.v1.sample.logits_processor import (
-        BatchUpdate,
-        LogitsProcessor,
-        MoveDirectionality,
-    )
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
     class GumbelLogitsProcessor(LogitsProcessor):
         """Applies the seeded Gumbel rule to rows whose SamplingParams.extra_args carry our params;

@@ -23,17 +23,8 @@ import os
 import torch
 
 from kernels.forward import CANONICAL_OPS, ModelSpec, OpSet, model_spec
-from kernels.tp import (
-    TREE_REDUCES,
-    Collectives,
-    all_to_all_over,
-    check_tp,
-    local_vocab_rows,
-    localize_config,
-    peer_tree_over,
-    shard_tensor,
-    tp_ops,
-)
+from kernels.tp import (TREE_REDUCES, Collectives, all_to_all_over, check_tp, local_vocab_rows, localize_config,
+                        peer_tree_over, shard_tensor, tp_ops)
 
 TP_REDUCE_KEY = "zerokl_tp_reduce"
 TP_REDUCES = ("tree", "tree_scatter", "tree_p2p", "bf16_all_reduce")
