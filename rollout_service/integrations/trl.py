@@ -14,8 +14,13 @@ What changes against TRL's own trainer (TRL 1.16):
   shifted to start at column 0, so their tokens get positions 0.. as in the rollout.
 - Weights reach vLLM through TRL's own `sync_weights` (`model.load_weights([(name, tensor)])`, one tensor per
   call), which ZeroKLForCausalLM copies in place.
-TRL then logs `sampling/sampling_logp_difference/{mean,max}` = 0.0 and `sampling/importance_sampling_ratio/*`
-= 1.0 at every step. Unsupported (a clear error): other TRL versions, vLLM server mode, tensor parallelism > 1,
+- The behaviour policy's log-probs are the rollout's: they are the trainer's bits under the weights that
+  sampled, so TRL's no-grad pass that recomputes them ("old" log-probs) and its importance-sampling correction
+  (a factor of exactly 1.0) are skipped. The rollout/train difference is measured instead from the forward the
+  update runs anyway, while the weights are still those that sampled, and logged under TRL's own names:
+  `sampling/sampling_logp_difference/{mean,max}` = 0.0 and `sampling/importance_sampling_ratio/*` = 1.0 at every
+  step. `keep_trl_correction=True` keeps TRL's pass and correction (then TRL logs the same metrics itself).
+Unsupported (a clear error): other TRL versions, vLLM server mode, tensor parallelism > 1,
 images, PEFT, min_p, repetition_penalty != 1, generation_kwargs.
 """
 from __future__ import annotations
@@ -193,11 +198,13 @@ def _build(trl_module):
     class GRPOTrainer(trl_module.GRPOTrainer):
         """trl.GRPOTrainer whose vLLM rollouts and trainer log-probs are zerokl's canonical ones.
 
-        Extra arguments: zerokl_seed (the base of every sample's seed; default args.seed) and vllm_kwargs (more
-        vllm.LLM options, e.g. kv_cache_memory_bytes / max_num_batched_tokens on CPU).
+        Extra arguments: zerokl_seed (the base of every sample's seed; default args.seed), vllm_kwargs (more
+        vllm.LLM options, e.g. kv_cache_memory_bytes / max_num_batched_tokens on CPU) and keep_trl_correction
+        (run TRL's old-log-prob pass and importance-sampling correction, which are exact no-ops here).
         """
 
-        def __init__(self, *args, zerokl_seed: int | None = None, vllm_kwargs: dict | None = None, **kwargs):
+        def __init__(self, *args, zerokl_seed: int | None = None, vllm_kwargs: dict | None = None,
+                     keep_trl_correction: bool = False, **kwargs):
             check_trl_version()
             config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
             if config is None or not config.use_vllm or config.vllm_mode != "colocate":
@@ -211,6 +218,50 @@ def _build(trl_module):
             _patch(self.accelerator.unwrap_model(self.model))
             if self.ref_model is not None:
                 _patch(self.ref_model)
+            # VESPO reads the correction's ratio inside its loss: it keeps TRL's path
+            self._rollout_is_behaviour = not keep_trl_correction and self.loss_type != "vespo"
+            if self._rollout_is_behaviour:
+                self.vllm_importance_sampling_correction = False
+            self._loss_inputs = None  # the batch whose loss is being computed, for the difference metrics
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            if self._rollout_is_behaviour:
+                rollout = output["sampling_per_token_logps"]
+                output["old_per_token_logps"] = rollout  # exact: the weights that sampled scored these bits
+                # the optimizer step the weights were at when this batch was sampled, one entry per row so that
+                # TRL's batch splitting and shuffling carry it along
+                output["zerokl_sampled_at_step"] = torch.full((rollout.size(0),), self.state.global_step,
+                                                              device=rollout.device)
+            return output
+
+        def _compute_loss(self, model, inputs):
+            self._loss_inputs = inputs
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                self._loss_inputs = None
+
+        def _log_rollout_difference(self, logps: torch.Tensor) -> None:
+            """TRL's mismatch metrics from the update's own forward, while the weights are still those that
+            sampled (with num_iterations > 1, later passes see updated weights and are not a mismatch)."""
+            inputs = self._loss_inputs
+            if inputs is None or not bool((inputs["zerokl_sampled_at_step"] == self.state.global_step).all()):
+                return
+            mask = inputs["completion_mask"].bool()
+            if "tool_mask" in inputs:
+                mask &= inputs["tool_mask"].bool()
+            diff = (logps.detach() - inputs["sampling_per_token_logps"])[mask]
+            if diff.numel() == 0:  # still gathered below: every rank takes part in the collectives
+                diff = logps.new_zeros(1)
+            gather = self.accelerator.gather
+            delta, ratio = diff.abs(), diff.exp()
+            metrics = self._metrics["train" if self.model.training else "eval"]
+            metrics["sampling/sampling_logp_difference/mean"].append(gather(delta.mean()).mean().item())
+            metrics["sampling/sampling_logp_difference/max"].append(gather(delta.max()).max().item())
+            metrics["sampling/importance_sampling_ratio/min"].append(gather(ratio.min()).min().item())
+            metrics["sampling/importance_sampling_ratio/mean"].append(gather(ratio.mean()).mean().item())
+            metrics["sampling/importance_sampling_ratio/max"].append(gather(ratio.max()).max().item())
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                                batch_size=None, compute_entropy=False, compute_aux_loss=False,
@@ -227,7 +278,10 @@ def _build(trl_module):
                     logits_to_keep, self.temperature, compute_entropy)
                 logps.append(lp)
                 entropies.append(ent)
-            return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+            logps = torch.cat(logps)
+            if self._rollout_is_behaviour and torch.is_grad_enabled():
+                self._log_rollout_difference(logps)
+            return logps, (torch.cat(entropies) if compute_entropy else None), None
 
     return ZeroKLVLLMGeneration, GRPOTrainer
 
