@@ -14,7 +14,7 @@ from .backward import (add_with_grad, attention_ref, linear_with_grad, rms_norm_
                        with_reference_grad)
 from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_WIDTHS, CanonicalConfig,
                        CanonicalMismatchError, check_canonical, set_tree_segments, tree_segments)
-from .logprobs import log_softmax, logprob_temperature, scale_logits, token_logprobs
+from .logprobs import head_token_logprobs, log_softmax, logprob_temperature, scale_logits, token_logprobs
 from .sampling import gumbel_noise, sample, sampling_position, sampling_positions
 
 
@@ -187,6 +187,6 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 __all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm",
            "attention", "attention_packed", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
-           "kernel_family", "log_softmax", "logprob_temperature", "matmul", "rms_norm", "rotary", "rotary_qk", "sample",
-           "sampling_position", "sampling_positions", "scale_logits", "set_tree_segments", "silu_mul",
-           "token_logprobs", "tree_segments", "write_kv"]
+           "head_token_logprobs", "kernel_family", "log_softmax", "logprob_temperature", "matmul", "rms_norm",
+           "rotary", "rotary_qk", "sample", "sampling_position", "sampling_positions", "scale_logits",
+           "set_tree_segments", "silu_mul", "token_logprobs", "tree_segments", "write_kv"]

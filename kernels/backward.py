@@ -108,3 +108,58 @@ def attention_ref(q, k, v, positions, scale):
         visible = (key_pos[None, None, :] <= positions[:, :, None].clamp_min(0))[:, None]
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=visible, scale=scale)
     return out.transpose(1, 2)
+
+
+def _score_chunks(score_chunk: Callable, hidden, tokens, chunk_rows: int, entropy: bool):
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        logp, ent = score_chunk(hidden[start:start + chunk_rows], tokens[start:start + chunk_rows], entropy)
+        logps.append(logp)
+        entropies.append(ent)
+    return torch.cat(logps), (torch.cat(entropies) if entropy else None)
+
+
+class _HeadTokenLogprobs(torch.autograd.Function):
+    """Canonical log_softmax(hidden @ weight.T / t)[token] per row, a chunk of rows at a time; the ordinary
+    backward of that formula, each chunk's logits recomputed by a bf16 GEMM as the unpatched model computes
+    them. Neither pass holds more than one chunk's [rows, V] logits."""
+
+    @staticmethod
+    def forward(ctx, score_chunk: Callable, hidden, weight, tokens, t: float, chunk_rows: int, entropy: bool):
+        logp, ent = _score_chunks(score_chunk, hidden, tokens, chunk_rows, entropy)
+        ctx.save_for_backward(hidden, weight, tokens)
+        ctx.t, ctx.chunk_rows = t, chunk_rows
+        if ent is None:
+            ent = hidden.new_empty(0, dtype=torch.float32)
+        ctx.mark_non_differentiable(ent)  # a metric: no gradient flows through it
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, tokens = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk_rows):
+            h = hidden[start:start + ctx.chunk_rows]
+            g = grad_logp[start:start + ctx.chunk_rows].float()
+            # d log_softmax(z / t)[token] / dz = (onehot(token) - softmax(z / t)) / t
+            grad_z = torch.softmax(F.linear(h, weight).float() / ctx.t, dim=-1).mul_(-g[:, None])
+            grad_z[torch.arange(h.shape[0], device=h.device), tokens[start:start + ctx.chunk_rows]] += g
+            grad_z = grad_z.div_(ctx.t).to(hidden.dtype)
+            if want_hidden:
+                grad_hidden[start:start + ctx.chunk_rows] = grad_z @ weight
+            if want_weight:
+                grad_weight += (grad_z.T @ h).float()
+        return (None, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None,
+                None)
+
+
+def head_logprobs_with_grad(score_chunk: Callable, hidden, weight, tokens, t: float, chunk_rows: int,
+                            entropy: bool):
+    """score_chunk(rows of hidden, their tokens, entropy) -> (log-probs, entropies or None), over chunks of
+    chunk_rows rows; differentiable in hidden and weight by _HeadTokenLogprobs when grad is needed."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        logp, ent = _HeadTokenLogprobs.apply(score_chunk, hidden, weight, tokens, t, chunk_rows, entropy)
+        return logp, (ent if entropy else None)
+    return _score_chunks(score_chunk, hidden, tokens, chunk_rows, entropy)

@@ -235,7 +235,12 @@ def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
 
 def compute_logits(model: torch.nn.Module, hidden: torch.Tensor, ops: OpSet = CANONICAL_OPS) -> torch.Tensor:
     """float32 logits from final hidden states (fp32 accumulator, never rounded to bf16)."""
-    return ops.logits(hidden, _bf16(model.lm_head.weight))
+    return ops.logits(hidden, lm_head_weight(model))
+
+
+def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The lm head's weight [V, H] as the canonical logits read it (bf16)."""
+    return _bf16(model.lm_head.weight)
 
 
 def _is_patched(layer: torch.nn.Module) -> bool:

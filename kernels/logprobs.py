@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 
 from .backend import backend_for
-from .backward import with_reference_grad
+from .backward import head_logprobs_with_grad, with_reference_grad
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
@@ -73,3 +73,41 @@ def token_logprobs(logits: torch.Tensor, temperature: float | Sequence[float] | 
     scaled = scale_logits(logits, temps)
     logp = (log_softmax or _canonical_log_softmax)(scaled)
     return logp.gather(-1, tokens.unsqueeze(-1).to(logp.device)).squeeze(-1)
+
+
+HEAD_CHUNK_ROWS = 2048  # rows per chunk in head_token_logprobs: 2048 x Qwen's 151,936 fp32 logits = 1.2 GB
+
+
+def head_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, tokens: torch.Tensor, *,
+                        entropy: bool = False, chunk_rows: int = HEAD_CHUNK_ROWS):
+    """Log-probs of `tokens` through the lm head, for the rows being scored only: per row the bits of
+    token_logprobs(matmul(hidden, weight, out_dtype=float32), temperature, tokens), computed a chunk of rows
+    at a time, so that no [rows, V] logits of more than one chunk exist (as TRL's fused lm head does).
+
+    hidden [N, H] bf16, weight [V, H] bf16, tokens [N]; temperature: one number (greedy 0: log-probs at 1).
+    Returns (log-probs [N] float32, entropies [N] or None). entropy: also each row's entropy at the same
+    temperature, by ordinary torch math and without gradient (a metric). Differentiable in hidden and weight
+    (kernels.backward._HeadTokenLogprobs: the ordinary backward, logits recomputed a chunk at a time).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [N, H] and weight [V, H] expected, got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if tokens.shape != hidden.shape[:1]:
+        raise ValueError(f"tokens must be [N] = {hidden.shape[0]}, got {tuple(tokens.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    t = logprob_temperature(float(temperature))
+    matmul = backend_for(hidden).matmul
+
+    def score_chunk(h, tok, want_entropy):
+        logits = matmul(h, weight, None, segments=1, out_dtype=torch.float32)
+        logp = token_logprobs(logits, t, tok)
+        if not want_entropy:
+            return logp, None
+        lsm = torch.log_softmax(scale_logits(logits, t), dim=-1)
+        return logp, -(lsm.exp() * lsm).sum(-1)
+
+    if hidden.shape[0] == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if entropy else None)
+    return head_logprobs_with_grad(score_chunk, hidden, weight, tokens.to(hidden.device), t, chunk_rows, entropy)

@@ -76,6 +76,52 @@ def test_op_gradients_are_the_ordinary_ones(padded):
         assert (a.float() - e).norm() / e.norm() < 2e-2
 
 
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_head_token_logprobs_have_the_logits_paths_bits_in_any_chunking(temperature):
+    """Scoring rows through the lm head a chunk at a time gives each row the bits of the full-logits path
+    (whatever the chunk size), and the ordinary gradient; bf16 logits (the stock path) give other bits."""
+    import kernels as K
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(96, 64, generator=gen) / 8).to(torch.bfloat16)
+    tokens = torch.randint(0, 96, (37,), generator=gen)
+    logits = K.matmul(hidden, weight, out_dtype=torch.float32)
+    want = K.token_logprobs(logits, temperature, tokens)
+    t = K.logprob_temperature(temperature)
+    lsm = torch.log_softmax(K.scale_logits(logits, t), dim=-1)
+    want_entropy = -(lsm.exp() * lsm).sum(-1)
+    g = torch.randn(37, generator=gen)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    stock = torch.log_softmax(torch.nn.functional.linear(h, w).float() / t, -1).gather(-1, tokens[:, None])[:, 0]
+    want_grads = torch.autograd.grad(stock, (h, w), g)
+    assert not torch.equal(stock.detach(), want), "the control: bf16 logits are not the canonical path"
+    for chunk_rows in (1, 5, 37, 100):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        got, entropy = K.head_token_logprobs(h, w, temperature, tokens, entropy=True, chunk_rows=chunk_rows)
+        assert torch.equal(got.detach(), want), chunk_rows
+        assert torch.allclose(entropy, want_entropy, rtol=1e-5, atol=1e-6) and not entropy.requires_grad
+        grads = torch.autograd.grad(got, (h, w), g)
+        for a, e in zip(grads, want_grads):
+            assert a.dtype == e.dtype and (a.float() - e.float()).norm() / e.float().norm() < 2e-2
+
+
+def test_scored_forward_equals_the_logits_forward_where_scored():
+    """model(ids, zerokl_score=ScoreTokens(positions, T)): the logits path's log-probs at the scored positions,
+    0 elsewhere; a wrong positions mask is refused."""
+    import kernels as K
+    model = trainer_patch.patch_model(tiny_model("qwen2", seed=7))
+    ids = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(2))
+    positions = torch.rand(3, 19, generator=torch.Generator().manual_seed(3)) < 0.5
+    with torch.no_grad():
+        full = K.token_logprobs(model(input_ids=ids).logits[:, :-1], 0.8, ids[:, 1:])
+        out = model(input_ids=ids, zerokl_score=trainer_patch.ScoreTokens(positions, 0.8, entropy=True))
+    assert torch.equal(out.log_probs[positions], full[positions])
+    assert (out.log_probs[~positions] == 0).all() and (out.entropy[~positions] == 0).all()
+    assert (out.entropy[positions] > 0).all()
+    with pytest.raises(ValueError, match="positions must be bool"):
+        model(input_ids=ids, zerokl_score=trainer_patch.ScoreTokens(positions[:, 1:], 0.8))
+
+
 def test_unsupported_model_raises_clear_error():
     import transformers
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))

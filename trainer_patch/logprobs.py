@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels as K
-
-from .patch import RoutingSink, check_input_ids, is_patched, patch_model
+from .patch import RoutingSink, ScoreTokens, check_input_ids, is_patched, patch_model
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -38,10 +36,9 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     if not is_patched(model):
         patch_model(model)
     extra = {} if routing is None else {"zerokl_routing": RoutingSink(routing)}
-    logp = K.token_logprobs(model(input_ids=ids, **extra).logits[:, :-1], float(temperature), ids[:, 1:])
-    if attention_mask is not None:
-        logp = torch.where(mask[:, 1:], logp, 0.0)
-    return logp
+    # only real positions pass through the lm head; the rest stay 0
+    scored = mask[:, 1:] if attention_mask is not None else torch.ones_like(ids[:, 1:], dtype=torch.bool)
+    return model(input_ids=ids, zerokl_score=ScoreTokens(scored, float(temperature)), **extra).log_probs
 
 
 def stock_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

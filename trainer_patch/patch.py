@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
+import kernels as K
 from kernels.forward import (SUPPORTED_ARCHITECTURES, CANONICAL_OPS, compute_logits, decoder_layer_forward,
-                             forward_hidden, model_spec)
+                             forward_hidden, lm_head_weight, model_spec)
 
 
 def _layer_forward(self, hidden_states, ctx):
@@ -26,9 +29,30 @@ class RoutingSink:
         self.layers = layers
 
 
+class ScoreTokens:
+    """Asks the patched forward for next-token log-probs instead of logits: `positions` [B, T-1] bool marks
+    the positions t whose token t + 1 is scored, at `temperature` (the rollout's; 0 = greedy); `entropy` also
+    asks for each scored position's entropy (no gradient). Only those positions pass through the lm head, a
+    chunk at a time (kernels.head_token_logprobs); the log-probs have the bits of the logits path.
+
+    A plain class for the reason RoutingSink gives."""
+    __slots__ = ("positions", "temperature", "entropy")
+
+    def __init__(self, positions: torch.Tensor, temperature: float, entropy: bool = False):
+        self.positions, self.temperature, self.entropy = positions, temperature, entropy
+
+
+@dataclass
+class TokenScoresOutput(ModelOutput):
+    """The patched forward's output under ScoreTokens: [B, T-1] float32, 0 at positions not scored."""
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
 def _lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, *,
-                zerokl_routing: RoutingSink | None = None, **kwargs):
-    """Canonical replacement for `LlamaForCausalLM.forward` (and Qwen2/Qwen3/Qwen3-MoE): float32 logits.
+                zerokl_routing: RoutingSink | None = None, zerokl_score: ScoreTokens | None = None, **kwargs):
+    """Canonical replacement for `LlamaForCausalLM.forward` (and Qwen2/Qwen3/Qwen3-MoE): float32 logits, or
+    with zerokl_score the scored positions' log-probs (TokenScoresOutput).
 
     Sequences are right-padded; `attention_mask` is accepted for API compatibility (padding never
     changes the values at real positions, because every row only sees its own earlier tokens).
@@ -44,7 +68,24 @@ def _lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, la
         raise TypeError(f"zerokl_routing must be a RoutingSink, got {type(zerokl_routing).__name__}")
     routing = None if zerokl_routing is None else zerokl_routing.layers
     hidden = forward_hidden(self, ids, position_ids, ops=CANONICAL_OPS, routing=routing)
-    return CausalLMOutputWithPast(logits=compute_logits(self, hidden))
+    if zerokl_score is None:
+        return CausalLMOutputWithPast(logits=compute_logits(self, hidden))
+    return _score(self, ids, hidden, zerokl_score)
+
+
+def _score(model, ids: torch.Tensor, hidden: torch.Tensor, score: ScoreTokens) -> TokenScoresOutput:
+    if not isinstance(score, ScoreTokens):
+        raise TypeError(f"zerokl_score must be a ScoreTokens, got {type(score).__name__}")
+    where = score.positions
+    if where.dtype != torch.bool or where.shape != (ids.shape[0], ids.shape[1] - 1):
+        raise ValueError(f"ScoreTokens.positions must be bool [B, T-1] = {(ids.shape[0], ids.shape[1] - 1)}, got "
+                         f"{where.dtype} {tuple(where.shape)}")
+    where = where.to(ids.device)
+    logp, ent = K.head_token_logprobs(hidden[:, :-1][where], lm_head_weight(model), score.temperature,
+                                      ids[:, 1:][where], entropy=score.entropy)
+    zeros = torch.zeros(where.shape, dtype=torch.float32, device=ids.device)
+    return TokenScoresOutput(log_probs=zeros.masked_scatter(where, logp),
+                             entropy=None if ent is None else zeros.masked_scatter(where, ent))
 
 
 def check_input_ids(model: torch.nn.Module, input_ids) -> torch.Tensor:

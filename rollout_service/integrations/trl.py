@@ -79,25 +79,18 @@ def left_to_right_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor):
 def canonical_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep: int, temperature: float,
                                   compute_entropy: bool = False):
     """[B, logits_to_keep] log-probs (and entropies) of the last logits_to_keep tokens of TRL's layout under the
-    canonical forward, 0 at padding. `model` may be wrapped (DDP); its forward must be patch_model's."""
-    import kernels as K
-    from kernels.logprobs import logprob_temperature
+    canonical forward, 0 at padding. `model` may be wrapped (DDP); its forward must be patch_model's. Only the
+    completion's real tokens pass through the lm head (trainer_patch.ScoreTokens), as in TRL's fused lm head."""
+    from trainer_patch import ScoreTokens
 
     ids, mask, back = left_to_right_padded(input_ids, attention_mask)
-    logits = model(input_ids=ids).logits[:, :-1]  # right padding: positions 0.. per row, as in the rollout
-    logp = K.token_logprobs(logits, float(temperature), ids[:, 1:])
-    valid = mask[:, 1:]
-    logp = torch.where(valid, logp, 0.0)
     # old column c's log-prob sits at new column c - lead - 1; completion columns are > lead (non-empty prompt)
     keep = (back[:, 1:] - 1)[:, -logits_to_keep:].clamp(min=0)
-    out = logp.gather(1, keep)
-    entropy = None
-    if compute_entropy:  # only for TRL's metrics / entropy masking: ordinary torch math is fine
-        scaled = logits / logprob_temperature(float(temperature))
-        lsm = torch.log_softmax(scaled, dim=-1)
-        ent = -(lsm.exp() * lsm).sum(-1)
-        entropy = torch.where(valid, ent, 0.0).gather(1, keep)
-    return out, entropy
+    valid = mask[:, 1:]  # right padding: positions 0.. per row, as in the rollout
+    scored = torch.zeros_like(valid).scatter_(1, keep, True) & valid
+    out = model(input_ids=ids, zerokl_score=ScoreTokens(scored, float(temperature), entropy=compute_entropy))
+    entropy = out.entropy.gather(1, keep) if compute_entropy else None
+    return out.log_probs.gather(1, keep), entropy
 
 
 def _patch(model: torch.nn.Module) -> None:

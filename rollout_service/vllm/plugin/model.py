@@ -135,25 +135,31 @@ class ZeroKLForCausalLM(nn.Module):
         from_pretrained(dtype=torch.bfloat16) does); returns the names loaded. Per-expert checkpoint
         tensors (`mlp.experts.<e>.{gate,up,down}_proj.weight`) go into their slice of the fused
         expert parameters. Under tensor parallelism each rank loads its slice of every tensor."""
-        params = dict(self.named_parameters())
+        if "_parameter_names" not in self.__dict__:
+            # names only, once: TRL's colocate sync calls load_weights once per tensor, and rebuilding a dict of
+            # every parameter on each call cost more than the copies (0.2 s a sync at Qwen2.5-0.5B shapes).
+            # Tensors are looked up at each call, so a parameter replaced later (a reload) is the one filled.
+            self.__dict__["_parameter_names"] = frozenset(name for name, _ in self.named_parameters())
+        names = self.__dict__["_parameter_names"]
         loaded = set()
         for name, tensor in weights:
             expert = EXPERT_TENSOR.fullmatch(name)
             if expert is not None:
                 prefix, e, part = expert.group("prefix", "expert", "part")
                 fused = f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}"
-                if fused in params:
+                if fused in names:
                     # through the parameter's weight_loader: vLLM's in-place reload wraps it to stage the copy
-                    params[fused].weight_loader(params[fused], tensor, int(e), part)
+                    param = self.get_parameter(fused)
+                    param.weight_loader(param, tensor, int(e), part)
                     loaded.add(fused)
                     continue
             if name == "model.embed_tokens.weight" and self.lm_head_from_embedding:
-                self._load(params["lm_head.weight"], self.tp.shard("lm_head.weight", tensor), "lm_head.weight")
+                self._load(self.get_parameter("lm_head.weight"), self.tp.shard("lm_head.weight", tensor),
+                           "lm_head.weight")
                 loaded.add("lm_head.weight")
-            param = params.get(name)
-            if param is None:  # e.g. rotary inv_freq, or lm_head.weight of a tied checkpoint
+            if name not in names:  # e.g. rotary inv_freq, or lm_head.weight of a tied checkpoint
                 continue
-            self._load(param, self.tp.shard(name, tensor), name)
+            self._load(self.get_parameter(name), self.tp.shard(name, tensor), name)
             loaded.add(name)
         return loaded
 
