@@ -8,11 +8,12 @@
 
 Each round runs the recipe once per arm, taking turns (these machines are noisy): `canonical` (the
 config as it is, KL 0) and `stock` (numerics=stock: the stock engine's rollouts, the unpatched model
-under FSDP2, old log-probs recomputed). Per arm and round: the median over the steps after the first
+under FSDP2, old log-probs recomputed); `--arms canonical,async` adds `async` (train.async_steps=1:
+the next step's rollouts generated while the trainer steps; split placement). Per arm and round: the median over the steps after the first
 (compiles, warm caches) of rollout, train, weight sync, engine sleep and step seconds (checkpoint
 writes left out), tokens/s, and
-the largest KL and max |Δ log-prob| of any step; per round the paired ratio stock step / canonical
-step (above 1: zero KL is faster). Progress goes to stderr, the JSON to stdout; --plot draws the split.
+the largest KL and max |Δ log-prob| of any step; per round the paired ratios stock step / canonical
+step (above 1: zero KL is faster) and canonical step / async step (the asynchronous speed-up). Progress goes to stderr, the JSON to stdout; --plot draws the split.
 """
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ from pathlib import Path
 
 from recipes.metrics import STEP_PARTS, read_metrics, step_medians
 
-ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"]}
+ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"],
+        "async": ["train.async_steps=1"]}
+# (numerator arm, denominator arm) of each paired ratio of step times, per round
+RATIOS = {"stock_over_canonical_step": ("stock", "canonical"),
+          "canonical_over_async_step": ("canonical", "async")}
 CPU_SMOKE = ["warmup.steps=10", "train.prompts_per_step=8", "metrics.wandb=false"]
 
 
@@ -54,13 +59,14 @@ def summarise(records: list[dict]) -> dict:
 
 
 def with_ratios(result: dict) -> dict:
-    """Each round's stock step / canonical step where it has both arms, and their median."""
-    for row in result["rounds"]:
-        if all(arm in row for arm in ARMS):
-            row["stock_over_canonical_step"] = row["stock"]["step_s"] / row["canonical"]["step_s"]
-    ratios = [r["stock_over_canonical_step"] for r in result["rounds"] if "stock_over_canonical_step" in r]
-    if ratios:
-        result["stock_over_canonical_step_median"] = statistics.median(ratios)
+    """Each round's RATIOS where it has both arms, and their medians."""
+    for name, (num, den) in RATIOS.items():
+        for row in result["rounds"]:
+            if num in row and den in row:
+                row[name] = row[num]["step_s"] / row[den]["step_s"]
+        ratios = [r[name] for r in result["rounds"] if name in r]
+        if ratios:
+            result[f"{name}_median"] = statistics.median(ratios)
     return result
 
 
@@ -100,7 +106,7 @@ def plot(result: dict, path: str) -> None:
     rest = [r[arm]["step_s"] - b for (r, arm), b in zip([(r, a) for r in rounds for a in r if a in ARMS], bottom)]
     ax.bar(labels, rest, bottom=bottom, label="other")
     ax.set_ylabel("seconds per GRPO step (median)")
-    ax.set_title(f"{result['config']}: zero KL vs stock")
+    ax.set_title(f"{result['config']}: step split per arm")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -113,8 +119,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the tiny config, a smoke run")
     ap.add_argument("--plot", default=None, help="a PNG of each arm's step split")
-    ap.add_argument("--arms", default=",".join(ARMS),
-                    help="the arms to run, in this order (one per call when a call's time is capped)")
+    ap.add_argument("--arms", default="canonical,stock",
+                    help=f"the arms to run, in this order (one per call when a call's time is capped); of "
+                         f"{', '.join(ARMS)}")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="no runs: join earlier outputs of this benchmark (one arm each, the same config "
                          "and machine, run in turns) round by round, with their ratios")

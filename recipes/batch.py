@@ -17,6 +17,7 @@ class Sample:
     logprobs: list[float]  # the rollout's log-prob of each generated token
     advantage: float
     routed_experts: list | None = None  # per generated token [moe_layers][k] expert ids (Rollout.routed_experts)
+    weight_version: int = -1  # the pool's weight version its tokens were generated with (-1: not recorded)
 
 
 def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -42,7 +43,7 @@ def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
             old[i, p - 1:p - 1 + g] = torch.tensor(s.logprobs, dtype=torch.float32)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     out = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "rollout_logprobs": old,
-           "advantages": adv}
+           "advantages": adv, "weight_version": torch.tensor([-1 if dummy else s.weight_version for s in samples])}
     if not dummy and any(s.routed_experts is not None for s in samples):
         out["rollout_routed_experts"] = _pack_routing(samples, width)
     return out

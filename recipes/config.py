@@ -193,6 +193,9 @@ class TrainLoopConfig:
     """Checkpoint the last step (benchmarks turn it off: it is no step's work)."""
     save_rollouts: bool = False
     """Write every step's rollouts and rewards to <run_dir>/rollouts/step_NNNNNN.jsonl."""
+    async_steps: int = 0
+    """k > 0: the rollouts of steps s+1 .. s+k are generated while the trainer does step s (placement split,
+    numerics canonical, trainer.old_logprobs rollout); 0: each step's rollouts, then its update."""
 
 
 @dataclass(frozen=True)
@@ -387,6 +390,14 @@ def _check_values(cfg: RecipeConfig) -> None:
         raise ConfigError(f"placement: colocated puts one rollout worker next to each trainer rank: "
                           f"rollout.num_workers ({r.num_workers}) must equal trainer.num_ranks ({tr.num_ranks})")
     one_of("trainer.weight_sync", tr.weight_sync, WEIGHT_TRANSPORTS)
+    if isinstance(train.async_steps, bool) or not isinstance(train.async_steps, int) or train.async_steps < 0:
+        raise ConfigError(f"train.async_steps must be an int >= 0, got {train.async_steps!r}")
+    if train.async_steps and (cfg.placement != "split" or cfg.numerics != "canonical"
+                              or tr.old_logprobs != "rollout"):
+        # colocated engines sleep while the trainer steps; the stock arm's and a recomputed denominator
+        # are not the behaviour policy's log-probs
+        raise ConfigError("train.async_steps > 0 needs placement split, numerics canonical and "
+                          "trainer.old_logprobs rollout")
     if r.start_timeout_s <= 0:
         raise ConfigError("rollout.start_timeout_s must be > 0")
     if tr.weight_bucket_mb < 1:

@@ -6,7 +6,10 @@
 
 Each step: prompts from the task's dataset -> n seeded rollouts per prompt through RolloutClient ->
 rewards -> group-normalised advantages -> clipped policy-gradient update on the FSDP2 trainer ranks ->
-the new weights pushed to the rollout pool, digests checked.
+the new weights pushed to the rollout pool, digests checked. With train.async_steps = k the rollouts
+of the next k steps are generated while the trainer steps (RolloutQueue); each token carries the
+weight version it was sampled with, the loss divides by the rollout's own log-probs (the behaviour
+policy's, exactly), and the rollout/train agreement is measured against that version's weights.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from .config import CanonicalTreeConfig, RecipeConfig, load_config
 from .grpo_loss import group_advantages
 from .metrics import MetricsLogger, StepProgress, step_metrics, step_split
 from .models import initial_model
+from .rollout_queue import RolloutQueue
 from .rollouts import engine_options, group_requests, prompt_indices, records_routing, rollouts_digest
 from .task import build_task
 from .trainer import TrainerGroup
@@ -58,7 +62,7 @@ def _run_dir(cfg: RecipeConfig, ckpt: Path | None) -> Path:
     return path
 
 
-def _starting_model(cfg: RecipeConfig, task, resumed: bool) -> torch.nn.Module:
+def starting_model(cfg: RecipeConfig, task, resumed: bool) -> torch.nn.Module:
     """The initial policy; a resumed run loads its checkpoint over it, so no warm-up then."""
     warm = cfg.warmup
     # built where the warm-up runs: a 1.5B model initialises in a second on a GPU, a minute on a CPU
@@ -79,11 +83,26 @@ def _start_rollout_pool(cfg: RecipeConfig, model, pool_name: str, namespace: str
                       namespace=namespace, colocate_with=shared, start_timeout_s=rollout_cfg.start_timeout_s)
 
 
-def _sync(trainer, pool_name: str, namespace: str) -> dict:
+def _sync(trainer, client: RolloutClient, pool_name: str, namespace: str, step: int, keep_versions: int) -> dict:
+    """Push the trainer's weights after `step` (0: the starting weights); the result carries the pool's
+    weight version that now holds them and the run's version of those weights, `step`: a pool counts
+    its own pushes, a run (resumed or not) counts steps. The trainer ranks keep the newest versions
+    when asynchronous steps will score rollouts of older ones."""
     result = trainer.push_weights(pool_name, namespace)
     if result["pool_digest"] != result["digest"]:
         raise WeightMismatchError(f"rollout pool holds {result['pool_digest']}, trainer has {result['digest']}")
+    result["pool_version"], result["version"] = client.stats()["weight_version"], step
+    if keep_versions:
+        trainer.keep_version(step, keep_versions)
     return result
+
+
+def _to_run_versions(rollouts, pool_version: int, run_version: int) -> None:
+    """Rollouts' weight versions from the pool's count of pushes to the run's (the step of the weights)."""
+    shift = run_version - pool_version
+    for ro in rollouts:
+        if ro.weight_versions is not None:
+            ro.weight_versions = [v + shift for v in ro.weight_versions]
 
 
 def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, scale: bool):
@@ -91,9 +110,17 @@ def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, s
     rewards = torch.tensor([task.reward(ro.token_ids, rows[i // n]["answer"]) for i, ro in enumerate(rollouts)])
     rewards = rewards.view(-1, n)
     adv = group_advantages(rewards, scale=scale).view(-1).tolist()
-    samples = [Sample(list(prompts[i]), list(ro.token_ids), list(ro.logprobs), adv[i], ro.routed_experts)
-               for i, ro in enumerate(rollouts)]
+    samples = [Sample(list(prompts[i]), list(ro.token_ids), list(ro.logprobs), adv[i], ro.routed_experts,
+                      _one_version(ro)) for i, ro in enumerate(rollouts)]
     return rewards, samples
+
+
+def _one_version(rollout) -> int:
+    """The weight version of all of a rollout's tokens (-1: none recorded); the pool never mixes two."""
+    versions = set(rollout.weight_versions or ())
+    if len(versions) > 1:
+        raise ValueError(f"a rollout spans weight versions {sorted(versions)}; the trainer scores one per sample")
+    return versions.pop() if versions else -1
 
 
 def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = True) -> dict:
@@ -112,12 +139,12 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
 
     t_start = time.perf_counter()
     task = build_task(cfg)
-    model = _starting_model(cfg, task, resumed=ckpt is not None)
+    model = starting_model(cfg, task, resumed=ckpt is not None)
     routed = records_routing(rollout_cfg, model)  # MoE: rollouts record routing, the trainer compares its own
     t_model = time.perf_counter()
     pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
     pool_name, namespace = rollout_cfg.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
-    pool = trainer = logger = shared = None
+    pool = trainer = logger = shared = queue = None
     records = []
     colocated, canonical = cfg.placement == "colocated", cfg.numerics == "canonical"
     try:
@@ -132,45 +159,57 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             K.check_canonical({"rollout workers": pool.info["canonical"], "trainer ranks": trainer.canonical})
         if ckpt is not None:
             trainer.load(str(ckpt / "trainer"))
-        sync = _sync(trainer, pool_name, namespace)  # the pool starts from the trainer's exact weights
+        client = RolloutClient(pool_name, namespace=namespace)
+        keep = loop_cfg.async_steps + 1 if loop_cfg.async_steps else 0  # versions a step's rollouts can be of
+        sync = _sync(trainer, client, pool_name, namespace, step0, keep)  # the pool starts from the trainer's
         if state.get("digest") not in (None, sync["digest"]):
             raise WeightMismatchError(f"checkpoint weights {sync['digest']} != recorded {state['digest']}")
-        client = RolloutClient(pool_name, namespace=namespace)
         logger = MetricsLogger(run_dir, cfg, run_name)
         t_ready = time.perf_counter()
         _say(f"run directory {run_dir}; set up in {t_ready - t_start:.0f}s (task and model {t_model - t_start:.0f}s, "
              f"rollout pool {t_pool - t_model:.0f}s, trainer ranks {t_ready - t_pool:.0f}s)")
-        bar = StepProgress(loop_cfg.steps, initial=step0, desc=run_name, enabled=progress)
-        for step in range(step0 + 1, loop_cfg.steps + 1):
-            t_step = time.perf_counter()
-            indices = prompt_indices(cursor, loop_cfg.prompts_per_step, len(task.dataset), cfg.seed)
+
+        def generate(step: int):
+            first = cursor0 + (step - step0 - 1) * loop_cfg.prompts_per_step
+            indices = prompt_indices(first, loop_cfg.prompts_per_step, len(task.dataset), cfg.seed)
             rows = [task.dataset[i] for i in indices]
             prompts, params = group_requests([r["prompt_ids"] for r in rows], indices, step, rollout_cfg, cfg.seed,
                                              task.stop_token_ids, routed)
-            t0 = time.perf_counter()
-            rollouts = client.generate(prompts, params)
-            t1 = time.perf_counter()
+            return rows, prompts, client.generate(prompts, params)
+
+        cursor0 = cursor
+        queue = RolloutQueue(generate, loop_cfg.steps, ahead=loop_cfg.async_steps)
+        bar = StepProgress(loop_cfg.steps, initial=step0, desc=run_name, enabled=progress)
+        for step in range(step0 + 1, loop_cfg.steps + 1):
+            t_step = time.perf_counter()
+            batch, waited = queue.get(step)
+            rows, prompts, rollouts = batch.rows, batch.prompts, batch.rollouts
+            _to_run_versions(rollouts, sync["pool_version"], sync["version"])
             failed = [ro for ro in rollouts if not ro.ok]
             if failed:
                 raise RuntimeError(f"{len(failed)} rollouts failed, e.g. {failed[0].finish_reason}: {failed[0].error}")
             rewards, samples = _score(task, rows, prompts, rollouts, rollout_cfg.n, trainer_cfg.scale_advantages)
             plans, tokens = split_for_ranks(samples, trainer_cfg.num_ranks, trainer_cfg.mini_batches,
                                             trainer_cfg.micro_batch_size, pad_id)
+            trainer_version = sync["version"]
+            stale = tuple(sorted({s.weight_version for s in samples} - {trainer_version, -1}))
             t2 = time.perf_counter()
             if colocated:  # the engines' memory goes to the trainer; the weight push wakes them
                 client.sleep()
             t_slept = time.perf_counter() if colocated else t2
-            results = trainer.train_step(plans, tokens)
+            results = trainer.train_step(plans, tokens, stale)
             t3 = time.perf_counter()
-            sync = _sync(trainer, pool_name, namespace)
+            sync = _sync(trainer, client, pool_name, namespace, step, keep)
             cursor += loop_cfg.prompts_per_step
 
             metrics = step_metrics(rollouts, rewards, results, sum(tokens),
-                                   {"rollout": t1 - t0, "train": t3 - t_slept, "sync": sync["seconds"],
-                                    "sleep": t_slept - t2})
+                                   {"rollout": waited, "train": t3 - t_slept, "sync": sync["seconds"],
+                                    "sleep": t_slept - t2}, trainer_version)
+            metrics["perf/rollout_generate_s"] = batch.seconds  # with async steps, mostly behind training
             metrics.update({f"perf/sync_{phase}_s": s for phase, s in sync["phases"].items()})
             metrics.update({"data/cursor": cursor, "rollout/digest": rollouts_digest(rollouts),
-                            "weights/digest": sync["digest"], "weights/transport": sync["transport"]})
+                            "weights/digest": sync["digest"], "weights/version": sync["version"],
+                            "weights/transport": sync["transport"]})
             if loop_cfg.save_rollouts:
                 _save_rollouts(run_dir, step, rollouts, rewards.view(-1).tolist())
             every = loop_cfg.save_every
@@ -186,6 +225,8 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             bar.step(step, metrics)
         bar.close()
     finally:
+        if queue is not None:
+            queue.close()
         if logger is not None:
             logger.close()
         if trainer is not None:
@@ -226,7 +267,7 @@ def _save_rollouts(run_dir: Path, step: int, rollouts, rewards) -> None:
     with open(out / f"step_{step:06d}.jsonl", "w") as f:
         for ro, r in zip(rollouts, rewards):
             line = {"prompt": ro.prompt_token_ids, "tokens": ro.token_ids, "logprobs": ro.logprobs,
-                    "finish_reason": ro.finish_reason, "reward": r}
+                    "weight_versions": ro.weight_versions, "finish_reason": ro.finish_reason, "reward": r}
             if ro.routed_experts is not None:
                 line["routed_experts"] = ro.routed_experts
             f.write(json.dumps(line) + "\n")

@@ -77,11 +77,15 @@ def dvr_counters(rollouts) -> dict:
     return out
 
 
-def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_tokens: int, times: dict) -> dict:
+def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_tokens: int, times: dict,
+                 trainer_version: int | None = None) -> dict:
     """Everything logged for one step. results: the trainer ranks' train_step dicts; times: seconds
-    of rollout, train and weight sync."""
+    of rollout, train and weight sync; trainer_version: the weight version the trainer stepped from
+    (the rollouts' staleness is measured against it)."""
     gen_tokens = sum(len(ro.token_ids) for ro in rollouts)
     return {
+        **ratio_spread([r["ratio"] for r in results]),
+        **({} if trainer_version is None else staleness(rollouts, trainer_version)),
         **combine_agreement([p for r in results for p in r["agreement"]]),
         "reward/mean": float(rewards.mean()),
         "reward/accuracy": float((rewards >= 1.0).float().mean()),
@@ -99,6 +103,25 @@ def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_toke
         "perf/rollout_tokens_per_s": gen_tokens / max(times["rollout"], 1e-9),
         "perf/train_tokens_per_s": sum(r["tokens"] for r in results) / max(times["train"], 1e-9),
     }
+
+
+def ratio_spread(parts: list[dict]) -> dict:
+    """The importance ratio (current policy over the log-probs the loss divides by) over the step's loss
+    tokens, from the ranks' train_step "ratio" parts."""
+    count = sum(p["count"] for p in parts)
+    if not count:
+        return {}
+    return {"train/importance_ratio_min": min(p["min"] for p in parts),
+            "train/importance_ratio_mean": sum(p["sum"] for p in parts) / count,
+            "train/importance_ratio_max": max(p["max"] for p in parts)}
+
+
+def staleness(rollouts, trainer_version: int) -> dict:
+    """How many weight versions behind the trainer's each generated token was sampled: mean, max."""
+    behind = [trainer_version - v for ro in rollouts for v in (ro.weight_versions or [])]
+    if not behind:
+        return {}
+    return {"async/staleness_mean": sum(behind) / len(behind), "async/staleness_max": max(behind)}
 
 
 def step_line(metrics: dict) -> str:

@@ -7,6 +7,7 @@ only where used, so a TrainerRank also runs in plain torch.distributed processes
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -43,6 +44,7 @@ class TrainerRank:
         # The patched root returns a view of the logits; nothing here modifies it in place.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.model = self.opt = None
+        self._versions: dict[int, list[torch.Tensor]] = {}  # weight version -> this rank's shards (keep_version)
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -93,30 +95,39 @@ class TrainerRank:
         return [] if "rollout_routed_experts" in mb else None
 
     @staticmethod
-    def _agreement(mb: dict, logp: torch.Tensor, routing: list | None) -> dict:
-        """Log-prob (and, for MoE rollouts, routing) agreement of one forward with the rollouts."""
+    def _agreement(mb: dict, logp: torch.Tensor, routing: list | None, behaviour=None) -> dict:
+        """Log-prob (and, for MoE rollouts, routing) agreement of one forward with the rollouts; rows of an
+        older weight version from `behaviour` (log-probs, rows), that version's forward."""
+        if behaviour is not None:
+            stale_logp, rows = behaviour
+            logp = torch.where(rows[:, None], stale_logp, logp)
         part = logprob_agreement(mb["rollout_logprobs"], logp.cpu(), mb["loss_mask"])
         if routing is not None:  # per layer [B, T, k] -> [B, T-1, layers, k], aligned like the log-probs
             train = torch.stack(routing, dim=2)[:, :-1].cpu()
             part.update(routing_agreement(mb["rollout_routed_experts"], train, mb["loss_mask"]))
         return part
 
-    def train_step(self, minibatches: list[list[dict]], tokens_per_mini: list[int]) -> dict:
+    def train_step(self, minibatches: list[list[dict]], tokens_per_mini: list[int],
+                   stale_versions: tuple[int, ...] = ()) -> dict:
         """One optimizer step per mini-batch. Log-prob and routing agreement are measured before any
-        update, from the forward that gives the log-probs (no extra forward)."""
+        update, from the forward that gives the log-probs (no extra forward). Rows generated with an
+        older weight version (stale_versions: every one in the step, the same list on every rank, each
+        kept by keep_version) are measured against that version's weights, one extra forward per
+        version: the agreement is always with the behaviour policy."""
         cfg, start = self.cfg, time.perf_counter()
+        behaviour = self._stale_logprobs(minibatches, stale_versions)
         agreement, pre = [], None
         if len(minibatches) > 1 or cfg.old_logprobs == "recompute":
             pre = []
             with torch.no_grad():
-                for micros in minibatches:
+                for m, micros in enumerate(minibatches):
                     pre.append([])
-                    for mb in micros:
+                    for j, mb in enumerate(micros):
                         routing = self._routing_out(mb)
                         pre[-1].append(self._logprobs(mb, routing))
-                        agreement.append(self._agreement(mb, pre[-1][-1], routing))
+                        agreement.append(self._agreement(mb, pre[-1][-1], routing, behaviour.get((m, j))))
         loss_total = clipped_total = 0.0
-        grad_norms, seq_tokens = [], 0
+        grad_norms, seq_tokens, ratios = [], 0, _RatioSpread()
         for m, micros in enumerate(minibatches):
             scale = self.world / max(tokens_per_mini[m], 1)  # FSDP averages gradients over ranks
             for j, mb in enumerate(micros):
@@ -124,11 +135,12 @@ class TrainerRank:
                 logp = self._logprobs(mb, routing)
                 mask = mb["loss_mask"].to(self.device)
                 if pre is None:
-                    agreement.append(self._agreement(mb, logp, routing))
+                    agreement.append(self._agreement(mb, logp, routing, behaviour.get((m, j))))
                 if cfg.old_logprobs == "rollout":
                     old = mb["rollout_logprobs"].to(self.device)
                 else:
                     old = pre[m][j] if pre is not None else logp.detach()
+                ratios.add(logp.detach(), old, mask)
                 loss_sum, clipped = clipped_pg_loss(logp, old, mb["advantages"].to(self.device), mask,
                                                     cfg.clip_low, cfg.clip_high)
                 (loss_sum * scale).backward()
@@ -139,7 +151,54 @@ class TrainerRank:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         return {"agreement": agreement, "loss_sum": loss_total, "clipped_tokens": clipped_total,
-                "grad_norm": grad_norms, "tokens": seq_tokens, "seconds": time.perf_counter() - start}
+                "grad_norm": grad_norms, "tokens": seq_tokens, "ratio": ratios.summary(),
+                "seconds": time.perf_counter() - start}
+
+    # -- weight versions (asynchronous steps) ------------------------------------------------------
+
+    def keep_version(self, version: int, keep: int) -> None:
+        """Remember this rank's shards of the current weights as `version` (the pool's weight version
+        after the push that carried them); only the newest `keep` versions are kept."""
+        with torch.no_grad():
+            self._versions[version] = [_local(p).detach().clone() for p in self.model.parameters()]
+        for old in sorted(self._versions)[:-keep]:
+            del self._versions[old]
+
+    @contextlib.contextmanager
+    def _weights_of(self, version: int):
+        """The model holds `version`'s weights inside the block, its own again after it."""
+        if version not in self._versions:
+            raise KeyError(f"weight version {version} is not kept (kept: {sorted(self._versions)})")
+        params = [_local(p) for p in self.model.parameters()]
+        with torch.no_grad():
+            own = [p.detach().clone() for p in params]
+            for p, kept in zip(params, self._versions[version]):
+                p.copy_(kept)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, mine in zip(params, own):
+                    p.copy_(mine)
+
+    def _stale_logprobs(self, minibatches: list[list[dict]], versions) -> dict:
+        """{(mini-batch, micro-batch): (log-probs, rows)}: the rows of a stale version scored with that
+        version's weights. Every rank runs one forward per micro-batch per version, in step (FSDP's gathers
+        pair up), whether or not its own rows include that version."""
+        logps, rows = {}, {}
+        for version in versions:
+            with self._weights_of(version), torch.no_grad():
+                for m, micros in enumerate(minibatches):
+                    for j, mb in enumerate(micros):
+                        mine = (mb["weight_version"] == version).to(self.device)
+                        if "rollout_routed_experts" in mb and bool(mine.any()):
+                            raise NotImplementedError("routing agreement against an older weight version")
+                        logp, key = self._logprobs(mb), (m, j)
+                        if key in logps:
+                            logps[key], rows[key] = torch.where(mine[:, None], logp, logps[key]), rows[key] | mine
+                        else:
+                            logps[key], rows[key] = logp, mine
+        return {key: (logps[key], rows[key]) for key in logps}
 
     def _clip_grads(self) -> float:
         max_norm = self.cfg.max_grad_norm or math.inf
@@ -240,6 +299,27 @@ class TrainerRank:
             dist.destroy_process_group()
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter (a view: writing it writes the parameter)."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+class _RatioSpread:
+    """The importance ratio exp(log-prob - old log-prob) over a step's loss tokens: min, mean, max."""
+
+    def __init__(self):
+        self.lo, self.hi, self.total, self.count = math.inf, -math.inf, 0.0, 0
+
+    def add(self, logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> None:
+        ratio = (logp - old)[mask].exp()
+        if ratio.numel():
+            self.lo, self.hi = min(self.lo, float(ratio.min())), max(self.hi, float(ratio.max()))
+            self.total, self.count = self.total + float(ratio.double().sum()), self.count + ratio.numel()
+
+    def summary(self) -> dict:
+        return {"min": self.lo, "max": self.hi, "sum": self.total, "count": self.count}
+
+
 class TrainerGroup:
     """Driver-side handle: starts the ranks, forms the process group, fans calls out to all ranks."""
 
@@ -281,9 +361,14 @@ class TrainerGroup:
         import ray
         return ray.get([getattr(a, method).remote(*args) for a in self.ranks])
 
-    def train_step(self, plans: list[list[list[dict]]], tokens_per_mini: list[int]) -> list[dict]:
+    def train_step(self, plans: list[list[list[dict]]], tokens_per_mini: list[int],
+                   stale_versions: tuple[int, ...] = ()) -> list[dict]:
         import ray
-        return ray.get([a.train_step.remote(plan, tokens_per_mini) for a, plan in zip(self.ranks, plans)])
+        return ray.get([a.train_step.remote(plan, tokens_per_mini, stale_versions)
+                        for a, plan in zip(self.ranks, plans)])
+
+    def keep_version(self, version: int, keep: int) -> None:
+        self._all("keep_version", version, keep)
 
     def full_state_dict(self) -> dict:
         return self._all("full_state_dict")[0]

@@ -194,11 +194,12 @@ class Rollout:
     # prompt_len + i - 1 for token i, the row the trainer scores it at). None when not asked for, for a
     # dense model, or where the engine cannot record it (proposals of the vLLM fast path).
     routed_experts: list[list[list[int]]] | None = None
-    # per generated token, the version of the weights that produced it: the native engine's
-    # weight_version (0 for the weights it was built with, then what each update_weights set; an
-    # engine's own count, which the pool does not yet align across workers). Every token's log-prob
-    # is the trainer's under that version over the whole prefix. None where the engine does not
-    # record it (VLLMEngine, which takes weights only while drained).
+    # per generated token, the version of the weights that produced it; every token's log-prob is the
+    # trainer's under that version over the whole prefix. From a pool: its count of adopted pushes when
+    # the request was dispatched (0: the weights it started with), the same on every worker, since a push
+    # waits until no request is in flight. From a native Engine alone: its weight_version (0 for the
+    # weights it was built with, then what each update_weights set). None where the engine does not
+    # record it (VLLMEngine used directly).
     weight_versions: list[int] | None = None
 
     @property

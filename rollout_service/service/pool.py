@@ -96,9 +96,13 @@ class _PoolActor:
                 slot.in_flight += 1
                 self._in_flight += 1
                 self._active[key] = slot
+                # a push waits until no request is in flight (_exclusive), so the whole request runs on the
+                # weights current at its dispatch: every token is stamped with their version
+                version = self.workers.weight_version
                 try:
                     rollout = await actor.generate.remote(key, prompt, params)
                     slot.completed += 1
+                    rollout.weight_versions = [version] * len(rollout.token_ids)
                     return self._count(rollout)
                 except RayActorError as e:  # the worker died: run the request again elsewhere
                     failures.append(f"worker {slot.index}: {type(e).__name__}")
@@ -300,7 +304,7 @@ class _PoolActor:
 
     async def stats(self) -> dict:
         return {**self._counts, "in_flight": self._in_flight, "digest": self.workers.digest,
-                "workers": self.workers.worker_stats()}
+                "weight_version": self.workers.weight_version, "workers": self.workers.worker_stats()}
 
     async def sleep(self) -> None:
         """Every serving worker's engine releases its memory (see RolloutWorker.sleep)."""

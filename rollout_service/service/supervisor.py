@@ -176,6 +176,12 @@ class WorkerSupervisor:
         FROM_PEER after a push that reached the workers directly. Called only once they are verified."""
         self._weights_ref, self.digest = weights_ref, digest
         self._version += 1
+
+    @property
+    def weight_version(self) -> int:
+        """How many pushes the pool has adopted: 0 for the weights it started with, +1 per adopted push."""
+        return self._version
+
     async def _spawn(self, slot: WorkerSlot):
         if self.closed:
             raise RuntimeError("the rollout pool is shut down")
