@@ -203,9 +203,8 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             cursor += loop_cfg.prompts_per_step
 
             metrics = step_metrics(rollouts, rewards, results, sum(tokens),
-                                   {"rollout": waited, "train": t3 - t_slept, "sync": sync["seconds"],
-                                    "sleep": t_slept - t2}, trainer_version)
-            metrics["perf/rollout_generate_s"] = batch.seconds  # with async steps, mostly behind training
+                                   {"rollout": waited, "generate": batch.seconds, "train": t3 - t_slept,
+                                    "sync": sync["seconds"], "sleep": t_slept - t2}, trainer_version)
             metrics.update({f"perf/sync_{phase}_s": s for phase, s in sync["phases"].items()})
             metrics.update({"data/cursor": cursor, "rollout/digest": rollouts_digest(rollouts),
                             "weights/digest": sync["digest"], "weights/version": sync["version"],

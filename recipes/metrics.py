@@ -80,7 +80,7 @@ def dvr_counters(rollouts) -> dict:
 def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_tokens: int, times: dict,
                  trainer_version: int | None = None) -> dict:
     """Everything logged for one step. results: the trainer ranks' train_step dicts; times: seconds
-    of rollout, train and weight sync; trainer_version: the weight version the trainer stepped from
+    of rollout (waited for), generate (when not the same), train and weight sync; trainer_version: the weight version the trainer stepped from
     (the rollouts' staleness is measured against it)."""
     gen_tokens = sum(len(ro.token_ids) for ro in rollouts)
     return {
@@ -96,11 +96,12 @@ def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_toke
         "train/loss": sum(r["loss_sum"] for r in results) / max(loss_tokens, 1),
         "train/clip_fraction": sum(r["clipped_tokens"] for r in results) / max(loss_tokens, 1),
         "train/grad_norm": results[0]["grad_norm"][-1],
-        "perf/rollout_s": times["rollout"],
+        "perf/rollout_s": times["rollout"],  # what the step waited for its rollouts
+        "perf/rollout_generate_s": times.get("generate", times["rollout"]),  # generating them (async: ahead)
         "perf/train_s": times["train"],
         "perf/weight_sync_s": times["sync"],
         "perf/sleep_s": times.get("sleep", 0.0),  # colocated: the engines releasing their memory
-        "perf/rollout_tokens_per_s": gen_tokens / max(times["rollout"], 1e-9),
+        "perf/rollout_tokens_per_s": gen_tokens / max(times.get("generate", times["rollout"]), 1e-9),
         "perf/train_tokens_per_s": sum(r["tokens"] for r in results) / max(times["train"], 1e-9),
     }
 
