@@ -71,3 +71,16 @@ def gloo_group():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """ray, initialised locally with 4 CPUs for the module's tests and shut down after them, unless Ray
+    was already running."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()

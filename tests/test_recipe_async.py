@@ -29,18 +29,8 @@ ASYNC = ["train.steps=5", "train.prompts_per_step=8", "train.save_every=1", "tra
          "warmup.steps=30", "rollout.temperature=0.8", "metrics.wandb=false"]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["k1", "k2"])
-def async_run(cluster, tmp_path_factory, request):
+def async_run(local_ray, tmp_path_factory, request):
     k = request.param
     cfg = load_config(TINY, ASYNC + [f"train.async_steps={k}", f"run_dir={tmp_path_factory.mktemp(f'async{k}')}"])
     result = run(cfg, progress=False)

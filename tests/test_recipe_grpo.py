@@ -24,17 +24,7 @@ SHORT = ["train.steps=3", "train.prompts_per_step=8", "train.save_every=2", "tra
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def verified_run(cluster, tmp_path_factory):
+def verified_run(local_ray, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("verified")
     cfg = load_config(TINY, SHORT + [f"run_dir={run_dir}", "metrics.wandb_mode=offline"])
     result = run(cfg, progress=False)
@@ -98,7 +88,7 @@ def test_broadcast_weight_sync_carries_the_same_weights(verified_run, tmp_path):
     assert all("perf/sync_send_s" not in r and r["perf/sync_connect_s"] > 0.0 for r in records)
 
 
-def test_baseline_determinism_off_has_nonzero_kl(cluster, tmp_path):
+def test_baseline_determinism_off_has_nonzero_kl(local_ray, tmp_path):
     cfg = load_config(TINY, ["train.steps=2", "train.prompts_per_step=8", "warmup.steps=30",
                              "rollout.determinism=off", f"run_dir={tmp_path}", "metrics.wandb=false"])
     records = run(cfg, progress=False)["records"]
@@ -108,7 +98,7 @@ def test_baseline_determinism_off_has_nonzero_kl(cluster, tmp_path):
     assert all(r["dvr/verify_windows"] == 0 for r in records)
 
 
-def test_moe_run_has_zero_kl_and_identical_routing_every_step(cluster, tmp_path):
+def test_moe_run_has_zero_kl_and_identical_routing_every_step(local_ray, tmp_path):
     cfg = load_config(TINY_MOE, ["train.steps=3", "train.prompts_per_step=8", "warmup.steps=30",
                                  "rollout.temperature=0.8", "train.save_rollouts=true", f"run_dir={tmp_path}",
                                  "metrics.wandb=false"])
@@ -125,7 +115,7 @@ def test_moe_run_has_zero_kl_and_identical_routing_every_step(cluster, tmp_path)
     assert all(len(t) == 2 and len(t[0]) == 2 for t in line["routed_experts"])
 
 
-def test_moe_baseline_determinism_off_routes_differently(cluster, tmp_path):
+def test_moe_baseline_determinism_off_routes_differently(local_ray, tmp_path):
     """The `off` fast path routes some tokens differently from the trainer: the metric can fail."""
     cfg = load_config(TINY_MOE, ["train.steps=3", "warmup.steps=30", "rollout.determinism=off",
                                  f"run_dir={tmp_path}", "metrics.wandb=false"])
@@ -149,7 +139,7 @@ def test_colocated_placement_lands_the_split_runs_bits(verified_run, tmp_path):
     assert all(r["perf/sleep_s"] > 0.0 for r in again) and all(r["perf/sleep_s"] == 0.0 for r in records)
 
 
-def test_stock_arm_has_nonzero_kl(cluster, tmp_path):
+def test_stock_arm_has_nonzero_kl(local_ray, tmp_path):
     """numerics: stock, the pipeline users run today on the same data, model and optimizer: rollouts
     on the fast path alone (`off`), the unpatched model (SDPA) in the trainer, old log-probs
     recomputed. Its rollout-vs-train KL is logged the same way and is not zero."""

@@ -311,16 +311,6 @@ def test_tree_width_from_the_environment():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
     assert out.returncode != 0 and "ZEROKL_TREE_SEGMENTS must be one of (1, 2, 4, 8)" in out.stderr
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
 
 def test_ray_tp_group_equals_tp1(models, tp1, local_ray):
     """TP=2 as Ray actors in a placement group (gloo): same bits as TP=1, weight updates included."""
