@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     from transformers import PreTrainedTokenizerFast
     from trl import GRPOConfig
 
-    path, mode, out, num_generations, batch = sys.argv[1:4] + [int(a) for a in sys.argv[4:6]]
+    path, mode, out, num_generations, batch, iterations = sys.argv[1:4] + [int(a) for a in sys.argv[4:7]]
     if mode.startswith("zerokl"):
         from rollout_service.integrations.trl import GRPOTrainer
         extra = dict(vllm_kwargs=dict(kv_cache_memory_bytes=64 << 20, block_size=16),
@@ -44,6 +44,7 @@ SCRIPT = textwrap.dedent("""
     args = GRPOConfig(output_dir=out + ".d", use_vllm=True, vllm_mode="colocate", num_generations=num_generations,
                       per_device_train_batch_size=batch, max_completion_length=8, temperature=0.9, top_k=top_k,
                       learning_rate=1e-3, max_steps=1 if mode == "stock" else 4, logging_steps=1, report_to="none",
+                      num_iterations=iterations,
                       save_strategy="no", bf16=False, use_cpu=True, seed=3, vllm_importance_sampling_correction=True,
                       model_init_kwargs={"dtype": torch.bfloat16}, dataloader_num_workers=0)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)  # AutoProcessor would pick Qwen2's tokenizer class
@@ -54,7 +55,7 @@ SCRIPT = textwrap.dedent("""
         # one step needs no sync: vLLM loaded the same checkpoint the trainer did
         trainer.vllm_generation.sync_weights = lambda: None
     trainer.train()
-    logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
+    logs = [h for h in trainer.state.log_history if "loss" in h]  # one per step
     for h in logs:
         h.pop("step_time", None)
     ids = tokenizer(text="t1 t2 t3")["input_ids"]
@@ -98,7 +99,7 @@ def test_left_padded_rows_score_like_unpadded_ones():
         assert (row[len(c):] == 0).all()
 
 
-def run(checkpoint, mode, tmp_path, num_generations=4, batch=8):
+def run(checkpoint, mode, tmp_path, num_generations=4, batch=8, iterations=1):
     out = str(tmp_path / f"{mode}.json")
     import socket
     with socket.socket() as s:  # the run's own torch.distributed rendezvous, not one a test left in the env
@@ -106,7 +107,8 @@ def run(checkpoint, mode, tmp_path, num_generations=4, batch=8):
         port = s.getsockname()[1]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint, mode, out, str(num_generations), str(batch)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint, mode, out, str(num_generations), str(batch),
+                           str(iterations)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     with open(out) as f:
@@ -149,3 +151,19 @@ def test_llama_with_three_generations_per_prompt(tmp_path):
     assert len(result["logs"]) == 4 and all(h["grad_norm"] > 0 for h in result["logs"][:-1])
     assert_exactly_zero(result["logs"])
     assert len(result["completions"]) == 3 and len(set(map(tuple, result["completions"]))) > 1
+
+
+def test_two_iterations_per_generation_match_trls_own_old_logprobs(checkpoint, tmp_path):
+    """num_iterations = 2: the second pass over a batch runs on updated weights, and its ratio's
+    denominator is still the behaviour policy's. The rollout's log-probs there give the same run, bit for
+    bit, as TRL's own recomputed old log-probs; the difference is logged where the weights are those that
+    sampled (0.0)."""
+    ours = run(checkpoint, "zerokl", tmp_path, iterations=2)
+    trls = run(checkpoint, "zerokl-trl-correction", tmp_path, iterations=2)
+    assert ours["completions"] == trls["completions"]
+    strip = lambda logs: [{k: v for k, v in h.items() if not k.startswith("sampling/")} for h in logs]  # noqa: E731
+    assert strip(ours["logs"]) == strip(trls["logs"]) and len(ours["logs"]) == 4
+    assert all(h["grad_norm"] > 0 for h in ours["logs"][:-1])
+    # steps 1 and 3 generate (and measure); 2 and 4 take the second pass on updated weights
+    assert ["sampling/sampling_logp_difference/max" in h for h in ours["logs"]] == [True, False, True, False]
+    assert_exactly_zero(ours["logs"][::2])
