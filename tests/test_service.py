@@ -158,6 +158,50 @@ def test_killed_worker_loses_nothing(pool3):
     assert pool3.stats()["workers"][1]["completed"] > completed
 
 
+def test_weight_versions_under_concurrent_pushes_and_a_worker_death(pool3):
+    """Waves of requests while two pushes land and a worker is killed: every request comes back once,
+    stamped with one weight version (a push waits until none is in flight), and its bits are those of an
+    engine holding that version's weights. All three versions serve some."""
+    weights = [shared.model(), tiny_model("qwen2", seed=2), tiny_model("qwen2", seed=3)]
+    first = pool3.stats()["weight_version"]
+    prompts = [[(5 * i) % 95 + 1, i % 40 + 3] for i in range(48)]
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=300 + i) for i in range(48)]
+    got: dict[int, object] = {}
+    pushed = {1: threading.Event(), 2: threading.Event()}
+
+    def waves():  # waves 0-1 race push 1, 2-3 push 2; waves 2 and 4 start only after push 1 and 2
+        for w in range(6):
+            if w in (2, 4):
+                pushed[w // 2].wait(600)
+            idx = list(range(8 * w, 8 * w + 8))
+            for i, ro in zip(idx, pool3.generate([prompts[i] for i in idx], [params[i] for i in idx])):
+                assert i not in got
+                got[i] = ro
+
+    sender = threading.Thread(target=waves)
+    sender.start()
+    for push, model in enumerate(weights[1:], start=1):
+        wait_for(lambda: len(got) >= 16 * push - 8, what=f"a wave before push {push}")
+        if push == 2:
+            ray.kill(pool3.workers()[0])  # its requests are re-run elsewhere, on the version they were on
+        pool3.update_weights(model.state_dict())
+        assert pool3.stats()["weight_version"] == first + push
+        pushed[push].set()
+    sender.join(timeout=600)
+    assert sorted(got) == list(range(48))
+    by_version: dict[int, list[int]] = {}
+    for i, ro in got.items():
+        assert ro.ok and len(set(ro.weight_versions)) == 1 and len(ro.weight_versions) == len(ro.token_ids), i
+        by_version.setdefault(ro.weight_versions[0] - first, []).append(i)
+    assert sorted(by_version) == [0, 1, 2], by_version
+    for version, idx in by_version.items():
+        want = Engine(weights[version], **ENGINE_KWARGS).generate([prompts[i] for i in idx], [params[i] for i in idx])
+        assert_same([got[i] for i in idx], want, f"version {first + version}")
+    # the weights the other tests expect, once the killed worker is back
+    wait_for(lambda: all(w["state"] == "ready" for w in pool3.stats()["workers"]), what="the restart")
+    pool3.update_weights(shared.model().state_dict())
+
+
 def test_bad_input_fails_only_that_request(service, reqs, reference):
     client = RolloutClient(POOL_NAME)  # by name, like any other driver
     good = SamplingParams(max_tokens=4, temperature=0)
