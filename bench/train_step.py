@@ -5,7 +5,8 @@ Face model (cuBLAS, SDPA), per row-parallel tree width; prints JSON.
     python -m bench.train_step --model llama8b --layers 8          # fewer layers, same layer shapes
 
 A step: logits -> token log-probs -> mean -> backward (the canonical forward's backward is the
-ordinary one); a forward: the logits alone, no grad. Tokens/s of each per variant and the canonical /
+ordinary one); a forward: the logits alone, no grad. `canonical_scored` is the step the trainer runs:
+log-probs straight from the patched forward (ScoreTokens), no full-vocabulary logits in autograd. Tokens/s of each per variant and the canonical /
 unpatched ratio, timed in one process.
 """
 from __future__ import annotations
@@ -25,6 +26,12 @@ def _step(model, ids):
     logits = model(input_ids=ids).logits.float()
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])
     logp.mean().backward()
+
+
+def _scored_step(model, ids):
+    """The trainer's own path: only the scored tokens pass through the lm head (trainer_patch.ScoreTokens)."""
+    positions = torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
+    model(input_ids=ids, zerokl_score=trainer_patch.ScoreTokens(positions, 1.0)).log_probs.mean().backward()
 
 
 def _forward(model, ids):
@@ -72,6 +79,9 @@ def main():
         for width in widths:
             K.set_tree_segments(width)
             rows[f"canonical_tree{width}"] = _time_both(model, ids, args.repeats, device)
+        K.set_tree_segments(widths[0])
+        rows[f"canonical_scored_tree{widths[0]}"] = {"step": _seconds(lambda: _scored_step(model, ids),
+                                                                      args.repeats, device)}
     finally:
         K.set_tree_segments(before)
     base = rows["unpatched"]
