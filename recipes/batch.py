@@ -17,13 +17,14 @@ class Sample:
     logprobs: list[float]  # the rollout's log-prob of each generated token
     advantage: float
     routed_experts: list | None = None  # per generated token [moe_layers][k] expert ids (Rollout.routed_experts)
-    weight_version: int = -1  # the pool's weight version its tokens were generated with (-1: not recorded)
+    weight_versions: list[int] | None = None  # per generated token, the weight version that produced it
 
 
 def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded tensors; [B, T-1] ones are aligned with token_logprobs (index t-1 = token t).
     When the samples carry routed experts: "rollout_routed_experts" [B, T-1, moe_layers, k] (int16,
-    -1 outside the loss mask), aligned the same way."""
+    -1 outside the loss mask), aligned the same way. "weight_version" [B, T-1]: each token's weight version
+    (-1 outside the loss mask and where the rollout recorded none)."""
     if not samples:
         samples, dummy = [Sample([pad_id], [pad_id], [0.0], 0.0)], True
     else:
@@ -34,6 +35,7 @@ def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
     attn = torch.zeros(n, width, dtype=torch.long)
     loss_mask = torch.zeros(n, width - 1, dtype=torch.bool)
     old = torch.zeros(n, width - 1, dtype=torch.float32)
+    versions = torch.full((n, width - 1), -1, dtype=torch.long)
     for i, s in enumerate(samples):
         p, g = len(s.prompt_ids), len(s.token_ids)
         ids[i, :p + g] = torch.tensor(s.prompt_ids + s.token_ids)
@@ -41,9 +43,11 @@ def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
         if not dummy:
             loss_mask[i, p - 1:p - 1 + g] = True
             old[i, p - 1:p - 1 + g] = torch.tensor(s.logprobs, dtype=torch.float32)
+            if s.weight_versions is not None:
+                versions[i, p - 1:p - 1 + g] = torch.tensor(s.weight_versions, dtype=torch.long)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     out = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "rollout_logprobs": old,
-           "advantages": adv, "weight_version": torch.tensor([-1 if dummy else s.weight_version for s in samples])}
+           "advantages": adv, "weight_version": versions}
     if not dummy and any(s.routed_experts is not None for s in samples):
         out["rollout_routed_experts"] = _pack_routing(samples, width)
     return out

@@ -19,6 +19,7 @@ import yaml
 from kernels import TREE_WIDTHS
 from rollout_service.params import DETERMINISM_MODES
 from rollout_service.tiny_models import ARCHITECTURES
+from rollout_service.service.switch_modes import SWITCH_MODES
 from rollout_service.service.weight_sync import TRANSPORTS
 
 TASK_KINDS = ("tiny", "gsm8k")
@@ -178,6 +179,9 @@ class TrainerConfig:
     ipc. auto: ipc if they share rank 0's GPU, broadcast if they have GPUs of their own, else object_store."""
     weight_bucket_mb: int = 256
     """Bucket size of broadcast / ipc pushes, in MiB; at least 1."""
+    weight_switch: str = "drain"
+    """When a push takes effect for rollouts in flight (rollout_service/service/switch_modes.py): drain |
+    finish-then-switch | switch-in-flight (native engines); other than drain needs weight_sync object_store."""
 
 
 @dataclass(frozen=True)
@@ -390,6 +394,10 @@ def _check_values(cfg: RecipeConfig) -> None:
         raise ConfigError(f"placement: colocated puts one rollout worker next to each trainer rank: "
                           f"rollout.num_workers ({r.num_workers}) must equal trainer.num_ranks ({tr.num_ranks})")
     one_of("trainer.weight_sync", tr.weight_sync, WEIGHT_TRANSPORTS)
+    one_of("trainer.weight_switch", tr.weight_switch, SWITCH_MODES)
+    if tr.weight_switch != "drain" and tr.weight_sync != "object_store":
+        raise ConfigError(f"trainer.weight_switch={tr.weight_switch} needs trainer.weight_sync=object_store "
+                          f"(bucketed pushes switch in drain mode only), got {tr.weight_sync!r}")
     if isinstance(train.async_steps, bool) or not isinstance(train.async_steps, int) or train.async_steps < 0:
         raise ConfigError(f"train.async_steps must be an int >= 0, got {train.async_steps!r}")
     if train.async_steps and (cfg.placement != "split" or cfg.numerics != "canonical"

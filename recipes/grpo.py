@@ -111,16 +111,9 @@ def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, s
     rewards = rewards.view(-1, n)
     adv = group_advantages(rewards, scale=scale).view(-1).tolist()
     samples = [Sample(list(prompts[i]), list(ro.token_ids), list(ro.logprobs), adv[i], ro.routed_experts,
-                      _one_version(ro)) for i, ro in enumerate(rollouts)]
+                      None if ro.weight_versions is None else list(ro.weight_versions))
+               for i, ro in enumerate(rollouts)]
     return rewards, samples
-
-
-def _one_version(rollout) -> int:
-    """The weight version of all of a rollout's tokens (-1: none recorded); the pool never mixes two."""
-    versions = set(rollout.weight_versions or ())
-    if len(versions) > 1:
-        raise ValueError(f"a rollout spans weight versions {sorted(versions)}; the trainer scores one per sample")
-    return versions.pop() if versions else -1
 
 
 def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = True) -> dict:
@@ -192,7 +185,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             plans, tokens = split_for_ranks(samples, trainer_cfg.num_ranks, trainer_cfg.mini_batches,
                                             trainer_cfg.micro_batch_size, pad_id)
             trainer_version = sync["version"]
-            stale = tuple(sorted({s.weight_version for s in samples} - {trainer_version, -1}))
+            stale = tuple(sorted({v for s in samples for v in s.weight_versions or ()} - {trainer_version}))
             t2 = time.perf_counter()
             if colocated:  # the engines' memory goes to the trainer; the weight push wakes them
                 client.sleep()

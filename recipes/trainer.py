@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import kernels as K
 from rollout_service.service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,
@@ -99,8 +99,8 @@ class TrainerRank:
         """Log-prob (and, for MoE rollouts, routing) agreement of one forward with the rollouts; rows of an
         older weight version from `behaviour` (log-probs, rows), that version's forward."""
         if behaviour is not None:
-            stale_logp, rows = behaviour
-            logp = torch.where(rows[:, None], stale_logp, logp)
+            stale_logp, tokens = behaviour
+            logp = torch.where(tokens, stale_logp, logp)
         part = logprob_agreement(mb["rollout_logprobs"], logp.cpu(), mb["loss_mask"])
         if routing is not None:  # per layer [B, T, k] -> [B, T-1, layers, k], aligned like the log-probs
             train = torch.stack(routing, dim=2)[:, :-1].cpu()
@@ -172,30 +172,41 @@ class TrainerRank:
         params = [_local(p) for p in self.model.parameters()]
         with torch.no_grad():
             own = [p.detach().clone() for p in params]
+            self._reshard()
             for p, kept in zip(params, self._versions[version]):
                 p.copy_(kept)
         try:
             yield
         finally:
             with torch.no_grad():
+                self._reshard()
                 for p, mine in zip(params, own):
                     p.copy_(mine)
 
+    def _reshard(self) -> None:
+        """Drop every unsharded parameter. Rule: before the shards change under FSDP2, since the root
+        keeps its all-gathered bf16 parameters after a forward (reshard_after_forward is off for the
+        root) and the next forward would reuse them instead of gathering the new shards."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def _stale_logprobs(self, minibatches: list[list[dict]], versions) -> dict:
-        """{(mini-batch, micro-batch): (log-probs, rows)}: the rows of a stale version scored with that
-        version's weights. Every rank runs one forward per micro-batch per version, in step (FSDP's gathers
-        pair up), whether or not its own rows include that version."""
+        """{(mini-batch, micro-batch): (log-probs, tokens)}: the tokens of a stale version scored with that
+        version's weights over their whole prefix (a rollout switched in flight has tokens of two). Every
+        rank runs one forward per micro-batch per version, in step (FSDP's gathers pair up), whether or
+        not its own tokens include that version."""
         logps, rows = {}, {}
         for version in versions:
             with self._weights_of(version), torch.no_grad():
                 for m, micros in enumerate(minibatches):
                     for j, mb in enumerate(micros):
-                        mine = (mb["weight_version"] == version).to(self.device)
+                        mine = (mb["weight_version"] == version).to(self.device)  # [B, T-1] tokens
                         if "rollout_routed_experts" in mb and bool(mine.any()):
                             raise NotImplementedError("routing agreement against an older weight version")
                         logp, key = self._logprobs(mb), (m, j)
                         if key in logps:
-                            logps[key], rows[key] = torch.where(mine[:, None], logp, logps[key]), rows[key] | mine
+                            logps[key], rows[key] = torch.where(mine, logp, logps[key]), rows[key] | mine
                         else:
                             logps[key], rows[key] = logp, mine
         return {key: (logps[key], rows[key]) for key in logps}
@@ -235,7 +246,7 @@ class TrainerRank:
             if sd is None:
                 return None
             digest = state_dict_digest(sd)
-            pool_digest = client.update_weights(sd, expected_digest=digest)
+            pool_digest = client.update_weights(sd, expected_digest=digest, mode=self.cfg.weight_switch)
             phases = {}
         else:
             digest, phases = self._push_bucketed(client, transport)

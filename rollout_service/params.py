@@ -195,11 +195,11 @@ class Rollout:
     # dense model, or where the engine cannot record it (proposals of the vLLM fast path).
     routed_experts: list[list[list[int]]] | None = None
     # per generated token, the version of the weights that produced it; every token's log-prob is the
-    # trainer's under that version over the whole prefix. From a pool: its count of adopted pushes when
-    # the request was dispatched (0: the weights it started with), the same on every worker, since a push
-    # waits until no request is in flight. From a native Engine alone: its weight_version (0 for the
-    # weights it was built with, then what each update_weights set). None where the engine does not
-    # record it (VLLMEngine used directly).
+    # trainer's under that version over the whole prefix. From a pool: its count of adopted pushes (0: the
+    # weights it started with); one version per rollout unless a push switched it in flight
+    # (service/switch_modes.py). From a native Engine alone: its weight_version (0 for the weights it was
+    # built with, then what each update_weights set). None where the engine does not record it
+    # (VLLMEngine used directly).
     weight_versions: list[int] | None = None
 
     @property

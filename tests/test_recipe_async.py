@@ -3,7 +3,9 @@ rollouts of the next steps are generated while the trainer steps, so tokens are 
 or more versions behind the trainer's. Every step logs staleness, the importance ratio's spread and a
 rollout/train KL of exactly 0.0 against the behaviour version. Each saved token's log-prob equals the
 canonical forward's under the weights of the version it is stamped with, rebuilt by this test from the
-run's checkpoints; scoring the stale tokens with the run's final weights instead (the control) differs."""
+run's checkpoints; scoring the stale tokens with the run's final weights instead (the control) differs.
+With trainer.weight_switch=switch-in-flight a push lands while the next step's rollouts run: they continue
+on the new weights, so a rollout may span two versions, and each of its tokens is checked at its own."""
 from __future__ import annotations
 
 import json
@@ -29,10 +31,16 @@ ASYNC = ["train.steps=5", "train.prompts_per_step=8", "train.save_every=1", "tra
          "warmup.steps=30", "rollout.temperature=0.8", "metrics.wandb=false"]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["k1", "k2"])
+# canonical steps of one token each, four requests at a time per worker: a push lands between two of a
+# running rollout's tokens
+IN_FLIGHT = ["trainer.weight_switch=switch-in-flight", "trainer.weight_sync=object_store",
+             "rollout.determinism=invariant", "rollout.engine={window: 4, group: 8, kv_cache_tokens: 8192, max_num_seqs: 4}"]
+
+
+@pytest.fixture(scope="module", params=[(1, []), (2, []), (1, IN_FLIGHT)], ids=["k1", "k2", "k1-in-flight"])
 def async_run(local_ray, tmp_path_factory, request):
-    k = request.param
-    cfg = load_config(TINY, ASYNC + [f"train.async_steps={k}", f"run_dir={tmp_path_factory.mktemp(f'async{k}')}"])
+    k, extra = request.param
+    cfg = load_config(TINY, ASYNC + extra + [f"train.async_steps={k}", f"run_dir={tmp_path_factory.mktemp('async')}"])
     result = run(cfg, progress=False)
     return k, cfg, Path(result["run_dir"]), result["records"]
 
@@ -80,20 +88,29 @@ def test_each_token_is_the_trainers_under_its_own_version_and_not_the_latest(asy
     _, cfg, run_dir, records = async_run
     models = _weights_by_version(cfg, run_dir, records)
     latest = models[max(models)]
-    checked = stale_tokens = stale_differ = 0
+    checked = stale_tokens = stale_differ = spanning = 0
     for rec in records:
         for raw in (run_dir / "rollouts" / f"step_{rec['step']:06d}.jsonl").read_text().splitlines():
             line = json.loads(raw)
-            versions = set(line["weight_versions"])
-            assert len(versions) == 1 and len(line["weight_versions"]) == len(line["tokens"])
-            version = versions.pop()
-            assert _scores(models[version], line, 0.8) == line["logprobs"], (rec["step"], version)
-            checked += len(line["tokens"])
-            if version != max(models):  # the control: the same tokens under the run's final weights
-                stale_tokens += len(line["tokens"])
-                stale_differ += sum(a != b for a, b in zip(_scores(latest, line, 0.8), line["logprobs"]))
+            versions = line["weight_versions"]
+            assert len(versions) == len(line["tokens"]) and versions == sorted(versions)
+            spanning += len(set(versions)) > 1
+            for version in set(versions):  # each token under its own version, over its whole prefix
+                mine = [i for i, v in enumerate(versions) if v == version]
+                scores = _scores(models[version], line, 0.8)
+                assert [scores[i] for i in mine] == [line["logprobs"][i] for i in mine], (rec["step"], version)
+            checked += len(versions)
+            latest_scores = _scores(latest, line, 0.8)  # the control: the run's final weights alone
+            for i, version in enumerate(versions):
+                if version != max(models):
+                    stale_tokens += 1
+                    stale_differ += latest_scores[i] != line["logprobs"][i]
     assert checked > 0 and stale_tokens > 0
     assert stale_differ > 0.5 * stale_tokens, (stale_differ, stale_tokens)
+    if cfg.trainer.weight_switch == "switch-in-flight":
+        assert spanning > 0, "no rollout was running when a push switched the workers in flight"
+    else:
+        assert spanning == 0, "drain pushes never let a rollout span two versions"
 
 
 def test_async_steps_need_the_split_placement_and_rollout_logprobs():
@@ -101,3 +118,7 @@ def test_async_steps_need_the_split_placement_and_rollout_logprobs():
     for extra in (["placement=colocated"], ["trainer.old_logprobs=recompute"], ["train.async_steps=-1"]):
         with pytest.raises(ConfigError, match="async_steps"):
             load_config(TINY, ["train.async_steps=1"] + extra)
+    with pytest.raises(ConfigError, match="weight_sync=object_store"):  # bucketed pushes drain
+        load_config(TINY, ["trainer.weight_switch=switch-in-flight", "trainer.weight_sync=broadcast"])
+    with pytest.raises(ConfigError, match="weight_switch must be one of"):
+        load_config(TINY, ["trainer.weight_switch=later"])

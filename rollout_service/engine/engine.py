@@ -150,6 +150,10 @@ class Engine:
     its fields as keywords (rollout_service.engine.config). runner_factory(model, cache, ops, device) ->
     runner replaces how a forward is executed (tensor parallelism)."""
 
+    # update_weights between two steps with requests running is exact (see the rule above
+    # update_weights): a pool may push to it in "switch-in-flight" mode (service/switch_modes.py)
+    switches_weights_in_flight = True
+
     def __init__(self, model, config: EngineConfig | None = None, *, runner_factory=None, **options):
         self.config = cfg = EngineConfig.build(config, **options)
         self.device = torch.device(cfg.device)

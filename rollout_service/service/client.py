@@ -10,6 +10,7 @@ from ray.exceptions import RayTaskError
 
 from rollout_service.params import Rollout, SamplingParams, check_batch
 from rollout_service.service.ray_cluster import init_ray, original_error
+from rollout_service.service.switch_modes import check_switch_mode
 from rollout_service.service.weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS, choose_transport, push_state_dict
 from rollout_service.weights import WeightMismatchError, check_state_dict_types, state_dict_digest
 
@@ -92,7 +93,7 @@ class RolloutClient:
     # -- weights and status ----------------------------------------------------------------------
 
     def update_weights(self, state_dict, expected_digest: str | None = None, transport: str = "object_store",
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, mode: str = "drain") -> str:
         """Load `state_dict` (name -> tensor) into every worker and return their common digest.
 
         transport: "auto" (weight_sync.choose_transport), "object_store" (the tensors enter Ray's object store once; every worker reads the
@@ -101,7 +102,15 @@ class RolloutClient:
         rollout_service.service.weight_sync. Every check (names, shapes, finite values, `expected_digest`)
         passes before any worker loads anything: a refused push raises WeightMismatchError and every
         worker keeps serving the weights it had.
+
+        mode: when the push takes effect for running requests (rollout_service.service.switch_modes):
+        "drain" (the default), "finish-then-switch" or "switch-in-flight" (native engines only);
+        bucketed transports switch in "drain" mode. Rollout.weight_versions stamps every token.
         """
+        check_switch_mode(mode)
+        if mode != "drain" and transport != "object_store":
+            raise ValueError(f"transport {transport!r} pushes in buckets, which switch in 'drain' mode only; "
+                             f"use transport='object_store' for mode={mode!r}")
         check_state_dict_types(state_dict)
         if transport == "auto":
             device = next((t.device for t in state_dict.values()), torch.device("cpu"))
@@ -115,7 +124,7 @@ class RolloutClient:
             raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
         # One object for all workers. This driver owns it; the pool keeps the ref for restarts.
         ref = ray.put(state_dict)
-        return _unwrapped(self._pool.update_weights.remote([ref], digest))
+        return _unwrapped(self._pool.update_weights.remote([ref], digest, mode))
 
     def _begin_weight_sync(self, plan) -> dict:
         return _unwrapped(self._pool.begin_weight_sync.remote(plan))

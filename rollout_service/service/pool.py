@@ -21,6 +21,7 @@ from rollout_service.engine.engine import check_model_source
 from rollout_service.service.client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
 from rollout_service.service.ray_cluster import original_error
 from rollout_service.service.supervisor import FROM_PEER, MAX_CONCURRENCY, WorkerSlot, WorkerSupervisor
+from rollout_service.service.switch_modes import DRAIN, check_switch_mode
 from rollout_service.service.worker import EarlyCancels, abort_rollout, error_rollout
 from rollout_service.weights import WeightMismatchError
 
@@ -43,7 +44,10 @@ class _PoolActor:
         self._cancelled: set[str] = set()
         self._early_cancels = EarlyCancels()
         self._counts = {"submitted": 0, "completed": 0, "errors": 0, "aborted": 0, "retried": 0}
-        self._gate: asyncio.Event | None = None  # cleared while weights are being swapped
+        self._gate: asyncio.Event | None = None  # cleared while weights are being swapped (drain)
+        # new requests go only to workers holding this version or later: the one being pushed while a
+        # push switches worker by worker, else the adopted one
+        self._min_version = 0
         self._update_lock: asyncio.Lock | None = None
         self._sync = None  # (plan, slots, exclusive block) of the bucketed push in progress
         self._broadcast_group = None  # (group id, sender id, members, store) of the last broadcast group
@@ -61,7 +65,7 @@ class _PoolActor:
             while True:
                 if self.workers.closed:
                     return None
-                ready = self.workers.ready()
+                ready = [s for s in self.workers.ready() if s.weight_version >= self._min_version]
                 if ready:
                     return min(ready, key=lambda s: (s.in_flight, s.completed))
                 if self.workers.none_can_serve():
@@ -96,13 +100,9 @@ class _PoolActor:
                 slot.in_flight += 1
                 self._in_flight += 1
                 self._active[key] = slot
-                # a push waits until no request is in flight (_exclusive), so the whole request runs on the
-                # weights current at its dispatch: every token is stamped with their version
-                version = self.workers.weight_version
-                try:
+                try:  # the worker stamps each token with the version of the weights that produced it
                     rollout = await actor.generate.remote(key, prompt, params)
                     slot.completed += 1
-                    rollout.weight_versions = [version] * len(rollout.token_ids)
                     return self._count(rollout)
                 except RayActorError as e:  # the worker died: run the request again elsewhere
                     failures.append(f"worker {slot.index}: {type(e).__name__}")
@@ -146,18 +146,49 @@ class _PoolActor:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    async def update_weights(self, weights_box: list, expected: str) -> str:
+    async def update_weights(self, weights_box: list, expected: str, mode: str = DRAIN) -> str:
         """Swap every worker to the weights in `weights_box[0]` (one ObjectRef, fetched by each worker
-        from the object store) between requests. Each worker checks them (names, shapes, finite
-        values, the `expected` digest) before loading anything; the pool adopts them only once every
-        worker holds them, so a refused push leaves every worker on the weights it had."""
+        from the object store), when `mode` says (service/switch_modes.py). Each worker checks them
+        (names, shapes, finite values, the `expected` digest) before loading anything; the pool adopts
+        them once every worker has answered, so a refused push leaves every worker on the weights it had."""
         ref = weights_box[0]
-        async with self._exclusive():
+        if check_switch_mode(mode) == DRAIN:
+            async with self._exclusive():
+                slots = self._sync_slots()
+                version = self.workers.weight_version + 1
+                results = await asyncio.gather(*(s.actor.update_weights.remote(ref, expected, version)
+                                                 for s in slots), return_exceptions=True)
+                causes = [r.cause if isinstance(r, RayTaskError) else r for r in results]
+                return await self._settle(slots, causes, expected, ref)
+        async with self._update_lock:
             slots = self._sync_slots()
-            results = await asyncio.gather(*(s.actor.update_weights.remote(ref, expected) for s in slots),
-                                           return_exceptions=True)
-            causes = [r.cause if isinstance(r, RayTaskError) else r for r in results]
-            return await self._settle(slots, causes, expected, ref)
+            cannot = [s.index for s in slots if mode not in s.info.get("switch_modes", ())]
+            if cannot:
+                raise ValueError(f"rollout workers {cannot} cannot switch weights {mode!r} (their engine "
+                                 f"recomputes no KV on a switch); use mode='drain' or 'finish-then-switch'")
+            version = self.workers.weight_version + 1
+            self._min_version = version  # new requests wait for a worker on the new weights
+            try:
+                causes = await asyncio.gather(*(self._switch_one(s, ref, expected, version, mode) for s in slots))
+                return await self._settle(slots, causes, expected, ref)
+            finally:
+                async with self.workers.cond:
+                    self._min_version = self.workers.weight_version
+                    self.workers.cond.notify_all()
+
+    async def _switch_one(self, slot: WorkerSlot, ref, expected: str, version: int, mode: str):
+        """One worker's switch; it takes new requests as soon as it holds the new weights."""
+        try:
+            result = await slot.actor.update_weights.remote(ref, expected, version, mode)
+        except RayTaskError as e:
+            return e.cause
+        except Exception as e:  # RayActorError: the worker died
+            return e
+        if result == expected:
+            async with self.workers.cond:
+                slot.weight_version = version
+                self.workers.cond.notify_all()
+        return result
 
     async def _settle(self, slots: list[WorkerSlot], results: list, expected: str, source) -> str:
         """Adopt a push that at least one worker verifiably loaded; restart the workers that failed it
@@ -175,6 +206,7 @@ class _PoolActor:
                 raise first
             raise RuntimeError(f"no worker loaded the weights: {results!r}")
         self.workers.adopt_weights(source, expected)
+        self._min_version = self.workers.weight_version
         await self.workers.now_current(loaded)
         bad = []
         for slot, result in zip(slots, results):
@@ -219,6 +251,7 @@ class _PoolActor:
         try:
             plan.check(self.workers.spec)
             slots = self._sync_slots()
+            plan.version = self.workers.weight_version + 1
             world = len(slots) + 1
             if plan.transport == "broadcast":
                 self._assign_group(plan, slots)

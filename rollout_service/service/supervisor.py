@@ -49,6 +49,7 @@ class WorkerSlot:
     completed: int = 0
     restarts: int = 0
     failed_restarts: int = 0  # replacements that failed since this slot last served
+    weight_version: int = 0  # the version of the weights this worker verifiably holds
     error: str | None = None
     info: dict = field(default_factory=dict)
 
@@ -148,10 +149,15 @@ class WorkerSupervisor:
         return all(s.state in ("failed", "stale", "stopped") for s in self.slots)
 
     async def now_current(self, slots: list[WorkerSlot]) -> None:
-        """These workers verifiably hold the current weights: stale ones serve again."""
+        """These workers verifiably hold the current weights: stale ones serve again, and a worker that
+        became ready with older weights (it restarted while the push ran) is restarted with these."""
         for slot in slots:
+            slot.weight_version = self._version
             if slot.state == "stale":
                 await self._set_state(slot, "ready")
+        for slot in self.ready():
+            if slot.weight_version < self._version:
+                self.restart_later(slot, "restarted with older weights while a push was adopted")
 
     def unavailable(self) -> str:
         if self.closed:
@@ -234,7 +240,7 @@ class WorkerSupervisor:
                 try:
                     while True:  # load the current weights; again if they change meanwhile
                         version, expected = self._version, self.digest
-                        digest = await self._load_current(actor, slot)
+                        digest = await self._load_current(actor, slot, version)
                         if version == self._version:
                             break
                 except NoCurrentWeights as e:
@@ -250,6 +256,7 @@ class WorkerSupervisor:
                     return
                 slot.restarts += 1
                 slot.failed_restarts = 0
+                slot.weight_version = version
                 await self._set_state(slot, "ready")
                 self._watch(slot)
                 return
@@ -266,12 +273,12 @@ class WorkerSupervisor:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
 
-    async def _load_current(self, actor, slot: WorkerSlot) -> str:
+    async def _load_current(self, actor, slot: WorkerSlot, version: int) -> str:
         if self._weights_ref is None:
             return await actor.weights_digest.remote()
         if self._weights_ref is not FROM_PEER:
             try:
-                return await actor.update_weights.remote(self._weights_ref, self.digest)
+                return await actor.update_weights.remote(self._weights_ref, self.digest, version)
             except (ObjectLostError, RayTaskError) as e:
                 if not isinstance(getattr(e, "cause", e), ObjectLostError):
                     raise
@@ -281,13 +288,14 @@ class WorkerSupervisor:
         if not peers:
             raise NoCurrentWeights("no live worker holds the current weights (and their sender's copy is gone)")
         self._weights_ref = peers[0].actor.state_dict.remote()
-        return await actor.update_weights.remote(self._weights_ref, self.digest)
+        return await actor.update_weights.remote(self._weights_ref, self.digest, version)
 
     # -- status and shutdown -----------------------------------------------------------------------
 
     def worker_stats(self) -> list[dict]:
         return [{"index": s.index, "state": s.state, "in_flight": s.in_flight, "completed": s.completed,
-                 "restarts": s.restarts, "failed_restarts": s.failed_restarts, "error": s.error, "pid": s.info.get("pid"), "gpu": s.info.get("gpu")}
+                 "restarts": s.restarts, "failed_restarts": s.failed_restarts, "error": s.error,
+                 "weight_version": s.weight_version, "pid": s.info.get("pid"), "gpu": s.info.get("gpu")}
                 for s in self.slots]
 
     async def shutdown(self) -> None:

@@ -58,6 +58,7 @@ class SyncPlan:
     group_id: str | None = None
     new_group: bool = True
     gpu_uuid: str | None = None
+    version: int | None = None  # the version id the receivers stamp later tokens with; set by the pool
 
     @property
     def bucket_numel(self) -> int:

@@ -19,6 +19,7 @@ from rollout_service.engine.config import ParallelConfig, split_worker_options
 from rollout_service.engine.engine import Engine, load_model
 from rollout_service.engine.tp import create_tp_group
 from rollout_service.params import Rollout
+from rollout_service.service.switch_modes import SWITCH_IN_FLIGHT, check_switch_mode, engine_switch_modes
 from rollout_service.service.weight_sync import SyncPlan, WeightReceiver, gpu_uuid
 from rollout_service.weights import load_weights
 
@@ -106,6 +107,11 @@ class RolloutWorker:
         self._receiver: WeightReceiver | None = None  # the bucketed push in progress
         self._receiving: asyncio.Future | None = None
         self._weight_groups: dict[str, tuple] = {}  # broadcast groups kept between pushes (weight_sync)
+        # the version id of the weights the engine holds (the pool's count of adopted pushes), and each
+        # admitted request's version at admission; both touched only on the engine thread
+        self._version = 0
+        self._admitted_version: dict[str, int] = {}
+        self._switch_modes = engine_switch_modes(self._engine) if self._engine is not None else ()
 
     def _build_engine(self, model, engine_kwargs: dict | None) -> None:
         parallel, kwargs = split_worker_options(engine_kwargs)
@@ -149,7 +155,8 @@ class RolloutWorker:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "digest": await self._call(self._engine.weights_digest),
                 "canonical": await self._call(self._engine.canonical_config),
-                "spec": await self._call(spec) if spec is not None else None, "gpu": self._gpu_uuid()}
+                "spec": await self._call(spec) if spec is not None else None, "gpu": self._gpu_uuid(),
+                "switch_modes": list(self._switch_modes)}
 
     def _gpu_uuid(self) -> str | None:
         device = torch.device(getattr(self._engine, "device", "cpu"))
@@ -198,6 +205,10 @@ class RolloutWorker:
             self._early_aborts.add(key)
 
     def _resolve(self, key: str, rollout: Rollout) -> None:
+        version = self._admitted_version.pop(key, None)
+        if version is not None and SWITCH_IN_FLIGHT not in self._switch_modes:
+            # weights change only with nothing in this engine: the whole request ran on one version
+            rollout.weight_versions = [version] * len(rollout.token_ids)
         fut = self._futures.pop(key, None)
         self._prompts.pop(key, None)
         rid = self._rid_of.pop(key, None)
@@ -235,7 +246,8 @@ class RolloutWorker:
                 continue
             finally:
                 self._ticking = False
-            for key, rid in added:
+            for key, rid, version in added:
+                self._admitted_version[key] = version
                 if isinstance(rid, Exception):
                     self._resolve(key, error_rollout(self._prompts.get(key), f"{type(rid).__name__}: {rid}"))
                     continue
@@ -264,9 +276,9 @@ class RolloutWorker:
         added = []
         for key, prompt, params in admit:
             try:
-                added.append((key, self._engine.add_request(prompt, params)))
+                added.append((key, self._engine.add_request(prompt, params), self._version))
             except Exception as e:  # InvalidRequestError and anything else this request cannot pass
-                added.append((key, e))
+                added.append((key, e, None))
         for rid in aborts:
             self._engine.abort(rid)
         finished = self._engine.step() if self._engine.has_unfinished() else []
@@ -274,17 +286,28 @@ class RolloutWorker:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    async def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
-        """Load weights between requests: new requests wait, the ones in the engine finish first,
-        so no rollout mixes two weight versions. Weights that fail a check (or whose digest is not
-        `expected_digest`) are refused before anything is loaded."""
+    async def update_weights(self, state_dict, expected_digest: str | None = None, version: int | None = None,
+                             mode: str = "drain") -> str:
+        """Load weights and stamp later tokens with `version` (default: the current one + 1). Drain and
+        finish-then-switch: new requests wait and the ones in the engine finish first, so no rollout
+        mixes two versions; switch-in-flight: between two engine steps (service/switch_modes.py).
+        Weights that fail a check (or whose digest is not `expected_digest`) are refused before
+        anything is loaded."""
         self._start()
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise TypeError(f"version must be an int, got {version!r}")
+        if check_switch_mode(mode) not in self._switch_modes:
+            raise ValueError(f"this worker's engine ({type(self._engine).__name__}) cannot switch weights "
+                             f"{mode!r}; it takes {self._switch_modes}")
         async with self._update_lock:
-            await self._drain()
+            drain = mode != SWITCH_IN_FLIGHT
+            if drain:
+                await self._drain()
             try:
-                return await self._call(self._update_weights, state_dict, expected_digest)
+                return await self._call(self._update_weights, state_dict, expected_digest, version)
             finally:
-                self._resume()
+                if drain:
+                    self._resume()
 
     async def _drain(self) -> None:
         """Stop admitting requests and wait until the engine holds none."""
@@ -338,6 +361,7 @@ class RolloutWorker:
                 if error is None:
                     digest = await self._call(receiver.finish)
                     await self._call(self._engine.finish_weight_load)
+                    await self._call(self._set_version, receiver.plan.version)
                     return digest
             except Exception as e:
                 if receiver.loaded_any:  # the engine holds part of the push: only a restart mends that
@@ -392,12 +416,20 @@ class RolloutWorker:
     def _model(self):
         return self._engine.model if self._full_model is None else self._full_model
 
-    def _update_weights(self, state_dict, expected_digest: str | None) -> str:
+    def _update_weights(self, state_dict, expected_digest: str | None, version: int | None) -> str:
         self._wake_engine()
         digest = self._engine.update_weights(state_dict, expected_digest=expected_digest)
         if self._full_model is not None:
             load_weights(self._full_model, state_dict)
+        self._set_version(version)
         return digest
+
+    def _set_version(self, version: int | None) -> None:
+        """On the engine thread, right after a load: later admissions (and, in an engine that stamps
+        tokens itself, later tokens) carry `version`."""
+        self._version = self._version + 1 if version is None else version
+        if SWITCH_IN_FLIGHT in self._switch_modes:
+            self._engine.weight_version = self._version
 
     async def state_dict(self) -> dict:
         """A host copy of the current weights (how a restarted worker gets them from a ready peer

@@ -83,6 +83,9 @@ class TPEngine(Engine):
     digest is the full model's, as the trainer computes it.
     """
 
+    # its update_weights keeps the running requests' KV: weights change only with none running
+    switches_weights_in_flight = False
+
     def __init__(self, model, ctx: TPContext | None = None, **engine_kwargs):
         ctx = ctx or TPContext()
         if ctx.rank != 0:
