@@ -84,3 +84,16 @@ def local_ray():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def policy_checkpoints(tmp_path_factory):
+    """Three tiny Qwen2 policies (seeds 0, 1, 2) saved as checkpoint directories, as a trainer saves them:
+    the weight versions of the tests that switch weights under running requests."""
+    from rollout_service.tiny_models import tiny_model
+    paths = []
+    for seed in (0, 1, 2):
+        path = tmp_path_factory.mktemp(f"policy{seed}")
+        tiny_model("qwen2", seed=seed).save_pretrained(path)
+        paths.append(path)
+    return paths

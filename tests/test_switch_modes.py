@@ -7,6 +7,8 @@ client, with both policies checkpoints on disk:
   duplicated.
 - finish-then-switch: running requests finish on their version, and a worker that holds none switches
   at once and serves new requests on the new weights while another still finishes its long one.
+- two pushes sent at once, one in each mode, while requests keep coming: none is lost, duplicated or
+  mixed beyond what its stamps say.
 - bad pushes (a wrong digest, an unknown mode, a bucketed transport) are refused and the pool keeps
   serving the weights it had.
 """
@@ -21,10 +23,10 @@ from transformers import AutoModelForCausalLM
 
 import trainer_patch
 from rollout_service import SamplingParams, WeightMismatchError
+from rollout_service.weights import state_dict_digest
 from rollout_service.engine.engine import Engine
 from rollout_service.engine.tp.engine import TPEngine
 from rollout_service.service.switch_modes import SWITCH_MODES, engine_switch_modes
-from rollout_service.tiny_models import tiny_model
 
 ray = pytest.importorskip("ray")
 from rollout_service import start_pool  # noqa: E402
@@ -34,12 +36,10 @@ LONG = 360  # tokens: a request still running when the push lands
 
 
 @pytest.fixture(scope="module")
-def policies(tmp_path_factory):
-    """(path, trainer model, state dict) of the old and the new policy, saved and loaded the usual way."""
+def policies(policy_checkpoints):
+    """(path, trainer model, state dict) of three policies: checkpoints on disk, loaded the usual way."""
     out = []
-    for seed in (0, 1):
-        path = tmp_path_factory.mktemp(f"policy{seed}")
-        tiny_model("qwen2", seed=seed).save_pretrained(path)
+    for path in policy_checkpoints:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         out.append((path, model, model.state_dict()))
     return out
@@ -94,6 +94,13 @@ def _wait_until_running(pool, n: int, settle_s: float = 0.3):
     time.sleep(settle_s)  # past admission and prefill: tokens are being generated
 
 
+def _wait_all_ready(pool):
+    deadline = time.monotonic() + 120
+    while any(w["state"] != "ready" for w in pool.stats()["workers"]):  # a killed worker is back
+        assert time.monotonic() < deadline, pool.stats()["workers"]
+        time.sleep(0.05)
+
+
 def test_engines_declare_the_modes_they_can_serve():
     assert engine_switch_modes(object.__new__(Engine)) == SWITCH_MODES
     # a tensor-parallel engine keeps its requests' KV across a load: never in flight
@@ -134,10 +141,7 @@ def test_finish_then_switch_finishes_old_requests_and_serves_new_ones_at_once(po
     old_version = _on_old(pool, policies)
     new_version = old_version + 1
     models = {old_version: policies[0][1], new_version: policies[1][1]}
-    deadline = time.monotonic() + 60
-    while any(w["state"] != "ready" for w in pool.stats()["workers"]):  # the killed worker is back
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _wait_all_ready(pool)
     # one long request holds one worker; the other worker is idle
     ref, _ = pool.submit(*_requests(1, LONG, first_seed=800))
     _wait_until_running(pool, 1)
@@ -176,3 +180,45 @@ def test_refused_pushes_keep_the_old_weights(pool, policies, mode):
     after = pool.generate(prompts, params)
     assert [r.logprobs for r in after] == [r.logprobs for r in before]
     assert all(set(r.weight_versions) == {old_version} for r in after)
+
+
+def test_concurrent_pushes_in_both_modes_lose_and_mix_nothing(pool, policies):
+    """Waves of requests while two pushes, one switch-in-flight and one finish-then-switch, are sent at once
+    from two threads: the pool takes them one after the other, every request comes back once, and each token
+    is the trainer's under the version it is stamped with."""
+    base = _on_old(pool, policies)
+    _wait_all_ready(pool)
+    got, errors = {}, []
+
+    def waves():
+        for w in range(4):
+            for i, r in enumerate(pool.generate(*_requests(8, 40, first_seed=2000 + 8 * w), timeout=600)):
+                assert 8 * w + i not in got
+                got[8 * w + i] = r
+
+    def push(state_dict, mode):
+        try:
+            pool.update_weights(state_dict, mode=mode)
+        except Exception as e:  # reported below: a thread's exception would be lost
+            errors.append(e)
+
+    sender = threading.Thread(target=waves)
+    sender.start()
+    _wait_until_running(pool, 8, settle_s=0.1)
+    pushers = [threading.Thread(target=push, args=(policies[1][2], "switch-in-flight")),
+               threading.Thread(target=push, args=(policies[2][2], "finish-then-switch"))]
+    for t in pushers:
+        t.start()
+    for t in pushers + [sender]:
+        t.join(timeout=600)
+    assert not errors and pool.stats()["weight_version"] == base + 2
+    last = [state_dict_digest(p[2]) for p in policies].index(pool.weights_digest())  # the push taken second
+    assert last in (1, 2)
+    models = {base: policies[0][1], base + 1: policies[3 - last][1], base + 2: policies[last][1]}
+    assert sorted(got) == list(range(32))
+    seen = set()
+    for r in got.values():
+        assert r.ok and len(r.token_ids) == 40
+        _check_tokens(r, models)
+        seen |= set(r.weight_versions)
+    assert {base, base + 2} <= seen

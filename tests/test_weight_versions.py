@@ -14,20 +14,14 @@ from transformers import AutoModelForCausalLM
 import trainer_patch
 from rollout_service import Engine, SamplingParams
 from rollout_service.engine.scheduler import Scheduler
-from rollout_service.tiny_models import tiny_model
 
 TEMPERATURE = 1.0
 NEW_VERSION = 7
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    paths = []
-    for seed in (0, 1):
-        path = tmp_path_factory.mktemp(f"policy{seed}")
-        tiny_model("qwen2", seed=seed).save_pretrained(path)
-        paths.append(path)
-    return paths
+def checkpoints(policy_checkpoints):
+    return policy_checkpoints[:2]
 
 
 def _trainer(path):
