@@ -9,7 +9,8 @@
 Each round runs the recipe once per arm, taking turns (these machines are noisy): `canonical` (the
 config as it is, KL 0) and `stock` (numerics=stock: the stock engine's rollouts, the unpatched model
 under FSDP2, old log-probs recomputed); `--arms canonical,async` adds `async` (train.async_steps=1:
-the next step's rollouts generated while the trainer steps; split placement). Per arm and round: the median over the steps after the first
+the next step's rollouts generated while the trainer steps; split placement) and `async-in-flight` (the
+same, its pushes landing in the rollouts in flight: native engines, object store). Per arm and round: the median over the steps after the first
 (compiles, warm caches) of rollout, train, weight sync, engine sleep and step seconds (checkpoint
 writes left out), tokens/s, and
 the largest KL and max |Δ log-prob| of any step; per round the paired ratios stock step / canonical
@@ -28,10 +29,13 @@ from pathlib import Path
 from recipes.metrics import STEP_PARTS, read_metrics, step_medians
 
 ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"],
-        "async": ["train.async_steps=1"]}
+        "async": ["train.async_steps=1"],
+        "async-in-flight": ["train.async_steps=1", "trainer.weight_switch=switch-in-flight",
+                            "trainer.weight_sync=object_store"]}
 # (numerator arm, denominator arm) of each paired ratio of step times, per round
 RATIOS = {"stock_over_canonical_step": ("stock", "canonical"),
-          "canonical_over_async_step": ("canonical", "async")}
+          "canonical_over_async_step": ("canonical", "async"),
+          "canonical_over_async_in_flight_step": ("canonical", "async-in-flight")}
 CPU_SMOKE = ["warmup.steps=10", "train.prompts_per_step=8", "metrics.wandb=false"]
 
 

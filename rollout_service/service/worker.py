@@ -107,8 +107,8 @@ class RolloutWorker:
         self._receiver: WeightReceiver | None = None  # the bucketed push in progress
         self._receiving: asyncio.Future | None = None
         self._weight_groups: dict[str, tuple] = {}  # broadcast groups kept between pushes (weight_sync)
-        # the version id of the weights the engine holds (the pool's count of adopted pushes), and each
-        # admitted request's version at admission; both touched only on the engine thread
+        # the version id of the weights the engine holds (the pool's count of adopted pushes; set and read
+        # on the engine thread only), and each admitted request's version at admission (event loop)
         self._version = 0
         self._admitted_version: dict[str, int] = {}
         self._switch_modes = engine_switch_modes(self._engine) if self._engine is not None else ()
