@@ -152,15 +152,8 @@ class _PoolActor:
         (names, shapes, finite values, the `expected` digest) before loading anything; the pool adopts
         them once every worker has answered, so a refused push leaves every worker on the weights it had."""
         ref = weights_box[0]
-        if check_switch_mode(mode) == DRAIN:
-            async with self._exclusive():
-                slots = self._sync_slots()
-                version = self.workers.weight_version + 1
-                results = await asyncio.gather(*(s.actor.update_weights.remote(ref, expected, version)
-                                                 for s in slots), return_exceptions=True)
-                causes = [r.cause if isinstance(r, RayTaskError) else r for r in results]
-                return await self._settle(slots, causes, expected, ref)
-        async with self._update_lock:
+        # drain: nothing dispatched and nothing in flight meanwhile; the other modes: pushes one at a time
+        async with (self._exclusive() if check_switch_mode(mode) == DRAIN else self._update_lock):
             slots = self._sync_slots()
             cannot = [s.index for s in slots if mode not in s.info.get("switch_modes", ())]
             if cannot:
