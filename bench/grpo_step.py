@@ -14,7 +14,9 @@ same, its pushes landing in the rollouts in flight: native engines, object store
 (compiles, warm caches) of rollout, train, weight sync, engine sleep and step seconds (checkpoint
 writes left out), tokens/s, and
 the largest KL and max |Δ log-prob| of any step; per round the paired ratios stock step / canonical
-step (above 1: zero KL is faster) and canonical step / async step (the asynchronous speed-up). Progress goes to stderr, the JSON to stdout; --plot draws the split.
+step (above 1: zero KL is faster) and canonical step / async step (the asynchronous speed-up), and
+samples per second; per round, for the async arms, the seconds of steps each arm took to reach the same
+reward (time_to_reward). Progress goes to stderr, the JSON to stdout; --plot draws the split.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", 
 RATIOS = {"stock_over_canonical_step": ("stock", "canonical"),
           "canonical_over_async_step": ("canonical", "async"),
           "canonical_over_async_in_flight_step": ("canonical", "async-in-flight")}
+REWARD_WINDOW = 3  # steps in the trailing mean that time-to-reward compares (rewards are noisy step to step)
 CPU_SMOKE = ["warmup.steps=10", "train.prompts_per_step=8", "metrics.wandb=false"]
 
 
@@ -59,11 +62,38 @@ def summarise(records: list[dict]) -> dict:
     out["max_abs_logprob_diff"] = max(r["rollout_train/max_abs_logprob_diff"] for r in records)
     out["reward_first_last"] = [records[0]["reward/mean"], records[-1]["reward/mean"]]
     out["steps"] = len(records)
+    seconds = [r["perf/step_s"] - r.get("perf/checkpoint_s", 0.0) for r in records]
+    out["samples_per_s"] = statistics.median(r["rollout/samples"] / s for r, s in zip(steady, seconds[-len(steady):]))
+    elapsed = [sum(seconds[:i + 1]) for i in range(len(seconds))]  # every step's work, the first included
+    out["reward_curve"] = [[round(t, 4), r["reward/mean"]] for t, r in zip(elapsed, records)]
     return out
+
+
+def smoothed(curve: list[list[float]], width: int = REWARD_WINDOW) -> list[tuple[float, float]]:
+    """(elapsed seconds, mean reward of the last `width` steps) from each step on where there are `width`."""
+    return [(curve[i][0], statistics.fmean(r for _, r in curve[i + 1 - width:i + 1]))
+            for i in range(width - 1, len(curve))]
+
+
+def time_to_reward(row: dict, arms: tuple[str, str]) -> dict | None:
+    """Seconds of steps each arm took to reach the same reward: the lower of the two arms' last smoothed
+    reward (both reached it), as the first step where an arm's smoothed reward is at or above it."""
+    if not all(a in row and len(row[a].get("reward_curve", [])) >= REWARD_WINDOW for a in arms):
+        return None
+    curves = {a: smoothed(row[a]["reward_curve"]) for a in arms}
+    target = min(c[-1][1] for c in curves.values())
+    reached = {a: next(t for t, r in c if r >= target) for a, c in curves.items()}
+    return {"target_reward": target, **{f"{a}_s": reached[a] for a in arms},
+            f"{arms[0]}_over_{arms[1]}": reached[arms[0]] / reached[arms[1]]}
 
 
 def with_ratios(result: dict) -> dict:
     """Each round's RATIOS where it has both arms, and their medians."""
+    for row in result["rounds"]:
+        for num, den in (("canonical", "async"), ("canonical", "async-in-flight")):
+            reached = time_to_reward(row, (num, den))
+            if reached is not None:
+                row[f"time_to_reward_{num}_vs_{den}"] = reached
     for name, (num, den) in RATIOS.items():
         for row in result["rounds"]:
             if num in row and den in row:

@@ -2,9 +2,11 @@
 
     python -m bench.weight_sync --model qwen1.5b --transports object_store,ipc          # one GPU, colocated
     python -m bench.weight_sync --model qwen1.5b --transports object_store,broadcast --separate-gpus
+    python -m bench.weight_sync --model qwen1.5b --transports ipc,ipc:streamed --backend vllm
 
-The pool has one native-engine worker on a GPU (sharing the sender's GPU, or on a GPU of its own with
---separate-gpus); the sender is this process, holding a bf16 state dict on its GPU, as a trainer
+An arm is a transport, staged (the whole push in one buffer on the sender: weight_sync's rule) or,
+with ":streamed", bucket by bucket (stage_bytes=0). The pool has one worker on a GPU, native or vLLM
+(--backend; sharing the sender's GPU, or on a GPU of its own with --separate-gpus); the sender is this process, holding a bf16 state dict on its GPU, as a trainer
 rank does after gathering. Transports take turns push by push (machines are noisy), each push's
 digest is checked, and every figure is measured in this run: seconds per push (median), GB/s, and
 the copy limit (a device-to-device copy of the same bytes on the same link). The sender's check pass
@@ -73,13 +75,14 @@ def main() -> None:
     ap.add_argument("--separate-gpus", action="store_true", help="the worker on a GPU of its own")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--backend", choices=["native", "vllm"], default="native", help="the worker's engine")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (gloo, host copies)")
     args = ap.parse_args()
 
     import ray
 
     from rollout_service import start_pool
-    from rollout_service.service.weight_sync import fingerprint_entries
+    from rollout_service.service.weight_sync import DEFAULT_STAGE_BYTES, fingerprint_entries
     from rollout_service.weights import state_dict_digest
 
     transports = args.transports.split(",")
@@ -89,10 +92,11 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False)
     on_gpu = args.device == "cuda"
     resources = {"num_cpus": 1, "num_gpus": (1 if args.separate_gpus else 0.5)} if on_gpu else {"num_cpus": 1}
+    engine = {"native": {"kv_cache_tokens": 4096, "cuda_graphs": False},  # pushes only: nothing to capture
+              "vllm": {"gpu_memory_utilization": 0.3} if on_gpu else {}}[args.backend]
     pool = start_pool(start_model, num_workers=1, name="bench-weight-sync",
-                      engine_kwargs={"device": args.device, "backend": "native", "kv_cache_tokens": 4096,
-                                     "cuda_graphs": False},  # pushes only: nothing to capture
-                      resources_per_worker=resources)
+                      engine_kwargs={"device": args.device, "backend": args.backend, **engine},
+                      resources_per_worker=resources, start_timeout_s=600)
     progress("pool started")
     try:
         sender = receiver = torch.device("cpu")
@@ -115,9 +119,11 @@ def main() -> None:
         seconds = {tr: [] for tr in transports}
         for r in range(args.repeats + 1):  # round 0 warms up; every push rewrites all the weights
             for tr in transports:
-                sd = on_device if tr != "object_store" else on_host  # object_store: as the trainer had it
+                transport, _, how = tr.partition(":")
+                sd = on_device if transport != "object_store" else on_host  # object_store: as the trainer had it
+                stage = {"": DEFAULT_STAGE_BYTES, "streamed": 0}[how]
                 t = time.perf_counter()
-                got = pool.update_weights(sd, transport=tr, bucket_bytes=args.bucket_mb << 20)
+                got = pool.update_weights(sd, transport=transport, bucket_bytes=args.bucket_mb << 20, stage_bytes=stage)
                 dt = time.perf_counter() - t
                 progress(f"round {r} {tr}: {dt:.3f}s")
                 assert got == digests["pushed"], (tr, got)
@@ -125,7 +131,7 @@ def main() -> None:
                     seconds[tr].append(dt)
         limit = copy_limit_s(nbytes, sender, receiver)
         out = {"model": args.model, "bytes": nbytes, "separate_gpus": args.separate_gpus,
-               "bucket_mb": args.bucket_mb,
+               "bucket_mb": args.bucket_mb, "backend": args.backend,
                "device": torch.cuda.get_device_name(sender) if on_gpu else "cpu",
                "sender_check_s": round(check_s, 4), "copy_limit_s": round(limit, 5),
                "copy_limit_gb_s": round(nbytes / limit / 1e9, 1), "transports": {}}
@@ -133,6 +139,11 @@ def main() -> None:
             med = statistics.median(times)
             out["transports"][tr] = {"seconds": [round(x, 4) for x in times], "median_s": round(med, 4),
                                      "gb_s": round(nbytes / med / 1e9, 2)}
+        for tr in transports:  # push by push, the streamed form against the staged one of the same round
+            if tr + ":streamed" in seconds:
+                ratios = [a / b for a, b in zip(seconds[tr + ":streamed"], seconds[tr])]
+                out["transports"][tr]["streamed_over_staged"] = {
+                    "per_round": [round(x, 3) for x in ratios], "median": round(statistics.median(ratios), 3)}
         print(json.dumps(out))
     finally:
         pool.shutdown()

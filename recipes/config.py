@@ -179,6 +179,9 @@ class TrainerConfig:
     ipc. auto: ipc if they share rank 0's GPU, broadcast if they have GPUs of their own, else object_store."""
     weight_bucket_mb: int = 256
     """Bucket size of broadcast / ipc pushes, in MiB; at least 1."""
+    weight_stage_mb: int = 8192
+    """Broadcast / ipc pushes whose bf16 weights fit in this many MiB are staged whole on rank 0's device:
+    the weights are read once, not twice, and ipc workers take the push in one call. 0 = always in buckets."""
     weight_switch: str = "drain"
     """When a push takes effect for rollouts in flight (rollout_service/service/switch_modes.py): drain |
     finish-then-switch | switch-in-flight (native engines); other than drain needs weight_sync object_store."""
@@ -410,6 +413,8 @@ def _check_values(cfg: RecipeConfig) -> None:
         raise ConfigError("rollout.start_timeout_s must be > 0")
     if tr.weight_bucket_mb < 1:
         raise ConfigError("trainer.weight_bucket_mb must be >= 1")
+    if tr.weight_stage_mb < 0:
+        raise ConfigError("trainer.weight_stage_mb must be >= 0")
     if tr.num_ranks < 1 or tr.mini_batches < 1:
         raise ConfigError("trainer.num_ranks and trainer.mini_batches must be >= 1")
     if train.prompts_per_step % tr.mini_batches:

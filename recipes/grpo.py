@@ -201,7 +201,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             metrics.update({f"perf/sync_{phase}_s": s for phase, s in sync["phases"].items()})
             metrics.update({"data/cursor": cursor, "rollout/digest": rollouts_digest(rollouts),
                             "weights/digest": sync["digest"], "weights/version": sync["version"],
-                            "weights/transport": sync["transport"]})
+                            "weights/transport": sync["transport"], "weights/staged": sync["staged"]})
             if loop_cfg.save_rollouts:
                 _save_rollouts(run_dir, step, rollouts, rewards.view(-1).tolist())
             every = loop_cfg.save_every

@@ -88,6 +88,7 @@ def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_toke
         **({} if trainer_version is None else staleness(rollouts, trainer_version)),
         **combine_agreement([p for r in results for p in r["agreement"]]),
         "reward/mean": float(rewards.mean()),
+        "rollout/samples": len(rollouts),
         "reward/accuracy": float((rewards >= 1.0).float().mean()),
         "reward/solved_groups": float((rewards.max(dim=1).values >= 1.0).float().mean()),
         "response/length_mean": gen_tokens / len(rollouts),

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import kernels as K
 from rollout_service.service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,
-                                         iter_full_tensors)
+                                         iter_full_tensors, stages_whole)
 from rollout_service.weights import state_dict_digest
 from trainer_patch import patch_model, stock_token_logprobs, token_logprobs
 
@@ -232,9 +232,10 @@ class TrainerRank:
         (connect: the pool found and the transport chosen; bucketed pushes: check, begin, send, finish).
 
         object_store: the full bf16 state dict on rank 0's host, through ray.put. broadcast / ipc
-        (rollout_service.service.weight_sync): one parameter gathered at a time on the device, twice: first
-        for every check (finite, fingerprints, the pool's names and shapes), then bucket by bucket
-        to the workers, so a refused push never reaches them."""
+        (rollout_service.service.weight_sync): one parameter gathered at a time on the device, into a
+        stage of the whole push on rank 0 (once) or bucket by bucket (twice: first for every check,
+        then to send); either way every check (finite, fingerprints, the pool's names and shapes)
+        passes before anything reaches a worker."""
         from rollout_service import RolloutClient  # imports ray
 
         start = time.perf_counter()
@@ -247,13 +248,13 @@ class TrainerRank:
                 return None
             digest = state_dict_digest(sd)
             pool_digest = client.update_weights(sd, expected_digest=digest, mode=self.cfg.weight_switch)
-            phases = {}
+            phases, staged = {}, None
         else:
-            digest, phases = self._push_bucketed(client, transport)
+            digest, phases, staged = self._push_bucketed(client, transport)
             pool_digest = digest
         if self.rank != 0:
             return None
-        return {"digest": digest, "pool_digest": pool_digest, "transport": transport,
+        return {"digest": digest, "pool_digest": pool_digest, "transport": transport, "staged": staged,
                 "seconds": time.perf_counter() - start, "phases": {"connect": connected - start, **phases}}
 
     def _transport(self, client) -> str:
@@ -266,18 +267,23 @@ class TrainerRank:
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def _push_bucketed(self, client, transport: str) -> tuple[str | None, dict]:
-        """(the digest the pool holds, on rank 0; the seconds of each phase: check, begin, send, finish)."""
+    def _push_bucketed(self, client, transport: str) -> tuple[str | None, dict, bool]:
+        """(the digest the pool holds, on rank 0; the seconds of each phase: check, begin, send, finish;
+        whether the push was staged).
+        Staged (weight_sync.stages_whole) the weights are gathered once; streamed, once to check and once
+        to send. Every rank takes part in every gather, in step."""
         sender = WeightSender(client, transport, self.cfg.weight_bucket_mb << 20) if self.rank == 0 else None
+        numel = sum(t.numel() for t in self.model.state_dict().values())  # global shapes: every rank agrees
+        staged = stages_whole(numel, self.cfg.weight_stage_mb << 20)
         verdict = [None]
         start = time.perf_counter()
         try:
-            tensors = iter_full_tensors(self.model)  # every rank takes part in every gather, in step
+            tensors = iter_full_tensors(self.model)
             if sender is None:
                 for _ in tensors:
                     pass
             else:
-                entries = fingerprint_entries(tensors, sender.bucket_bytes)
+                entries = sender.stage(tensors, numel) if staged else fingerprint_entries(tensors, sender.bucket_bytes)
                 checked = time.perf_counter()
                 sender.begin(entries)
         except Exception as e:  # refused before anything was sent: every rank stops here
@@ -286,13 +292,13 @@ class TrainerRank:
             dist.broadcast_object_list(verdict, src=0)
         if verdict[0] is not None:
             raise verdict[0]
-        tensors = iter_full_tensors(self.model)
+        tensors = None if staged else iter_full_tensors(self.model)
         if sender is None:
-            for _ in tensors:  # the gathers rank 0 sends from
+            for _ in tensors or ():  # the gathers rank 0 sends from
                 pass
-            return None, {}
+            return None, {}, staged
         digest = sender.complete(tensors)
-        return digest, {"check": checked - start, **sender.seconds}
+        return digest, {"check": checked - start, **sender.seconds}, staged
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`."""

@@ -36,6 +36,8 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
         assert arm["steps"] == 2 and arm["step_s"] > 0 and arm["rollout_s"] > 0 and arm["train_s"] > 0
         assert set(arm["sync_phases_s"]) == {"connect", "check", "begin", "send", "finish"}
         assert sum(arm["sync_phases_s"].values()) <= arm["weight_sync_s"] * 1.0001
+        assert arm["samples_per_s"] > 0 and len(arm["reward_curve"]) == 2
+        assert arm["reward_curve"][0][0] < arm["reward_curve"][1][0]  # elapsed seconds, rising
     assert row["stock_over_canonical_step"] == stock["step_s"] / canonical["step_s"]
     assert out["stock_over_canonical_step_median"] == row["stock_over_canonical_step"]
 
@@ -47,3 +49,20 @@ def test_merge_refuses_runs_that_do_not_pair():
         merge([run, {**run, "steps": 4}])
     with pytest.raises(ValueError, match="twice"):
         merge([run, run])
+
+
+def test_time_to_reward_is_the_first_step_at_the_reward_both_arms_reached():
+    from bench.grpo_step import time_to_reward, with_ratios
+    # rewards per step, one second a step (sync) and half a second (async); trailing means of 3 steps
+    sync = [[float(i + 1), r] for i, r in enumerate([0.1, 0.2, 0.3, 0.5, 0.6, 0.7])]  # last mean 0.6
+    fast = [[0.5 * (i + 1), r] for i, r in enumerate([0.1, 0.1, 0.2, 0.3, 0.4, 0.5])]  # last mean 0.4
+    row = {"canonical": {"reward_curve": sync, "step_s": 1.0}, "async": {"reward_curve": fast, "step_s": 0.5}}
+    got = time_to_reward(row, ("canonical", "async"))
+    assert got["target_reward"] == pytest.approx(0.4)
+    assert got["canonical_s"] == 5.0  # mean(0.3, 0.5, 0.6) = 0.467 at step 5; step 4's is 0.333
+    assert got["async_s"] == 3.0  # reached at its last step
+    assert got["canonical_over_async"] == 5.0 / 3.0
+    out = with_ratios({"rounds": [row]})
+    assert out["rounds"][0]["time_to_reward_canonical_vs_async"] == got
+    assert out["canonical_over_async_step_median"] == 2.0
+    assert time_to_reward({"canonical": row["canonical"]}, ("canonical", "async")) is None

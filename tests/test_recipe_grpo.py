@@ -69,14 +69,17 @@ def test_resume_reproduces_next_step_bitwise(verified_run, tmp_path):
     assert again["weights/digest"] == records[2]["weights/digest"]  # the update after it, too
 
 
-def test_broadcast_weight_sync_carries_the_same_weights(verified_run, tmp_path):
-    """trainer.weight_sync=broadcast (one parameter gathered at a time from the 2 FSDP2 ranks, then
-    buckets over a gloo group) lands the bits the object store does: the same weights and the same
-    rollouts at every step."""
+@pytest.mark.parametrize("stage_mb", [8192, 0], ids=["staged", "streamed"])
+def test_broadcast_weight_sync_carries_the_same_weights(verified_run, tmp_path, stage_mb):
+    """trainer.weight_sync=broadcast (one parameter gathered at a time from the 2 FSDP2 ranks, into a
+    stage of the whole push or bucket by bucket, then buckets over a gloo group) lands the bits the
+    object store does: the same weights and the same rollouts at every step."""
     _, records = verified_run
-    cfg = load_config(TINY, SHORT + [f"run_dir={tmp_path}", "metrics.wandb=false", "trainer.weight_sync=broadcast"])
+    cfg = load_config(TINY, SHORT + [f"run_dir={tmp_path}", "metrics.wandb=false", "trainer.weight_sync=broadcast",
+                                     f"trainer.weight_stage_mb={stage_mb}"])
     again = run(cfg, progress=False)["records"]
     assert [r["weights/transport"] for r in again] == ["broadcast"] * 3
+    assert [r["weights/staged"] for r in again] == [stage_mb > 0] * 3
     assert [r["weights/transport"] for r in records] == ["object_store"] * 3  # auto on CPU
     assert [r["weights/digest"] for r in again] == [r["weights/digest"] for r in records]
     assert [r["rollout/digest"] for r in again] == [r["rollout/digest"] for r in records]

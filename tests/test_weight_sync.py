@@ -17,7 +17,7 @@ from service_shared import ENGINE_KWARGS, assert_same  # noqa: E402
 from rollout_service import Engine, SamplingParams, start_pool  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,  # noqa: E402
-                                         iter_full_tensors, plan_buckets)
+                                                 iter_full_tensors, plan_buckets, stages_whole)
 from rollout_service.weights import (WeightMismatchError, model_digest, state_dict_digest,  # noqa: E402
                                      tensor_fingerprint)
 
@@ -135,6 +135,28 @@ def test_sender_check_packs_buckets_and_names_what_is_not_finite():
         fingerprint_entries([*named, ("step", torch.tensor([3]))])
 
 
+def test_staged_pass_checks_what_the_check_pass_checks():
+    """stage() (one pass into a buffer of the whole push) gives the check pass's rows and refusals."""
+    sd = tiny_model("qwen2").state_dict()
+    named = list(sd.items())
+    numel = sum(t.numel() for t in sd.values())
+    sender = WeightSender(None, "broadcast")
+    assert sender.stage(named, numel) == fingerprint_entries(named)
+    assert sender._stage.numel() == numel
+    name = "model.layers.0.mlp.up_proj.weight"
+    broken = {**sd, name: sd[name].clone()}
+    broken[name][1, 2] = float("nan")
+    with pytest.raises(WeightMismatchError, match="finite") as e:
+        WeightSender(None, "broadcast").stage(broken.items(), numel)
+    assert name in str(e.value) and "down_proj" not in str(e.value)
+    with pytest.raises(WeightMismatchError, match="step"):
+        WeightSender(None, "broadcast").stage([*named, ("step", torch.tensor([3]))], numel)
+    for wrong in (numel - 1, numel + 1):
+        with pytest.raises(ValueError, match="announced"):
+            WeightSender(None, "broadcast").stage(named, wrong)
+    assert stages_whole(numel, 2 * numel) and not stages_whole(numel, 2 * numel - 1)
+
+
 def test_state_dict_digest_names_shapes_and_order():
     sd = tiny_model("qwen2").state_dict()
     digest = state_dict_digest(sd)
@@ -217,8 +239,9 @@ def _bad_pushes(sd):
             (sd, {"expected_digest": "0" * 32}, "expected 0000")]
 
 
-@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
-def test_push_lands_bitwise_and_refused_pushes_change_nothing(pool, reqs, transport):
+@pytest.mark.parametrize("transport,stage_bytes", [("object_store", 0), ("broadcast", 1 << 30), ("broadcast", 0)],
+                         ids=["object_store", "broadcast-staged", "broadcast-streamed"])
+def test_push_lands_bitwise_and_refused_pushes_change_nothing(pool, reqs, transport, stage_bytes):
     old, new = shared.model(), tiny_model("qwen2", seed=2)
     before = _engine_rollouts(old, reqs)
     after = _engine_rollouts(new, reqs)
@@ -227,16 +250,17 @@ def test_push_lands_bitwise_and_refused_pushes_change_nothing(pool, reqs, transp
     sd = new.state_dict()
     for bad, kwargs, words in _bad_pushes(sd):
         with pytest.raises(WeightMismatchError, match=words):
-            pool.update_weights(bad, transport=transport, **kwargs)
+            pool.update_weights(bad, transport=transport, stage_bytes=stage_bytes, **kwargs)
         # refused before any worker loaded anything: the old weights keep serving
         assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
         assert_same(pool.generate(*reqs), before, f"after a refused {transport} push ({words})")
     assert all(w["state"] == "ready" and w["restarts"] == 0 for w in pool.stats()["workers"])
 
-    assert pool.update_weights(sd, transport=transport) == state_dict_digest(sd) == model_digest(new)
+    push = dict(transport=transport, stage_bytes=stage_bytes)
+    assert pool.update_weights(sd, **push) == state_dict_digest(sd) == model_digest(new)
     assert _worker_digests(pool) == [model_digest(new)] * 2
     assert_same(pool.generate(*reqs), after, f"after a {transport} push")
-    assert pool.update_weights(old.state_dict(), transport=transport) == model_digest(old)  # and back
+    assert pool.update_weights(old.state_dict(), **push) == model_digest(old)  # and back
     assert_same(pool.generate(*reqs), before, f"back on the old weights by {transport}")
 
 

@@ -11,7 +11,8 @@ from ray.exceptions import RayTaskError
 from rollout_service.params import Rollout, SamplingParams, check_batch
 from rollout_service.service.ray_cluster import init_ray, original_error
 from rollout_service.service.switch_modes import check_switch_mode
-from rollout_service.service.weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS, choose_transport, push_state_dict
+from rollout_service.service.weight_sync import (DEFAULT_BUCKET_BYTES, DEFAULT_STAGE_BYTES, TRANSPORTS, choose_transport,
+                                                 push_state_dict)
 from rollout_service.weights import WeightMismatchError, check_state_dict_types, state_dict_digest
 
 # Named actors are per namespace; a fixed one lets every job in the cluster find the pool.
@@ -93,13 +94,15 @@ class RolloutClient:
     # -- weights and status ----------------------------------------------------------------------
 
     def update_weights(self, state_dict, expected_digest: str | None = None, transport: str = "object_store",
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, mode: str = "drain") -> str:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, mode: str = "drain",
+                       stage_bytes: int = DEFAULT_STAGE_BYTES) -> str:
         """Load `state_dict` (name -> tensor) into every worker and return their common digest.
 
         transport: "auto" (weight_sync.choose_transport), "object_store" (the tensors enter Ray's object store once; every worker reads the
         same object), "broadcast" (a NCCL/gloo group from this process to the workers, in buckets of
-        `bucket_bytes`) or "ipc" (workers on this process's GPU read its bucket in place); see
-        rollout_service.service.weight_sync. Every check (names, shapes, finite values, `expected_digest`)
+        `bucket_bytes`) or "ipc" (workers on this process's GPU read the sender's buffer in place); see
+        rollout_service.service.weight_sync. Those two stage the whole push in one buffer on this process's
+        device when it fits in `stage_bytes` (0: bucket by bucket, holding one bucket). Every check (names, shapes, finite values, `expected_digest`)
         passes before any worker loads anything: a refused push raises WeightMismatchError and every
         worker keeps serving the weights it had.
 
@@ -118,7 +121,7 @@ class RolloutClient:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {transport!r}")
         if transport != "object_store":
-            return push_state_dict(self, state_dict, transport, expected_digest, bucket_bytes)
+            return push_state_dict(self, state_dict, transport, expected_digest, bucket_bytes, stage_bytes)
         digest = state_dict_digest(state_dict)
         if expected_digest is not None and digest != expected_digest:
             raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")

@@ -7,6 +7,13 @@ follow, and each side's half of the two device transports.
   handle (colocated rollout and training). It has no CPU form: there the object store's shared
   memory is that path ("object_store": the whole state dict through ray.put).
 
+Two ways to feed a push (the recipe picks by size, trainer.weight_stage_mb):
+- staged: one pass casts every tensor into one buffer holding the whole push on the sender's device
+  and fingerprints it there (WeightSender.stage); the checks and the send then read that buffer. By
+  ipc it is one bucket: each worker reads all of it in one call.
+- streamed: a check pass (fingerprint_entries), then a second pass that fills one bucket at a time
+  (WeightSender.send): the sender never holds more than a bucket, at the price of gathering twice.
+
 Safety rule: nothing reaches a worker before every check has passed on the sender (names and
 shapes against the pool's model, finite values, the expected digest), so a refused push leaves every
 worker serving the weights it had. Each worker then checks every received tensor's fingerprint
@@ -27,6 +34,15 @@ from rollout_service.weights import WeightMismatchError, check_fit, digest_of_fi
 
 TRANSPORTS = ("object_store", "broadcast", "ipc")
 DEFAULT_BUCKET_BYTES = 256 << 20
+WHOLE = 1 << 62  # bucket_bytes of a plan with one bucket
+DEFAULT_STAGE_BYTES = 8 << 30
+
+
+def stages_whole(numel: int, stage_bytes: int) -> bool:
+    """Rule: a push of `numel` elements is staged when its bf16 bytes fit in `stage_bytes` (one pass
+    over the weights; the sender's device holds one more bf16 copy of them while it pushes), else it
+    is streamed in buckets (two passes, one bucket held)."""
+    return 2 * int(numel) <= int(stage_bytes)
 
 
 @dataclass(frozen=True)
@@ -204,9 +220,12 @@ class WeightSender:
     """The sender's half of one push, on the process that holds the full tensors (trainer rank 0, or
     any driver with a state dict on its device).
 
-        sender = WeightSender(client, "broadcast")
-        sender.begin(fingerprint_entries(named_tensors()), expected_digest)   # every check, then the workers wait
-        digest = sender.complete(named_tensors())                             # bucket by bucket, then the verdict
+        sender = WeightSender(client, "ipc")
+        sender.begin(sender.stage(named_tensors(), numel), expected_digest)   # staged: one pass
+        digest = sender.complete()                                            # from the stage, then the verdict
+
+        sender.begin(fingerprint_entries(named_tensors()), expected_digest)   # streamed: every check,
+        digest = sender.complete(named_tensors())                             # then bucket by bucket
 
     (push_state_dict does this for a state dict already on the device.)
     """
@@ -218,9 +237,33 @@ class WeightSender:
         self.bucket_bytes, self.timeout_s = int(bucket_bytes), float(timeout_s)
         self.plan: SyncPlan | None = None
         self._group = self._workers = self._buf = self._handle = None
+        self._stage: torch.Tensor | None = None  # the whole push, after stage()
         # where the push's time went: begin (the pool's checks, its workers drained and woken, the
         # sender's buffer), send (every bucket copied, sent, checked and loaded), finish (the verdict)
         self.seconds: dict[str, float] = {}
+
+    def stage(self, named: Iterable[tuple[str, torch.Tensor]], numel: int) -> list:
+        """The staged pass: every tensor cast to bf16 into one buffer of `numel` elements on their device
+        (consecutive, in order: the buckets' layout), then fingerprinted there in one launch; returns
+        fingerprint_entries' rows for begin(). Each tensor may be freed once the next is asked for."""
+        layout, meta, bad, used = [], [], [], 0
+        for name, t in named:
+            if not torch.is_floating_point(t):
+                bad.append(name)
+                continue
+            n = t.numel()
+            if used + n > numel:
+                raise ValueError(f"stage(): the tensors hold more than the {numel} elements announced")
+            if self._stage is None:
+                self._stage = torch.empty(numel, dtype=torch.bfloat16, device=t.device)
+            self._stage[used:used + n].copy_(t.detach().reshape(-1))
+            meta.append((name, tuple(t.shape), t.device))
+            layout.append((used, n))
+            used += n
+        if used != numel and not bad:
+            raise ValueError(f"stage(): the tensors hold {used} elements, {numel} were announced")
+        rows = packed_fingerprints(self._stage, layout).tolist() if layout else []
+        return _checked_entries(meta, rows, bad)
 
     def begin(self, entries: list[tuple[str, tuple, tuple[int, int], torch.device]],
               expected_digest: str | None = None) -> str:
@@ -232,7 +275,9 @@ class WeightSender:
         if expected_digest is not None and digest != expected_digest:
             raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
         device = entries[0][3] if entries else torch.device("cpu")
-        plan = SyncPlan(self.transport, digest, shapes, prints, plan_buckets(shapes, self.bucket_bytes),
+        # a staged push by ipc is one bucket: the workers read the whole stage in place, in one call
+        bucket_bytes = WHOLE if self._stage is not None and self.transport == "ipc" else self.bucket_bytes
+        plan = SyncPlan(self.transport, digest, shapes, prints, plan_buckets(shapes, bucket_bytes),
                         device.type, timeout_s=self.timeout_s)
         if self.transport == "ipc":
             if device.type != "cuda":
@@ -251,7 +296,8 @@ class WeightSender:
                 plan.group_id, plan.new_group = info["group_id"], info["new_group"]
                 plan.store_host, plan.store_port = info["store"]
                 self._group = join_group(plan, 0, info["world_size"], _SENDER_GROUPS, info["replaces"])
-            self._buf = torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=device)
+            self._buf = self._stage if self._stage is not None else \
+                torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=device)
             if self.transport == "ipc":
                 from torch.multiprocessing.reductions import reduce_tensor
                 self._handle = reduce_tensor(self._buf)
@@ -261,27 +307,35 @@ class WeightSender:
         self.seconds["begin"] = time.perf_counter() - start
         return digest
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The tensors in begin()'s order, each sent as soon as its bucket is full."""
+    def send(self, named: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Every bucket: streamed, the tensors in begin()'s order, each bucket sent as soon as it is full;
+        staged (named is None), slices of the stage."""
         import ray
+        if (named is None) != (self._stage is not None):
+            raise ValueError("send() takes the tensors of a streamed push, and nothing after stage()")
         start = time.perf_counter()
-        tensors = iter(named)
+        tensors = None if named is None else iter(named)
+        first = 0  # the bucket's start in the stage
         for index, bucket in enumerate(self.plan.buckets):
-            for entry in bucket:
-                name, t = next(tensors)
-                if name != entry.name:
-                    raise ValueError(f"send() got {name!r} where the plan has {entry.name!r}")
-                self._buf[entry.offset:entry.offset + entry.numel].copy_(t.detach().reshape(-1))
             n = bucket[-1].offset + bucket[-1].numel
+            if tensors is None:
+                view, first = self._buf[first:first + n], first + n
+            else:
+                for entry in bucket:
+                    name, t = next(tensors)
+                    if name != entry.name:
+                        raise ValueError(f"send() got {name!r} where the plan has {entry.name!r}")
+                    self._buf[entry.offset:entry.offset + entry.numel].copy_(t.detach().reshape(-1))
+                view = self._buf[:n]
             if self._buf.is_cuda:
                 torch.cuda.current_stream(self._buf.device).synchronize()
             if self.transport == "broadcast":
-                self._group.broadcast(self._buf[:n].view(torch.uint8), 0).wait()
-            else:
+                self._group.broadcast(view.view(torch.uint8), 0).wait()
+            else:  # ipc: streamed, the bucket buffer; staged, the stage, which is the plan's one bucket
                 ray.get([w.receive_weight_bucket.remote(self.plan.sync_id, index, self._handle) for w in self._workers])
         self.seconds["send"] = time.perf_counter() - start
 
-    def complete(self, named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    def complete(self, named: Iterable[tuple[str, torch.Tensor]] | None = None) -> str:
         """send() then finish(); a failure while sending abandons the push (abort) and is raised."""
         try:
             self.send(named)
@@ -308,7 +362,7 @@ class WeightSender:
             self._release()
 
     def _release(self) -> None:
-        self._group = self._buf = self._handle = None
+        self._group = self._buf = self._handle = self._stage = None
 
 
 def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
@@ -342,17 +396,27 @@ def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes:
     if layout:
         results.append(packed_fingerprints(buf, layout))
     rows = [row for part in results for row in part.tolist()]  # the one wait for the device
-    bad += [m[0] for m, (_, _, nonfinite) in zip(meta, rows) if nonfinite]
+    return _checked_entries(meta, rows, bad)
+
+
+def _checked_entries(meta: list, rows: list, bad: list[str]) -> list:
+    """(name, shape, fingerprint, device) per tensor from its (name, shape, device) and its fingerprint
+    row; raises naming the tensors that are not floating point (`bad`) or hold non-finite values."""
+    bad = bad + [m[0] for m, (_, _, nonfinite) in zip(meta, rows) if nonfinite]
     if bad:
         raise WeightMismatchError(f"weights must be finite floating-point tensors: {bad[:5]}")
     return [(name, shape, (a, b), device) for (name, shape, device), (a, b, _) in zip(meta, rows)]
 
 
 def push_state_dict(client, state_dict, transport: str, expected_digest: str | None = None,
-                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, stage_bytes: int = DEFAULT_STAGE_BYTES) -> str:
     """A whole state dict (tensors on the sender's device) to every worker of `client`'s pool."""
     named = list(state_dict.items())
     sender = WeightSender(client, transport, bucket_bytes)
+    numel = sum(t.numel() for _, t in named)
+    if stages_whole(numel, stage_bytes):
+        sender.begin(sender.stage(named, numel), expected_digest)
+        return sender.complete()
     sender.begin(fingerprint_entries(named, bucket_bytes), expected_digest)
     return sender.complete(named)
 

@@ -72,6 +72,7 @@ class VLLMEngine:
         self.device = torch.device(device)
         self.sleep_level = sleep_level
         self._weights_discarded = False  # see sleep()
+        self._host_copy_stream = None  # see load_named_weights
         if (self.device.type == "cuda") != torch.cuda.is_available():
             raise ValueError(f"VLLMEngine on {self.device} needs vLLM's build for it (CUDA available: "
                              f"{torch.cuda.is_available()})")
@@ -190,10 +191,24 @@ class VLLMEngine:
         return weight_spec(self.model)
 
     def load_named_weights(self, named) -> None:
-        """Into each vLLM model in place, and into the host copy that digests and restarts read."""
+        """Into each vLLM model in place, and into the host copy that digests and restarts read. On a GPU
+        the copy to the (page-locked) host copy runs on a stream of its own while vLLM loads, and is
+        waited for before returning: the caller's buffer may be reused once this returns."""
+        named = list(named)
+        if self.device.type != "cuda":
+            for target in self._targets():
+                target.load_named_weights(named)
+            copy_into(self.model, named)
+            return
+        if self._host_copy_stream is None:
+            self._host_copy_stream = torch.cuda.Stream(self.device)
+        stream = self._host_copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffer is ready on the current stream
+        with torch.cuda.stream(stream):
+            copy_into(self.model, named)
         for target in self._targets():
             target.load_named_weights(named)
-        copy_into(self.model, named)
+        stream.synchronize()
 
     def finish_weight_load(self) -> None:
         """The push is complete and checked: every weight of every engine is the host copy's."""
