@@ -64,7 +64,8 @@ def summarise(records: list[dict]) -> dict:
     out["steps"] = len(records)
     seconds = [r["perf/step_s"] - r.get("perf/checkpoint_s", 0.0) for r in records]
     out["samples_per_s"] = statistics.median(r["rollout/samples"] / s for r, s in zip(steady, seconds[-len(steady):]))
-    elapsed = [sum(seconds[:i + 1]) for i in range(len(seconds))]  # every step's work, the first included
+    # seconds of the steps after the first (it compiles and warms caches, as in the medians) up to each step
+    elapsed = [sum(seconds[1:i + 1]) for i in range(len(seconds))]
     out["reward_curve"] = [[round(t, 4), r["reward/mean"]] for t, r in zip(elapsed, records)]
     return out
 
@@ -131,7 +132,11 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     rounds = result["rounds"]
     labels = [f"{arm} r{i}" for i, r in enumerate(rounds) for arm in r if arm in ARMS]
-    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 2, 4))
+    curves = [(f"{arm} r{i}", r[arm]["reward_curve"]) for i, r in enumerate(rounds) for arm in r
+              if arm in ARMS and "reward_curve" in r[arm]]
+    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(1.6 * len(labels) + 2 + (6 if curves else 0), 4),
+                             squeeze=False)
+    ax = axes[0][0]
     bottom = [0.0] * len(labels)
     for part in STEP_PARTS:
         vals = [r[arm][f"{part}_s"] for r in rounds for arm in r if arm in ARMS]
@@ -142,6 +147,13 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel("seconds per GRPO step (median)")
     ax.set_title(f"{result['config']}: step split per arm")
     ax.legend()
+    if curves:  # reward against the seconds of steps after the first: time to the same reward
+        ax = axes[0][1]
+        for label, curve in curves:
+            ax.plot([t for t, _ in smoothed(curve)], [r for _, r in smoothed(curve)], marker="o", label=label)
+        ax.set_xlabel("seconds of steps after the first")
+        ax.set_ylabel(f"reward, mean of the last {REWARD_WINDOW} steps")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -56,7 +56,8 @@ def policies(tmp_path_factory):
         path = tmp_path_factory.mktemp(f"policy{seed}")
         tiny_model("qwen2", seed=seed, **SHAPE).save_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        out.append((str(path), model.cuda(), {k: v.clone() for k, v in model.state_dict().items()}))
+        on_host = {k: v.clone() for k, v in model.state_dict().items()}  # as a trainer pushes by object store
+        out.append((str(path), model.cuda(), on_host))
     return out
 
 
@@ -97,6 +98,9 @@ def test_finish_then_switch_with_vllm_workers(pool, policies):
     pusher = threading.Thread(target=lambda: (pool.update_weights(policies[1][2], mode="finish-then-switch"),
                                               pushed.set()))
     pusher.start()
+    while all(w["weight_version"] == old_version for w in pool.stats()["workers"]):  # the idle worker switches
+        assert time.monotonic() < deadline + 120, "no worker switched"
+        time.sleep(0.01)
     short = pool.generate(*_requests(4, 8, first_seed=900), timeout=300)
     served_during_push = not pushed.is_set()
     pusher.join(timeout=600)
