@@ -83,18 +83,44 @@ def _start_rollout_pool(cfg: RecipeConfig, model, pool_name: str, namespace: str
                       namespace=namespace, colocate_with=shared, start_timeout_s=rollout_cfg.start_timeout_s)
 
 
-def _sync(trainer, client: RolloutClient, pool_name: str, namespace: str, step: int, keep_versions: int) -> dict:
+def _sync(trainer, client: RolloutClient, pool_name: str, namespace: str, step: int, keep_versions: int,
+          overlap: bool = False) -> dict:
     """Push the trainer's weights after `step` (0: the starting weights); the result carries the pool's
     weight version that now holds them and the run's version of those weights, `step`: a pool counts
     its own pushes, a run (resumed or not) counts steps. The trainer ranks keep the newest versions
-    when asynchronous steps will score rollouts of older ones."""
-    result = trainer.push_weights(pool_name, namespace)
-    if result["pool_digest"] != result["digest"]:
-        raise WeightMismatchError(f"rollout pool holds {result['pool_digest']}, trainer has {result['digest']}")
-    result["pool_version"], result["version"] = client.stats()["weight_version"], step
+    when asynchronous steps will score rollouts of older ones.
+
+    overlap (asynchronous steps): a staged push returns once its checks have passed and the pool has
+    drained, and sends behind the next train step; the next call (or _landed at the end) first waits for
+    it and checks that it landed. Its seconds ("seconds") are what the caller waited for: that wait,
+    then this push up to its send; "behind_send" / "behind_finish" in phases ran behind the last step."""
+    start = time.perf_counter()
+    last = _landed(trainer)
+    result = trainer.push_weights(pool_name, namespace, overlap)
+    if not result["sending"]:
+        _check_landed(result)
+    if result["pool_version"] is None:
+        result["pool_version"] = client.stats()["weight_version"]
+    result["version"] = step
     if keep_versions:
         trainer.keep_version(step, keep_versions)
+    if last is not None:
+        result["phases"].update({"wait": last["wait"], **{f"behind_{k}": v for k, v in last["behind"].items()}})
+    result["seconds"] = time.perf_counter() - start
     return result
+
+
+def _landed(trainer) -> dict | None:
+    """Wait for a push still sending (see _sync) and check that the pool holds it."""
+    last = trainer.finish_push()
+    if last is not None:
+        _check_landed(last)
+    return last
+
+
+def _check_landed(result: dict) -> None:
+    if result["pool_digest"] != result["digest"]:
+        raise WeightMismatchError(f"rollout pool holds {result['pool_digest']}, trainer has {result['digest']}")
 
 
 def _to_run_versions(rollouts, pool_version: int, run_version: int) -> None:
@@ -192,7 +218,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             t_slept = time.perf_counter() if colocated else t2
             results = trainer.train_step(plans, tokens, stale)
             t3 = time.perf_counter()
-            sync = _sync(trainer, client, pool_name, namespace, step, keep)
+            sync = _sync(trainer, client, pool_name, namespace, step, keep, overlap=loop_cfg.async_steps > 0)
             cursor += loop_cfg.prompts_per_step
 
             metrics = step_metrics(rollouts, rewards, results, sum(tokens),
@@ -215,6 +241,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             logger.log(step, metrics)
             records.append({"step": step, **metrics})
             bar.step(step, metrics)
+        _landed(trainer)  # the last push, when it was left sending
         bar.close()
     finally:
         if queue is not None:

@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import socket
+import threading
 import time
 import warnings
 
@@ -45,6 +46,7 @@ class TrainerRank:
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.model = self.opt = None
         self._versions: dict[int, list[torch.Tensor]] = {}  # weight version -> this rank's shards (keep_version)
+        self._sending = None  # rank 0: (thread, sender, outcome) of a push still sending (push_weights overlap)
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -226,7 +228,7 @@ class TrainerRank:
             return None
         return {k: v.to(torch.bfloat16) for k, v in sd.items()}
 
-    def push_weights(self, pool_name: str, namespace: str) -> dict | None:
+    def push_weights(self, pool_name: str, namespace: str, overlap: bool = False) -> dict | None:
         """Load the weights into the rollout pool (rank 0 sends; every rank takes part in the gathers);
         returns, on rank 0, both digests, the transport, the seconds it took and those of its phases
         (connect: the pool found and the transport chosen; bucketed pushes: check, begin, send, finish).
@@ -235,27 +237,51 @@ class TrainerRank:
         (rollout_service.service.weight_sync): one parameter gathered at a time on the device, into a
         stage of the whole push on rank 0 (once) or bucket by bucket (twice: first for every check,
         then to send); either way every check (finite, fingerprints, the pool's names and shapes)
-        passes before anything reaches a worker."""
+        passes before anything reaches a worker.
+
+        overlap (a staged push only): return once every check has passed and the pool's workers wait for
+        the push ("sending": True, no pool digest yet); rank 0 sends from the stage in a thread of its
+        own while the caller trains on, and finish_push() gives the verdict. The stage is a copy, so the
+        next optimizer step cannot touch what is being sent."""
         from rollout_service import RolloutClient  # imports ray
 
+        if self._sending is not None:
+            raise RuntimeError("the last weight push is still sending: finish_push() first")
         start = time.perf_counter()
         client = RolloutClient(pool_name, namespace=namespace) if self.rank == 0 else None
         transport = self._transport(client)
         connected = time.perf_counter()
+        pool_version = None
         if transport == "object_store":
             sd = self.full_state_dict()
             if sd is None:
                 return None
             digest = state_dict_digest(sd)
             pool_digest = client.update_weights(sd, expected_digest=digest, mode=self.cfg.weight_switch)
-            phases, staged = {}, None
+            phases, staged, sending = {}, None, False
         else:
-            digest, phases, staged = self._push_bucketed(client, transport)
-            pool_digest = digest
-        if self.rank != 0:
-            return None
+            sender, phases, staged = self._push_bucketed(client, transport, overlap)
+            if sender is None:
+                return None
+            digest, pool_version, sending = sender.plan.digest, sender.plan.version, self._sending is not None
+            pool_digest = None if sending else phases.pop("digest")
         return {"digest": digest, "pool_digest": pool_digest, "transport": transport, "staged": staged,
+                "sending": sending, "pool_version": pool_version,
                 "seconds": time.perf_counter() - start, "phases": {"connect": connected - start, **phases}}
+
+    def finish_push(self) -> dict | None:
+        """The verdict of a push still sending (push_weights overlap), once it has landed: both digests and
+        the seconds of its send and finish, which ran behind the caller's work; None when none was."""
+        if self._sending is None:
+            return None
+        thread, sender, outcome = self._sending
+        start = time.perf_counter()
+        thread.join()
+        self._sending = None
+        if "error" in outcome:
+            raise outcome["error"]
+        return {"digest": sender.plan.digest, "pool_digest": outcome["digest"], "wait": time.perf_counter() - start,
+                "behind": {k: sender.seconds[k] for k in ("send", "finish") if k in sender.seconds}}
 
     def _transport(self, client) -> str:
         """The configured transport, "auto" resolved on rank 0 and shared with every rank."""
@@ -267,11 +293,12 @@ class TrainerRank:
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def _push_bucketed(self, client, transport: str) -> tuple[str | None, dict, bool]:
-        """(the digest the pool holds, on rank 0; the seconds of each phase: check, begin, send, finish;
-        whether the push was staged).
-        Staged (weight_sync.stages_whole) the weights are gathered once; streamed, once to check and once
-        to send. Every rank takes part in every gather, in step."""
+    def _push_bucketed(self, client, transport: str, overlap: bool = False):
+        """(rank 0's sender, or None on other ranks; the seconds of each phase: check, begin, send, finish,
+        and the pool's "digest" once it has landed; whether the push was staged). Staged
+        (weight_sync.stages_whole) the weights are gathered once; streamed, once to check and once to
+        send. Every rank takes part in every gather, in step. With `overlap` a staged push is left
+        sending in a thread (finish_push)."""
         sender = WeightSender(client, transport, self.cfg.weight_bucket_mb << 20) if self.rank == 0 else None
         numel = sum(t.numel() for t in self.model.state_dict().values())  # global shapes: every rank agrees
         staged = stages_whole(numel, self.cfg.weight_stage_mb << 20)
@@ -297,8 +324,20 @@ class TrainerRank:
             for _ in tensors or ():  # the gathers rank 0 sends from
                 pass
             return None, {}, staged
+        if overlap and staged:
+            outcome: dict = {}
+
+            def send():
+                try:
+                    outcome["digest"] = sender.complete()
+                except BaseException as e:  # raised by finish_push
+                    outcome["error"] = e
+            thread = threading.Thread(target=send, name="weight-push", daemon=True)
+            thread.start()
+            self._sending = (thread, sender, outcome)
+            return sender, {"check": checked - start, **sender.seconds}, staged
         digest = sender.complete(tensors)
-        return digest, {"check": checked - start, **sender.seconds}, staged
+        return sender, {"check": checked - start, **sender.seconds, "digest": digest}, staged
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`."""
@@ -395,8 +434,12 @@ class TrainerGroup:
     def full_state_dict(self) -> dict:
         return self._all("full_state_dict")[0]
 
-    def push_weights(self, pool_name: str, namespace: str) -> dict:
-        return self._all("push_weights", pool_name, namespace)[0]
+    def push_weights(self, pool_name: str, namespace: str, overlap: bool = False) -> dict:
+        return self._all("push_weights", pool_name, namespace, overlap)[0]
+
+    def finish_push(self) -> dict | None:
+        import ray
+        return ray.get(self.ranks[0].finish_push.remote())  # rank 0 alone sends
 
     def save(self, path: str) -> None:
         self._all("save", path)

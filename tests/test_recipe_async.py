@@ -37,7 +37,12 @@ IN_FLIGHT = ["trainer.weight_switch=switch-in-flight", "trainer.weight_sync=obje
              "rollout.determinism=invariant", "rollout.engine={window: 4, group: 8, kv_cache_tokens: 8192, max_num_seqs: 4}"]
 
 
-@pytest.fixture(scope="module", params=[(1, []), (2, []), (1, IN_FLIGHT)], ids=["k1", "k2", "k1-in-flight"])
+# a staged push over a gloo group from the FSDP2 ranks, sending behind the next train step
+OVERLAPPED = ["trainer.weight_sync=broadcast"]
+
+
+@pytest.fixture(scope="module", params=[(1, []), (2, []), (1, IN_FLIGHT), (1, OVERLAPPED)],
+                ids=["k1", "k2", "k1-in-flight", "k1-push-overlapped"])
 def async_run(local_ray, tmp_path_factory, request):
     k, extra = request.param
     cfg = load_config(TINY, ASYNC + extra + [f"train.async_steps={k}", f"run_dir={tmp_path_factory.mktemp('async')}"])
@@ -111,6 +116,22 @@ def test_each_token_is_the_trainers_under_its_own_version_and_not_the_latest(asy
         assert spanning > 0, "no rollout was running when a push switched the workers in flight"
     else:
         assert spanning == 0, "drain pushes never let a rollout span two versions"
+
+
+def test_staged_pushes_send_behind_the_next_train_step(async_run):
+    """With asynchronous steps a staged bucketed push returns once checked and drained; its send runs
+    while the next step trains, and that step's sync waits only for what is left of it. (Each token is
+    checked against its version's checkpoint in the test above, so the weights sent are the version's
+    own, not the next step's.) Object-store pushes land before they return."""
+    _, cfg, _, records = async_run
+    if cfg.trainer.weight_sync != "broadcast":
+        assert all(r["weights/transport"] == "object_store" and "perf/sync_wait_s" not in r for r in records)
+        return
+    assert all(r["weights/transport"] == "broadcast" and r["weights/staged"] for r in records)
+    for rec in records[1:]:  # each step's push waited for the last one's, sent behind this step's training
+        assert rec["perf/sync_behind_send_s"] > 0.0 and rec["perf/sync_behind_finish_s"] > 0.0, rec
+        assert 0.0 <= rec["perf/sync_wait_s"] <= rec["perf/weight_sync_s"], rec
+        assert "perf/sync_send_s" not in rec  # this push's own send is behind the next step
 
 
 def test_async_steps_need_the_split_placement_and_rollout_logprobs():

@@ -270,7 +270,8 @@ class _PoolActor:
         self._sync = (plan, slots, exclusive)
         asyncio.get_running_loop().create_task(self._expire_sync(plan.sync_id, plan.timeout_s))
         replaces, self._dropped_groups = (self._dropped_groups, []) if plan.new_group else ([], self._dropped_groups)
-        return {"workers": [s.actor for s in slots], "world_size": world, "group_id": plan.group_id,
+        return {"workers": [s.actor for s in slots], "world_size": world, "version": plan.version,
+                "group_id": plan.group_id,
                 "new_group": plan.new_group, "store": (plan.store_host, plan.store_port), "replaces": replaces}
 
     def _assign_group(self, plan, slots: list[WorkerSlot]) -> None:

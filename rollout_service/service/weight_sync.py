@@ -291,6 +291,7 @@ class WeightSender:
         start = time.perf_counter()
         info = self.client._begin_weight_sync(plan)  # the pool's checks; workers drained and waiting
         self._workers = info["workers"]
+        plan.version = info["version"]  # the pool's version id of this push
         try:
             if self.transport == "broadcast":  # the pool says whether the last group still fits
                 plan.group_id, plan.new_group = info["group_id"], info["new_group"]
@@ -318,7 +319,7 @@ class WeightSender:
         first = 0  # the bucket's start in the stage
         for index, bucket in enumerate(self.plan.buckets):
             n = bucket[-1].offset + bucket[-1].numel
-            if tensors is None:
+            if tensors is None:  # the stage is complete on the device: stage() waited for its fingerprints
                 view, first = self._buf[first:first + n], first + n
             else:
                 for entry in bucket:
@@ -327,8 +328,8 @@ class WeightSender:
                         raise ValueError(f"send() got {name!r} where the plan has {entry.name!r}")
                     self._buf[entry.offset:entry.offset + entry.numel].copy_(t.detach().reshape(-1))
                 view = self._buf[:n]
-            if self._buf.is_cuda:
-                torch.cuda.current_stream(self._buf.device).synchronize()
+                if self._buf.is_cuda:
+                    torch.cuda.current_stream(self._buf.device).synchronize()
             if self.transport == "broadcast":
                 self._group.broadcast(view.view(torch.uint8), 0).wait()
             else:  # ipc: streamed, the bucket buffer; staged, the stage, which is the plan's one bucket
