@@ -118,19 +118,26 @@ def _wait(cond, timeout=180.0):
         time.sleep(0.2)
 
 
-def test_recipe_pushes_by_ipc_with_zero_kl(cluster, tmp_path):
+@pytest.mark.parametrize("async_steps", [0, 1], ids=["sync", "async-sent-behind"])
+def test_recipe_pushes_by_ipc_with_zero_kl(cluster, tmp_path, async_steps):
+    """The recipe's pushes by IPC, staged; with asynchronous steps each is sent from its stage while the
+    next step trains, and every step's KL to the behaviour version is still 0.0."""
     from pathlib import Path
 
     from recipes.config import load_config
     from recipes.grpo import run
     tiny = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "tiny.yaml"
-    cfg = load_config(tiny, ["train.steps=2", "train.prompts_per_step=8", "warmup.steps=20",
+    steps = 2 + async_steps
+    cfg = load_config(tiny, [f"train.steps={steps}", f"train.async_steps={async_steps}",
+                             "train.prompts_per_step=8", "warmup.steps=20",
                              "rollout.num_workers=1", "rollout.engine.device=cuda", "rollout.engine.backend=native",
                              "rollout.resources_per_worker.num_gpus=0.45", "trainer.num_ranks=1",
                              "trainer.device=cuda", "trainer.resources_per_rank.num_gpus=0.45",
                              f"run_dir={tmp_path}", "metrics.wandb=false"])
     records = run(cfg, progress=False)["records"]
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     for rec in records:
         assert rec["rollout_train/kl"] == 0.0 and rec["rollout_train/max_abs_logprob_diff"] == 0.0, rec
-        assert rec["weights/transport"] == "ipc"
+        assert rec["weights/transport"] == "ipc" and rec["weights/staged"]
+    for rec in records[1:]:  # async: the last step's push was sent behind this step's training
+        assert ("perf/sync_behind_send_s" in rec) == bool(async_steps), rec
