@@ -91,7 +91,7 @@ def time_to_reward(row: dict, arms: tuple[str, str]) -> dict | None:
 def with_ratios(result: dict) -> dict:
     """Each round's RATIOS where it has both arms, and their medians."""
     for row in result["rounds"]:
-        for num, den in (("canonical", "async"), ("canonical", "async-in-flight")):
+        for num, den in (pair for pair in RATIOS.values() if pair[1].startswith("async")):
             reached = time_to_reward(row, (num, den))
             if reached is not None:
                 row[f"time_to_reward_{num}_vs_{den}"] = reached
@@ -150,7 +150,8 @@ def plot(result: dict, path: str) -> None:
     if curves:  # reward against the seconds of steps after the first: time to the same reward
         ax = axes[0][1]
         for label, curve in curves:
-            ax.plot([t for t, _ in smoothed(curve)], [r for _, r in smoothed(curve)], marker="o", label=label)
+            points = smoothed(curve)
+            ax.plot([t for t, _ in points], [r for _, r in points], marker="o", label=label)
         ax.set_xlabel("seconds of steps after the first")
         ax.set_ylabel(f"reward, mean of the last {REWARD_WINDOW} steps")
         ax.legend()

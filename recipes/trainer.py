@@ -260,11 +260,10 @@ class TrainerRank:
             pool_digest = client.update_weights(sd, expected_digest=digest, mode=self.cfg.weight_switch)
             phases, staged, sending = {}, None, False
         else:
-            sender, phases, staged = self._push_bucketed(client, transport, overlap)
+            sender, phases, staged, pool_digest = self._push_bucketed(client, transport, overlap)
             if sender is None:
                 return None
             digest, pool_version, sending = sender.plan.digest, sender.plan.version, self._sending is not None
-            pool_digest = None if sending else phases.pop("digest")
         return {"digest": digest, "pool_digest": pool_digest, "transport": transport, "staged": staged,
                 "sending": sending, "pool_version": pool_version,
                 "seconds": time.perf_counter() - start, "phases": {"connect": connected - start, **phases}}
@@ -294,8 +293,8 @@ class TrainerRank:
         return choice[0]
 
     def _push_bucketed(self, client, transport: str, overlap: bool = False):
-        """(rank 0's sender, or None on other ranks; the seconds of each phase: check, begin, send, finish,
-        and the pool's "digest" once it has landed; whether the push was staged). Staged
+        """(rank 0's sender, or None on other ranks; the seconds of each phase: check, begin, send, finish;
+        whether the push was staged; the digest the pool holds, None while the push is sending). Staged
         (weight_sync.stages_whole) the weights are gathered once; streamed, once to check and once to
         send. Every rank takes part in every gather, in step. With `overlap` a staged push is left
         sending in a thread (finish_push)."""
@@ -323,7 +322,8 @@ class TrainerRank:
         if sender is None:
             for _ in tensors or ():  # the gathers rank 0 sends from
                 pass
-            return None, {}, staged
+            return None, {}, staged, None
+        phases = {"check": checked - start, **sender.seconds}  # before a sending thread adds its own
         if overlap and staged:
             outcome: dict = {}
 
@@ -335,9 +335,9 @@ class TrainerRank:
             thread = threading.Thread(target=send, name="weight-push", daemon=True)
             thread.start()
             self._sending = (thread, sender, outcome)
-            return sender, {"check": checked - start, **sender.seconds}, staged
+            return sender, phases, staged, None
         digest = sender.complete(tensors)
-        return sender, {"check": checked - start, **sender.seconds, "digest": digest}, staged
+        return sender, {**phases, **sender.seconds}, staged, digest
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`."""

@@ -18,6 +18,7 @@ every step runs the canonical forward (docs/vllm_plugin.md says why and what it 
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import shutil
 import tempfile
@@ -195,20 +196,18 @@ class VLLMEngine:
         the copy to the (page-locked) host copy runs on a stream of its own while vLLM loads, and is
         waited for before returning: the caller's buffer may be reused once this returns."""
         named = list(named)
-        if self.device.type != "cuda":
-            for target in self._targets():
-                target.load_named_weights(named)
-            copy_into(self.model, named)
-            return
-        if self._host_copy_stream is None:
-            self._host_copy_stream = torch.cuda.Stream(self.device)
-        stream = self._host_copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffer is ready on the current stream
-        with torch.cuda.stream(stream):
+        stream = None
+        if self.device.type == "cuda":
+            if self._host_copy_stream is None:
+                self._host_copy_stream = torch.cuda.Stream(self.device)
+            stream = self._host_copy_stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffer is ready on the current stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             copy_into(self.model, named)
         for target in self._targets():
             target.load_named_weights(named)
-        stream.synchronize()
+        if stream is not None:
+            stream.synchronize()
 
     def finish_weight_load(self) -> None:
         """The push is complete and checked: every weight of every engine is the host copy's."""
