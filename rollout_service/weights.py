@@ -9,6 +9,7 @@ not against an adversary.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 from collections.abc import Iterable, Mapping
@@ -114,7 +115,9 @@ def packed_fingerprints(buf: torch.Tensor, layout: Iterable[tuple[int, int]]) ->
                 for o, n in layout]
         return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.int64)
     starts, lengths, row_in_tensor, tensor_index = _row_table(bits.device, layout)
-    sums = kernel(bits, starts, lengths, w)  # [R, 3]
+    # Triton launches on the current device, which may be another GPU than the buffer's
+    with torch.cuda.device(bits.device) if bits.is_cuda else contextlib.nullcontext():
+        sums = kernel(bits, starts, lengths, w)  # [R, 3]
     weighted = (sums[:, :2] % _P * _weights_of_rows(bits.device, _max_rows(layout))[row_in_tensor]) % _P
     out = torch.zeros(len(layout), 3, dtype=torch.int64, device=bits.device)
     out.index_add_(0, tensor_index, torch.cat([weighted, sums[:, 2:]], dim=1))  # integer sums: exact in any order
