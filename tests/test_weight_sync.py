@@ -16,8 +16,9 @@ from service_shared import ENGINE_KWARGS, assert_same  # noqa: E402
 
 from rollout_service import Engine, SamplingParams, start_pool  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,  # noqa: E402
-                                                 iter_full_tensors, plan_buckets, stages_whole)
+from rollout_service.service.weight_sync import (WHOLE, SyncPlan, WeightReceiver, WeightSender,  # noqa: E402
+                                                 choose_transport, fingerprint_entries, iter_full_tensors,
+                                                 plan_buckets, stages_whole)
 from rollout_service.weights import (WeightMismatchError, model_digest, state_dict_digest,  # noqa: E402
                                      tensor_fingerprint)
 
@@ -195,6 +196,31 @@ def test_bucket_plan():
     buckets = plan_buckets(shapes, bucket_bytes=2 * 30)  # 30 bf16 elements a bucket
     assert [[e.name for e in b] for b in buckets] == [["a", "b"], ["c"], ["d"]]
     assert [(e.offset, e.numel) for e in buckets[0]] == [(0, 16), (16, 10)]
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "streamed"])
+def test_receiver_waits_for_the_engines_reads_only_where_the_buffer_is_reused(staged):
+    """A staged push is one bucket in a buffer of its own, so the engine may go on reading what it loaded
+    (VLLMEngine's host copy); streamed, the one bucket buffer is written again, so the receiver waits
+    for those reads after each bucket. Every tensor is still checked and loaded as sent."""
+    sd = tiny_model("qwen2").state_dict()
+    entries = fingerprint_entries(sd.items())
+    shapes = {n: tuple(shape) for n, shape, _, _ in entries}
+    buckets = plan_buckets(shapes, WHOLE if staged else 64 << 10)
+    assert (len(buckets) == 1) == staged
+    plan = SyncPlan("broadcast", "unused", shapes, {n: fp for n, _, fp, _ in entries}, buckets, "cpu",
+                    staged=staged)
+    loaded, waits = {}, []
+    receiver = WeightReceiver(plan, "cpu", lambda named: loaded.update((n, t.clone()) for n, t in named),
+                              wait_reads=lambda: waits.append(len(loaded)))
+    buf = torch.empty(plan.bucket_numel, dtype=torch.bfloat16)
+    for index, bucket in enumerate(buckets):
+        for e in bucket:
+            buf[e.offset:e.offset + e.numel].copy_(sd[e.name].reshape(-1))
+        receiver._take(index, buf)
+    assert receiver.error is None and receiver.finish() == "unused"
+    assert all(torch.equal(loaded[n], sd[n].to(torch.bfloat16)) for n in sd)
+    assert len(waits) == (0 if staged else len(buckets)) and (staged or len(buckets) > 2)
 
 
 def test_transport_choice():

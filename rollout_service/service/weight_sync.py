@@ -22,6 +22,7 @@ holds part of the new weights and is restarted by the pool.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 import uuid
@@ -75,6 +76,9 @@ class SyncPlan:
     new_group: bool = True
     gpu_uuid: str | None = None
     version: int | None = None  # the version id the receivers stamp later tokens with; set by the pool
+    # the sender staged the whole push (WeightSender.stage): one bucket, whose buffers (the sender's
+    # stage, the receiver's) are never written again; streamed, both sides reuse one bucket's buffer
+    staged: bool = False
 
     @property
     def bucket_numel(self) -> int:
@@ -155,8 +159,11 @@ class WeightReceiver:
     sender's, then hand the tensors to `load` (the engine copies them into its weights in place)."""
 
     def __init__(self, plan: SyncPlan, device: torch.device, load: Callable[[list[tuple[str, torch.Tensor]]], None],
-                 rank: int | None = None, world_size: int | None = None, groups: dict | None = None):
-        self.plan, self.device, self._load = plan, torch.device(device), load
+                 rank: int | None = None, world_size: int | None = None, groups: dict | None = None,
+                 wait_reads: Callable[[], None] | None = None):
+        """load may go on reading its tensors after it returns (VLLMEngine's host copy); wait_reads, where
+        given, waits for those reads, and is called before a bucket's buffer is reused (streamed pushes)."""
+        self.plan, self.device, self._load, self._wait_reads = plan, torch.device(device), load, wait_reads
         self._rank, self._world = rank, world_size
         self._groups = {} if groups is None else groups  # the worker's broadcast groups, kept between pushes
         self._received: set[str] = set()
@@ -165,7 +172,8 @@ class WeightReceiver:
         self.error: Exception | None = None  # the first check that failed; later buckets are not loaded
 
     def receive_all(self) -> None:
-        """broadcast: every bucket, in order (blocks until the sender has sent them all)."""
+        """broadcast: every bucket, in order (blocks until the sender has sent them all), into a buffer of
+        this push's own (a staged push is one bucket, so nothing it loaded is written again)."""
         group = join_group(self.plan, self._rank, self._world, self._groups, replaces=[])
         buf = torch.empty(self.plan.bucket_numel, dtype=torch.bfloat16, device=self.device)
         for index, bucket in enumerate(self.plan.buckets):
@@ -203,7 +211,9 @@ class WeightReceiver:
         self.loaded_any = True
         self._load(named)
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the buffer is reused next
+            torch.cuda.current_stream(self.device).synchronize()  # loaded before the push is called landed
+        if not self.plan.staged and self._wait_reads is not None:
+            self._wait_reads()  # the buffer is written again by the next bucket
         self._received.update(n for n, _ in named)
 
     def finish(self) -> str:
@@ -275,10 +285,12 @@ class WeightSender:
         if expected_digest is not None and digest != expected_digest:
             raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
         device = entries[0][3] if entries else torch.device("cpu")
-        # a staged push by ipc is one bucket: the workers read the whole stage in place, in one call
-        bucket_bytes = WHOLE if self._stage is not None and self.transport == "ipc" else self.bucket_bytes
+        # a staged push is one bucket: the workers read the whole stage in place in one call (ipc) or
+        # receive it in one broadcast, and check it in one launch (bucket by bucket, a worker takes
+        # each in turn: receive, check, load, wait)
+        bucket_bytes = WHOLE if self._stage is not None else self.bucket_bytes
         plan = SyncPlan(self.transport, digest, shapes, prints, plan_buckets(shapes, bucket_bytes),
-                        device.type, timeout_s=self.timeout_s)
+                        device.type, timeout_s=self.timeout_s, staged=self._stage is not None)
         if self.transport == "ipc":
             if device.type != "cuda":
                 raise ValueError("transport='ipc' shares GPU memory; on CPU the object store is the shared-memory "
@@ -311,11 +323,30 @@ class WeightSender:
     def send(self, named: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """Every bucket: streamed, the tensors in begin()'s order, each bucket sent as soon as it is full;
         staged (named is None), slices of the stage."""
-        import ray
         if (named is None) != (self._stage is not None):
             raise ValueError("send() takes the tensors of a streamed push, and nothing after stage()")
         start = time.perf_counter()
         tensors = None if named is None else iter(named)
+        with self._send_stream():
+            self._send_buckets(tensors)
+        self.seconds["send"] = time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def _send_stream(self):
+        """A staged broadcast's NCCL ops wait on a stream of the push's own, which is waited for at the
+        end: a broadcast's wait() holds up the current stream until the receivers have the bucket, and
+        a training step running meanwhile (a push sent behind the next step) must not wait for them."""
+        if self._stage is None or self.transport != "broadcast" or not self._buf.is_cuda:
+            yield
+            return
+        stream = torch.cuda.Stream(self._buf.device)
+        stream.wait_stream(torch.cuda.current_stream(self._buf.device))
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
+
+    def _send_buckets(self, tensors) -> None:
+        import ray
         first = 0  # the bucket's start in the stage
         for index, bucket in enumerate(self.plan.buckets):
             n = bucket[-1].offset + bucket[-1].numel
@@ -334,7 +365,6 @@ class WeightSender:
                 self._group.broadcast(view.view(torch.uint8), 0).wait()
             else:  # ipc: streamed, the bucket buffer; staged, the stage, which is the plan's one bucket
                 ray.get([w.receive_weight_bucket.remote(self.plan.sync_id, index, self._handle) for w in self._workers])
-        self.seconds["send"] = time.perf_counter() - start
 
     def complete(self, named: Iterable[tuple[str, torch.Tensor]] | None = None) -> str:
         """send() then finish(); a failure while sending abandons the push (abort) and is raised."""

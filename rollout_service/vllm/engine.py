@@ -18,10 +18,10 @@ every step runs the canonical forward (docs/vllm_plugin.md says why and what it 
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import shutil
 import tempfile
+import threading
 
 import torch
 
@@ -74,17 +74,20 @@ class VLLMEngine:
         self.sleep_level = sleep_level
         self._weights_discarded = False  # see sleep()
         self._host_copy_stream = None  # see load_named_weights
+        self._host_copies: list[tuple[torch.cuda.Event, list]] = []  # (done, the tensors it reads), in flight
+        self._host_copies_lock = threading.Lock()  # held while waiting for them (see wait_host_copies)
         if (self.device.type == "cuda") != torch.cuda.is_available():
             raise ValueError(f"VLLMEngine on {self.device} needs vLLM's build for it (CUDA available: "
                              f"{torch.cuda.is_available()})")
-        # the weights the workers report and verify (digest, state_dict), on the host
-        self.model = load_model(model, "cpu", copy_model)
+        # the weights the workers report and verify (digest, state_dict), on the host: read it as
+        # self.model, which first waits for the host copies of a push still in flight
+        self._host_model = load_model(model, "cpu", copy_model)
         if self.device.type == "cuda":
-            pin_host_copy(self.model)
+            pin_host_copy(self._host_model)
         self._tmpdir = tempfile.mkdtemp(prefix="zerokl-vllm-engine-")
-        self.model.save_pretrained(self._tmpdir)
-        self.max_model_len = max_model_len or self.model.config.max_position_embeddings
-        self.vocab_size = self.model.config.vocab_size
+        self._host_model.save_pretrained(self._tmpdir)
+        self.max_model_len = max_model_len or self._host_model.config.max_position_embeddings
+        self.vocab_size = self._host_model.config.vocab_size
         register()  # the canonical engine's core runs in this process, where the entry point may not have run
         common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                       tensor_parallel_size=tensor_parallel_size, **(vllm_options or {}))
@@ -153,6 +156,7 @@ class VLLMEngine:
 
     def step(self) -> list[tuple[int, Rollout]]:
         """One step of each vLLM engine with work; returns the requests that finished."""
+        self._release_host_copies()
         for target in (self.canonical, self.stock):
             if target is None or not target.llm.llm_engine.has_unfinished_requests():
                 continue
@@ -191,29 +195,61 @@ class VLLMEngine:
     def weight_spec(self) -> dict[str, tuple[int, ...]]:
         return weight_spec(self.model)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The host copy of the weights last loaded, once every copy into it has landed."""
+        self.wait_host_copies()
+        return self._host_model
+
+    def wait_host_copies(self) -> None:
+        """Until every copy into the host copy has landed; then its tensors are let go."""
+        with self._host_copies_lock:
+            for done, _ in self._host_copies:
+                done.synchronize()
+            self._host_copies.clear()
+
     def load_named_weights(self, named) -> None:
-        """Into each vLLM model in place, and into the host copy that digests and restarts read. On a GPU
-        the copy to the (page-locked) host copy runs on a stream of its own while vLLM loads, and is
-        waited for before returning: the caller's buffer may be reused once this returns."""
+        """Into each vLLM model in place (on the current stream), and into the host copy that digests
+        and restarts read. On a GPU the copy to the (page-locked) host copy runs on a stream of its own
+        and is not waited for: it reads the caller's tensors while rollouts go on, at the host link's
+        speed, which is most of a push's time otherwise.
+
+        Rule: the caller writes to `named` again only after wait_host_copies() (a staged push's buffers
+        are never written again: the sender's stage, read by CUDA IPC, or the receiver's whole-push
+        buffer); they are kept until the copy has read them, and whatever reads self.model waits first."""
         named = list(named)
-        stream = None
-        if self.device.type == "cuda":
+        if self.device.type != "cuda":
+            copy_into(self._host_model, named)
+        else:
             if self._host_copy_stream is None:
                 self._host_copy_stream = torch.cuda.Stream(self.device)
             stream = self._host_copy_stream
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffer is ready on the current stream
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            copy_into(self.model, named)
+            with torch.cuda.stream(stream), self._host_copies_lock:
+                copy_into(self._host_model, named)
+                self._host_copies.append((stream.record_event(), named))
         for target in self._targets():
             target.load_named_weights(named)
-        if stream is not None:
-            stream.synchronize()
+
+    def _release_host_copies(self) -> None:
+        """Let go of the tensors of the host copies that have landed (an IPC stage goes back to its
+        sender), without waiting: the engine's steps call this."""
+        if self._host_copies_lock.acquire(blocking=False):
+            try:
+                while self._host_copies and self._host_copies[0][0].query():
+                    self._host_copies.pop(0)
+            finally:
+                self._host_copies_lock.release()
 
     def finish_weight_load(self) -> None:
-        """The push is complete and checked: every weight of every engine is the host copy's."""
+        """The push is complete and checked: every weight of every engine is the host copy's. A thread
+        waits for the host copy to land and lets go of the push's buffers, so that an idle engine does
+        not keep them (a sender's stage read by CUDA IPC stays allocated on its GPU until then)."""
         for target in self._targets():
             target.finish_weight_load()
         self._weights_discarded = False
+        if self._host_copies:
+            threading.Thread(target=self.wait_host_copies, name="host-copy", daemon=True).start()
 
     # Rule: at sleep level 2 the engines' weights are discarded, not copied to the host, because in
     # the colocated loop the next push replaces them all anyway (level 1 copies them to pinned host

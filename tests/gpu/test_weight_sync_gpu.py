@@ -1,6 +1,7 @@
 """Weight pushes on GPUs: the digest computed on the GPU equals the CPU's, CUDA IPC into a worker on the
 sender's GPU, NCCL broadcast to a worker on another GPU (when there are two), refusals that leave the
-old weights serving, a corrupted transfer caught, and the GRPO recipe pushing by IPC with KL 0."""
+old weights serving, a corrupted transfer caught, a vLLM worker's host copy landing behind each push,
+and the GRPO recipe pushing by IPC with KL 0."""
 from __future__ import annotations
 
 import pytest
@@ -106,6 +107,39 @@ def test_push_on_gpus(cluster, separate):
         assert pool.update_weights(sd, transport="auto") == model_digest(new)
         assert pool.stats()["workers"][0]["restarts"] == 1
         assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_new]
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["ipc-same-gpu", "nccl-other-gpu"])
+def test_vllm_worker_host_copy_lands_behind_each_push(cluster, separate):
+    """A vLLM worker's host copy of the weights (what restarts copy, and what a colocated engine reloads
+    after sleeping at level 2) is written behind the push while rollouts go on. After staged pushes (the
+    sender's buffers never written again) and a streamed one in small buckets (the one buffer reused, so
+    each bucket's copy is waited for) it holds exactly what was pushed: the engine, its weights discarded
+    by sleep and reloaded from the host copy, serves the same bits as straight after the push."""
+    pytest.importorskip("vllm")
+    if separate and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    models = [_model(s) for s in (0, 1, 2, 3)]
+    pool = start_pool(models[0], num_workers=1, name=f"host-copy-gpu-{separate}",
+                      engine_kwargs={"device": "cuda", "backend": "vllm", "gpu_memory_utilization": 0.2,
+                                     "sleep_mode": True},
+                      resources_per_worker={"num_cpus": 1, "num_gpus": 1 if separate else 0.5})
+    try:
+        worker_gpu = pool.stats()["workers"][0]["gpu"]
+        uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        device = torch.device("cuda", [i for i, u in enumerate(uuids) if (u != worker_gpu) == separate][0])
+        transport = "broadcast" if separate else "ipc"
+        served = [[rollout_bits(r) for r in pool.generate(*_reqs())]]
+        for model, stage_bytes in zip(models[1:], (1 << 30, 0, 1 << 30)):  # staged, streamed, staged
+            sd = {k: v.to(device) for k, v in model.state_dict().items()}
+            assert pool.update_weights(sd, transport=transport, bucket_bytes=64 << 10,
+                                       stage_bytes=stage_bytes) == model_digest(model)
+            served.append([rollout_bits(r) for r in pool.generate(*_reqs())])  # the host copy still landing
+            assert served[-1] != served[-2]  # the push took effect
+            pool.sleep()  # level 2: the engine's weights discarded; the next request reloads the host copy
+            assert [rollout_bits(r) for r in pool.generate(*_reqs())] == served[-1]
     finally:
         pool.shutdown()
 
