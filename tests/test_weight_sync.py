@@ -208,8 +208,7 @@ def test_receiver_waits_for_the_engines_reads_only_where_the_buffer_is_reused(st
     shapes = {n: tuple(shape) for n, shape, _, _ in entries}
     buckets = plan_buckets(shapes, WHOLE if staged else 64 << 10)
     assert (len(buckets) == 1) == staged
-    plan = SyncPlan("broadcast", "unused", shapes, {n: fp for n, _, fp, _ in entries}, buckets, "cpu",
-                    staged=staged)
+    plan = SyncPlan("broadcast", "unused", shapes, {n: fp for n, _, fp, _ in entries}, buckets, "cpu")
     loaded, waits = {}, []
     receiver = WeightReceiver(plan, "cpu", lambda named: loaded.update((n, t.clone()) for n, t in named),
                               wait_reads=lambda: waits.append(len(loaded)))

@@ -76,9 +76,6 @@ class SyncPlan:
     new_group: bool = True
     gpu_uuid: str | None = None
     version: int | None = None  # the version id the receivers stamp later tokens with; set by the pool
-    # the sender staged the whole push (WeightSender.stage): one bucket, whose buffers (the sender's
-    # stage, the receiver's) are never written again; streamed, both sides reuse one bucket's buffer
-    staged: bool = False
 
     @property
     def bucket_numel(self) -> int:
@@ -162,7 +159,8 @@ class WeightReceiver:
                  rank: int | None = None, world_size: int | None = None, groups: dict | None = None,
                  wait_reads: Callable[[], None] | None = None):
         """load may go on reading its tensors after it returns (VLLMEngine's host copy); wait_reads, where
-        given, waits for those reads, and is called before a bucket's buffer is reused (streamed pushes)."""
+        given, waits for those reads, and is called before the buffer is reused: in a push of several
+        buckets (streamed), after each. A staged push is one bucket, whose buffer is never reused."""
         self.plan, self.device, self._load, self._wait_reads = plan, torch.device(device), load, wait_reads
         self._rank, self._world = rank, world_size
         self._groups = {} if groups is None else groups  # the worker's broadcast groups, kept between pushes
@@ -212,8 +210,8 @@ class WeightReceiver:
         self._load(named)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # loaded before the push is called landed
-        if not self.plan.staged and self._wait_reads is not None:
-            self._wait_reads()  # the buffer is written again by the next bucket
+        if len(self.plan.buckets) > 1 and self._wait_reads is not None:
+            self._wait_reads()  # the buffer is written again by the next bucket (streamed pushes)
         self._received.update(n for n, _ in named)
 
     def finish(self) -> str:
@@ -290,7 +288,7 @@ class WeightSender:
         # each in turn: receive, check, load, wait)
         bucket_bytes = WHOLE if self._stage is not None else self.bucket_bytes
         plan = SyncPlan(self.transport, digest, shapes, prints, plan_buckets(shapes, bucket_bytes),
-                        device.type, timeout_s=self.timeout_s, staged=self._stage is not None)
+                        device.type, timeout_s=self.timeout_s)
         if self.transport == "ipc":
             if device.type != "cuda":
                 raise ValueError("transport='ipc' shares GPU memory; on CPU the object store is the shared-memory "

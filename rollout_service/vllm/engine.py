@@ -156,7 +156,6 @@ class VLLMEngine:
 
     def step(self) -> list[tuple[int, Rollout]]:
         """One step of each vLLM engine with work; returns the requests that finished."""
-        self._release_host_copies()
         for target in (self.canonical, self.stock):
             if target is None or not target.llm.llm_engine.has_unfinished_requests():
                 continue
@@ -214,9 +213,10 @@ class VLLMEngine:
         and is not waited for: it reads the caller's tensors while rollouts go on, at the host link's
         speed, which is most of a push's time otherwise.
 
-        Rule: the caller writes to `named` again only after wait_host_copies() (a staged push's buffers
-        are never written again: the sender's stage, read by CUDA IPC, or the receiver's whole-push
-        buffer); they are kept until the copy has read them, and whatever reads self.model waits first."""
+        Rule: the caller writes to `named` again only after wait_host_copies() (a one-bucket push's
+        buffer is never written again: the sender's stage, read by CUDA IPC, or the receiver's buffer);
+        they are kept until the copy has read them (finish_weight_load lets go of them once it lands),
+        and whatever reads self.model waits first."""
         named = list(named)
         if self.device.type != "cuda":
             copy_into(self._host_model, named)
@@ -230,16 +230,6 @@ class VLLMEngine:
                 self._host_copies.append((stream.record_event(), named))
         for target in self._targets():
             target.load_named_weights(named)
-
-    def _release_host_copies(self) -> None:
-        """Let go of the tensors of the host copies that have landed (an IPC stage goes back to its
-        sender), without waiting: the engine's steps call this."""
-        if self._host_copies_lock.acquire(blocking=False):
-            try:
-                while self._host_copies and self._host_copies[0][0].query():
-                    self._host_copies.pop(0)
-            finally:
-                self._host_copies_lock.release()
 
     def finish_weight_load(self) -> None:
         """The push is complete and checked: every weight of every engine is the host copy's. A thread
