@@ -8,6 +8,7 @@ only where used, so a TrainerRank also runs in plain torch.distributed processes
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import socket
@@ -292,6 +293,12 @@ class TrainerRank:
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
+    @functools.cached_property
+    def _state_numel(self) -> int:
+        """Elements in the model's state dict, by global shapes (every rank agrees). Shapes never change,
+        and an FSDP2 state_dict() walks every module and wraps every shard (milliseconds a push)."""
+        return sum(t.numel() for t in self.model.state_dict().values())
+
     def _push_bucketed(self, client, transport: str, overlap: bool = False):
         """(rank 0's sender, or None on other ranks; the seconds of each phase: check, begin, send, finish;
         whether the push was staged; the digest the pool holds, None while the push is sending). Staged
@@ -299,8 +306,7 @@ class TrainerRank:
         send. Every rank takes part in every gather, in step. With `overlap` a staged push is left
         sending in a thread (finish_push)."""
         sender = WeightSender(client, transport, self.cfg.weight_bucket_mb << 20) if self.rank == 0 else None
-        numel = sum(t.numel() for t in self.model.state_dict().values())  # global shapes: every rank agrees
-        staged = stages_whole(numel, self.cfg.weight_stage_mb << 20)
+        staged = stages_whole(self._state_numel, self.cfg.weight_stage_mb << 20)
         verdict = [None]
         start = time.perf_counter()
         try:
@@ -309,7 +315,8 @@ class TrainerRank:
                 for _ in tensors:
                     pass
             else:
-                entries = sender.stage(tensors, numel) if staged else fingerprint_entries(tensors, sender.bucket_bytes)
+                entries = sender.stage(tensors, self._state_numel) if staged \
+                    else fingerprint_entries(tensors, sender.bucket_bytes)
                 checked = time.perf_counter()
                 sender.begin(entries)
         except Exception as e:  # refused before anything was sent: every rank stops here
