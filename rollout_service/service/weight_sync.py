@@ -209,7 +209,7 @@ class WeightReceiver:
         self.loaded_any = True
         self._load(named)
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # loaded before the push is called landed
+            torch.cuda.current_stream(self.device).synchronize()  # on the device before the push counts as landed
         if len(self.plan.buckets) > 1 and self._wait_reads is not None:
             self._wait_reads()  # the buffer is written again by the next bucket (streamed pushes)
         self._received.update(n for n, _ in named)
