@@ -185,9 +185,9 @@ def record_step_rows() -> list[tuple[int, int, int]]:
 
 def step_rows(steps: list[tuple[int, int, int]]) -> dict:
     """Decode steps (one token per request: the products' M is the batch) counted by ROW_BANDS; the
-    steps with prefill chunks (eager under FULL_DECODE_ONLY), their tokens (decode rows included) and
-    the prompt tokens among them (requests given more than one token: prompts, and the recompute of
-    preempted sequences)."""
+    steps with prefill chunks (eager above the largest graph size, and under FULL_DECODE_ONLY), their
+    tokens (decode rows included) and the prompt tokens among them (requests given more than one
+    token: prompts, and the recompute of preempted sequences)."""
     decode = [requests for tokens, requests, single in steps if single == requests]
     mixed = sorted(tokens for tokens, requests, single in steps if single != requests)
     bands = {f"{lo}-{hi}" if hi else f">={lo}": sum(lo <= m and (hi is None or m <= hi) for m in decode)

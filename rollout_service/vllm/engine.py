@@ -60,7 +60,7 @@ class VLLMEngine:
                  copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None,
                  stock_in_process: bool = True, stock_memory_share: float = 0.5, stock_only: bool = False,
                  sleep_mode: bool = False, sleep_level: int = 2):
-        from rollout_service.vllm.plugin import HF_OVERRIDES, graph_options, register
+        from rollout_service.vllm.plugin import HF_OVERRIDES, graph_options, pick_runner, register
 
         if isinstance(stock_memory_share, bool) or not isinstance(stock_memory_share, (int, float)) \
                 or not 0.0 < stock_memory_share < 1.0:
@@ -98,7 +98,8 @@ class VLLMEngine:
         self.stock = VLLMInstance(self._tmpdir, stock_sampler=True, in_process=stock_in_process,
                                   **self._sized(common, stock_share)) if stock_for_off else None
         self.canonical = None if stock_only else VLLMInstance(
-            self._tmpdir, hf_overrides=dict(HF_OVERRIDES), **graph_options(cuda_graphs and self.device.type == "cuda"),
+            self._tmpdir, hf_overrides=dict(HF_OVERRIDES),
+            **graph_options(cuda_graphs and self.device.type == "cuda", pick_runner(self._tmpdir)),
             **self._sized(common, gpu_memory_utilization - stock_share))
         self._ids = itertools.count()
         self._where: dict[int, VLLMInstance] = {}  # request id -> the engine serving it

@@ -96,12 +96,19 @@ def _params(n, max_tokens, seed0=100, samplings=MIXED):
     return [SamplingParams(max_tokens=max_tokens, seed=seed0 + i, **samplings[i % len(samplings)]) for i in range(n)]
 
 
-def test_bitwise_trainer_across_batches_graphs_and_prefix_hits(checkpoint, trainer):
+def test_bitwise_trainer_across_batches_graphs_and_prefix_hits(checkpoint, trainer, monkeypatch):
     # over 256 tokens: chunked prefill; over 512 (kernels.contract.TRITON.attention_split_kv): decode
-    # steps reduce the context's splits in parallel where the trainer walks them
+    # steps reduce the context's splits in parallel where the trainer walks them. V2 with graphs replays
+    # every step (no step exceeds the largest capture size): prefill chunks in the [N, 1] layout; the
+    # others attend them packed.
+    from rollout_service.vllm.plugin import attention
     prompts = random_prompts(256, VOCAB, seed=1, lo=5, hi=700)
     params = _params(len(prompts), 24)
     runs = {}
+    packed_steps = []
+    build_packed = attention.PrefillGroups.from_query_starts
+    monkeypatch.setattr(attention.PrefillGroups, "from_query_starts",
+                        lambda *a: packed_steps.append(1) or build_packed(*a))
 
     def work(llm):
         return (_cudagraph_mode(llm), _runner(llm),
@@ -111,9 +118,11 @@ def test_bitwise_trainer_across_batches_graphs_and_prefix_hits(checkpoint, train
                 vllm_generate(llm, prompts[:16], params[:16]))  # the prompts' KV is cached now
 
     for runner, cuda_graphs in (("v2", True), ("v2", False), ("v1", True)):
+        packed_steps.clear()
         mode, used, batch, alone, subset, again = _run(checkpoint, work, cuda_graphs=cuda_graphs, runner=runner)
-        assert mode == ("FULL_DECODE_ONLY" if cuda_graphs else "NONE")
+        assert mode == ({"v2": "FULL", "v1": "FULL_DECODE_ONLY"}[runner] if cuda_graphs else "NONE")
         assert used == runner
+        assert (not packed_steps) == ((runner, cuda_graphs) == ("v2", True)), (runner, cuda_graphs, len(packed_steps))
         assert sum(r[2] for r in again) > 0, "no prefix-cache hit: the cached case was not exercised"
         assert_matches_trainer(trainer, prompts, params, batch)
         strip = lambda rs: [r[:2] for r in rs]  # noqa: E731  (cache hits differ between runs)

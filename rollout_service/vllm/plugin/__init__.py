@@ -12,6 +12,7 @@ Nothing here imports vLLM at module import time: `import rollout_service` works 
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -23,16 +24,31 @@ MODEL_QUALNAME = f"{__name__}.model:ZeroKLForCausalLM"
 BACKEND_QUALNAME = f"{__name__}.attention.ZeroKLAttentionBackend"
 HF_OVERRIDES = {"architectures": [ARCHITECTURE]}
 ENTRY_POINT = f"{__name__}:register"  # pyproject.toml's vllm.general_plugins entry
-# Decode steps replay full CUDA graphs; nothing is compiled (mode 0: the canonical ops are Triton kernels)
-CUDA_GRAPH_COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 RUNNERS = ("v1", "v2")
+# The token counts of the steps vLLM's V2 runner replays from full CUDA graphs, prefill chunks included:
+# vLLM's decode sizes, then coarser ones up to 4,096 tokens (a step pads up to the next size).
+GRAPH_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 512, 16), *range(512, 1024, 64),
+                       *range(1024, 4097, 256))
+# Full CUDA graphs per model runner; nothing is compiled (mode 0: the canonical ops are Triton kernels).
+# Rule: on V2 every step of up to max(GRAPH_CAPTURE_SIZES) tokens replays a graph ("FULL"), prefill
+# included, because an eager step launches its Triton kernels from Python: a 2,048-token prefill at
+# Qwen2.5-1.5B shapes left the GPU idle 82% of the time (docs/performance.md). Larger steps run
+# eagerly, where the kernels' own time hides the launches. V1 (MoE checkpoints, and `vllm serve`,
+# whose logits processor keeps vLLM on V1) replays decode steps only: its mixed graphs are unmeasured.
+CUDA_GRAPH_COMPILATION = {
+    "v2": {"mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": list(GRAPH_CAPTURE_SIZES)},
+    "v1": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+}
 
 
-def graph_options(cuda_graphs: bool = True) -> dict:
-    """vLLM keywords for the plugin's CUDA graphs: decode steps replay full graphs
-    (CUDA_GRAPH_COMPILATION), prefill runs eagerly; False: enforce_eager. Same bits either way; the
-    CPU build ignores graphs."""
-    return {"compilation_config": dict(CUDA_GRAPH_COMPILATION)} if cuda_graphs else {"enforce_eager": True}
+def graph_options(cuda_graphs: bool = True, runner: str = "v2") -> dict:
+    """vLLM keywords for the plugin's CUDA graphs on `runner` (CUDA_GRAPH_COMPILATION); False:
+    enforce_eager. Same bits either way; the CPU build ignores graphs."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    if not cuda_graphs:
+        return {"enforce_eager": True}
+    return {"compilation_config": copy.deepcopy(CUDA_GRAPH_COMPILATION[runner])}
 
 
 def pick_runner(model: str | os.PathLike | None = None) -> str:
@@ -66,8 +82,9 @@ def llm_options(model: str | os.PathLike | None = None, *, cuda_graphs: bool = T
     from rollout_service.vllm.plugin.tensor_parallel import tp_options
     if tensor_parallel_size != 1:
         require_entry_point()
-    return dict(hf_overrides=dict(HF_OVERRIDES), **runner_options(runner or pick_runner(model)),
-                **graph_options(cuda_graphs), **tp_options(model, tensor_parallel_size))
+    runner = runner or pick_runner(model)
+    return dict(hf_overrides=dict(HF_OVERRIDES), **runner_options(runner), **graph_options(cuda_graphs, runner),
+                **tp_options(model, tensor_parallel_size))
 
 
 def require_entry_point() -> None:
@@ -103,5 +120,5 @@ def register() -> None:
     install_request_rule(canonical_request, ARCHITECTURE)
 
 
-__all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "HF_OVERRIDES", "RUNNERS", "graph_options", "llm_options",
-           "pick_runner", "register", "require_entry_point", "runner_options", "seed_of"]
+__all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "GRAPH_CAPTURE_SIZES", "HF_OVERRIDES", "RUNNERS", "graph_options",
+           "llm_options", "pick_runner", "register", "require_entry_point", "runner_options", "seed_of"]

@@ -18,6 +18,15 @@ from rollout_service.engine.staging import stage
 from rollout_service.vllm.plugin import compat
 
 
+def graphed_step_tokens(compilation_config) -> int:
+    """The most tokens of a step that vLLM may replay from a full CUDA graph with prefill chunks in it:
+    its largest capture size where it captures mixed batches whole (cudagraph_mode FULL), else 0."""
+    mode = compilation_config.cudagraph_mode
+    if mode is None or mode.mixed_mode().name != "FULL":
+        return 0
+    return compilation_config.max_cudagraph_capture_size or 0
+
+
 @dataclass
 class PrefillGroups:
     """Query layout of an eager step that has prefill chunks, for kernels.attention_packed: the chunks
@@ -61,23 +70,27 @@ class ZeroKLAttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64 flat slot per token; -1 for padding tokens
-    prefill: PrefillGroups | None = None  # steps with a prefill chunk (never captured: eager)
+    prefill: PrefillGroups | None = None  # eager steps with a prefill chunk (never captured)
 
 
 class ZeroKLMetadataBuilder(AttentionMetadataBuilder[ZeroKLAttentionMetadata]):
-    # The forward has no host syncs and fixed shapes per token count, so vLLM may replay decode
-    # steps (one token per request) from full CUDA graphs; mixed prefill batches run eagerly.
-    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # In the [N, 1] layout the forward has no host syncs and fixed shapes per token count, so vLLM may
+    # replay any step from a full CUDA graph: decode steps and, under cudagraph_mode FULL, prefill too.
+    _cudagraph_support = AttentionCGSupport.ALWAYS
     reorder_batch_threshold = None  # the [N, 1] layout does not care about batch order
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.graphed_tokens = graphed_step_tokens(vllm_config.compilation_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ZeroKLAttentionMetadata:
         m = common_attn_metadata
         prefill = None
-        if m.max_query_len > 1:  # uniform decode steps (the captured ones) keep the [N, 1] layout
+        # Rule: a step that a graph may replay keeps the [N, 1] layout, prefill chunks included, because
+        # the packed layout's shapes come from the host and a graph would keep the captured ones. Eager
+        # steps with prefill chunks attend them packed (each key block loaded once per tile of queries).
+        if m.max_query_len > 1 and m.num_actual_tokens > self.graphed_tokens:
             prefill = PrefillGroups.from_query_starts(m.query_start_loc_cpu[: m.num_reqs + 1], self.device)
         return ZeroKLAttentionMetadata(int(m.num_reqs), m.query_start_loc, m.block_table_tensor,
                                        m.slot_mapping[: m.num_actual_tokens], prefill)
@@ -122,7 +135,7 @@ class PagedKVAdapter:
     (the forward sees it as [N, 1]: every token its own row, at its own position).
 
     Built inside the forward from the metadata's buffers with device ops only (no host sync), so a
-    decode step is captured whole; a step with prefill chunks attends per chunk over the flat batch
+    step is captured whole; an eager step with prefill chunks attends per chunk over the flat batch
     (PrefillGroups, kernels.attention_packed).
     """
 

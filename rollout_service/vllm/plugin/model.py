@@ -5,8 +5,8 @@ model_type, so `hf_overrides={"architectures": [...]}` does not lose it) with bf
 their checkpoint names, plus one vLLM `Attention` layer per decoder layer (`...self_attn.attn`) that
 only holds that layer's paged KV cache. vLLM's flat token batch is laid out as [N, 1]: every token is
 its own row with its own absolute position and its sequence's block table, so the canonical attention
-visits keys 0..position of each row exactly as a whole-sequence training forward does (steps with
-prefill chunks attend those chunks as [chunks, length] rows: same numbers, fewer key loads).
+visits keys 0..position of each row exactly as a whole-sequence training forward does (eager steps
+with prefill chunks attend those chunks as [chunks, length] rows: same numbers, fewer key loads).
 """
 from __future__ import annotations
 
