@@ -310,7 +310,8 @@ class TrainerRank:
         verdict = [None]
         start = time.perf_counter()
         try:
-            tensors = iter_full_tensors(self.model)
+            # staged: the stage casts the float32 master weights as it copies them
+            tensors = iter_full_tensors(self.model, None if staged else torch.bfloat16)
             if sender is None:
                 for _ in tensors:
                     pass

@@ -144,6 +144,13 @@ def test_staged_pass_checks_what_the_check_pass_checks():
     sender = WeightSender(None, "broadcast")
     assert sender.stage(named, numel) == fingerprint_entries(named)
     assert sender._stage.numel() == numel
+    # float32 master weights cast by the stage's copy: the bits of a bf16 copy made first (.to)
+    master = list(tiny_model("qwen2", dtype=torch.float32).state_dict().items())
+    cast, rounded = WeightSender(None, "broadcast"), WeightSender(None, "broadcast")
+    cast.stage(master, numel)
+    rounded.stage([(n, t.to(torch.bfloat16)) for n, t in master], numel)
+    assert torch.equal(cast._stage.view(torch.int16), rounded._stage.view(torch.int16))
+    assert not torch.equal(cast._stage.float(), torch.cat([t.reshape(-1) for _, t in master]))  # it rounds
     name = "model.layers.0.mlp.up_proj.weight"
     broken = {**sd, name: sd[name].clone()}
     broken[name][1, 2] = float("nan")

@@ -253,7 +253,9 @@ class WeightSender:
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], numel: int) -> list:
         """The staged pass: every tensor cast to bf16 into one buffer of `numel` elements on their device
         (consecutive, in order: the buckets' layout), then fingerprinted there in one launch; returns
-        fingerprint_entries' rows for begin(). Each tensor may be freed once the next is asked for."""
+        fingerprint_entries' rows for begin(). Each tensor may be freed once the next is asked for. The
+        cast is the copy's (round to nearest, as .to(torch.bfloat16)): float32 master weights need no bf16
+        copy of their own first."""
         layout, meta, bad, used = [], [], [], 0
         for name, t in named:
             if not torch.is_floating_point(t):
@@ -478,10 +480,12 @@ def _host_and_free_port() -> tuple[str, int]:
 
 
 def iter_full_tensors(model: torch.nn.Module, dtype=torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) per entry of the model's state dict, on its device; an FSDP2 (DTensor) shard is
-    gathered one parameter at a time (a collective: every rank must iterate in step)."""
+    """(name, full tensor) per entry of the model's state dict, on its device, cast to `dtype` (None: as
+    stored, for a reader that casts as it copies, such as WeightSender.stage); an FSDP2 (DTensor) shard
+    is gathered one parameter at a time (a collective: every rank must iterate in step)."""
     for name, t in model.state_dict().items():
-        yield name, _whole(t).detach().to(dtype)
+        t = _whole(t).detach()
+        yield name, t if dtype is None else t.to(dtype)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
