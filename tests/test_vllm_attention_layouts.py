@@ -36,14 +36,15 @@ def test_graphed_step_tokens_follow_the_graph_mode():
     assert graphed_step_tokens(SimpleNamespace(cudagraph_mode=None, max_cudagraph_capture_size=None)) == 0
 
 
-def test_graph_options_per_runner():
+def test_prefill_graphs_on_v2_at_one_rank_only():
     v2 = llm_options(None, runner="v2")["compilation_config"]
     assert v2["cudagraph_mode"] == "FULL" and v2["cudagraph_capture_sizes"] == list(GRAPH_CAPTURE_SIZES)
     assert max(GRAPH_CAPTURE_SIZES) == 4096 and list(GRAPH_CAPTURE_SIZES) == sorted(set(GRAPH_CAPTURE_SIZES))
     assert llm_options(None, runner="v1")["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert graph_options(True, "v2", 2)["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
     assert graph_options(False, "v2") == {"enforce_eager": True}
     graph_options(True, "v2")["compilation_config"]["cudagraph_capture_sizes"].append(1)  # a copy
-    assert CUDA_GRAPH_COMPILATION["v2"]["cudagraph_capture_sizes"] == list(GRAPH_CAPTURE_SIZES)
+    assert CUDA_GRAPH_COMPILATION["all_steps"]["cudagraph_capture_sizes"] == list(GRAPH_CAPTURE_SIZES)
     with pytest.raises(ValueError, match="runner"):
         graph_options(True, "v3")
 

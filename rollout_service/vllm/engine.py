@@ -99,7 +99,8 @@ class VLLMEngine:
                                   **self._sized(common, stock_share)) if stock_for_off else None
         self.canonical = None if stock_only else VLLMInstance(
             self._tmpdir, hf_overrides=dict(HF_OVERRIDES),
-            **graph_options(cuda_graphs and self.device.type == "cuda", pick_runner(self._tmpdir)),
+            **graph_options(cuda_graphs and self.device.type == "cuda", pick_runner(self._tmpdir),
+                            tensor_parallel_size),
             **self._sized(common, gpu_memory_utilization - stock_share))
         self._ids = itertools.count()
         self._where: dict[int, VLLMInstance] = {}  # request id -> the engine serving it

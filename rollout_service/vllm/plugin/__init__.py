@@ -29,26 +29,29 @@ RUNNERS = ("v1", "v2")
 # vLLM's decode sizes, then coarser ones up to 4,096 tokens (a step pads up to the next size).
 GRAPH_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 512, 16), *range(512, 1024, 64),
                        *range(1024, 4097, 256))
-# Full CUDA graphs per model runner; nothing is compiled (mode 0: the canonical ops are Triton kernels).
-# Rule: on V2 every step of up to max(GRAPH_CAPTURE_SIZES) tokens replays a graph ("FULL"), prefill
+# Full CUDA graphs; nothing is compiled (mode 0: the canonical ops are Triton kernels). Rule: on V2 at
+# one rank every step of up to max(GRAPH_CAPTURE_SIZES) tokens replays a graph ("all_steps"), prefill
 # included, because an eager step launches its Triton kernels from Python: a 2,048-token prefill at
 # Qwen2.5-1.5B shapes left the GPU idle 82% of the time (docs/performance.md). Larger steps run
-# eagerly, where the kernels' own time hides the launches. V1 (MoE checkpoints, and `vllm serve`,
-# whose logits processor keeps vLLM on V1) replays decode steps only: its mixed graphs are unmeasured.
+# eagerly, where the kernels' own time hides the launches. Elsewhere decode steps only: V1 (MoE
+# checkpoints, and `vllm serve`, whose logits processor keeps vLLM on V1) and tensor parallelism,
+# where graphs holding prefill steps are unmeasured.
 CUDA_GRAPH_COMPILATION = {
-    "v2": {"mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": list(GRAPH_CAPTURE_SIZES)},
-    "v1": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+    "all_steps": {"mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": list(GRAPH_CAPTURE_SIZES)},
+    "decode_steps": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
 }
 
 
-def graph_options(cuda_graphs: bool = True, runner: str = "v2") -> dict:
-    """vLLM keywords for the plugin's CUDA graphs on `runner` (CUDA_GRAPH_COMPILATION); False:
-    enforce_eager. Same bits either way; the CPU build ignores graphs."""
+def graph_options(cuda_graphs: bool = True, runner: str = "v2", tensor_parallel_size: int = 1) -> dict:
+    """vLLM keywords for the plugin's CUDA graphs on `runner` over `tensor_parallel_size` ranks
+    (CUDA_GRAPH_COMPILATION's rule); False: enforce_eager. Same bits either way; the CPU build ignores
+    graphs."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     if not cuda_graphs:
         return {"enforce_eager": True}
-    return {"compilation_config": copy.deepcopy(CUDA_GRAPH_COMPILATION[runner])}
+    steps = "all_steps" if runner == "v2" and tensor_parallel_size == 1 else "decode_steps"
+    return {"compilation_config": copy.deepcopy(CUDA_GRAPH_COMPILATION[steps])}
 
 
 def pick_runner(model: str | os.PathLike | None = None) -> str:
@@ -83,8 +86,8 @@ def llm_options(model: str | os.PathLike | None = None, *, cuda_graphs: bool = T
     if tensor_parallel_size != 1:
         require_entry_point()
     runner = runner or pick_runner(model)
-    return dict(hf_overrides=dict(HF_OVERRIDES), **runner_options(runner), **graph_options(cuda_graphs, runner),
-                **tp_options(model, tensor_parallel_size))
+    return dict(hf_overrides=dict(HF_OVERRIDES), **runner_options(runner),
+                **graph_options(cuda_graphs, runner, tensor_parallel_size), **tp_options(model, tensor_parallel_size))
 
 
 def require_entry_point() -> None:

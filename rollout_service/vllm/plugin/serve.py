@@ -39,8 +39,9 @@ def plugin_args(*, eager: bool = False) -> list[str]:
             "--enable-prefix-caching",
             # a seedless request gets its seed here and back in a header, so every rollout replays
             "--middleware", "rollout_service.vllm.plugin.seed_echo.SeedEcho"]
-    # the logits processor keeps vLLM on its V1 runner
-    args += ["--enforce-eager"] if eager else ["--compilation-config", json.dumps(CUDA_GRAPH_COMPILATION["v1"])]
+    # the logits processor keeps vLLM on its V1 runner: decode steps from graphs
+    args += ["--enforce-eager"] if eager else ["--compilation-config",
+                                               json.dumps(CUDA_GRAPH_COMPILATION["decode_steps"])]
     return args
 
 
