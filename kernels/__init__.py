@@ -10,8 +10,8 @@ import torch
 
 from . import reference
 from .backend import backend_for, canonical_config, kernel_family
-from .backward import (add_with_grad, attention_ref, linear_with_grad, rms_norm_ref, silu_mul_ref,
-                       with_reference_grad)
+from .backward import (add_with_grad, attention_ref, linear_with_grad, rms_norm_with_grad, rotary_with_grad,
+                       silu_mul_with_grad, with_reference_grad)
 from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_WIDTHS, CanonicalConfig,
                        CanonicalMismatchError, check_canonical, set_tree_segments, tree_segments)
 from .logprobs import head_token_logprobs, log_softmax, logprob_temperature, scale_logits, token_logprobs
@@ -60,18 +60,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"x last dim {x.shape[-1]} != weight size {weight.shape[0]}")
     _same_device(x, weight)
     impl = backend_for(x).rms_norm
-    return with_reference_grad(lambda a, w: impl(a, w, eps), lambda a, w: rms_norm_ref(a, w, eps), x, weight)
+    return rms_norm_with_grad(lambda a, w: impl(a, w, eps), x, weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _check("gate", gate, dtype=torch.bfloat16)
     _check("up", up, dtype=torch.bfloat16)
-    return with_reference_grad(backend_for(gate).silu_mul, silu_mul_ref, gate, up)
+    return silu_mul_with_grad(backend_for(gate).silu_mul, gate, up)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE, elementwise in fp32 (canonical by construction); x [B, T, H, D] bf16."""
-    return with_reference_grad(backend_for(x).rotary, reference.rotary, x, cos, sin)
+    return rotary_with_grad(backend_for(x).rotary, x, cos, sin)
 
 
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

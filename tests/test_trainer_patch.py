@@ -62,6 +62,24 @@ def test_op_gradients_are_the_ordinary_ones(padded):
         got = torch.autograd.grad(op(gate, up), (gate, up), g)
         want = torch.autograd.grad(ref(gate, up), (gate, up), g)
         assert all(torch.equal(a, e) for a, e in zip(got, want))
+    # rms_norm and RoPE have their backward written out: autograd through the reference formula gives
+    # the same bits (RoPE) or agrees to bf16 rounding (rms_norm)
+    from kernels import reference as R
+    from kernels.backward import rms_norm_ref
+    x, nw = torch.randn(3, 7, 64, generator=gen).to(torch.bfloat16), (1 + torch.randn(64, generator=gen) / 4)
+    x, nw = x.requires_grad_(), nw.to(torch.bfloat16).requires_grad_()
+    g = torch.randn(3, 7, 64, generator=gen).to(torch.bfloat16)
+    got = torch.autograd.grad(K.rms_norm(x, nw, 1e-6), (x, nw), g)
+    want = torch.autograd.grad(rms_norm_ref(x, nw, 1e-6), (x, nw), g)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype and e.abs().sum() > 0
+        assert (a.float() - e.float()).norm() / e.float().norm() < 1e-2
+    xr = torch.randn(2, 5, 3, 16, generator=gen).to(torch.bfloat16).requires_grad_()
+    angle = torch.randn(2, 5, 8, generator=gen)
+    g = torch.randn(2, 5, 3, 16, generator=gen).to(torch.bfloat16)
+    got = torch.autograd.grad(K.rotary(xr, angle.cos(), angle.sin()), xr, g)[0]
+    want = torch.autograd.grad(R.rotary(xr, angle.cos(), angle.sin()), xr, g)[0]
+    assert torch.equal(got, want) and not torch.equal(got, g), "RoPE's gradient is the rotation's transpose"
     # attention: close to fp32 autograd; with padding rows (negative positions) still finite
     q, k, v = (torch.randn(2, 12, h, 16, generator=gen).to(torch.bfloat16).requires_grad_() for h in (4, 2, 2))
     pos = torch.arange(12).repeat(2, 1)
