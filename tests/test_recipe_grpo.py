@@ -91,6 +91,20 @@ def test_broadcast_weight_sync_carries_the_same_weights(verified_run, tmp_path, 
     assert all("perf/sync_send_s" not in r and r["perf/sync_connect_s"] > 0.0 for r in records)
 
 
+def test_one_rank_staged_pushes_carry_each_steps_new_weights(local_ray, tmp_path):
+    """One trainer rank keeps its state dict's entries between staged pushes (no gather there): every
+    push still carries that step's updated weights, the ones the object store carries."""
+    one_rank = SHORT + ["metrics.wandb=false", "trainer.num_ranks=1", "train.save_every=0"]
+    by_store = run(load_config(TINY, one_rank + [f"run_dir={tmp_path / 'store'}"]), progress=False)["records"]
+    staged = run(load_config(TINY, one_rank + [f"run_dir={tmp_path / 'staged'}", "trainer.weight_sync=broadcast"]),
+                 progress=False)["records"]
+    assert [r["weights/staged"] for r in staged] == [True] * 3
+    digests = [r["weights/digest"] for r in staged]
+    assert digests == [r["weights/digest"] for r in by_store] and len(set(digests)) == 3
+    assert [r["rollout/digest"] for r in staged] == [r["rollout/digest"] for r in by_store]
+    assert all(r["rollout_train/kl"] == 0.0 for r in staged)
+
+
 def test_baseline_determinism_off_has_nonzero_kl(local_ray, tmp_path):
     cfg = load_config(TINY, ["train.steps=2", "train.prompts_per_step=8", "warmup.steps=30",
                              "rollout.determinism=off", f"run_dir={tmp_path}", "metrics.wandb=false"])

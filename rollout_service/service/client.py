@@ -132,7 +132,7 @@ class RolloutClient:
     def _begin_weight_sync(self, plan) -> dict:
         return _unwrapped(self._pool.begin_weight_sync.remote(plan))
 
-    def _end_weight_sync(self, sync_id: str, error: str | None = None) -> str:
+    def _end_weight_sync(self, sync_id: str, error: str | None = None) -> dict:
         return _unwrapped(self._pool.end_weight_sync.remote(sync_id, error))
 
     def weights_digest(self) -> str:

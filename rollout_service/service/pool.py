@@ -292,9 +292,10 @@ class _PoolActor:
             self._dropped_groups.append(self._broadcast_group[0])
             self._broadcast_group = None
 
-    async def end_weight_sync(self, sync_id: str, error: str | None = None) -> str:
+    async def end_weight_sync(self, sync_id: str, error: str | None = None) -> dict:
         """Every worker's verdict: adopt the push, or (error: the sender gave up) keep the old weights,
-        restarting any worker that holds part of it."""
+        restarting any worker that holds part of it. Returns {"digest": the digest adopted,
+        "worker_seconds": each phase of the workers' share (WeightReceiver.seconds), the slowest's}."""
         if self._sync is None or self._sync[0].sync_id != sync_id:
             raise RuntimeError(f"no weight push {sync_id!r} in progress (it may have timed out)")
         plan, slots, exclusive = self._sync
@@ -303,6 +304,11 @@ class _PoolActor:
             results = await asyncio.gather(*(s.actor.end_weight_receive.remote(sync_id, error) for s in slots),
                                            return_exceptions=True)
             results = [r.cause if isinstance(r, RayTaskError) else r for r in results]
+            seconds: dict[str, float] = {}
+            for r in results:
+                for phase, s in (r["seconds"].items() if isinstance(r, dict) else ()):
+                    seconds[phase] = max(s, seconds.get(phase, 0.0))
+            results = [r["digest"] if isinstance(r, dict) else r for r in results]
             if error is not None or any(isinstance(r, Exception) for r in results):
                 self._forget_group()  # a member failed mid-push: the next push sets up a new group
             if error is not None:
@@ -310,7 +316,8 @@ class _PoolActor:
                     if r is not None:
                         self.workers.restart_later(slot, f"an abandoned push left part of it loaded ({r!r})")
                 raise RuntimeError(f"weight push abandoned: {error}")
-            return await self._settle(slots, results, plan.digest, FROM_PEER)
+            digest = await self._settle(slots, results, plan.digest, FROM_PEER)
+            return {"digest": digest, "worker_seconds": seconds}
         finally:
             await exclusive.__aexit__(None, None, None)
 

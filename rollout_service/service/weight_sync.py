@@ -168,6 +168,9 @@ class WeightReceiver:
         self._ipc_buffer = None
         self.loaded_any = False
         self.error: Exception | None = None  # the first check that failed; later buckets are not loaded
+        # where this worker's share of the push went, summed over buckets: receive (waiting for the
+        # broadcast), check (fingerprints), load (into the engine), settle (the device finishing it)
+        self.seconds = {"receive": 0.0, "check": 0.0, "load": 0.0, "settle": 0.0}
 
     def receive_all(self) -> None:
         """broadcast: every bucket, in order (blocks until the sender has sent them all), into a buffer of
@@ -176,7 +179,9 @@ class WeightReceiver:
         buf = torch.empty(self.plan.bucket_numel, dtype=torch.bfloat16, device=self.device)
         for index, bucket in enumerate(self.plan.buckets):
             n = bucket[-1].offset + bucket[-1].numel
+            start = time.perf_counter()
             group.broadcast(buf[:n].view(torch.uint8), 0).wait()  # received even after an error,
+            self.seconds["receive"] += time.perf_counter() - start
             self._take(index, buf)  # so that the sender is never left waiting
         if self.error is not None:
             raise self.error
@@ -201,15 +206,21 @@ class WeightReceiver:
             return
         bucket = self.plan.buckets[index]
         named = _views(bucket, buf)
+        start = time.perf_counter()
         got = packed_fingerprints(buf, [(e.offset, e.numel) for e in bucket]).tolist()
+        checked = time.perf_counter()
+        self.seconds["check"] += checked - start
         for (name, _), (a, b, _) in zip(named, got):
             if (a, b) != tuple(self.plan.fingerprints[name]):
                 self.error = WeightMismatchError(f"{name}: the received bits differ from the sender's")
                 return
         self.loaded_any = True
         self._load(named)
+        loaded = time.perf_counter()
+        self.seconds["load"] += loaded - checked
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # on the device before the push counts as landed
+        self.seconds["settle"] += time.perf_counter() - loaded
         if len(self.plan.buckets) > 1 and self._wait_reads is not None:
             self._wait_reads()  # the buffer is written again by the next bucket (streamed pushes)
         self._received.update(n for n, _ in named)
@@ -247,16 +258,19 @@ class WeightSender:
         self._group = self._workers = self._buf = self._handle = None
         self._stage: torch.Tensor | None = None  # the whole push, after stage()
         # where the push's time went: begin (the pool's checks, its workers drained and woken, the
-        # sender's buffer), send (every bucket copied, sent, checked and loaded), finish (the verdict)
+        # sender's buffer), send (every bucket copied, sent, checked and loaded), finish (the verdict);
+        # after finish, the workers' phases inside it (worker_receive, worker_check, ...: WeightReceiver)
         self.seconds: dict[str, float] = {}
 
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], numel: int) -> list:
         """The staged pass: every tensor cast to bf16 into one buffer of `numel` elements on their device
         (consecutive, in order: the buckets' layout), then fingerprinted there in one launch; returns
-        fingerprint_entries' rows for begin(). Each tensor may be freed once the next is asked for. The
+        fingerprint_entries' rows for begin(). Tensors are copied a group at a time (_GroupedCopies):
+        each may be freed once its group is copied. The
         cast is the copy's (round to nearest, as .to(torch.bfloat16)): float32 master weights need no bf16
         copy of their own first."""
         layout, meta, bad, used = [], [], [], 0
+        copies = _GroupedCopies()
         for name, t in named:
             if not torch.is_floating_point(t):
                 bad.append(name)
@@ -266,10 +280,11 @@ class WeightSender:
                 raise ValueError(f"stage(): the tensors hold more than the {numel} elements announced")
             if self._stage is None:
                 self._stage = torch.empty(numel, dtype=torch.bfloat16, device=t.device)
-            self._stage[used:used + n].copy_(t.detach().reshape(-1))
+            copies.add(self._stage[used:used + n], t.detach().reshape(-1))
             meta.append((name, tuple(t.shape), t.device))
             layout.append((used, n))
             used += n
+        copies.flush()
         if used != numel and not bad:
             raise ValueError(f"stage(): the tensors hold {used} elements, {numel} were announced")
         rows = packed_fingerprints(self._stage, layout).tolist() if layout else []
@@ -376,10 +391,13 @@ class WeightSender:
         return self.finish()
 
     def finish(self) -> str:
-        """The pool's verdict once every worker has checked and loaded everything: the digest they hold."""
+        """The pool's verdict once every worker has checked and loaded everything: the digest they hold.
+        The workers' own phases (the slowest worker's, each) join self.seconds as worker_<phase>."""
         start = time.perf_counter()
         try:
-            return self.client._end_weight_sync(self.plan.sync_id)
+            verdict = self.client._end_weight_sync(self.plan.sync_id)
+            self.seconds.update({f"worker_{k}": v for k, v in verdict["worker_seconds"].items()})
+            return verdict["digest"]
         finally:
             self.seconds["finish"] = time.perf_counter() - start
             self._release()
@@ -394,6 +412,32 @@ class WeightSender:
 
     def _release(self) -> None:
         self._group = self._buf = self._handle = self._stage = None
+
+
+class _GroupedCopies:
+    """Copies into a stage issued a group at a time (torch._foreach_copy_: one call, and on a GPU a few
+    launches, for a group of tensors, where a copy_ each costs more host time than device time at
+    hundreds of tensors). A group holds its sources until it is flushed, so it is capped in bytes: a
+    source gathered for the copy (FSDP2 across ranks) is freed soon after."""
+
+    GROUP_BYTES = 256 << 20
+
+    def __init__(self):
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+        self.nbytes = 0
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.dst.append(dst)
+        self.src.append(src)
+        self.nbytes += src.numel() * src.element_size()
+        if self.nbytes >= self.GROUP_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)  # casts as copy_ does (round to nearest)
+        self.dst, self.src, self.nbytes = [], [], 0
 
 
 def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):

@@ -347,9 +347,10 @@ class RolloutWorker:
         receiver = self._current_receiver(sync_id)
         await self._call(receiver.receive_ipc, index, handle)
 
-    async def end_weight_receive(self, sync_id: str, error: str | None = None) -> str | None:
-        """The digest now held, after checking that everything arrived; with `error` (the sender gave up)
-        None if nothing was loaded. Raises if the engine holds part of the push (the pool restarts it)."""
+    async def end_weight_receive(self, sync_id: str, error: str | None = None) -> dict:
+        """{"digest": the digest now held, after checking that everything arrived, "seconds": where this
+        worker's share of the push went}; with `error` (the sender gave up) digest None if nothing was
+        loaded. Raises if the engine holds part of the push (the pool restarts it)."""
         receiver = self._current_receiver(sync_id)
         if error is not None and self._receiving is not None and not self._receiving.done():
             # the engine thread waits in a broadcast the sender will not finish: not this actor's to mend
@@ -360,16 +361,17 @@ class RolloutWorker:
                     await self._receiving
                 if error is None:
                     digest = await self._call(receiver.finish)
+                    start = time.perf_counter()
                     await self._call(self._engine.finish_weight_load)
                     await self._call(self._set_version, receiver.plan.version)
-                    return digest
+                    return {"digest": digest, "seconds": {**receiver.seconds, "engine": time.perf_counter() - start}}
             except Exception as e:
                 if receiver.loaded_any:  # the engine holds part of the push: only a restart mends that
                     raise RuntimeError(f"this worker loaded part of the push, then: {e!r}") from e
                 raise
             if receiver.loaded_any:
                 raise RuntimeError(f"the push was abandoned after part of it was loaded: {error}")
-            return None
+            return {"digest": None, "seconds": receiver.seconds}
         finally:
             self._receiver = self._receiving = None
             self._resume()
