@@ -257,18 +257,44 @@ def check_weights(model: torch.nn.Module, state_dict, expected_digest: str | Non
     return digest
 
 
+class CopyGroup:
+    """Tensor copies issued together by torch._foreach_copy_ (cast and moved as copy_ does: a bf16 cast
+    rounds to nearest): a weight push has hundreds of tensors, and a copy_ each costs more host time
+    than the copies take. Rules: a group holds its sources until flushed, so `max_bytes` bounds it
+    (a source gathered for the copy is freed soon after); a destination added twice flushes the group
+    first, so that the later copy lands last."""
+
+    def __init__(self, max_bytes: int | None = None, non_blocking: bool = False):
+        self.max_bytes, self.non_blocking = max_bytes, non_blocking
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+        self._targets: set[int] = set()
+        self._bytes = 0
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.data_ptr() in self._targets:  # the same memory (tied weights, a parameter's .data again)
+            self.flush()
+        self.dst.append(dst)
+        self.src.append(src)
+        self._targets.add(dst.data_ptr())
+        self._bytes += src.numel() * src.element_size()
+        if self.max_bytes is not None and self._bytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.dst:
+            with torch.no_grad():
+                torch._foreach_copy_(self.dst, self.src, non_blocking=self.non_blocking)
+        self.dst, self.src, self._targets, self._bytes = [], [], set(), 0
+
+
 def copy_into(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy tensors into the model's tensors of the same names (cast and moved as needed), in one
-    torch._foreach_copy_: a push has hundreds of tensors, and a copy_ each costs more host time than
-    the copies take."""
+    """Copy tensors into the model's tensors of the same names (cast and moved as needed)."""
     own = model.state_dict()
-    dst, src = [], []
+    copies = CopyGroup(non_blocking=True)
     for name, t in named:
-        dst.append(own[name])
-        src.append(t)
-    if dst:
-        with torch.no_grad():
-            torch._foreach_copy_(dst, src, non_blocking=True)
+        copies.add(own[name], t)
+    copies.flush()
 
 
 def load_weights(model: torch.nn.Module, state_dict, expected_digest: str | None = None) -> str:

@@ -138,6 +138,41 @@ def test_weight_push_with_digest_and_mismatch(engine, checkpoint):
     assert [r.token_ids for r in engine.generate(prompts, params)] == [r.token_ids for r in before]
 
 
+def test_a_bucketed_push_drops_the_prefix_cache_computed_with_the_old_weights(engine, checkpoint):
+    """A bucketed push's load into the canonical vLLM engine (begin, tensors, finish: the order
+    WeightReceiver calls VLLMEngine's) leaves no prefix-cached KV of the old weights: prompts served before the push are served after it as the
+    trainer scores them under the new weights. The control loads the same way without begin (the
+    prefix cache kept), and serves the old weights' KV: other log-probs than the trainer's."""
+    prompts = random_prompts(4, VOCAB, seed=37, lo=70, hi=90)  # two or more whole blocks of 32 each
+    params = _params(4)
+    new = tiny_model("qwen2", seed=25, **MODEL_KW).to(torch.bfloat16)
+    old = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+
+    canonical = engine.canonical  # the engine that serves these requests (the stock one serves `off`)
+
+    def push(model, begin: bool):
+        if begin:
+            canonical.begin_weight_load()
+        canonical.load_named_weights(list(model.state_dict().items()))
+        canonical.finish_weight_load()
+
+    def agrees(rollouts, model):
+        return [r.logprobs == trainer_logprobs(model, prompt, r.token_ids, p.temperature)
+                for prompt, p, r in zip(prompts, params, rollouts)]
+
+    try:
+        engine.generate(prompts, params)  # the old weights' KV, cached by prefix
+        push(new, begin=True)
+        assert all(agrees(engine.generate(prompts, params), new))
+        push(old, begin=True)
+        engine.generate(prompts, params)
+        push(new, begin=False)  # the control: the old weights' cached prefixes are served
+        assert not any(agrees(engine.generate(prompts, params), new))
+    finally:
+        push(old, begin=True)
+    assert all(agrees(engine.generate(prompts, params), old))
+
+
 @pytest.fixture(scope="module")
 def split_engine(checkpoint):
     """A stock engine whose core runs in a process of its own, started by spawning, as it is on GPUs

@@ -406,3 +406,19 @@ def test_start_pool_checks_the_model_at_the_call(pool, tmp_path):
         assert time.monotonic() - t < 5 and "\n" not in str(info.value)
     with pytest.raises(ValueError):
         ray.get_actor("rollout-bad-model", namespace="rollout_service")  # no pool actor was made
+
+
+def test_copy_group_casts_as_copy_does_and_a_destination_written_twice_ends_with_the_later():
+    from rollout_service.weights import CopyGroup
+    gen = torch.Generator().manual_seed(5)
+    src = torch.randn(3000, generator=gen) * 1e3  # float32 with bits below bf16's: the cast rounds them
+    stage = torch.empty(3000, dtype=torch.bfloat16)
+    tied = torch.zeros(8)
+    group = CopyGroup(max_bytes=4000)  # flushes on the way, as the stage's groups do
+    for start in range(0, 3000, 500):
+        group.add(stage[start:start + 500], src[start:start + 500])
+    group.add(tied, torch.ones(8))
+    group.add(tied, torch.full((8,), 2.0))
+    group.flush()
+    assert torch.equal(stage, src.to(torch.bfloat16)) and not torch.equal(stage.float(), src)
+    assert torch.equal(tied, torch.full((8,), 2.0))

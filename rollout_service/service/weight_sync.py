@@ -31,12 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout_service.weights import WeightMismatchError, check_fit, digest_of_fingerprints, packed_fingerprints
+from rollout_service.weights import (CopyGroup, WeightMismatchError, check_fit, digest_of_fingerprints,
+                                     packed_fingerprints)
 
 TRANSPORTS = ("object_store", "broadcast", "ipc")
 DEFAULT_BUCKET_BYTES = 256 << 20
 WHOLE = 1 << 62  # bucket_bytes of a plan with one bucket
 DEFAULT_STAGE_BYTES = 8 << 30
+STAGE_COPY_GROUP_BYTES = 256 << 20  # the stage's copies are issued in groups of this many source bytes
 
 
 def stages_whole(numel: int, stage_bytes: int) -> bool:
@@ -157,11 +159,15 @@ class WeightReceiver:
 
     def __init__(self, plan: SyncPlan, device: torch.device, load: Callable[[list[tuple[str, torch.Tensor]]], None],
                  rank: int | None = None, world_size: int | None = None, groups: dict | None = None,
-                 wait_reads: Callable[[], None] | None = None):
+                 wait_reads: Callable[[], None] | None = None, prepare: Callable[[], None] | None = None):
         """load may go on reading its tensors after it returns (VLLMEngine's host copy); wait_reads, where
         given, waits for those reads, and is called before the buffer is reused: in a push of several
-        buckets (streamed), after each. A staged push is one bucket, whose buffer is never reused."""
+        buckets (streamed), after each. A staged push is one bucket, whose buffer is never reused.
+        prepare, where given, runs once before the first load, while the first bucket is in flight
+        (broadcast): host work of the engine's that must precede the load (VLLMEngine.begin_weight_load);
+        if it raises, nothing is loaded."""
         self.plan, self.device, self._load, self._wait_reads = plan, torch.device(device), load, wait_reads
+        self._prepare = prepare
         self._rank, self._world = rank, world_size
         self._groups = {} if groups is None else groups  # the worker's broadcast groups, kept between pushes
         self._received: set[str] = set()
@@ -170,7 +176,7 @@ class WeightReceiver:
         self.error: Exception | None = None  # the first check that failed; later buckets are not loaded
         # where this worker's share of the push went, summed over buckets: receive (waiting for the
         # broadcast), check (fingerprints), load (into the engine), settle (the device finishing it)
-        self.seconds = {"receive": 0.0, "check": 0.0, "load": 0.0, "settle": 0.0}
+        self.seconds = {"receive": 0.0, "prepare": 0.0, "check": 0.0, "load": 0.0, "settle": 0.0}
 
     def receive_all(self) -> None:
         """broadcast: every bucket, in order (blocks until the sender has sent them all), into a buffer of
@@ -202,6 +208,13 @@ class WeightReceiver:
             raise self.error
 
     def _take(self, index: int, buf: torch.Tensor) -> None:
+        if self._prepare is not None:  # NCCL's wait() returns once the receive is queued: this overlaps it
+            prepare, self._prepare, start = self._prepare, None, time.perf_counter()
+            try:
+                prepare()
+            except Exception as e:
+                self.error = e
+            self.seconds["prepare"] = time.perf_counter() - start
         if self.error is not None:
             return
         bucket = self.plan.buckets[index]
@@ -265,12 +278,12 @@ class WeightSender:
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], numel: int) -> list:
         """The staged pass: every tensor cast to bf16 into one buffer of `numel` elements on their device
         (consecutive, in order: the buckets' layout), then fingerprinted there in one launch; returns
-        fingerprint_entries' rows for begin(). Tensors are copied a group at a time (_GroupedCopies):
+        fingerprint_entries' rows for begin(). Tensors are copied a group at a time (weights.CopyGroup):
         each may be freed once its group is copied. The
         cast is the copy's (round to nearest, as .to(torch.bfloat16)): float32 master weights need no bf16
         copy of their own first."""
         layout, meta, bad, used = [], [], [], 0
-        copies = _GroupedCopies()
+        copies = CopyGroup(max_bytes=STAGE_COPY_GROUP_BYTES)
         for name, t in named:
             if not torch.is_floating_point(t):
                 bad.append(name)
@@ -412,32 +425,6 @@ class WeightSender:
 
     def _release(self) -> None:
         self._group = self._buf = self._handle = self._stage = None
-
-
-class _GroupedCopies:
-    """Copies into a stage issued a group at a time (torch._foreach_copy_: one call, and on a GPU a few
-    launches, for a group of tensors, where a copy_ each costs more host time than device time at
-    hundreds of tensors). A group holds its sources until it is flushed, so it is capped in bytes: a
-    source gathered for the copy (FSDP2 across ranks) is freed soon after."""
-
-    GROUP_BYTES = 256 << 20
-
-    def __init__(self):
-        self.dst: list[torch.Tensor] = []
-        self.src: list[torch.Tensor] = []
-        self.nbytes = 0
-
-    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.dst.append(dst)
-        self.src.append(src)
-        self.nbytes += src.numel() * src.element_size()
-        if self.nbytes >= self.GROUP_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.dst:
-            torch._foreach_copy_(self.dst, self.src)  # casts as copy_ does (round to nearest)
-        self.dst, self.src, self.nbytes = [], [], 0
 
 
 def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):

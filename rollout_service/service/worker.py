@@ -334,7 +334,8 @@ class RolloutWorker:
             if plan.new_group:  # a worker serves one pool: a new group replaces any it held
                 self._weight_groups.clear()
             self._receiver = WeightReceiver(plan, device, self._engine.load_named_weights, rank, world_size,
-                                            self._weight_groups, getattr(self._engine, "wait_host_copies", None))
+                                            self._weight_groups, getattr(self._engine, "wait_host_copies", None),
+                                            getattr(self._engine, "begin_weight_load", None))
             if plan.transport == "broadcast":
                 self._receiving = asyncio.get_running_loop().run_in_executor(self._thread, self._receiver.receive_all)
         except BaseException:

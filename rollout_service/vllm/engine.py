@@ -233,6 +233,11 @@ class VLLMEngine:
         for target in self._targets():
             target.load_named_weights(named)
 
+    def begin_weight_load(self) -> None:
+        """A bucketed push starts (WeightReceiver's prepare, while its first bytes are in flight)."""
+        for target in self._targets():
+            target.begin_weight_load()
+
     def finish_weight_load(self) -> None:
         """The push is complete and checked: every weight of every engine is the host copy's. A thread
         waits for the host copy to land and lets go of the push's buffers, so that an idle engine does

@@ -26,6 +26,7 @@ from kernels.moe import is_moe_block
 from rollout_service.vllm.plugin.attention import PagedKVAdapter, ZeroKLAttentionBackend
 from rollout_service.vllm.plugin.runner_v2 import model_state_class
 from rollout_service.vllm.plugin.tensor_parallel import PluginTP
+from rollout_service.weights import CopyGroup
 
 
 def build_hf_model(hf_config, device: torch.device) -> nn.Module:
@@ -142,6 +143,7 @@ class ZeroKLForCausalLM(nn.Module):
             self.__dict__["_parameter_names"] = frozenset(name for name, _ in self.named_parameters())
         names = self.__dict__["_parameter_names"]
         loaded = set()
+        copies = CopyGroup()  # issued together: see _load
         for name, tensor in weights:
             expert = EXPERT_TENSOR.fullmatch(name)
             if expert is not None:
@@ -154,20 +156,27 @@ class ZeroKLForCausalLM(nn.Module):
                     loaded.add(fused)
                     continue
             if name == "model.embed_tokens.weight" and self.lm_head_from_embedding:
-                self._load(self.get_parameter("lm_head.weight"), self.tp.shard("lm_head.weight", tensor),
+                self._load(copies, self.get_parameter("lm_head.weight"), self.tp.shard("lm_head.weight", tensor),
                            "lm_head.weight")
                 loaded.add("lm_head.weight")
             if name not in names:  # e.g. rotary inv_freq, or lm_head.weight of a tied checkpoint
                 continue
-            self._load(self.get_parameter(name), self.tp.shard(name, tensor), name)
+            self._load(copies, self.get_parameter(name), self.tp.shard(name, tensor), name)
             loaded.add(name)
+        copies.flush()
         return loaded
 
     @staticmethod
-    def _load(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    def _load(copies: CopyGroup, param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        """Through the parameter's own weight_loader where it has one (vLLM's in-place reload wraps
+        them); else the copy vLLM's default_weight_loader makes, added to `copies`."""
         if param.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        if loader is default_weight_loader:
+            copies.add(param.data, tensor)
+        else:
+            loader(param, tensor)
 
 
 EXPERT_TENSOR = re.compile(r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\.weight")
