@@ -174,8 +174,9 @@ class WeightReceiver:
         self._ipc_buffer = None
         self.loaded_any = False
         self.error: Exception | None = None  # the first check that failed; later buckets are not loaded
-        # where this worker's share of the push went, summed over buckets: receive (waiting for the
-        # broadcast), check (fingerprints), load (into the engine), settle (the device finishing it)
+        # where this worker's share of the push went, summed over buckets: receive (the broadcast; on
+        # NCCL only queued, its transfer then waited for by prepare and check), prepare (the engine's,
+        # once), check (fingerprints), load (into the engine), settle (the device finishing the load)
         self.seconds = {"receive": 0.0, "prepare": 0.0, "check": 0.0, "load": 0.0, "settle": 0.0}
 
     def receive_all(self) -> None:
@@ -279,9 +280,8 @@ class WeightSender:
         """The staged pass: every tensor cast to bf16 into one buffer of `numel` elements on their device
         (consecutive, in order: the buckets' layout), then fingerprinted there in one launch; returns
         fingerprint_entries' rows for begin(). Tensors are copied a group at a time (weights.CopyGroup):
-        each may be freed once its group is copied. The
-        cast is the copy's (round to nearest, as .to(torch.bfloat16)): float32 master weights need no bf16
-        copy of their own first."""
+        each may be freed once its group is copied. The cast is the copy's (round to nearest, as
+        .to(torch.bfloat16)): float32 master weights need no bf16 copy of their own first."""
         layout, meta, bad, used = [], [], [], 0
         copies = CopyGroup(max_bytes=STAGE_COPY_GROUP_BYTES)
         for name, t in named:
