@@ -140,9 +140,10 @@ def test_weight_push_with_digest_and_mismatch(engine, checkpoint):
 
 def test_a_bucketed_push_drops_the_prefix_cache_computed_with_the_old_weights(engine, checkpoint):
     """A bucketed push's load into the canonical vLLM engine (begin, tensors, finish: the order
-    WeightReceiver calls VLLMEngine's) leaves no prefix-cached KV of the old weights: prompts served before the push are served after it as the
-    trainer scores them under the new weights. The control loads the same way without begin (the
-    prefix cache kept), and serves the old weights' KV: other log-probs than the trainer's."""
+    WeightReceiver calls VLLMEngine's) leaves no prefix-cached KV of the old weights: prompts served
+    before the push are served after it as the trainer scores them under the new weights. The control
+    loads the same way without begin (the prefix cache kept), and serves the old weights' KV: other
+    log-probs than the trainer's."""
     prompts = random_prompts(4, VOCAB, seed=37, lo=70, hi=90)  # two or more whole blocks of 32 each
     params = _params(4)
     new = tiny_model("qwen2", seed=25, **MODEL_KW).to(torch.bfloat16)
@@ -171,6 +172,33 @@ def test_a_bucketed_push_drops_the_prefix_cache_computed_with_the_old_weights(en
     finally:
         push(old, begin=True)
     assert all(agrees(engine.generate(prompts, params), old))
+
+
+def test_a_bucketed_push_reaches_the_stock_engine_in_this_process(engine, checkpoint):
+    """A bucketed push's load (begin, tensors, finish) into a VLLMEngine whose stock engine runs in this
+    process: its `off` requests then carry the new weights, the greedy tokens a whole-state-dict push of
+    the same weights gives."""
+    prompts = random_prompts(4, VOCAB, seed=38, lo=5, hi=40)
+    greedy_off = [SamplingParams(max_tokens=8, temperature=0.0, determinism="off") for _ in prompts]
+    new = tiny_model("qwen2", seed=26, **MODEL_KW).to(torch.bfloat16)
+    old = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+
+    def tokens():
+        return [r.token_ids for r in engine.generate(prompts, greedy_off)]
+
+    before = tokens()
+    try:
+        engine.update_weights(new.state_dict())
+        want = tokens()
+        engine.update_weights(old.state_dict())
+        engine.begin_weight_load()
+        engine.load_named_weights(list(new.state_dict().items()))
+        engine.finish_weight_load()
+        engine.wait_host_copies()
+        got = tokens()
+    finally:
+        engine.update_weights(old.state_dict())
+    assert got == want and want != before
 
 
 @pytest.fixture(scope="module")

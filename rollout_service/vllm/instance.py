@@ -142,6 +142,8 @@ class VLLMInstance:
             llm_options.setdefault("distributed_executor_backend", "uni")
         # tensors can be handed over only to an engine core and model runner in this process
         self.in_process = in_process and llm_options.get("distributed_executor_backend") == "uni"
+        # weights by reference straight into the model (in-process engines whose model takes them in place)
+        self.loads_in_place = self.in_process and (canonical or compat.stock_loads_in_place())
         llm_options = sized_options(llm_options, gpu_share=0.4)  # the verifier shares the GPU
         from vllm import LLM
         self.weight_chunk_bytes = weight_chunk_bytes
@@ -183,12 +185,17 @@ class VLLMInstance:
         self.drop_prefix_cache()
 
     def load_named_weights(self, named) -> None:
-        """Part of a bucketed push: in place now (in-process engine), or staged until finish_weight_load."""
-        if self.in_process:
+        """Part of a bucketed push: in place now (loads_in_place), or staged until finish_weight_load,
+        which loads the staged tensors with vLLM's in-place reload: host copies, by reference for an
+        engine core in this process (the push's buffers may be written again before then), else
+        through files."""
+        if self.loads_in_place:
             self.llm.collective_rpc("zerokl_load_weights", args=(list(named),))
+        elif self.in_process:
+            self.llm.collective_rpc("zerokl_stage_weights", args=([(n, t.to("cpu", copy=True)) for n, t in named],))
         else:
             self._stage_through_files(named)
-            self._staged = True
+        self._staged = not self.loads_in_place
 
     def drop_prefix_cache(self) -> None:
         """Forget every cached prefix (their KV was computed with the weights being replaced). vLLM's

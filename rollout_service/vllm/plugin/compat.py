@@ -1,7 +1,8 @@
 """vLLM internals we depend on beyond its public API: the parts of the KV-cache API that differ between
 the versions we run (0.25 on GPU, 0.32 on CPU), vLLM's process-wide graph-capture flag, how an
-engine's core is placed in or out of this process (and how that process is started), and where a
-request's SamplingParams enter an engine (install_request_rule).
+engine's core is placed in or out of this process (and how that process is started), where a
+request's SamplingParams enter an engine (install_request_rule), and which stock models take weights
+in place (stock_loads_in_place).
 
 0.25 allocates a layer's cache in the shape the backend's `get_kv_cache_shape` returns; we ask for
 [num_blocks, 2, block_size, Hkv, D] (FlashAttention's blocks-first shape) and unbind K and V.
@@ -43,6 +44,14 @@ def split_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torc
     # 0.32: logical [NB, H, BS, 2D], whatever the physical order
     k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)
     return k, v
+
+
+def stock_loads_in_place() -> bool:
+    """Whether a stock vLLM model takes new weights through its load_weights after it was loaded. vLLM's
+    CPU platform repacks a stock model's linear weights once they are loaded (oneDNN, or replaces them
+    with empty parameters), dropping their weight loaders: there only vLLM's reload (reload_weights)
+    loads into them. The plugin's model keeps plain parameters on every platform."""
+    return torch.cuda.is_available()
 
 
 def allow_graph_capture() -> None:
