@@ -85,9 +85,11 @@ def test_broadcast_weight_sync_carries_the_same_weights(verified_run, tmp_path, 
     assert [r["rollout/digest"] for r in again] == [r["rollout/digest"] for r in records]
     assert all(r["rollout_train/kl"] == 0.0 for r in again)
     phases = ("connect", "check", "begin", "send", "finish")  # where each push's time went, within it
+    worker = [f"worker_{p}" for p in ("receive", "check", "load", "engine")]  # each worker's own share
     for r in again:
-        assert all(r[f"perf/sync_{p}_s"] > 0.0 for p in phases), r
+        assert all(r[f"perf/sync_{p}_s"] > 0.0 for p in phases + tuple(worker)), r
         assert sum(r[f"perf/sync_{p}_s"] for p in phases) <= r["perf/weight_sync_s"]
+        assert sum(r[f"perf/sync_{p}_s"] for p in worker) <= sum(r[f"perf/sync_{p}_s"] for p in phases[2:])
     assert all("perf/sync_send_s" not in r and r["perf/sync_connect_s"] > 0.0 for r in records)
 
 
