@@ -288,9 +288,10 @@ class CopyGroup:
         self.dst, self.src, self._targets, self._bytes = [], [], set(), 0
 
 
-def copy_into(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy tensors into the model's tensors of the same names (cast and moved as needed)."""
-    own = model.state_dict()
+def copy_into(model: torch.nn.Module | dict[str, torch.Tensor], named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy tensors into the model's tensors of the same names (cast and moved as needed); `model` may
+    be its state dict, kept by a caller that copies often (state_dict() walks every module)."""
+    own = model if isinstance(model, dict) else model.state_dict()
     copies = CopyGroup(non_blocking=True)
     for name, t in named:
         copies.add(own[name], t)

@@ -138,11 +138,11 @@ def test_weight_push_with_digest_and_mismatch(engine, checkpoint):
     assert [r.token_ids for r in engine.generate(prompts, params)] == [r.token_ids for r in before]
 
 
-def test_a_bucketed_push_drops_the_prefix_cache_computed_with_the_old_weights(engine, checkpoint):
-    """A bucketed push's load into the canonical vLLM engine (begin, tensors, finish: the order
-    WeightReceiver calls VLLMEngine's) leaves no prefix-cached KV of the old weights: prompts served
-    before the push are served after it as the trainer scores them under the new weights. The control
-    loads the same way without begin (the prefix cache kept), and serves the old weights' KV: other
+def test_a_bucketed_push_never_serves_prefix_cache_of_the_old_weights(engine, checkpoint):
+    """A bucketed push's load into the canonical vLLM engine (tensors, then finish: the order
+    WeightReceiver calls VLLMEngine's) leaves no prefix-cached KV of the old weights in use: prompts
+    served before the push are served after it as the trainer scores them under the new weights. The
+    control keeps the old weights' cache salt across the push, and serves the old weights' KV: other
     log-probs than the trainer's."""
     prompts = random_prompts(4, VOCAB, seed=37, lo=70, hi=90)  # two or more whole blocks of 32 each
     params = _params(4)
@@ -151,11 +151,12 @@ def test_a_bucketed_push_drops_the_prefix_cache_computed_with_the_old_weights(en
 
     canonical = engine.canonical  # the engine that serves these requests (the stock one serves `off`)
 
-    def push(model, begin: bool):
-        if begin:
-            canonical.begin_weight_load()
+    def push(model, salted: bool):
+        generation = canonical._weights_generation
         canonical.load_named_weights(list(model.state_dict().items()))
         canonical.finish_weight_load()
+        if not salted:
+            canonical._weights_generation = generation
 
     def agrees(rollouts, model):
         return [r.logprobs == trainer_logprobs(model, prompt, r.token_ids, p.temperature)
@@ -163,14 +164,14 @@ def test_a_bucketed_push_drops_the_prefix_cache_computed_with_the_old_weights(en
 
     try:
         engine.generate(prompts, params)  # the old weights' KV, cached by prefix
-        push(new, begin=True)
+        push(new, salted=True)
         assert all(agrees(engine.generate(prompts, params), new))
-        push(old, begin=True)
+        push(old, salted=True)
         engine.generate(prompts, params)
-        push(new, begin=False)  # the control: the old weights' cached prefixes are served
+        push(new, salted=False)  # the control: the old weights' cached prefixes are served
         assert not any(agrees(engine.generate(prompts, params), new))
     finally:
-        push(old, begin=True)
+        push(old, salted=True)
     assert all(agrees(engine.generate(prompts, params), old))
 
 
@@ -191,7 +192,6 @@ def test_a_bucketed_push_reaches_the_stock_engine_in_this_process(engine, checkp
         engine.update_weights(new.state_dict())
         want = tokens()
         engine.update_weights(old.state_dict())
-        engine.begin_weight_load()
         engine.load_named_weights(list(new.state_dict().items()))
         engine.finish_weight_load()
         engine.wait_host_copies()

@@ -205,17 +205,19 @@ def test_bucket_plan():
     assert [(e.offset, e.numel) for e in buckets[0]] == [(0, 16), (16, 10)]
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "streamed"])
-def test_receiver_waits_for_the_engines_reads_only_where_the_buffer_is_reused(staged):
-    """A staged push is one bucket in a buffer of its own, so the engine may go on reading what it loaded
-    (VLLMEngine's host copy); streamed, the one bucket buffer is written again, so the receiver waits
-    for those reads after each bucket. Every tensor is still checked and loaded as sent."""
+@pytest.mark.parametrize("staged,bucket_bytes", [(True, WHOLE), (True, 64 << 10), (False, 64 << 10)],
+                         ids=["staged-one-bucket", "staged-buckets", "streamed"])
+def test_receiver_waits_for_the_engines_reads_only_where_the_buffer_is_reused(staged, bucket_bytes):
+    """A staged push's buckets lie in one buffer of its own, so the engine may go on reading what it
+    loaded (VLLMEngine's host copy); streamed, the one bucket buffer is written again, so the receiver
+    waits for those reads after each bucket. Every tensor is still checked and loaded as sent."""
     sd = tiny_model("qwen2").state_dict()
     entries = fingerprint_entries(sd.items())
     shapes = {n: tuple(shape) for n, shape, _, _ in entries}
-    buckets = plan_buckets(shapes, WHOLE if staged else 64 << 10)
-    assert (len(buckets) == 1) == staged
-    plan = SyncPlan("broadcast", "unused", shapes, {n: fp for n, _, fp, _ in entries}, buckets, "cpu")
+    buckets = plan_buckets(shapes, bucket_bytes)
+    assert (len(buckets) == 1) == (bucket_bytes == WHOLE)
+    plan = SyncPlan("broadcast", "unused", shapes, {n: fp for n, _, fp, _ in entries}, buckets, "cpu",
+                    staged=staged)
     loaded, waits = {}, []
     receiver = WeightReceiver(plan, "cpu", lambda named: loaded.update((n, t.clone()) for n, t in named),
                               wait_reads=lambda: waits.append(len(loaded)))
@@ -226,7 +228,8 @@ def test_receiver_waits_for_the_engines_reads_only_where_the_buffer_is_reused(st
         receiver._take(index, buf)
     assert receiver.error is None and receiver.finish() == "unused"
     assert all(torch.equal(loaded[n], sd[n].to(torch.bfloat16)) for n in sd)
-    assert len(waits) == (0 if staged else len(buckets)) and (staged or len(buckets) > 2)
+    assert len(waits) == (0 if staged else len(buckets))
+    assert bucket_bytes == WHOLE or len(buckets) > 2
 
 
 def test_transport_choice():
@@ -271,24 +274,26 @@ def _bad_pushes(sd):
             (sd, {"expected_digest": "0" * 32}, "expected 0000")]
 
 
-@pytest.mark.parametrize("transport,stage_bytes", [("object_store", 0), ("broadcast", 1 << 30), ("broadcast", 0)],
-                         ids=["object_store", "broadcast-staged", "broadcast-streamed"])
-def test_push_lands_bitwise_and_refused_pushes_change_nothing(pool, reqs, transport, stage_bytes):
+@pytest.mark.parametrize("transport,stage_bytes,bucket_bytes", [
+    ("object_store", 0, None), ("broadcast", 1 << 30, None), ("broadcast", 1 << 30, 64 << 10), ("broadcast", 0, None)],
+    ids=["object_store", "broadcast-staged", "broadcast-staged-buckets", "broadcast-streamed"])
+def test_push_lands_bitwise_and_refused_pushes_change_nothing(pool, reqs, transport, stage_bytes, bucket_bytes):
     old, new = shared.model(), tiny_model("qwen2", seed=2)
     before = _engine_rollouts(old, reqs)
     after = _engine_rollouts(new, reqs)
     assert [r.token_ids for r in before] != [r.token_ids for r in after]  # the weights matter
 
     sd = new.state_dict()
+    sizes = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}  # several buckets of a staged push
     for bad, kwargs, words in _bad_pushes(sd):
         with pytest.raises(WeightMismatchError, match=words):
-            pool.update_weights(bad, transport=transport, stage_bytes=stage_bytes, **kwargs)
+            pool.update_weights(bad, transport=transport, stage_bytes=stage_bytes, **sizes, **kwargs)
         # refused before any worker loaded anything: the old weights keep serving
         assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
         assert_same(pool.generate(*reqs), before, f"after a refused {transport} push ({words})")
     assert all(w["state"] == "ready" and w["restarts"] == 0 for w in pool.stats()["workers"])
 
-    push = dict(transport=transport, stage_bytes=stage_bytes)
+    push = dict(transport=transport, stage_bytes=stage_bytes, **sizes)
     assert pool.update_weights(sd, **push) == state_dict_digest(sd) == model_digest(new)
     assert _worker_digests(pool) == [model_digest(new)] * 2
     assert_same(pool.generate(*reqs), after, f"after a {transport} push")
@@ -302,15 +307,24 @@ def test_ipc_has_no_cpu_form(pool):
     assert pool.weights_digest() == model_digest(shared.model())
 
 
-def _corrupted_push(pool, named):
+def _corrupted_push(pool, named, staged: bool = False):
     """A sender whose bits differ from the fingerprints it announced (a broken transfer), in its last
-    bucket: every worker loads the buckets before it, then refuses, and the pool restarts them."""
+    bucket: every worker loads the buckets before it, then refuses, and the pool restarts them.
+    Staged, the stage is altered after its fingerprints were taken."""
     restarts = [w["restarts"] for w in pool.stats()["workers"]]
     sender = WeightSender(pool, "broadcast", bucket_bytes=64 << 10)  # several buckets
-    sender.begin(fingerprint_entries(named))
+    if staged:
+        sender.begin(sender.stage(named, sum(t.numel() for _, t in named)))
+        last_bucket = sum(b[-1].offset + b[-1].numel for b in sender.plan.buckets[:-1])
+        sender._stage[last_bucket] += 1
+    else:
+        sender.begin(fingerprint_entries(named))
     assert len(sender.plan.buckets) > 2
-    last = sender.plan.buckets[-1][0].name
-    sender.send([(n, t + 1 if n == last else t) for n, t in named])
+    if staged:
+        sender.send()
+    else:
+        last = sender.plan.buckets[-1][0].name
+        sender.send([(n, t + 1 if n == last else t) for n, t in named])
     with pytest.raises(RuntimeError, match="no worker loaded"):
         sender.finish()
     shared_wait(lambda: [w["restarts"] for w in pool.stats()["workers"]] == [r + 1 for r in restarts]
@@ -318,13 +332,14 @@ def _corrupted_push(pool, named):
                 pool=pool)
 
 
-def test_corrupted_transfer_is_caught_and_the_pool_keeps_its_weights(pool, reqs):
+@pytest.mark.parametrize("staged", [False, True], ids=["streamed", "staged"])
+def test_corrupted_transfer_is_caught_and_the_pool_keeps_its_weights(pool, reqs, staged):
     """After a push through the object store the pool holds those weights: workers that a broken
     transfer left half-loaded come back with them."""
     old, new = shared.model(), tiny_model("qwen2", seed=2)
     before = _engine_rollouts(old, reqs)
     pool.update_weights(old.state_dict(), transport="object_store")
-    _corrupted_push(pool, list(new.state_dict().items()))
+    _corrupted_push(pool, list(new.state_dict().items()), staged)
     assert [w["state"] for w in pool.stats()["workers"]] == ["ready", "ready"]
     assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
     assert_same(pool.generate(*reqs), before, "after a corrupted push")

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import uuid
 
 import ray
@@ -239,6 +240,7 @@ class _PoolActor:
         sends to them) and the process group's size (broadcast: the sender is rank 0)."""
         if self._sync is not None:
             raise RuntimeError("another weight push is in progress")
+        start = time.perf_counter()
         exclusive = self._exclusive()
         await exclusive.__aenter__()
         try:
@@ -270,8 +272,11 @@ class _PoolActor:
         self._sync = (plan, slots, exclusive)
         asyncio.get_running_loop().create_task(self._expire_sync(plan.sync_id, plan.timeout_s))
         replaces, self._dropped_groups = (self._dropped_groups, []) if plan.new_group else ([], self._dropped_groups)
+        # where begin went: the pool's share (its checks, draining, the workers' begin) and the slowest
+        # worker's own; the rest of the sender's begin is Ray's calls
+        seconds = {"pool": time.perf_counter() - start, "worker": max(r["seconds"] for r in results)}
         return {"workers": [s.actor for s in slots], "world_size": world, "version": plan.version,
-                "group_id": plan.group_id,
+                "group_id": plan.group_id, "seconds": seconds,
                 "new_group": plan.new_group, "store": (plan.store_host, plan.store_port), "replaces": replaces}
 
     def _assign_group(self, plan, slots: list[WorkerSlot]) -> None:

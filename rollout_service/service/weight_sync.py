@@ -10,7 +10,8 @@ follow, and each side's half of the two device transports.
 Two ways to feed a push (the recipe picks by size, trainer.weight_stage_mb):
 - staged: one pass casts every tensor into one buffer holding the whole push on the sender's device
   and fingerprints it there (WeightSender.stage); the checks and the send then read that buffer. By
-  ipc it is one bucket: each worker reads all of it in one call.
+  ipc it is one bucket: each worker reads all of it in one call. By broadcast its buckets are sent
+  back to back, and each worker checks and loads one while the next is in flight.
 - streamed: a check pass (fingerprint_entries), then a second pass that fills one bucket at a time
   (WeightSender.send): the sender never holds more than a bucket, at the price of gathering twice.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -78,6 +80,9 @@ class SyncPlan:
     new_group: bool = True
     gpu_uuid: str | None = None
     version: int | None = None  # the version id the receivers stamp later tokens with; set by the pool
+    # the buckets lie one after another in the sender's stage (WeightSender.stage): a receiver keeps
+    # them so too, in one buffer of the whole push, so no bucket is written where another was
+    staged: bool = False
 
     @property
     def bucket_numel(self) -> int:
@@ -159,15 +164,11 @@ class WeightReceiver:
 
     def __init__(self, plan: SyncPlan, device: torch.device, load: Callable[[list[tuple[str, torch.Tensor]]], None],
                  rank: int | None = None, world_size: int | None = None, groups: dict | None = None,
-                 wait_reads: Callable[[], None] | None = None, prepare: Callable[[], None] | None = None):
+                 wait_reads: Callable[[], None] | None = None):
         """load may go on reading its tensors after it returns (VLLMEngine's host copy); wait_reads, where
         given, waits for those reads, and is called before the buffer is reused: in a push of several
-        buckets (streamed), after each. A staged push is one bucket, whose buffer is never reused.
-        prepare, where given, runs once before the first load, while the first bucket is in flight
-        (broadcast): host work of the engine's that must precede the load (VLLMEngine.begin_weight_load);
-        if it raises, nothing is loaded."""
+        buckets (streamed), after each. A staged push is one bucket, whose buffer is never reused."""
         self.plan, self.device, self._load, self._wait_reads = plan, torch.device(device), load, wait_reads
-        self._prepare = prepare
         self._rank, self._world = rank, world_size
         self._groups = {} if groups is None else groups  # the worker's broadcast groups, kept between pushes
         self._received: set[str] = set()
@@ -175,21 +176,28 @@ class WeightReceiver:
         self.loaded_any = False
         self.error: Exception | None = None  # the first check that failed; later buckets are not loaded
         # where this worker's share of the push went, summed over buckets: receive (the broadcast; on
-        # NCCL only queued, its transfer then waited for by prepare and check), prepare (the engine's,
-        # once), check (fingerprints), load (into the engine), settle (the device finishing the load)
-        self.seconds = {"receive": 0.0, "prepare": 0.0, "check": 0.0, "load": 0.0, "settle": 0.0}
+        # NCCL only queued, its transfer then waited for by check), check (fingerprints), load (into
+        # the engine), settle (the device finishing the load)
+        self.seconds = {"receive": 0.0, "check": 0.0, "load": 0.0, "settle": 0.0}
 
     def receive_all(self) -> None:
         """broadcast: every bucket, in order (blocks until the sender has sent them all), into a buffer of
-        this push's own (a staged push is one bucket, so nothing it loaded is written again)."""
+        this push's own. Staged, the buffer holds the whole push and every receive is queued at once:
+        a bucket is checked and loaded while the ones after it are in flight. Streamed, it holds one
+        bucket, received once the last is loaded."""
         group = join_group(self.plan, self._rank, self._world, self._groups, replaces=[])
-        buf = torch.empty(self.plan.bucket_numel, dtype=torch.bfloat16, device=self.device)
-        for index, bucket in enumerate(self.plan.buckets):
-            n = bucket[-1].offset + bucket[-1].numel
+        sizes = [b[-1].offset + b[-1].numel for b in self.plan.buckets]
+        buf = torch.empty(sum(sizes) if self.plan.staged else max(sizes, default=0), dtype=torch.bfloat16,
+                          device=self.device)
+        firsts = list(itertools.accumulate([0, *sizes[:-1]])) if self.plan.staged else [0] * len(sizes)
+        pieces = [buf[first:first + n] for first, n in zip(firsts, sizes)]
+        queued = [group.broadcast(p.view(torch.uint8), 0) for p in pieces] if self.plan.staged else None
+        for index, piece in enumerate(pieces):
             start = time.perf_counter()
-            group.broadcast(buf[:n].view(torch.uint8), 0).wait()  # received even after an error,
+            # received even after an error, so that the sender is never left waiting
+            (queued[index] if queued else group.broadcast(piece.view(torch.uint8), 0)).wait()
             self.seconds["receive"] += time.perf_counter() - start
-            self._take(index, buf)  # so that the sender is never left waiting
+            self._take(index, piece)
         if self.error is not None:
             raise self.error
 
@@ -209,13 +217,6 @@ class WeightReceiver:
             raise self.error
 
     def _take(self, index: int, buf: torch.Tensor) -> None:
-        if self._prepare is not None:  # NCCL's wait() returns once the receive is queued: this overlaps it
-            prepare, self._prepare, start = self._prepare, None, time.perf_counter()
-            try:
-                prepare()
-            except Exception as e:
-                self.error = e
-            self.seconds["prepare"] = time.perf_counter() - start
         if self.error is not None:
             return
         bucket = self.plan.buckets[index]
@@ -235,7 +236,7 @@ class WeightReceiver:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # on the device before the push counts as landed
         self.seconds["settle"] += time.perf_counter() - loaded
-        if len(self.plan.buckets) > 1 and self._wait_reads is not None:
+        if not self.plan.staged and len(self.plan.buckets) > 1 and self._wait_reads is not None:
             self._wait_reads()  # the buffer is written again by the next bucket (streamed pushes)
         self._received.update(n for n, _ in named)
 
@@ -272,8 +273,9 @@ class WeightSender:
         self._group = self._workers = self._buf = self._handle = None
         self._stage: torch.Tensor | None = None  # the whole push, after stage()
         # where the push's time went: begin (the pool's checks, its workers drained and woken, the
-        # sender's buffer), send (every bucket copied, sent, checked and loaded), finish (the verdict);
-        # after finish, the workers' phases inside it (worker_receive, worker_check, ...: WeightReceiver)
+        # sender's buffer; inside it begin_pool, the pool's own share, and worker_begin, the slowest
+        # worker's), send (every bucket copied, sent, checked and loaded), finish (the verdict); after
+        # finish, the workers' phases inside it (worker_receive, worker_check, ...: WeightReceiver)
         self.seconds: dict[str, float] = {}
 
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], numel: int) -> list:
@@ -313,12 +315,14 @@ class WeightSender:
         if expected_digest is not None and digest != expected_digest:
             raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
         device = entries[0][3] if entries else torch.device("cpu")
-        # a staged push is one bucket: the workers read the whole stage in place in one call (ipc) or
-        # receive it in one broadcast, and check it in one launch (bucket by bucket, a worker takes
-        # each in turn: receive, check, load, wait)
-        bucket_bytes = WHOLE if self._stage is not None else self.bucket_bytes
+        # a staged push by ipc is one bucket: the workers read the whole stage in place in one call and
+        # check it in one launch. By broadcast it goes in buckets, slices of the stage sent back to back,
+        # so that a worker checks and loads each while the next is in flight (streamed, a worker takes
+        # each bucket in turn: receive, check, load, wait).
+        staged = self._stage is not None
+        bucket_bytes = WHOLE if staged and self.transport == "ipc" else self.bucket_bytes
         plan = SyncPlan(self.transport, digest, shapes, prints, plan_buckets(shapes, bucket_bytes),
-                        device.type, timeout_s=self.timeout_s)
+                        device.type, timeout_s=self.timeout_s, staged=staged)
         if self.transport == "ipc":
             if device.type != "cuda":
                 raise ValueError("transport='ipc' shares GPU memory; on CPU the object store is the shared-memory "
@@ -331,6 +335,7 @@ class WeightSender:
         start = time.perf_counter()
         info = self.client._begin_weight_sync(plan)  # the pool's checks; workers drained and waiting
         self._workers = info["workers"]
+        self.seconds.update({"begin_pool": info["seconds"]["pool"], "worker_begin": info["seconds"]["worker"]})
         plan.version = info["version"]  # the pool's version id of this push
         try:
             if self.transport == "broadcast":  # the pool says whether the last group still fits

@@ -321,8 +321,10 @@ class RolloutWorker:
         self._wake.set()
 
     # bucketed pushes (weight_sync): begin, then buckets (ipc) or one background receive (broadcast), then end
-    async def begin_weight_receive(self, plan: SyncPlan, rank: int, world_size: int) -> None:
-        """Drain, then wait for the sender's buckets; the engine serves nothing until end_weight_receive."""
+    async def begin_weight_receive(self, plan: SyncPlan, rank: int, world_size: int) -> dict:
+        """Drain, then wait for the sender's buckets; the engine serves nothing until end_weight_receive.
+        Returns {"seconds": this call's own time}."""
+        start = time.perf_counter()
         self._start()
         await self._update_lock.acquire()
         try:
@@ -334,10 +336,10 @@ class RolloutWorker:
             if plan.new_group:  # a worker serves one pool: a new group replaces any it held
                 self._weight_groups.clear()
             self._receiver = WeightReceiver(plan, device, self._engine.load_named_weights, rank, world_size,
-                                            self._weight_groups, getattr(self._engine, "wait_host_copies", None),
-                                            getattr(self._engine, "begin_weight_load", None))
+                                            self._weight_groups, getattr(self._engine, "wait_host_copies", None))
             if plan.transport == "broadcast":
                 self._receiving = asyncio.get_running_loop().run_in_executor(self._thread, self._receiver.receive_all)
+            return {"seconds": time.perf_counter() - start}
         except BaseException:
             self._receiver = None
             self._resume()
@@ -361,11 +363,7 @@ class RolloutWorker:
                 if self._receiving is not None:
                     await self._receiving
                 if error is None:
-                    digest = await self._call(receiver.finish)
-                    start = time.perf_counter()
-                    await self._call(self._engine.finish_weight_load)
-                    await self._call(self._set_version, receiver.plan.version)
-                    return {"digest": digest, "seconds": {**receiver.seconds, "engine": time.perf_counter() - start}}
+                    return await self._call(self._adopt, receiver)
             except Exception as e:
                 if receiver.loaded_any:  # the engine holds part of the push: only a restart mends that
                     raise RuntimeError(f"this worker loaded part of the push, then: {e!r}") from e
@@ -377,6 +375,15 @@ class RolloutWorker:
             self._receiver = self._receiving = None
             self._resume()
             self._update_lock.release()
+
+    def _adopt(self, receiver: WeightReceiver) -> dict:
+        """On the engine thread, in one call: the push checked complete, the engine's load finished and
+        the version taken (end_weight_receive's result)."""
+        digest = receiver.finish()
+        start = time.perf_counter()
+        self._engine.finish_weight_load()
+        self._set_version(receiver.plan.version)
+        return {"digest": digest, "seconds": {**receiver.seconds, "engine": time.perf_counter() - start}}
 
     def _current_receiver(self, sync_id: str) -> WeightReceiver:
         if self._receiver is None or self._receiver.plan.sync_id != sync_id:

@@ -84,6 +84,9 @@ class VLLMEngine:
         self._host_model = load_model(model, "cpu", copy_model)
         if self.device.type == "cuda":
             pin_host_copy(self._host_model)
+        # its state dict, for the copies of every push; rule: its tensors are only ever written in
+        # place after this (copy_into, load_weights), so the entries stay the model's
+        self._host_tensors = self._host_model.state_dict()
         self._tmpdir = tempfile.mkdtemp(prefix="zerokl-vllm-engine-")
         self._host_model.save_pretrained(self._tmpdir)
         self.max_model_len = max_model_len or self._host_model.config.max_position_embeddings
@@ -127,7 +130,7 @@ class VLLMEngine:
         rid = next(self._ids)
         stock = self.stock is not None and params.determinism == Determinism.OFF
         target = self.stock if stock else self.canonical
-        target.llm.llm_engine.add_request(str(rid), {"prompt_token_ids": prompt}, self._vllm_params(
+        target.llm.llm_engine.add_request(str(rid), target.prompt(prompt), self._vllm_params(
             prompt, params, stock))
         self._where[rid], self._prompts[rid] = target, prompt
         return rid
@@ -221,22 +224,17 @@ class VLLMEngine:
         and whatever reads self.model waits first."""
         named = list(named)
         if self.device.type != "cuda":
-            copy_into(self._host_model, named)
+            copy_into(self._host_tensors, named)
         else:
             if self._host_copy_stream is None:
                 self._host_copy_stream = torch.cuda.Stream(self.device)
             stream = self._host_copy_stream
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffer is ready on the current stream
             with torch.cuda.stream(stream), self._host_copies_lock:
-                copy_into(self._host_model, named)
+                copy_into(self._host_tensors, named)
                 self._host_copies.append((stream.record_event(), named))
         for target in self._targets():
             target.load_named_weights(named)
-
-    def begin_weight_load(self) -> None:
-        """A bucketed push starts (WeightReceiver's prepare, while its first bytes are in flight)."""
-        for target in self._targets():
-            target.begin_weight_load()
 
     def finish_weight_load(self) -> None:
         """The push is complete and checked: every weight of every engine is the host copy's. A thread

@@ -29,7 +29,7 @@ class VLLMProposer:
             n = min(r.num_tokens, limit - len(r.token_ids))
             if n <= 0:
                 continue
-            prompts.append({"prompt_token_ids": list(r.token_ids)})
+            prompts.append(self.instance.prompt(list(r.token_ids)))
             params.append(canonical_vllm_params(r.params, len(r.token_ids), n))
             slots.append(i)
         if not prompts:

@@ -136,12 +136,25 @@ class ZeroKLForCausalLM(nn.Module):
         from_pretrained(dtype=torch.bfloat16) does); returns the names loaded. Per-expert checkpoint
         tensors (`mlp.experts.<e>.{gate,up,down}_proj.weight`) go into their slice of the fused
         expert parameters. Under tensor parallelism each rank loads its slice of every tensor."""
-        if "_parameter_names" not in self.__dict__:
-            # names only, once: TRL's colocate sync calls load_weights once per tensor, and rebuilding a dict of
-            # every parameter on each call cost more than the copies (0.2 s a sync at Qwen2.5-0.5B shapes).
-            # Tensors are looked up at each call, so a parameter replaced later (a reload) is the one filled.
+        if "_parameter_owners" not in self.__dict__:
+            # each parameter's module and attribute, once: TRL's colocate sync calls load_weights once per
+            # tensor, and rebuilding a dict of every parameter on each call cost more than the copies (0.2 s
+            # a sync at Qwen2.5-0.5B shapes); get_parameter's walk down the module path costs as much as a
+            # push's copies. Tensors are looked up in their module at each call, so a parameter replaced
+            # later (a reload) is the one filled.
+            # The names loaded are the parameters' own (a tied one's second name is not one); the owners
+            # cover every name, lm_head.weight included where it is the embedding's.
+            modules = dict(self.named_modules(remove_duplicate=False))
+            self.__dict__["_parameter_owners"] = {
+                name: (modules[name.rpartition(".")[0]], name.rpartition(".")[2])
+                for name, _ in self.named_parameters(remove_duplicate=False)}
             self.__dict__["_parameter_names"] = frozenset(name for name, _ in self.named_parameters())
-        names = self.__dict__["_parameter_names"]
+        owners, names = self.__dict__["_parameter_owners"], self.__dict__["_parameter_names"]
+
+        def parameter(name: str) -> torch.nn.Parameter:
+            module, attr = owners[name]
+            return module._parameters[attr]
+
         loaded = set()
         copies = CopyGroup()  # issued together: see _load
         for name, tensor in weights:
@@ -151,17 +164,17 @@ class ZeroKLForCausalLM(nn.Module):
                 fused = f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}"
                 if fused in names:
                     # through the parameter's weight_loader: vLLM's in-place reload wraps it to stage the copy
-                    param = self.get_parameter(fused)
+                    param = parameter(fused)
                     param.weight_loader(param, tensor, int(e), part)
                     loaded.add(fused)
                     continue
             if name == "model.embed_tokens.weight" and self.lm_head_from_embedding:
-                self._load(copies, self.get_parameter("lm_head.weight"), self.tp.shard("lm_head.weight", tensor),
+                self._load(copies, parameter("lm_head.weight"), self.tp.shard("lm_head.weight", tensor),
                            "lm_head.weight")
                 loaded.add("lm_head.weight")
             if name not in names:  # e.g. rotary inv_freq, or lm_head.weight of a tied checkpoint
                 continue
-            self._load(copies, self.get_parameter(name), self.tp.shard(name, tensor), name)
+            self._load(copies, parameter(name), self.tp.shard(name, tensor), name)
             loaded.add(name)
         copies.flush()
         return loaded
