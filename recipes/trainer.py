@@ -413,6 +413,7 @@ class TrainerGroup:
         import ray
 
         self.world = cfg.num_ranks
+        self._left_sending = False  # the last push returned while rank 0 sends it (push_weights overlap)
         opts = {"num_cpus": 1, **cfg.resources_per_rank}
         self.placement = None
         per_rank = [dict(opts) for _ in range(self.world)]
@@ -457,11 +458,17 @@ class TrainerGroup:
         return self._all("full_state_dict")[0]
 
     def push_weights(self, pool_name: str, namespace: str, overlap: bool = False) -> dict:
-        return self._all("push_weights", pool_name, namespace, overlap)[0]
+        result = self._all("push_weights", pool_name, namespace, overlap)[0]
+        self._left_sending = result["sending"]
+        return result
 
     def finish_push(self) -> dict | None:
+        """TrainerRank.finish_push on rank 0 (it alone sends); no call when no push was left sending."""
         import ray
-        return ray.get(self.ranks[0].finish_push.remote())  # rank 0 alone sends
+        if not self._left_sending:
+            return None
+        self._left_sending = False
+        return ray.get(self.ranks[0].finish_push.remote())
 
     def save(self, path: str) -> None:
         self._all("save", path)
