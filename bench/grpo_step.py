@@ -14,7 +14,8 @@ same, its pushes landing in the rollouts in flight: native engines, object store
 (compiles, warm caches) of rollout, train, weight sync, engine sleep and step seconds (checkpoint
 writes left out), tokens/s, and
 the largest KL and max |Δ log-prob| of any step; per round the paired ratios stock step / canonical
-step (above 1: zero KL is faster) and canonical step / async step (the asynchronous speed-up), and
+step (above 1: zero KL is faster) and canonical step / async step (the asynchronous speed-up), the
+same pairs of the steps after the first summed (`*_steps_summed`: slow steps count there), and
 samples per second; per round, for the async arms, the seconds of steps each arm took to reach the same
 reward (time_to_reward). Progress goes to stderr, the JSON to stdout; --plot draws the split.
 """
@@ -67,6 +68,8 @@ def summarise(records: list[dict]) -> dict:
     # seconds of the steps after the first (it compiles and warms caches, as in the medians) up to each step
     elapsed = [sum(seconds[1:i + 1]) for i in range(len(seconds))]
     out["reward_curve"] = [[round(t, 4), r["reward/mean"]] for t, r in zip(elapsed, records)]
+    # all of them, summed: a few slow steps (a new shape compiled) move it, and not the median
+    out["steps_after_first_s"] = elapsed[-1]
     return out
 
 
@@ -96,12 +99,16 @@ def with_ratios(result: dict) -> dict:
             if reached is not None:
                 row[f"time_to_reward_{num}_vs_{den}"] = reached
     for name, (num, den) in RATIOS.items():
+        summed = name.removesuffix("_step") + "_steps_summed"  # the same pair, of steps_after_first_s
         for row in result["rounds"]:
             if num in row and den in row:
                 row[name] = row[num]["step_s"] / row[den]["step_s"]
-        ratios = [r[name] for r in result["rounds"] if name in r]
-        if ratios:
-            result[f"{name}_median"] = statistics.median(ratios)
+                if "steps_after_first_s" in row[num] and "steps_after_first_s" in row[den]:
+                    row[summed] = row[num]["steps_after_first_s"] / row[den]["steps_after_first_s"]
+        for key in (name, summed):
+            ratios = [r[key] for r in result["rounds"] if key in r]
+            if ratios:
+                result[f"{key}_median"] = statistics.median(ratios)
     return result
 
 

@@ -45,6 +45,9 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
         assert arm["samples_per_s"] > 0 and len(arm["reward_curve"]) == 2
         assert arm["reward_curve"][0][0] == 0.0 < arm["reward_curve"][1][0]  # seconds after the first step
     assert row["stock_over_canonical_step"] == stock["step_s"] / canonical["step_s"]
+    for arm in (canonical, stock):  # the summed steps: the reward curve's last elapsed time
+        assert arm["steps_after_first_s"] == pytest.approx(arm["reward_curve"][-1][0], abs=1e-4)
+    assert row["stock_over_canonical_steps_summed"] == stock["steps_after_first_s"] / canonical["steps_after_first_s"]
     assert out["stock_over_canonical_step_median"] == row["stock_over_canonical_step"]
 
 

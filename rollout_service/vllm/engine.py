@@ -76,6 +76,7 @@ class VLLMEngine:
         self._host_copy_stream = None  # see load_named_weights
         self._host_copies: list[tuple[torch.cuda.Event, list]] = []  # (done, the tensors it reads), in flight
         self._host_copies_lock = threading.Lock()  # held while waiting for them (see wait_host_copies)
+        self._host_unissued: list = []  # loaded, its host copy not yet issued (see load_named_weights)
         if (self.device.type == "cuda") != torch.cuda.is_available():
             raise ValueError(f"VLLMEngine on {self.device} needs vLLM's build for it (CUDA available: "
                              f"{torch.cuda.is_available()})")
@@ -206,8 +207,10 @@ class VLLMEngine:
         return self._host_model
 
     def wait_host_copies(self) -> None:
-        """Until every copy into the host copy has landed; then its tensors are let go."""
+        """Until every copy into the host copy has landed (any not yet issued first); then its tensors
+        are let go."""
         with self._host_copies_lock:
+            self._issue_host_copies()
             for done, _ in self._host_copies:
                 done.synchronize()
             self._host_copies.clear()
@@ -216,25 +219,36 @@ class VLLMEngine:
         """Into each vLLM model in place (on the current stream), and into the host copy that digests
         and restarts read. On a GPU the copy to the (page-locked) host copy runs on a stream of its own
         and is not waited for: it reads the caller's tensors while rollouts go on, at the host link's
-        speed, which is most of a push's time otherwise.
+        speed, which is most of a push's time otherwise. It is issued at finish_weight_load, or at
+        wait_host_copies, not bucket by bucket: its device-to-host traffic shares the copy engine with
+        the small reads of the next buckets' checks, and held them up.
 
-        Rule: the caller writes to `named` again only after wait_host_copies() (a one-bucket push's
-        buffer is never written again: the sender's stage, read by CUDA IPC, or the receiver's buffer);
-        they are kept until the copy has read them (finish_weight_load lets go of them once it lands),
-        and whatever reads self.model waits first."""
+        Rule: the caller writes to `named` again only after wait_host_copies() (a staged push's buffer
+        is never written again: the sender's stage, read by CUDA IPC, or the receiver's buffer); they
+        are kept until the copy has read them (finish_weight_load lets go of them once it lands), and
+        whatever reads self.model waits first."""
         named = list(named)
         if self.device.type != "cuda":
             copy_into(self._host_tensors, named)
         else:
-            if self._host_copy_stream is None:
-                self._host_copy_stream = torch.cuda.Stream(self.device)
-            stream = self._host_copy_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffer is ready on the current stream
-            with torch.cuda.stream(stream), self._host_copies_lock:
-                copy_into(self._host_tensors, named)
-                self._host_copies.append((stream.record_event(), named))
+            with self._host_copies_lock:
+                self._host_unissued.extend(named)
         for target in self._targets():
             target.load_named_weights(named)
+
+    def _issue_host_copies(self) -> None:
+        """The host copies of what was loaded since the last issue, behind the loads on the current
+        stream (the caller holds _host_copies_lock)."""
+        if not self._host_unissued:
+            return
+        named, self._host_unissued = self._host_unissued, []
+        if self._host_copy_stream is None:
+            self._host_copy_stream = torch.cuda.Stream(self.device)
+        stream = self._host_copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffer is ready on the current stream
+        with torch.cuda.stream(stream):
+            copy_into(self._host_tensors, named)
+            self._host_copies.append((stream.record_event(), named))
 
     def finish_weight_load(self) -> None:
         """The push is complete and checked: every weight of every engine is the host copy's. A thread
@@ -243,6 +257,8 @@ class VLLMEngine:
         for target in self._targets():
             target.finish_weight_load()
         self._weights_discarded = False
+        with self._host_copies_lock:
+            self._issue_host_copies()
         if self._host_copies:
             threading.Thread(target=self.wait_host_copies, name="host-copy", daemon=True).start()
 
