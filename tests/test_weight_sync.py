@@ -6,6 +6,8 @@ The GPU forms (NCCL broadcast, CUDA IPC between processes on one GPU) are in tes
 """
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -214,10 +216,12 @@ def test_receiver_waits_for_the_engines_reads_only_where_the_buffer_is_reused(st
     sd = tiny_model("qwen2").state_dict()
     entries = fingerprint_entries(sd.items())
     shapes = {n: tuple(shape) for n, shape, _, _ in entries}
-    buckets = plan_buckets(shapes, bucket_bytes)
-    assert (len(buckets) == 1) == (bucket_bytes == WHOLE)
-    plan = SyncPlan("broadcast", "unused", shapes, {n: fp for n, _, fp, _ in entries}, buckets, "cpu",
+    plan = SyncPlan("broadcast", "unused", shapes, {n: fp for n, _, fp, _ in entries}, bucket_bytes, "cpu",
                     staged=staged)
+    buckets = plan.buckets
+    assert buckets == plan_buckets(shapes, bucket_bytes) and (len(buckets) == 1) == (bucket_bytes == WHOLE)
+    shipped = pickle.loads(pickle.dumps(plan))  # derived on each side, not shipped
+    assert shipped._buckets is None and shipped.buckets == buckets
     loaded, waits = {}, []
     receiver = WeightReceiver(plan, "cpu", lambda named: loaded.update((n, t.clone()) for n, t in named),
                               wait_reads=lambda: waits.append(len(loaded)))

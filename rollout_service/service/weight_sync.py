@@ -66,7 +66,7 @@ class SyncPlan:
     digest: str
     shapes: dict[str, tuple[int, ...]]  # in the sender's order, which is the order of the buckets
     fingerprints: dict[str, tuple[int, int]]
-    buckets: list[list[BucketEntry]]
+    bucket_bytes: int  # the buckets: plan_buckets(shapes, bucket_bytes)
     device_type: str  # "cuda" or "cpu": NCCL or gloo for broadcast
     timeout_s: float = 300.0
     sync_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -83,6 +83,19 @@ class SyncPlan:
     # the buckets lie one after another in the sender's stage (WeightSender.stage): a receiver keeps
     # them so too, in one buffer of the whole push, so no bucket is written where another was
     staged: bool = False
+    _buckets: list | None = field(default=None, init=False, repr=False, compare=False)
+
+    # Rule: the buckets are derived, not shipped. Every side computes them from the shapes with the
+    # same function, and a list of hundreds of entries was most of the plan's pickling, which each
+    # push pays on the way to the pool and again to every worker.
+    @property
+    def buckets(self) -> list[list[BucketEntry]]:
+        if self._buckets is None:
+            self._buckets = plan_buckets(self.shapes, self.bucket_bytes)
+        return self._buckets
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_buckets": None}
 
     @property
     def bucket_numel(self) -> int:
@@ -321,8 +334,8 @@ class WeightSender:
         # each bucket in turn: receive, check, load, wait).
         staged = self._stage is not None
         bucket_bytes = WHOLE if staged and self.transport == "ipc" else self.bucket_bytes
-        plan = SyncPlan(self.transport, digest, shapes, prints, plan_buckets(shapes, bucket_bytes),
-                        device.type, timeout_s=self.timeout_s, staged=staged)
+        plan = SyncPlan(self.transport, digest, shapes, prints, bucket_bytes, device.type, timeout_s=self.timeout_s,
+                        staged=staged)
         if self.transport == "ipc":
             if device.type != "cuda":
                 raise ValueError("transport='ipc' shares GPU memory; on CPU the object store is the shared-memory "
