@@ -350,6 +350,26 @@ def test_corrupted_transfer_is_caught_and_the_pool_keeps_its_weights(pool, reqs,
     assert pool.update_weights(new.state_dict(), transport="broadcast") == model_digest(new)  # a good one lands
 
 
+def test_a_push_abandoned_after_begin_leaves_the_pool_serving_its_weights(pool, reqs):
+    """A sender that gives up after the pool's begin (the trainer failed before sending) leaves every
+    worker waiting in a broadcast that never comes: the pool restarts them with the weights it holds
+    (here pushed through the object store), and serves those as before; the next push lands."""
+    old, new = shared.model(), tiny_model("qwen2", seed=2)
+    before = _engine_rollouts(old, reqs)
+    pool.update_weights(old.state_dict(), transport="object_store")
+    restarts = [w["restarts"] for w in pool.stats()["workers"]]
+    named = list(new.state_dict().items())
+    sender = WeightSender(pool, "broadcast")
+    sender.begin(sender.stage(named, sum(t.numel() for _, t in named)))
+    sender.abort("the trainer stopped before sending")
+    shared_wait(lambda: [w["restarts"] for w in pool.stats()["workers"]] == [r + 1 for r in restarts]
+                and all(w["state"] == "ready" for w in pool.stats()["workers"]), "the restarts", pool=pool)
+    assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
+    assert_same(pool.generate(*reqs), before, "after an abandoned push")
+    assert pool.update_weights(new.state_dict(), transport="broadcast") == model_digest(new)
+    assert pool.update_weights(old.state_dict()) == model_digest(old)
+
+
 def test_corrupted_transfer_after_a_worker_to_worker_push_waits_for_the_next_push(pool, reqs):
     """After a broadcast push no copy of the weights outlives the workers: when a broken transfer
     leaves every worker half-loaded, they come back "stale" (alive, serving nothing, saying why) and
