@@ -180,7 +180,7 @@ class WeightReceiver:
                  wait_reads: Callable[[], None] | None = None):
         """load may go on reading its tensors after it returns (VLLMEngine's host copy); wait_reads, where
         given, waits for those reads, and is called before the buffer is reused: in a push of several
-        buckets (streamed), after each. A staged push is one bucket, whose buffer is never reused."""
+        buckets (streamed), after each. A staged push's buffer holds all its buckets and is never reused."""
         self.plan, self.device, self._load, self._wait_reads = plan, torch.device(device), load, wait_reads
         self._rank, self._world = rank, world_size
         self._groups = {} if groups is None else groups  # the worker's broadcast groups, kept between pushes
