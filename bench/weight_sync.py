@@ -133,7 +133,7 @@ def main() -> None:
         out = {"model": args.model, "bytes": nbytes, "separate_gpus": args.separate_gpus,
                "bucket_mb": args.bucket_mb, "backend": args.backend,
                "device": torch.cuda.get_device_name(sender) if on_gpu else "cpu",
-               "sender_check_s": round(check_s, 4), "copy_limit_s": round(limit, 5),
+               "sender_check_s": round(check_s, 4), "copy_limit_s": float(f"{limit:.4g}"),
                "copy_limit_gb_s": round(nbytes / limit / 1e9, 1), "transports": {}}
         for tr, times in seconds.items():
             med = statistics.median(times)
