@@ -166,6 +166,7 @@ class VLLMInstance:
         self._sleep_mode = bool(llm_options.get("enable_sleep_mode")) and not _on_cpu()
         self._asleep = False
         self._weights_generation = 0  # see prompt()
+        self._staged = False  # a bucketed push's tensors wait for finish_weight_load (load_named_weights)
 
     # -- weights ------------------------------------------------------------------------------
     def update_weights(self, state_dict) -> None:
@@ -200,7 +201,7 @@ class VLLMInstance:
 
     def finish_weight_load(self) -> None:
         """The push is complete: staged tensors are loaded now, and later prompts get the new weights' salt."""
-        if getattr(self, "_staged", False):
+        if self._staged:
             self._staged = False
             self.llm.collective_rpc("zerokl_commit_weights")
         self._weights_generation += 1
@@ -209,7 +210,7 @@ class VLLMInstance:
     # generation, and every prompt carries its generation as vLLM's cache_salt (part of the first
     # block's hash, and so of every block's after it): a prefix cached before the load cannot match a
     # prompt after it. vLLM's reset_prefix_cache would do the same by walking every KV block on the
-    # host, 17 ms per push at 4.3M tokens of cache; stale blocks are instead evicted as any free block.
+    # host, a cost that grows with the cache; stale blocks are instead evicted as any free block is.
     def prompt(self, prompt_token_ids: list[int]) -> dict:
         """vLLM's tokens prompt, salted with the current weights' generation."""
         return {"prompt_token_ids": prompt_token_ids, "cache_salt": f"zerokl-weights-{self._weights_generation}"}

@@ -137,13 +137,11 @@ class ZeroKLForCausalLM(nn.Module):
         tensors (`mlp.experts.<e>.{gate,up,down}_proj.weight`) go into their slice of the fused
         expert parameters. Under tensor parallelism each rank loads its slice of every tensor."""
         if "_parameter_owners" not in self.__dict__:
-            # each parameter's module and attribute, once: TRL's colocate sync calls load_weights once per
-            # tensor, and rebuilding a dict of every parameter on each call cost more than the copies (0.2 s
-            # a sync at Qwen2.5-0.5B shapes); get_parameter's walk down the module path costs as much as a
-            # push's copies. Tensors are looked up in their module at each call, so a parameter replaced
-            # later (a reload) is the one filled.
-            # The names loaded are the parameters' own (a tied one's second name is not one); the owners
-            # cover every name, lm_head.weight included where it is the embedding's.
+            # Each parameter's module and attribute, found once: rebuilding a dict of every parameter per
+            # call (TRL's colocate sync calls once per tensor), or get_parameter's walk per tensor, costs
+            # more host time than the copies. Tensors are looked up in their module at each call, so a
+            # parameter replaced later (a reload) is the one filled. The names loaded are the parameters'
+            # own (a tied one's second name is not); the owners cover every name.
             modules = dict(self.named_modules(remove_duplicate=False))
             self.__dict__["_parameter_owners"] = {
                 name: (modules[name.rpartition(".")[0]], name.rpartition(".")[2])
