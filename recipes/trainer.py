@@ -49,6 +49,8 @@ class TrainerRank:
         self._versions: dict[int, list[torch.Tensor]] = {}  # weight version -> this rank's shards (keep_version)
         self._sending = None  # rank 0: (thread, sender, outcome) of a push still sending (push_weights overlap)
         self._whole_tensors = None  # one rank: the state dict's entries, kept between pushes (_stage_sources)
+        self._pool_link = None  # ((pool name, namespace), the transport), kept between pushes: see _link
+        self._pool_client = None  # rank 0: ((pool name, namespace), its client), kept likewise
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -245,27 +247,28 @@ class TrainerRank:
         the push ("sending": True, no pool digest yet); rank 0 sends from the stage in a thread of its
         own while the caller trains on, and finish_push() gives the verdict. The stage is a copy, so the
         next optimizer step cannot touch what is being sent."""
-        from rollout_service import RolloutClient  # imports ray
-
         if self._sending is not None:
             raise RuntimeError("the last weight push is still sending: finish_push() first")
         start = time.perf_counter()
-        client = RolloutClient(pool_name, namespace=namespace) if self.rank == 0 else None
-        transport = self._transport(client)
+        client, transport = self._link(pool_name, namespace)
         connected = time.perf_counter()
         pool_version = None
-        if transport == "object_store":
-            sd = self.full_state_dict()
-            if sd is None:
-                return None
-            digest = state_dict_digest(sd)
-            pool_digest = client.update_weights(sd, expected_digest=digest, mode=self.cfg.weight_switch)
-            phases, staged, sending = {}, None, False
-        else:
-            sender, phases, staged, pool_digest = self._push_bucketed(client, transport, overlap)
-            if sender is None:
-                return None
-            digest, pool_version, sending = sender.plan.digest, sender.plan.version, self._sending is not None
+        try:
+            if transport == "object_store":
+                sd = self.full_state_dict()
+                if sd is None:
+                    return None
+                digest = state_dict_digest(sd)
+                pool_digest = client.update_weights(sd, expected_digest=digest, mode=self.cfg.weight_switch)
+                phases, staged, sending = {}, None, False
+            else:
+                sender, phases, staged, pool_digest = self._push_bucketed(client, transport, overlap)
+                if sender is None:
+                    return None
+                digest, pool_version, sending = sender.plan.digest, sender.plan.version, self._sending is not None
+        except BaseException:
+            self._pool_client = None  # see _link
+            raise
         return {"digest": digest, "pool_digest": pool_digest, "transport": transport, "staged": staged,
                 "sending": sending, "pool_version": pool_version,
                 "seconds": time.perf_counter() - start, "phases": {"connect": connected - start, **phases}}
@@ -280,9 +283,26 @@ class TrainerRank:
         thread.join()
         self._sending = None
         if "error" in outcome:
+            self._pool_client = None  # see _link
             raise outcome["error"]
         return {"digest": sender.plan.digest, "pool_digest": outcome["digest"], "wait": time.perf_counter() - start,
                 "behind": {k: sender.seconds[k] for k in ("send", "finish") if k in sender.seconds}}
+
+    def _link(self, pool_name: str, namespace: str) -> tuple:
+        """(rank 0's client of the pool, or None; the transport), both kept between pushes to the same
+        pool. Rank 0 drops its client after any failed push (a pool restarted under the same name has a
+        new handle). Rule: every rank keeps or drops the transport together (choosing it is a
+        collective), so it is dropped only where every rank sees the failure: a push refused before
+        sending, as an ipc push is once a worker has moved off the sender's GPU."""
+        from rollout_service import RolloutClient  # imports ray
+
+        key = (pool_name, namespace)
+        if self.rank == 0 and (self._pool_client is None or self._pool_client[0] != key):
+            self._pool_client = (key, RolloutClient(pool_name, namespace=namespace))
+        client = self._pool_client[1] if self.rank == 0 else None
+        if self._pool_link is None or self._pool_link[0] != key:
+            self._pool_link = (key, self._transport(client))
+        return client, self._pool_link[1]
 
     def _transport(self, client) -> str:
         """The configured transport, "auto" resolved on rank 0 and shared with every rank."""
@@ -338,6 +358,7 @@ class TrainerRank:
         if self.world > 1:
             dist.broadcast_object_list(verdict, src=0)
         if verdict[0] is not None:
+            self._pool_link = None  # every rank drops it here (see _link)
             raise verdict[0]
         tensors = None if staged else iter_full_tensors(self.model)
         if sender is None:

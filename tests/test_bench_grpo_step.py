@@ -37,9 +37,10 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
         phases = arm["sync_phases_s"]
         sender = {"connect", "check", "begin", "send", "finish"}
         worker = {f"worker_{p}" for p in ("receive", "check", "load", "settle", "engine")}
-        assert set(phases) == sender | worker | {"begin_pool", "worker_begin"}
+        assert set(phases) == sender | worker | {"begin_pool", "begin_checks", "worker_begin"}
         assert sum(phases[p] for p in sender) <= arm["weight_sync_s"] * 1.0001
         assert phases["worker_begin"] <= phases["begin_pool"] <= phases["begin"]  # begin, nested
+        assert phases["begin_checks"] <= phases["begin_pool"]
         # the workers' share runs between the pool's begin and its verdict
         assert sum(phases[p] for p in worker) <= phases["begin"] + phases["send"] + phases["finish"]
         assert arm["samples_per_s"] > 0 and len(arm["reward_curve"]) == 2

@@ -461,3 +461,40 @@ def test_copy_group_casts_as_copy_does_and_a_destination_written_twice_ends_with
     group.flush()
     assert torch.equal(stage, src.to(torch.bfloat16)) and not torch.equal(stage.float(), src)
     assert torch.equal(tied, torch.full((8,), 2.0))
+
+
+def test_a_trainer_rank_keeps_its_pool_client_and_transport_until_a_push_is_refused(pool):
+    """A trainer rank keeps the pool's client and the transport it chose between pushes, drops both
+    when a push is refused before sending (here: a non-finite weight), and finds the pool again for
+    the next push, which lands."""
+    import socket
+
+    from recipes.config import TrainerConfig
+    from recipes.trainer import TrainerRank
+
+    rank = TrainerRank(0, 1, TrainerConfig(num_ranks=1, weight_sync="broadcast"), temperature=1.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rank.setup("127.0.0.1", port, tiny_model("qwen2", seed=2))
+    try:
+        first = rank.push_weights(pool.name, pool.namespace)
+        assert first["pool_digest"] == first["digest"] and first["transport"] == "broadcast"
+        client = rank._pool_client[1]
+        assert rank.push_weights(pool.name, pool.namespace)["pool_digest"] == first["digest"]
+        assert rank._pool_client[1] is client  # kept: no lookup of the pool, no transport choice
+
+        param = next(rank.model.parameters())
+        kept = param.detach().clone()
+        with torch.no_grad():
+            param.mul_(float("nan"))
+        with pytest.raises(WeightMismatchError, match="finite"):
+            rank.push_weights(pool.name, pool.namespace)
+        assert rank._pool_client is None and rank._pool_link is None
+        with torch.no_grad():
+            param.copy_(kept)
+        again = rank.push_weights(pool.name, pool.namespace)
+        assert again["pool_digest"] == again["digest"] == first["digest"]
+        assert rank._pool_client[1] is not client and pool.weights_digest() == first["digest"]
+    finally:
+        rank.close()

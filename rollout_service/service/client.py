@@ -132,8 +132,12 @@ class RolloutClient:
     def _begin_weight_sync(self, plan) -> dict:
         return _unwrapped(self._pool.begin_weight_sync.remote(plan))
 
-    def _end_weight_sync(self, sync_id: str, error: str | None = None) -> dict:
-        return _unwrapped(self._pool.end_weight_sync.remote(sync_id, error))
+    def _end_weight_sync(self, sync_id: str, error: str | None = None, then=None) -> dict:
+        """The pool's verdict on a bucketed push; `then`, where given, runs once the call is on its way."""
+        ref = self._pool.end_weight_sync.remote(sync_id, error)
+        if then is not None:
+            then()
+        return _unwrapped(ref)
 
     def weights_digest(self) -> str:
         return ray.get(self._pool.weights_digest.remote())

@@ -50,7 +50,7 @@ class _PoolActor:
         # push switches worker by worker, else the adopted one
         self._min_version = 0
         self._update_lock: asyncio.Lock | None = None
-        self._sync = None  # (plan, slots, exclusive block) of the bucketed push in progress
+        self._sync = None  # (plan, slots, exclusive block, workers' end calls) of the bucketed push in progress
         self._broadcast_group = None  # (group id, sender id, members, store) of the last broadcast group
         self._dropped_groups: list[str] = []  # groups replaced or given up since, for the sender to drop
 
@@ -246,6 +246,12 @@ class _PoolActor:
         try:
             plan.check(self.workers.spec)
             slots = self._sync_slots()
+            if plan.transport == "ipc":
+                elsewhere = [s.index for s in slots if s.info.get("gpu") != plan.gpu_uuid]
+                if elsewhere:
+                    raise ValueError(f"transport='ipc' needs every worker on the sender's GPU; workers {elsewhere} "
+                                     f"are not (use 'broadcast')")
+            checked = time.perf_counter()
             plan.version = self.workers.weight_version + 1
             world = len(slots) + 1
             if plan.transport == "broadcast":
@@ -269,12 +275,20 @@ class _PoolActor:
             self._forget_group()
             await exclusive.__aexit__(None, None, None)
             raise
-        self._sync = (plan, slots, exclusive)
+        ends = None
+        if plan.transport == "broadcast":
+            # Rule: a broadcast push's end is asked of every worker now, while the sender sends, not when
+            # the sender finishes: each answers once its receive has ended and it has adopted the push,
+            # so the sender's end waits for no further call to the workers. (An ipc push's buckets are
+            # calls of the sender's to the workers, which end must follow.)
+            ends = [asyncio.ensure_future(s.actor.end_weight_receive.remote(plan.sync_id)) for s in slots]
+        self._sync = (plan, slots, exclusive, ends)
         asyncio.get_running_loop().create_task(self._expire_sync(plan.sync_id, plan.timeout_s))
         replaces, self._dropped_groups = (self._dropped_groups, []) if plan.new_group else ([], self._dropped_groups)
-        # where begin went: the pool's share (its checks, draining, the workers' begin) and the slowest
-        # worker's own; the rest of the sender's begin is Ray's calls
-        seconds = {"pool": time.perf_counter() - start, "worker": max(r["seconds"] for r in results)}
+        # where begin went: the pool's share (its checks, draining, the workers' begin), its checks, and
+        # the slowest worker's own; the rest of the sender's begin is Ray's calls
+        seconds = {"pool": time.perf_counter() - start, "checks": checked - start,
+                   "worker": max(r["seconds"] for r in results)}
         return {"workers": [s.actor for s in slots], "world_size": world, "version": plan.version,
                 "group_id": plan.group_id, "seconds": seconds,
                 "new_group": plan.new_group, "store": (plan.store_host, plan.store_port), "replaces": replaces}
@@ -303,11 +317,16 @@ class _PoolActor:
         "worker_seconds": each phase of the workers' share (WeightReceiver.seconds), the slowest's}."""
         if self._sync is None or self._sync[0].sync_id != sync_id:
             raise RuntimeError(f"no weight push {sync_id!r} in progress (it may have timed out)")
-        plan, slots, exclusive = self._sync
+        plan, slots, exclusive, ends = self._sync
         self._sync = None
         try:
-            results = await asyncio.gather(*(s.actor.end_weight_receive.remote(sync_id, error) for s in slots),
-                                           return_exceptions=True)
+            if ends is None:
+                results = await asyncio.gather(*(s.actor.end_weight_receive.remote(sync_id, error) for s in slots),
+                                               return_exceptions=True)
+            elif error is None:
+                results = await asyncio.gather(*ends, return_exceptions=True)
+            else:  # a worker that has not answered waits in a broadcast the sender will not finish
+                results = [_outcome(t, RuntimeError("it was still receiving the abandoned push")) for t in ends]
             results = [r.cause if isinstance(r, RayTaskError) else r for r in results]
             seconds: dict[str, float] = {}
             for r in results:
@@ -359,6 +378,16 @@ class _PoolActor:
         await self.workers.shutdown()
         if self._gate is not None:
             self._gate.set()
+
+
+def _outcome(task: asyncio.Future, pending: Exception):
+    """A call's result or error where it has ended, else `pending`; its later end is let go unread."""
+    if not task.done():
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return pending
+    if task.cancelled():
+        return pending
+    return task.exception() or task.result()
 
 
 _PoolActorRemote = ray.remote(_PoolActor)

@@ -285,10 +285,13 @@ class WeightSender:
         self.plan: SyncPlan | None = None
         self._group = self._workers = self._buf = self._handle = None
         self._stage: torch.Tensor | None = None  # the whole push, after stage()
+        self._in_flight: torch.cuda.Stream | None = None  # a staged broadcast's stream, until its sends end
+        self._send_start = self._sent_at = 0.0
         # where the push's time went: begin (the pool's checks, its workers drained and woken, the
-        # sender's buffer; inside it begin_pool, the pool's own share, and worker_begin, the slowest
-        # worker's), send (every bucket copied, sent, checked and loaded), finish (the verdict); after
-        # finish, the workers' phases inside it (worker_receive, worker_check, ...: WeightReceiver)
+        # sender's buffer; inside it begin_pool, the pool's own share, in which begin_checks, its checks,
+        # and worker_begin, the slowest worker's), send (every bucket copied and sent), finish (the
+        # verdict, from the end of the send); after finish, the workers' phases (worker_receive,
+        # worker_check, ...: WeightReceiver)
         self.seconds: dict[str, float] = {}
 
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], numel: int) -> list:
@@ -348,7 +351,8 @@ class WeightSender:
         start = time.perf_counter()
         info = self.client._begin_weight_sync(plan)  # the pool's checks; workers drained and waiting
         self._workers = info["workers"]
-        self.seconds.update({"begin_pool": info["seconds"]["pool"], "worker_begin": info["seconds"]["worker"]})
+        self.seconds.update({"begin_pool": info["seconds"]["pool"], "begin_checks": info["seconds"]["checks"],
+                             "worker_begin": info["seconds"]["worker"]})
         plan.version = info["version"]  # the pool's version id of this push
         try:
             if self.transport == "broadcast":  # the pool says whether the last group still fits
@@ -371,17 +375,19 @@ class WeightSender:
         staged (named is None), slices of the stage."""
         if (named is None) != (self._stage is not None):
             raise ValueError("send() takes the tensors of a streamed push, and nothing after stage()")
-        start = time.perf_counter()
+        self._send_start = time.perf_counter()
         tensors = None if named is None else iter(named)
         with self._send_stream():
             self._send_buckets(tensors)
-        self.seconds["send"] = time.perf_counter() - start
+        if self._in_flight is None:
+            self._wait_sent()
 
     @contextlib.contextmanager
     def _send_stream(self):
-        """A staged broadcast's NCCL ops wait on a stream of the push's own, which is waited for at the
-        end: a broadcast's wait() holds up the current stream until the receivers have the bucket, and
-        a training step running meanwhile (a push sent behind the next step) must not wait for them."""
+        """A staged broadcast's NCCL ops wait on a stream of the push's own, which finish() waits for
+        (_wait_sent): a broadcast's wait() holds up the current stream until the receivers have the
+        bucket, and a training step running meanwhile (a push sent behind the next step) must not wait
+        for them."""
         if self._stage is None or self.transport != "broadcast" or not self._buf.is_cuda:
             yield
             return
@@ -389,7 +395,15 @@ class WeightSender:
         stream.wait_stream(torch.cuda.current_stream(self._buf.device))
         with torch.cuda.stream(stream):
             yield
-        stream.synchronize()
+        self._in_flight = stream
+
+    def _wait_sent(self) -> None:
+        """Until every bucket has left (a staged broadcast's stream has run); the send's seconds end here."""
+        stream, self._in_flight = self._in_flight, None
+        if stream is not None:
+            stream.synchronize()
+        self._sent_at = time.perf_counter()
+        self.seconds["send"] = self._sent_at - self._send_start
 
     def _send_buckets(self, tensors) -> None:
         import ray
@@ -423,14 +437,20 @@ class WeightSender:
 
     def finish(self) -> str:
         """The pool's verdict once every worker has checked and loaded everything: the digest they hold.
-        The workers' own phases (the slowest worker's, each) join self.seconds as worker_<phase>."""
-        start = time.perf_counter()
+        The workers' own phases (the slowest worker's, each) join self.seconds as worker_<phase>.
+
+        Rule: a staged broadcast's end is asked for as soon as its buckets are queued, and only then is
+        their stream waited for: the call to the pool travels while the buckets do (the workers answer
+        once they have them all, so the verdict cannot come early). finish's seconds start once the
+        buckets have left."""
+        self._sent_at = time.perf_counter()
         try:
-            verdict = self.client._end_weight_sync(self.plan.sync_id)
+            then = self._wait_sent if self._in_flight is not None else None
+            verdict = self.client._end_weight_sync(self.plan.sync_id, then=then)
             self.seconds.update({f"worker_{k}": v for k, v in verdict["worker_seconds"].items()})
             return verdict["digest"]
         finally:
-            self.seconds["finish"] = time.perf_counter() - start
+            self.seconds["finish"] = time.perf_counter() - self._sent_at
             self._release()
 
     def abort(self, reason: str) -> None:
@@ -442,6 +462,10 @@ class WeightSender:
             self._release()
 
     def _release(self) -> None:
+        if self._in_flight is not None:  # the stage is let go only once its sends have ended
+            with contextlib.suppress(Exception):
+                self._in_flight.synchronize()
+            self._in_flight = None
         self._group = self._buf = self._handle = self._stage = None
 
 

@@ -77,6 +77,7 @@ class VLLMEngine:
         self._host_copies: list[tuple[torch.cuda.Event, list]] = []  # (done, the tensors it reads), in flight
         self._host_copies_lock = threading.Lock()  # held while waiting for them (see wait_host_copies)
         self._host_unissued: list = []  # loaded, its host copy not yet issued (see load_named_weights)
+        self._host_sources_ready = None  # an event after which the unissued copies' sources may be read
         if (self.device.type == "cuda") != torch.cuda.is_available():
             raise ValueError(f"VLLMEngine on {self.device} needs vLLM's build for it (CUDA available: "
                              f"{torch.cuda.is_available()})")
@@ -219,9 +220,10 @@ class VLLMEngine:
         """Into each vLLM model in place (on the current stream), and into the host copy that digests
         and restarts read. On a GPU the copy to the (page-locked) host copy runs on a stream of its own
         and is not waited for: it reads the caller's tensors while rollouts go on, at the host link's
-        speed, which is most of a push's time otherwise. It is issued at finish_weight_load, or at
-        wait_host_copies, not bucket by bucket: its device-to-host traffic shares the copy engine with
-        the small reads of the next buckets' checks, and held them up.
+        speed, which is most of a push's time otherwise. It is issued by the thread finish_weight_load
+        starts, or at wait_host_copies, not bucket by bucket: its device-to-host traffic shares the copy
+        engine with the small reads of the next buckets' checks, and held them up; and issuing a copy
+        per tensor takes milliseconds of host time, which the push's verdict need not wait for.
 
         Rule: the caller writes to `named` again only after wait_host_copies() (a staged push's buffer
         is never written again: the sender's stage, read by CUDA IPC, or the receiver's buffer); they
@@ -231,35 +233,35 @@ class VLLMEngine:
         if self.device.type != "cuda":
             copy_into(self._host_tensors, named)
         else:
-            with self._host_copies_lock:
+            with self._host_copies_lock:  # the sources are ready on this thread's stream, now
                 self._host_unissued.extend(named)
+                self._host_sources_ready = torch.cuda.current_stream(self.device).record_event()
         for target in self._targets():
             target.load_named_weights(named)
 
     def _issue_host_copies(self) -> None:
-        """The host copies of what was loaded since the last issue, behind the loads on the current
-        stream (the caller holds _host_copies_lock)."""
+        """The host copies of what was loaded since the last issue, behind what made their sources on
+        the loading thread's stream (the caller, on any thread, holds _host_copies_lock)."""
         if not self._host_unissued:
             return
         named, self._host_unissued = self._host_unissued, []
         if self._host_copy_stream is None:
             self._host_copy_stream = torch.cuda.Stream(self.device)
         stream = self._host_copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffer is ready on the current stream
+        stream.wait_event(self._host_sources_ready)
         with torch.cuda.stream(stream):
             copy_into(self._host_tensors, named)
             self._host_copies.append((stream.record_event(), named))
 
     def finish_weight_load(self) -> None:
         """The push is complete and checked: every weight of every engine is the host copy's. A thread
-        waits for the host copy to land and lets go of the push's buffers, so that an idle engine does
-        not keep them (a sender's stage read by CUDA IPC stays allocated on its GPU until then)."""
+        issues the host copy, waits for it to land and lets go of the push's buffers, so that an idle
+        engine does not keep them (a sender's stage read by CUDA IPC stays allocated on its GPU until
+        then)."""
         for target in self._targets():
             target.finish_weight_load()
         self._weights_discarded = False
-        with self._host_copies_lock:
-            self._issue_host_copies()
-        if self._host_copies:
+        if self._host_unissued or self._host_copies:
             threading.Thread(target=self.wait_host_copies, name="host-copy", daemon=True).start()
 
     # Rule: at sleep level 2 the engines' weights are discarded, not copied to the host, because in
