@@ -14,4 +14,5 @@ def test_bench_ray_round_trip_cpu_smoke():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     callers = ("driver->async actor", "sync actor->async actor", "async actor->async actor")
     want = {f"{c} {size}B ms" for c in callers for size in (0, 33_000)} | {"driver->actor returning a handle ms"}
+    want |= {f"driver->async actor, a push plan as {form} ms" for form in ("an object", "its wire form")}
     assert set(out) == want and all(v > 0 for v in out.values())

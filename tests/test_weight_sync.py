@@ -220,8 +220,10 @@ def test_receiver_waits_for_the_engines_reads_only_where_the_buffer_is_reused(st
                     staged=staged)
     buckets = plan.buckets
     assert buckets == plan_buckets(shapes, bucket_bytes) and (len(buckets) == 1) == (bucket_bytes == WHOLE)
-    shipped = pickle.loads(pickle.dumps(plan))  # derived on each side, not shipped
-    assert shipped._buckets is None and shipped.buckets == buckets
+    shipped = SyncPlan.from_wire(plan.to_wire())  # derived on each side, not shipped
+    assert shipped._buckets is None and shipped.buckets == buckets and shipped == plan
+    with pytest.raises(TypeError, match="SyncPlan"):
+        SyncPlan.from_wire(pickle.dumps(dict(shapes)))
     loaded, waits = {}, []
     receiver = WeightReceiver(plan, "cpu", lambda named: loaded.update((n, t.clone()) for n, t in named),
                               wait_reads=lambda: waits.append(len(loaded)))
@@ -464,37 +466,46 @@ def test_copy_group_casts_as_copy_does_and_a_destination_written_twice_ends_with
 
 
 def test_a_trainer_rank_keeps_its_pool_client_and_transport_until_a_push_is_refused(pool):
-    """A trainer rank keeps the pool's client and the transport it chose between pushes, drops both
-    when a push is refused before sending (here: a non-finite weight), and finds the pool again for
-    the next push, which lands."""
-    import socket
-
+    """A trainer rank (a Ray actor, as TrainerGroup starts it) keeps the pool's client and the transport
+    it chose between pushes, drops both when a push is refused before sending (here: a non-finite
+    weight), and finds the pool again for the next push, which lands."""
     from recipes.config import TrainerConfig
     from recipes.trainer import TrainerRank
 
-    rank = TrainerRank(0, 1, TrainerConfig(num_ranks=1, weight_sync="broadcast"), temperature=1.0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    rank.setup("127.0.0.1", port, tiny_model("qwen2", seed=2))
-    try:
-        first = rank.push_weights(pool.name, pool.namespace)
-        assert first["pool_digest"] == first["digest"] and first["transport"] == "broadcast"
-        client = rank._pool_client[1]
-        assert rank.push_weights(pool.name, pool.namespace)["pool_digest"] == first["digest"]
-        assert rank._pool_client[1] is client  # kept: no lookup of the pool, no transport choice
+    @ray.remote(num_cpus=0)
+    class Rank(TrainerRank):
+        def link(self):  # which client object it holds (None: dropped), and whether it holds a transport
+            return None if self._pool_client is None else id(self._pool_client[1]), self._pool_link is not None
 
-        param = next(rank.model.parameters())
-        kept = param.detach().clone()
-        with torch.no_grad():
-            param.mul_(float("nan"))
+        def set_first_weight(self, value: float | None) -> None:  # None: as it was, then halved
+            param = next(self.model.parameters())
+            with torch.no_grad():
+                if value is None:
+                    param.copy_(self._kept.mul_(0.5))
+                else:
+                    self._kept = param.detach().clone()
+                    param.fill_(value)
+
+    rank = Rank.remote(0, 1, TrainerConfig(num_ranks=1, weight_sync="broadcast"), 1.0)
+    try:
+        ray.get(rank.setup.remote(*ray.get(rank.address.remote()), tiny_model("qwen2", seed=2)))
+        first = ray.get(rank.push_weights.remote(pool.name, pool.namespace))
+        assert first["pool_digest"] == first["digest"] and first["transport"] == "broadcast"
+        client, kept = ray.get(rank.link.remote())
+        assert client is not None and kept
+        assert ray.get(rank.push_weights.remote(pool.name, pool.namespace))["pool_digest"] == first["digest"]
+        assert ray.get(rank.link.remote()) == (client, True)  # kept: no lookup of the pool, no transport choice
+
+        ray.get(rank.set_first_weight.remote(float("nan")))
         with pytest.raises(WeightMismatchError, match="finite"):
-            rank.push_weights(pool.name, pool.namespace)
-        assert rank._pool_client is None and rank._pool_link is None
-        with torch.no_grad():
-            param.copy_(kept)
-        again = rank.push_weights(pool.name, pool.namespace)
-        assert again["pool_digest"] == again["digest"] == first["digest"]
-        assert rank._pool_client[1] is not client and pool.weights_digest() == first["digest"]
+            ray.get(rank.push_weights.remote(pool.name, pool.namespace))
+        assert ray.get(rank.link.remote()) == (None, False)
+        assert pool.weights_digest() == first["digest"]  # refused before sending: nothing changed
+
+        ray.get(rank.set_first_weight.remote(None))  # finite again, and new weights
+        again = ray.get(rank.push_weights.remote(pool.name, pool.namespace))
+        assert again["pool_digest"] == again["digest"] != first["digest"]
+        assert ray.get(rank.link.remote())[1] and pool.weights_digest() == again["digest"]
     finally:
-        rank.close()
+        ray.get(rank.close.remote())
+        ray.kill(rank)

@@ -130,7 +130,7 @@ class RolloutClient:
         return _unwrapped(self._pool.update_weights.remote([ref], digest, mode))
 
     def _begin_weight_sync(self, plan) -> dict:
-        return _unwrapped(self._pool.begin_weight_sync.remote(plan))
+        return _unwrapped(self._pool.begin_weight_sync.remote(plan.to_wire()))
 
     def _end_weight_sync(self, sync_id: str, error: str | None = None, then=None) -> dict:
         """The pool's verdict on a bucketed push; `then`, where given, runs once the call is on its way."""

@@ -23,6 +23,7 @@ from rollout_service.service.client import DEFAULT_NAMESPACE, RolloutClient, ens
 from rollout_service.service.ray_cluster import original_error
 from rollout_service.service.supervisor import FROM_PEER, MAX_CONCURRENCY, WorkerSlot, WorkerSupervisor
 from rollout_service.service.switch_modes import DRAIN, check_switch_mode
+from rollout_service.service.weight_sync import SyncPlan
 from rollout_service.service.worker import EarlyCancels, abort_rollout, error_rollout
 from rollout_service.weights import WeightMismatchError
 
@@ -234,10 +235,12 @@ class _PoolActor:
         return slots
 
     # bucketed pushes (weight_sync.WeightSender): begin, the sender's buckets, end
-    async def begin_weight_sync(self, plan) -> dict:
-        """Check the push against the model (names, shapes, digest) before any worker is touched, then
-        drain every ready worker and have it wait for the sender's buckets. Returns the workers (ipc
-        sends to them) and the process group's size (broadcast: the sender is rank 0)."""
+    async def begin_weight_sync(self, wire: bytes) -> dict:
+        """Check the push (a SyncPlan's wire form) against the model (names, shapes, digest) before any
+        worker is touched, then drain every ready worker and have it wait for the sender's buckets.
+        Returns the workers (ipc: the sender calls them) and the process group's size (broadcast: the
+        sender is rank 0)."""
+        plan = SyncPlan.from_wire(wire)
         if self._sync is not None:
             raise RuntimeError("another weight push is in progress")
         start = time.perf_counter()
@@ -256,7 +259,8 @@ class _PoolActor:
             world = len(slots) + 1
             if plan.transport == "broadcast":
                 self._assign_group(plan, slots)
-            results = await asyncio.gather(*(s.actor.begin_weight_receive.remote(plan, i + 1, world)
+            wire = plan.to_wire()  # with the pool's version and group
+            results = await asyncio.gather(*(s.actor.begin_weight_receive.remote(wire, i + 1, world)
                                              for i, s in enumerate(slots)), return_exceptions=True)
             failed = [(s, r) for s, r in zip(slots, results) if isinstance(r, Exception)]
             if failed:
@@ -289,7 +293,9 @@ class _PoolActor:
         # the slowest worker's own; the rest of the sender's begin is Ray's calls
         seconds = {"pool": time.perf_counter() - start, "checks": checked - start,
                    "worker": max(r["seconds"] for r in results)}
-        return {"workers": [s.actor for s in slots], "world_size": world, "version": plan.version,
+        # actor handles only where the sender calls the workers (ipc): each costs its call time to carry
+        workers = [s.actor for s in slots] if plan.transport == "ipc" else []
+        return {"workers": workers, "world_size": world, "version": plan.version,
                 "group_id": plan.group_id, "seconds": seconds,
                 "new_group": plan.new_group, "store": (plan.store_host, plan.store_port), "replaces": replaces}
 

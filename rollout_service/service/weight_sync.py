@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import pickle
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -96,6 +97,19 @@ class SyncPlan:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_buckets": None}
+
+    # Rule: a plan crosses Ray as bytes of the standard pickler (the sender to the pool, the pool to
+    # each worker). Ray's own serializer pickles objects with cloudpickle, in Python: about 0.6 ms more
+    # per call for a plan of 339 tensors, on a call every push waits for.
+    def to_wire(self) -> bytes:
+        return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def from_wire(data: bytes) -> SyncPlan:
+        plan = pickle.loads(data)
+        if not isinstance(plan, SyncPlan):
+            raise TypeError(f"expected a SyncPlan's wire form, got {type(plan).__name__}")
+        return plan
 
     @property
     def bucket_numel(self) -> int:

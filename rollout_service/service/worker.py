@@ -321,9 +321,10 @@ class RolloutWorker:
         self._wake.set()
 
     # bucketed pushes (weight_sync): begin, then buckets (ipc) or one background receive (broadcast), then end
-    async def begin_weight_receive(self, plan: SyncPlan, rank: int, world_size: int) -> dict:
-        """Drain, then wait for the sender's buckets; the engine serves nothing until end_weight_receive.
-        Returns {"seconds": this call's own time}."""
+    async def begin_weight_receive(self, wire: bytes, rank: int, world_size: int) -> dict:
+        """Drain, then wait for the sender's buckets (the plan: SyncPlan's wire form); the engine serves
+        nothing until end_weight_receive. Returns {"seconds": this call's own time}."""
+        plan = SyncPlan.from_wire(wire)
         start = time.perf_counter()
         self._start()
         await self._update_lock.acquire()
