@@ -249,7 +249,8 @@ class _PoolActor:
         try:
             plan.check(self.workers.spec)
             slots = self._sync_slots()
-            if plan.transport == "ipc":
+            if plan.transport == "ipc":  # by the workers' reports, before any is touched (each checks its
+                # own device again when it opens the buffer: WeightReceiver.receive_ipc)
                 elsewhere = [s.index for s in slots if s.info.get("gpu") != plan.gpu_uuid]
                 if elsewhere:
                     raise ValueError(f"transport='ipc' needs every worker on the sender's GPU; workers {elsewhere} "
