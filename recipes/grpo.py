@@ -93,10 +93,13 @@ def _sync(trainer, client: RolloutClient, pool_name: str, namespace: str, step: 
     overlap (asynchronous steps): a staged push returns once its checks have passed and the pool has
     drained, and sends behind the next train step; the next call (or _landed at the end) first waits for
     it and checks that it landed. Its seconds ("seconds") are what the caller waited for: that wait,
-    then this push up to its send; "behind_send" / "behind_finish" in phases ran behind the last step."""
+    then this push up to its send; "behind_send" / "behind_finish" in phases ran behind the last step.
+    Otherwise a push queued behind the train step (TrainerGroup.train_step's push_to) may have started
+    before this call: "seconds" is this call's wait, phases["push"] the push's own time on rank 0."""
     start = time.perf_counter()
     last = _landed(trainer)
     result = trainer.push_weights(pool_name, namespace, overlap)
+    result["phases"]["push"] = result["seconds"]
     if not result["sending"]:
         _check_landed(result)
     if result["pool_version"] is None:
@@ -216,9 +219,10 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             if colocated:  # the engines' memory goes to the trainer; the weight push wakes them
                 client.sleep()
             t_slept = time.perf_counter() if colocated else t2
-            results = trainer.train_step(plans, tokens, stale)
+            overlap = loop_cfg.async_steps > 0
+            results = trainer.train_step(plans, tokens, stale, push_to=None if overlap else (pool_name, namespace))
             t3 = time.perf_counter()
-            sync = _sync(trainer, client, pool_name, namespace, step, keep, overlap=loop_cfg.async_steps > 0)
+            sync = _sync(trainer, client, pool_name, namespace, step, keep, overlap=overlap)
             cursor += loop_cfg.prompts_per_step
 
             metrics = step_metrics(rollouts, rewards, results, sum(tokens),

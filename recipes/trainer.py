@@ -51,6 +51,8 @@ class TrainerRank:
         self._whole_tensors = None  # one rank: the state dict's entries, kept between pushes (_stage_sources)
         self._pool_link = None  # ((pool name, namespace), the transport), kept between pushes: see _link
         self._pool_client = None  # rank 0: ((pool name, namespace), its client), kept likewise
+        self._armed = None  # rank 0: ((pool name, namespace), its sender) of a push armed by train_step
+        self._train_failed = False  # the last train step raised: a push queued behind it is not sent
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -114,12 +116,42 @@ class TrainerRank:
         return part
 
     def train_step(self, minibatches: list[list[dict]], tokens_per_mini: list[int],
-                   stale_versions: tuple[int, ...] = ()) -> dict:
+                   stale_versions: tuple[int, ...] = (), arm: tuple[str, str] | None = None) -> dict:
         """One optimizer step per mini-batch. Log-prob and routing agreement are measured before any
         update, from the forward that gives the log-probs (no extra forward). Rows generated with an
         older weight version (stale_versions: every one in the step, the same list on every rank, each
         kept by keep_version) are measured against that version's weights, one extra forward per
-        version: the agreement is always with the behaviour policy."""
+        version: the agreement is always with the behaviour policy.
+
+        arm: (pool name, namespace) of the push that follows this step; rank 0 arms it first (_arm)."""
+        self._train_failed = True
+        if arm is not None:
+            self._arm(*arm)
+        try:
+            result = self._train_step(minibatches, tokens_per_mini, stale_versions)
+        except BaseException as e:
+            if self._armed is not None:
+                self._armed[1].decline(f"the train step before it failed: {e!r}")
+                self._armed = None
+            raise
+        self._train_failed = False
+        return result
+
+    def _arm(self, pool_name: str, namespace: str) -> None:
+        """Rank 0 arms the push (WeightSender.arm) when it will go by broadcast, the transport it kept
+        from the last push to this pool (trainer.arm_weight_push)."""
+        key = (pool_name, namespace)
+        link, client = self._pool_link, self._pool_client
+        if (self.rank != 0 or not self.cfg.arm_weight_push or link is None or link != (key, "broadcast")
+                or client is None or client[0] != key):
+            return
+        sender = WeightSender(client[1], "broadcast", self.cfg.weight_bucket_mb << 20)
+        staged = stages_whole(self._state_numel, self.cfg.weight_stage_mb << 20)
+        sender.arm(self._state_shapes, self.device, staged)
+        self._armed = (key, sender)
+
+    def _train_step(self, minibatches: list[list[dict]], tokens_per_mini: list[int],
+                    stale_versions: tuple[int, ...]) -> dict:
         cfg, start = self.cfg, time.perf_counter()
         behaviour = self._stale_logprobs(minibatches, stale_versions)
         agreement, pre = [], None
@@ -232,7 +264,8 @@ class TrainerRank:
             return None
         return {k: v.to(torch.bfloat16) for k, v in sd.items()}
 
-    def push_weights(self, pool_name: str, namespace: str, overlap: bool = False) -> dict | None:
+    def push_weights(self, pool_name: str, namespace: str, overlap: bool = False,
+                     after_train_step: bool = False) -> dict | None:
         """Load the weights into the rollout pool (rank 0 sends; every rank takes part in the gathers);
         returns, on rank 0, both digests, the transport, the seconds it took and those of its phases
         (connect: the pool found and the transport chosen; bucketed pushes: check, begin, send, finish).
@@ -246,9 +279,14 @@ class TrainerRank:
         overlap (a staged push only): return once every check has passed and the pool's workers wait for
         the push ("sending": True, no pool digest yet); rank 0 sends from the stage in a thread of its
         own while the caller trains on, and finish_push() gives the verdict. The stage is a copy, so the
-        next optimizer step cannot touch what is being sent."""
+        next optimizer step cannot touch what is being sent.
+
+        after_train_step: the call was queued behind a train step (TrainerGroup.train_step's push_to),
+        and is refused if that step failed. A push armed by the step is sent here."""
         if self._sending is not None:
             raise RuntimeError("the last weight push is still sending: finish_push() first")
+        if after_train_step and self._train_failed:
+            raise RuntimeError("no weights pushed: the train step before this push failed")
         start = time.perf_counter()
         client, transport = self._link(pool_name, namespace)
         connected = time.perf_counter()
@@ -315,6 +353,11 @@ class TrainerRank:
         return choice[0]
 
     @functools.cached_property
+    def _state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every state-dict entry's global shape, in the order a push sends them (iter_full_tensors)."""
+        return {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+
+    @functools.cached_property
     def _state_numel(self) -> int:
         """Elements in the model's state dict, by global shapes (every rank agrees). Shapes never change,
         and an FSDP2 state_dict() walks every module and wraps every shard (milliseconds a push)."""
@@ -338,7 +381,9 @@ class TrainerRank:
         (weight_sync.stages_whole) the weights are gathered once; streamed, once to check and once to
         send. Every rank takes part in every gather, in step. With `overlap` a staged push is left
         sending in a thread (finish_push)."""
-        sender = WeightSender(client, transport, self.cfg.weight_bucket_mb << 20) if self.rank == 0 else None
+        sender = self._armed_sender(client, transport, overlap)
+        if self.rank == 0 and sender is None:
+            sender = WeightSender(client, transport, self.cfg.weight_bucket_mb << 20)
         staged = stages_whole(self._state_numel, self.cfg.weight_stage_mb << 20)
         verdict = [None]
         start = time.perf_counter()
@@ -355,6 +400,8 @@ class TrainerRank:
                 sender.begin(entries)
         except Exception as e:  # refused before anything was sent: every rank stops here
             verdict[0] = e
+            if sender is not None and sender.armed:  # the header's no-go releases the waiting workers
+                sender.decline(f"the sender's checks refused the push: {e}")
         if self.world > 1:
             dist.broadcast_object_list(verdict, src=0)
         if verdict[0] is not None:
@@ -380,6 +427,18 @@ class TrainerRank:
             return sender, phases, staged, None
         digest = sender.complete(tensors)
         return sender, {**phases, **sender.seconds}, staged, digest
+
+    def _armed_sender(self, client, transport: str, overlap: bool):
+        """Rank 0's armed sender, when it fits this push (its pool, a broadcast push not left sending);
+        one that does not is declined."""
+        armed, self._armed = self._armed, None
+        if armed is None:
+            return None
+        key, sender = armed
+        if client is not None and key == self._pool_client[0] and transport == "broadcast" and not overlap:
+            return sender
+        sender.decline("the push it was armed for went another way")
+        return None
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`."""
@@ -435,6 +494,7 @@ class TrainerGroup:
 
         self.world = cfg.num_ranks
         self._left_sending = False  # the last push returned while rank 0 sends it (push_weights overlap)
+        self._queued_push = None  # ((pool name, namespace), every rank's push call) queued by train_step
         opts = {"num_cpus": 1, **cfg.resources_per_rank}
         self.placement = None
         per_rank = [dict(opts) for _ in range(self.world)]
@@ -467,10 +527,22 @@ class TrainerGroup:
         return ray.get([getattr(a, method).remote(*args) for a in self.ranks])
 
     def train_step(self, plans: list[list[list[dict]]], tokens_per_mini: list[int],
-                   stale_versions: tuple[int, ...] = ()) -> list[dict]:
+                   stale_versions: tuple[int, ...] = (), push_to: tuple[str, str] | None = None) -> list[dict]:
+        """Every rank's train step. push_to: (pool name, namespace) of the push that follows (a push not
+        left sending): each rank's push call is queued behind its step now, so it starts as the step
+        ends, and rank 0 arms it as the step starts (TrainerRank.train_step); push_weights with the same
+        pool collects it."""
         import ray
-        return ray.get([a.train_step.remote(plan, tokens_per_mini, stale_versions)
-                        for a, plan in zip(self.ranks, plans)])
+        arm = [push_to] + [None] * (self.world - 1) if push_to is not None else [None] * self.world
+        refs = [a.train_step.remote(plan, tokens_per_mini, stale_versions, armed)
+                for a, plan, armed in zip(self.ranks, plans, arm)]
+        if push_to is not None:
+            self._queued_push = (tuple(push_to), [a.push_weights.remote(*push_to, False, True) for a in self.ranks])
+        try:
+            return ray.get(refs)
+        except BaseException:
+            self._queued_push = None  # its calls refuse to push after a failed step
+            raise
 
     def keep_version(self, version: int, keep: int) -> None:
         self._all("keep_version", version, keep)
@@ -479,7 +551,14 @@ class TrainerGroup:
         return self._all("full_state_dict")[0]
 
     def push_weights(self, pool_name: str, namespace: str, overlap: bool = False) -> dict:
-        result = self._all("push_weights", pool_name, namespace, overlap)[0]
+        import ray
+        queued, self._queued_push = self._queued_push, None
+        if queued is not None and queued[0] == (pool_name, namespace) and not overlap:
+            result = ray.get(queued[1])[0]
+        else:
+            if queued is not None:  # a push to another pool, or left sending: the queued one lands first
+                ray.get(queued[1])
+            result = self._all("push_weights", pool_name, namespace, overlap)[0]
         self._left_sending = result["sending"]
         return result
 

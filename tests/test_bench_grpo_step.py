@@ -37,9 +37,11 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
         phases = arm["sync_phases_s"]
         sender = {"connect", "check", "begin", "send", "finish"}
         worker = {f"worker_{p}" for p in ("receive", "check", "load", "settle", "engine")}
-        assert set(phases) == sender | worker | {"begin_pool", "begin_checks", "worker_begin"}
-        assert sum(phases[p] for p in sender) <= arm["weight_sync_s"] * 1.0001
-        assert phases["worker_begin"] <= phases["begin_pool"] <= phases["begin"]  # begin, nested
+        assert set(phases) == sender | worker | {"begin_pool", "begin_checks", "worker_begin", "push", "armed_ahead"}
+        assert sum(phases[p] for p in sender) <= phases["push"] * 1.0001
+        # begin, nested: armed as the train step began, the pool's share ran while the ranks trained
+        assert phases["armed_ahead"] >= arm["train_s"] * 0.5
+        assert phases["worker_begin"] <= phases["begin_pool"] <= phases["armed_ahead"] + phases["begin"]
         assert phases["begin_checks"] <= phases["begin_pool"]
         # the workers' share runs between the pool's begin and its verdict
         assert sum(phases[p] for p in worker) <= phases["begin"] + phases["send"] + phases["finish"]

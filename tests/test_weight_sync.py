@@ -509,3 +509,78 @@ def test_a_trainer_rank_keeps_its_pool_client_and_transport_until_a_push_is_refu
     finally:
         ray.get(rank.close.remote())
         ray.kill(rank)
+
+
+def _restarts(pool):
+    return [w["restarts"] for w in pool.stats()["workers"]]
+
+
+def test_an_armed_push_lands_and_one_its_sender_then_refuses_loads_nothing(pool, reqs):
+    """A broadcast push armed before its tensors exist (WeightSender.arm: the pool drains and its
+    workers wait in the group) lands bitwise. When the sender's checks then refuse the push (the
+    expected digest; tensors other than those armed for), the header's no-go sends every worker back
+    to serving with nothing loaded: no restart, the group kept, and the next armed push lands in it."""
+    old, new = shared.model(), tiny_model("qwen2", seed=2)
+    before, after = _engine_rollouts(old, reqs), _engine_rollouts(new, reqs)
+    assert pool.update_weights(old.state_dict(), transport="broadcast") == model_digest(old)
+    restarts = _restarts(pool)
+    named = list(new.state_dict().items())
+    shapes = {n: tuple(t.shape) for n, t in named}
+    numel = sum(t.numel() for _, t in named)
+
+    def armed():
+        sender = WeightSender(pool, "broadcast")
+        sender.arm(shapes, torch.device("cpu"), staged=True)
+        assert sender.armed
+        return sender
+
+    missing = named[:-1]
+    refusals = [(named, {"expected_digest": "0" * 32}, WeightMismatchError, "expected 0000"),
+                (missing, {}, ValueError, "not the ones it was armed for")]
+    for tensors, kwargs, error, words in refusals:
+        sender = armed()
+        entries = sender.stage(tensors, sum(t.numel() for _, t in tensors))
+        with pytest.raises(error, match=words):
+            sender.begin(entries, **kwargs)
+        assert not sender.armed
+        assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
+        assert _restarts(pool) == restarts and all(w["state"] == "ready" for w in pool.stats()["workers"])
+        assert_same(pool.generate(*reqs), before, f"after an armed push refused ({words})")
+
+    sender = armed()
+    sender.begin(sender.stage(named, numel))
+    assert not sender.plan.new_group  # the refusals kept the group: every member took their no-go
+    assert sender.seconds["armed_ahead"] > 0.0
+    assert sender.complete() == model_digest(new) and _worker_digests(pool) == [model_digest(new)] * 2
+    assert_same(pool.generate(*reqs), after, "after an armed push")
+    assert _restarts(pool) == restarts
+    assert pool.update_weights(old.state_dict()) == model_digest(old)
+
+
+def test_a_push_queued_behind_a_failed_train_step_is_declined_and_not_sent(pool):
+    """A trainer rank arms the push that follows its train step (train_step's arm); when the step
+    fails, the armed push is declined (the workers go back to serving, none restarted) and the push
+    queued behind the step refuses to send. The next push lands."""
+    from recipes.config import TrainerConfig
+    from recipes.trainer import TrainerRank
+
+    rank = ray.remote(num_cpus=0)(TrainerRank).remote(0, 1, TrainerConfig(num_ranks=1, weight_sync="broadcast"), 1.0)
+    try:
+        ray.get(rank.setup.remote(*ray.get(rank.address.remote()), tiny_model("qwen2", seed=2)))
+        first = ray.get(rank.push_weights.remote(pool.name, pool.namespace))  # the transport, kept
+        assert first["pool_digest"] == first["digest"] and first["transport"] == "broadcast"
+        restarts = _restarts(pool)
+        step = rank.train_step.remote([[{}]], [1], (), (pool.name, pool.namespace))  # no batch: it fails
+        queued = rank.push_weights.remote(pool.name, pool.namespace, False, True)
+        with pytest.raises(ray.exceptions.RayTaskError, match="KeyError"):
+            ray.get(step)
+        with pytest.raises(RuntimeError, match="train step before this push failed"):
+            ray.get(queued)
+        assert pool.weights_digest() == first["digest"] and _worker_digests(pool) == [first["digest"]] * 2
+        assert _restarts(pool) == restarts and all(w["state"] == "ready" for w in pool.stats()["workers"])
+        again = ray.get(rank.push_weights.remote(pool.name, pool.namespace))
+        assert again["pool_digest"] == again["digest"] == first["digest"]
+    finally:
+        ray.get(rank.close.remote())
+        ray.kill(rank)
+    assert pool.update_weights(shared.model().state_dict()) == model_digest(shared.model())

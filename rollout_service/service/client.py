@@ -129,12 +129,21 @@ class RolloutClient:
         ref = ray.put(state_dict)
         return _unwrapped(self._pool.update_weights.remote([ref], digest, mode))
 
-    def _begin_weight_sync(self, plan) -> dict:
-        return _unwrapped(self._pool.begin_weight_sync.remote(plan.to_wire()))
+    def _begin_weight_sync(self, plan, wait: bool = True):
+        """The pool's begin of a bucketed push; wait=False: the call's ref, for _await_begin."""
+        ref = self._pool.begin_weight_sync.remote(plan.to_wire())
+        return self._await_begin(ref) if wait else ref
 
-    def _end_weight_sync(self, sync_id: str, error: str | None = None, then=None) -> dict:
-        """The pool's verdict on a bucketed push; `then`, where given, runs once the call is on its way."""
-        ref = self._pool.end_weight_sync.remote(sync_id, error)
+    @staticmethod
+    def _await_begin(ref) -> dict:
+        return _unwrapped(ref)
+
+    def _end_weight_sync(self, sync_id: str, error: str | None = None, then=None, digest: str | None = None,
+                         declined: bool = False) -> dict:
+        """The pool's verdict on a bucketed push (digest: the sender's, for a broadcast push, whose plan
+        carried none); `then`, where given, runs once the call is on its way. declined: the sender
+        refused the push and told every worker so (a broadcast header's no-go)."""
+        ref = self._pool.end_weight_sync.remote(sync_id, error, digest, declined)
         if then is not None:
             then()
         return _unwrapped(ref)

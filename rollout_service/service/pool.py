@@ -318,19 +318,27 @@ class _PoolActor:
             self._dropped_groups.append(self._broadcast_group[0])
             self._broadcast_group = None
 
-    async def end_weight_sync(self, sync_id: str, error: str | None = None) -> dict:
+    async def end_weight_sync(self, sync_id: str, error: str | None = None, digest: str | None = None,
+                              declined: bool = False) -> dict:
         """Every worker's verdict: adopt the push, or (error: the sender gave up) keep the old weights,
-        restarting any worker that holds part of it. Returns {"digest": the digest adopted,
-        "worker_seconds": each phase of the workers' share (WeightReceiver.seconds), the slowest's}."""
+        restarting any worker that holds part of it. digest: the sender's (a broadcast plan carries
+        none: its fingerprints came in the header). declined: the sender refused the push and its
+        header told every worker so; they answer having loaded nothing, and none is restarted. Returns
+        {"digest": the digest adopted, "worker_seconds": each phase of the workers' share
+        (WeightReceiver.seconds), the slowest's}."""
         if self._sync is None or self._sync[0].sync_id != sync_id:
             raise RuntimeError(f"no weight push {sync_id!r} in progress (it may have timed out)")
         plan, slots, exclusive, ends = self._sync
         self._sync = None
         try:
+            if plan.digest is None:
+                plan.digest = digest
+            if plan.digest is None and error is None:
+                error = "the sender's end of a broadcast push carried no digest"
             if ends is None:
                 results = await asyncio.gather(*(s.actor.end_weight_receive.remote(sync_id, error) for s in slots),
                                                return_exceptions=True)
-            elif error is None:
+            elif error is None or declined:
                 results = await asyncio.gather(*ends, return_exceptions=True)
             else:  # a worker that has not answered waits in a broadcast the sender will not finish
                 results = [_outcome(t, RuntimeError("it was still receiving the abandoned push")) for t in ends]
@@ -340,7 +348,7 @@ class _PoolActor:
                 for phase, s in (r["seconds"].items() if isinstance(r, dict) else ()):
                     seconds[phase] = max(s, seconds.get(phase, 0.0))
             results = [r["digest"] if isinstance(r, dict) else r for r in results]
-            if error is not None or any(isinstance(r, Exception) for r in results):
+            if (error is not None and not declined) or any(isinstance(r, Exception) for r in results):
                 self._forget_group()  # a member failed mid-push: the next push sets up a new group
             if error is not None:
                 for slot, r in zip(slots, results):

@@ -15,11 +15,17 @@ Two ways to feed a push (the recipe picks by size, trainer.weight_stage_mb):
 - streamed: a check pass (fingerprint_entries), then a second pass that fills one bucket at a time
   (WeightSender.send): the sender never holds more than a bucket, at the price of gathering twice.
 
-Safety rule: nothing reaches a worker before every check has passed on the sender (names and
+Safety rule: no weight reaches a worker before every check has passed on the sender (names and
 shapes against the pool's model, finite values, the expected digest), so a refused push leaves every
 worker serving the weights it had. Each worker then checks every received tensor's fingerprint
 against the sender's before loading it, which catches a broken transfer; a worker that fails there
 holds part of the new weights and is restarted by the pool.
+
+A broadcast push's fingerprints travel in its first broadcast, the header: the sender's go (or its
+no-go) and every tensor's fingerprint. The pool's begin therefore needs only the names and shapes,
+and a sender may arm a push (WeightSender.arm) before its tensors exist, while it trains: the pool
+drains and its workers wait in the group meanwhile. If the checks then fail, the header says no-go
+and every worker goes back to serving, having loaded nothing.
 """
 from __future__ import annotations
 
@@ -64,9 +70,10 @@ class SyncPlan:
     """What the sender will send; the pool checks it and every receiver follows it."""
 
     transport: str
-    digest: str
+    # broadcast: None until the header (the pool learns the digest from the sender's end)
+    digest: str | None
     shapes: dict[str, tuple[int, ...]]  # in the sender's order, which is the order of the buckets
-    fingerprints: dict[str, tuple[int, int]]
+    fingerprints: dict[str, tuple[int, int]] | None
     bucket_bytes: int  # the buckets: plan_buckets(shapes, bucket_bytes)
     device_type: str  # "cuda" or "cpu": NCCL or gloo for broadcast
     timeout_s: float = 300.0
@@ -123,9 +130,21 @@ class SyncPlan:
             raise ValueError(f"these workers cannot receive weights by {self.transport} (tensor-parallel "
                              f"workers take transport='object_store')")
         check_fit(spec, self.shapes)
-        entries = [(n, self.shapes[n], self.fingerprints[n]) for n in self.shapes]
-        if digest_of_fingerprints(entries) != self.digest:
+        if (self.fingerprints is None) != (self.transport == "broadcast"):
+            raise ValueError("a broadcast push's fingerprints come in its header; any other push's, in its plan")
+        if self.fingerprints is not None:
+            self.take_fingerprints([self.fingerprints[n] for n in self.shapes], self.digest)
+
+    def take_fingerprints(self, prints: list, digest: str | None = None) -> None:
+        """Set the fingerprints (in the order of shapes) and the digest they make; raises when `digest`
+        is given and is not that one."""
+        if len(prints) != len(self.shapes):
+            raise WeightMismatchError(f"{len(prints)} fingerprints for {len(self.shapes)} tensors")
+        self.fingerprints = {n: (int(a), int(b)) for n, (a, b) in zip(self.shapes, prints)}
+        made = digest_of_fingerprints((n, self.shapes[n], self.fingerprints[n]) for n in self.shapes)
+        if digest is not None and made != digest:
             raise WeightMismatchError("the push's digest does not match its fingerprints")
+        self.digest = made
 
 
 def plan_buckets(shapes: dict[str, tuple[int, ...]], bucket_bytes: int) -> list[list[BucketEntry]]:
@@ -185,6 +204,16 @@ def _views(bucket: list[BucketEntry], buf: torch.Tensor) -> list[tuple[str, torc
     return [(e.name, buf[e.offset:e.offset + e.numel].view(e.shape)) for e in bucket]
 
 
+def _header(plan: SyncPlan, device: torch.device, go: bool = False) -> torch.Tensor:
+    """A broadcast push's first broadcast: [go, then each tensor's two fingerprint lanes], int64. The
+    sender's (go: filled from plan.fingerprints) or an empty one to receive into."""
+    n = len(plan.shapes)
+    if not go:
+        return torch.zeros(1 + 2 * n, dtype=torch.int64, device=device)
+    values = [1, *(lane for name in plan.shapes for lane in plan.fingerprints[name])]
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 class WeightReceiver:
     """A worker's half of one push: receive each bucket, check every tensor's fingerprint against the
     sender's, then hand the tensors to `load` (the engine copies them into its weights in place)."""
@@ -201,6 +230,7 @@ class WeightReceiver:
         self._received: set[str] = set()
         self._ipc_buffer = None
         self.loaded_any = False
+        self.declined = False  # a broadcast push whose header said no-go: nothing came, nothing was loaded
         self.error: Exception | None = None  # the first check that failed; later buckets are not loaded
         # where this worker's share of the push went, summed over buckets: receive (the broadcast; on
         # NCCL only queued, its transfer then waited for by check), check (fingerprints), load (into
@@ -213,6 +243,15 @@ class WeightReceiver:
         a bucket is checked and loaded while the ones after it are in flight. Streamed, it holds one
         bucket, received once the last is loaded."""
         group = join_group(self.plan, self._rank, self._world, self._groups, replaces=[])
+        # the header first, read on the host before any bucket's receive is queued: after a no-go the
+        # sender sends nothing more. (Armed, this waits through the sender's training step.)
+        header = _header(self.plan, self.device)
+        group.broadcast(header, 0).wait()
+        go, *lanes = header.tolist()
+        if not go:
+            self.declined = True
+            return
+        self.plan.take_fingerprints(list(zip(lanes[0::2], lanes[1::2])))
         sizes = [b[-1].offset + b[-1].numel for b in self.plan.buckets]
         buf = torch.empty(sum(sizes) if self.plan.staged else max(sizes, default=0), dtype=torch.bfloat16,
                           device=self.device)
@@ -288,6 +327,11 @@ class WeightSender:
         sender.begin(fingerprint_entries(named_tensors()), expected_digest)   # streamed: every check,
         digest = sender.complete(named_tensors())                             # then bucket by bucket
 
+        sender = WeightSender(client, "broadcast")
+        sender.arm(shapes, device, staged=True)   # the pool's begin travels while the caller trains
+        sender.begin(sender.stage(named_tensors(), numel))                    # checks, then the header
+        digest = sender.complete()
+
     (push_state_dict does this for a state dict already on the device.)
     """
 
@@ -298,6 +342,9 @@ class WeightSender:
         self.bucket_bytes, self.timeout_s = int(bucket_bytes), float(timeout_s)
         self.plan: SyncPlan | None = None
         self._group = self._workers = self._buf = self._handle = None
+        self._armed = None  # the pool's begin, asked by arm() and not yet awaited
+        self._plan_device = torch.device("cpu")
+        self._asked_at = 0.0
         self._stage: torch.Tensor | None = None  # the whole push, after stage()
         self._in_flight: torch.cuda.Stream | None = None  # a staged broadcast's stream, until its sends end
         self._send_start = self._sent_at = 0.0
@@ -335,46 +382,90 @@ class WeightSender:
         rows = packed_fingerprints(self._stage, layout).tolist() if layout else []
         return _checked_entries(meta, rows, bad)
 
+    def arm(self, shapes: dict[str, tuple[int, ...]], device: torch.device, staged: bool) -> None:
+        """broadcast: start the pool's begin for a push of these tensors (names and shapes in the order
+        they will come; staged: whether stage() will feed it) before they exist, e.g. before the training
+        step that makes them. The call travels, the pool drains and its workers wait in the group while
+        the caller works; begin() then checks the tensors and sends the header: go, or no-go if a check
+        fails. Returns at once; the pool's refusal (names, shapes) is raised by begin()."""
+        if self.transport != "broadcast":
+            raise ValueError(f"only a broadcast push is armed ahead; this one goes by {self.transport!r}")
+        if self.plan is not None:
+            raise RuntimeError("this sender has already begun a push")
+        device = torch.device(device)
+        self.plan = SyncPlan(self.transport, None, {n: tuple(s) for n, s in shapes.items()}, None,
+                             self.bucket_bytes, device.type, timeout_s=self.timeout_s, staged=staged)
+        self._plan_device = device
+        self._armed = self._ask_begin()
+
+    @property
+    def armed(self) -> bool:
+        """arm() has asked the pool's begin, and begin() or decline() has not yet answered it."""
+        return self._armed is not None
+
+    def _ask_begin(self):
+        self._asked_at = time.perf_counter()
+        if self.transport == "broadcast":
+            self.plan.store_host, self.plan.store_port = _host_and_free_port()
+            self.plan.sender_id = PROCESS_ID
+        return self.client._begin_weight_sync(self.plan, wait=False)
+
     def begin(self, entries: list[tuple[str, tuple, tuple[int, int], torch.device]],
               expected_digest: str | None = None) -> str:
         """Check the push (fingerprint_entries' output) and have the pool's workers wait for it; raises
-        WeightMismatchError / ValueError before any worker is touched."""
+        WeightMismatchError / ValueError before any weight reaches a worker (armed: after the header's
+        no-go has sent every worker back to serving)."""
         shapes = {name: tuple(shape) for name, shape, _, _ in entries}
-        prints = {name: fp for name, _, fp, _ in entries}
-        digest = digest_of_fingerprints((n, shapes[n], prints[n]) for n in shapes)
-        if expected_digest is not None and digest != expected_digest:
-            raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
-        device = entries[0][3] if entries else torch.device("cpu")
-        # a staged push by ipc is one bucket: the workers read the whole stage in place in one call and
-        # check it in one launch. By broadcast it goes in buckets, slices of the stage sent back to back,
-        # so that a worker checks and loads each while the next is in flight (streamed, a worker takes
-        # each bucket in turn: receive, check, load, wait).
+        prints = [fp for _, _, fp, _ in entries]
         staged = self._stage is not None
-        bucket_bytes = WHOLE if staged and self.transport == "ipc" else self.bucket_bytes
-        plan = SyncPlan(self.transport, digest, shapes, prints, bucket_bytes, device.type, timeout_s=self.timeout_s,
-                        staged=staged)
-        if self.transport == "ipc":
-            if device.type != "cuda":
+        armed = self._armed is not None
+        try:
+            if armed and (shapes != self.plan.shapes or staged != self.plan.staged):
+                raise ValueError("the push's tensors are not the ones it was armed for (names, shapes, order "
+                                 "or staging differ)")
+            if not armed:
+                device = entries[0][3] if entries else torch.device("cpu")
+                # a staged push by ipc is one bucket: the workers read the whole stage in place in one call
+                # and check it in one launch. By broadcast it goes in buckets, slices of the stage sent back
+                # to back, so that a worker checks and loads each while the next is in flight (streamed, a
+                # worker takes each bucket in turn: receive, check, load, wait).
+                bucket_bytes = WHOLE if staged and self.transport == "ipc" else self.bucket_bytes
+                self.plan = SyncPlan(self.transport, None, shapes, None, bucket_bytes, device.type,
+                                     timeout_s=self.timeout_s, staged=staged)
+                self._plan_device = device
+            self.plan.take_fingerprints(prints)
+            digest = self.plan.digest
+            if expected_digest is not None and digest != expected_digest:
+                raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
+            if self.transport == "ipc" and self._plan_device.type != "cuda":
                 raise ValueError("transport='ipc' shares GPU memory; on CPU the object store is the shared-memory "
                                  "path (transport='object_store')")
-            plan.gpu_uuid = gpu_uuid(device)
-        else:
-            plan.store_host, plan.store_port = _host_and_free_port()
-            plan.sender_id = PROCESS_ID
-        self.plan = plan
+        except BaseException as e:
+            if armed:
+                self.decline(f"the sender's checks refused the push: {e}")
+            raise
+        if self.transport == "broadcast":  # the fingerprints go in the header
+            fingerprints, self.plan.fingerprints, self.plan.digest = self.plan.fingerprints, None, None
+        elif self.transport == "ipc":
+            self.plan.gpu_uuid = gpu_uuid(self._plan_device)
         start = time.perf_counter()
-        info = self.client._begin_weight_sync(plan)  # the pool's checks; workers drained and waiting
+        # the pool's checks; its workers drained and waiting (armed: asked before, maybe answered already)
+        ref, self._armed = (self._armed if armed else self._ask_begin()), None
+        info = self.client._await_begin(ref)
         self._workers = info["workers"]
         self.seconds.update({"begin_pool": info["seconds"]["pool"], "begin_checks": info["seconds"]["checks"],
                              "worker_begin": info["seconds"]["worker"]})
+        plan = self.plan
         plan.version = info["version"]  # the pool's version id of this push
         try:
             if self.transport == "broadcast":  # the pool says whether the last group still fits
                 plan.group_id, plan.new_group = info["group_id"], info["new_group"]
                 plan.store_host, plan.store_port = info["store"]
                 self._group = join_group(plan, 0, info["world_size"], _SENDER_GROUPS, info["replaces"])
+                plan.fingerprints, plan.digest = fingerprints, digest
+                self._group.broadcast(_header(plan, self._plan_device, go=True), 0).wait()
             self._buf = self._stage if self._stage is not None else \
-                torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=device)
+                torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=self._plan_device)
             if self.transport == "ipc":
                 from torch.multiprocessing.reductions import reduce_tensor
                 self._handle = reduce_tensor(self._buf)
@@ -382,7 +473,33 @@ class WeightSender:
             self.abort(f"the sender could not set up the push: {e!r}")
             raise
         self.seconds["begin"] = time.perf_counter() - start
+        if armed:  # from the arm call: what begin took where it was not hidden behind the caller's work
+            self.seconds["armed_ahead"] = start - self._asked_at
         return digest
+
+    def decline(self, reason: str) -> None:
+        """An armed push refused by the sender: the header's no-go sends every worker back to serving
+        with nothing loaded (the pool restarts none); where that cannot be sent, the push is abandoned."""
+        ref, self._armed = self._armed, None
+        try:
+            info = self.client._await_begin(ref)
+        except Exception:  # the pool refused it too: no worker waits
+            self._release()
+            return
+        try:
+            self.plan.group_id, self.plan.new_group = info["group_id"], info["new_group"]
+            self.plan.store_host, self.plan.store_port = info["store"]
+            group = join_group(self.plan, 0, info["world_size"], _SENDER_GROUPS, info["replaces"])
+            group.broadcast(_header(self.plan, self._plan_device), 0).wait()
+        except Exception as e:
+            self.abort(f"{reason}; and the no-go could not be sent: {e!r}")
+            return
+        try:
+            self.client._end_weight_sync(self.plan.sync_id, error=reason, declined=True)
+        except Exception:  # the pool's "abandoned" is expected; the sender raises its own refusal
+            pass
+        finally:
+            self._release()
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """Every bucket: streamed, the tensors in begin()'s order, each bucket sent as soon as it is full;
@@ -460,7 +577,7 @@ class WeightSender:
         self._sent_at = time.perf_counter()
         try:
             then = self._wait_sent if self._in_flight is not None else None
-            verdict = self.client._end_weight_sync(self.plan.sync_id, then=then)
+            verdict = self.client._end_weight_sync(self.plan.sync_id, then=then, digest=self.plan.digest)
             self.seconds.update({f"worker_{k}": v for k, v in verdict["worker_seconds"].items()})
             return verdict["digest"]
         finally:

@@ -353,17 +353,17 @@ class RolloutWorker:
 
     async def end_weight_receive(self, sync_id: str, error: str | None = None) -> dict:
         """{"digest": the digest now held, after checking that everything arrived, "seconds": where this
-        worker's share of the push went}; with `error` (the sender gave up) digest None if nothing was
-        loaded. Raises if the engine holds part of the push (the pool restarts it)."""
+        worker's share of the push went}; digest None if nothing was loaded, with `error` (the sender gave
+        up) or after a header's no-go. Raises if the engine holds part of the push (the pool restarts it)."""
         receiver = self._current_receiver(sync_id)
-        if error is not None and self._receiving is not None and not self._receiving.done():
+        if error is not None and self._receiving is not None and not self._receiving.done() and not receiver.declined:
             # the engine thread waits in a broadcast the sender will not finish: not this actor's to mend
             raise RuntimeError(f"the push was abandoned while this worker was receiving it: {error}")
         try:
             try:
                 if self._receiving is not None:
                     await self._receiving
-                if error is None:
+                if error is None and not receiver.declined:
                     return await self._call(self._adopt, receiver)
             except Exception as e:
                 if receiver.loaded_any:  # the engine holds part of the push: only a restart mends that

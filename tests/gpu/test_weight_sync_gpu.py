@@ -107,6 +107,19 @@ def test_push_on_gpus(cluster, separate):
         assert pool.update_weights(sd, transport="auto") == model_digest(new)
         assert pool.stats()["workers"][0]["restarts"] == 1
         assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_new]
+        if separate:  # armed ahead (NCCL): refused after arming, the no-go loads nothing; an armed push lands
+            shapes, numel = {n: tuple(t.shape) for n, t in named}, sum(t.numel() for _, t in named)
+            refused = WeightSender(pool, "broadcast")
+            refused.arm(shapes, device, staged=True)
+            with pytest.raises(WeightMismatchError, match="expected 0000"):
+                refused.begin(refused.stage(named, numel), "0" * 32)
+            assert [(w["state"], w["restarts"]) for w in pool.stats()["workers"]] == [("ready", 1)]
+            assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_new]
+            armed = WeightSender(pool, "broadcast")
+            armed.arm(shapes, device, staged=True)
+            armed.begin(armed.stage([(k, v.to(device)) for k, v in old.state_dict().items()], numel))
+            assert not armed.plan.new_group and armed.complete() == model_digest(old)
+            assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_old]
     finally:
         pool.shutdown()
 
