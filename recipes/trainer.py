@@ -188,6 +188,11 @@ class TrainerRank:
             grad_norms.append(self._clip_grads())
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            # Rule: a step ends when its optimizer step has run on the device. The host is ahead of the
+            # device by the whole optimizer step (it reads nothing back after it); without this wait that
+            # time would be counted in whatever reads the weights next, the weight push.
+            torch.cuda.current_stream(self.device).synchronize()
         return {"agreement": agreement, "loss_sum": loss_total, "clipped_tokens": clipped_total,
                 "grad_norm": grad_norms, "tokens": seq_tokens, "ratio": ratios.summary(),
                 "seconds": time.perf_counter() - start}

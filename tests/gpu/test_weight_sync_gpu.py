@@ -88,8 +88,26 @@ def test_push_on_gpus(cluster, separate):
                 pool.update_weights(bad, transport="auto", **kwargs)
             assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_old]
         transport = "broadcast" if separate else "ipc"
-        # a corrupted transfer: caught by the worker, which comes back with the old weights
         named = list(sd.items())
+        if separate:  # armed ahead (NCCL): refused after arming, the no-go loads nothing; armed pushes land
+            shapes, numel = {n: tuple(t.shape) for n, t in named}, sum(t.numel() for _, t in named)
+            refused = WeightSender(pool, "broadcast")
+            refused.arm(shapes, device, staged=True)
+            abandoned, abort = [], refused.abort
+            refused.abort = lambda reason: (abandoned.append(reason), abort(reason))  # must not be reached
+            with pytest.raises(WeightMismatchError, match="expected 0000"):
+                refused.begin(refused.stage(named, numel), "0" * 32)
+            assert not abandoned, abandoned
+            assert [(w["state"], w["restarts"]) for w in pool.stats()["workers"]] == [("ready", 0)]
+            assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_old]
+            armed = WeightSender(pool, "broadcast")
+            armed.arm(shapes, device, staged=True)
+            armed.begin(armed.stage(named, numel))
+            assert not armed.plan.new_group and armed.complete() == model_digest(new)  # the no-go kept the group
+            assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_new]
+            # back to the old weights through the object store, which a restart below reloads from
+            assert pool.update_weights(old.state_dict(), transport="object_store") == model_digest(old)
+        # a corrupted transfer: caught by the worker, which comes back with the old weights
         sender = WeightSender(pool, transport, bucket_bytes=1 << 20)
         sender.begin(fingerprint_entries(named))
         last = sender.plan.buckets[-1][0].name
@@ -107,19 +125,6 @@ def test_push_on_gpus(cluster, separate):
         assert pool.update_weights(sd, transport="auto") == model_digest(new)
         assert pool.stats()["workers"][0]["restarts"] == 1
         assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_new]
-        if separate:  # armed ahead (NCCL): refused after arming, the no-go loads nothing; an armed push lands
-            shapes, numel = {n: tuple(t.shape) for n, t in named}, sum(t.numel() for _, t in named)
-            refused = WeightSender(pool, "broadcast")
-            refused.arm(shapes, device, staged=True)
-            with pytest.raises(WeightMismatchError, match="expected 0000"):
-                refused.begin(refused.stage(named, numel), "0" * 32)
-            assert [(w["state"], w["restarts"]) for w in pool.stats()["workers"]] == [("ready", 1)]
-            assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_new]
-            armed = WeightSender(pool, "broadcast")
-            armed.arm(shapes, device, staged=True)
-            armed.begin(armed.stage([(k, v.to(device)) for k, v in old.state_dict().items()], numel))
-            assert not armed.plan.new_group and armed.complete() == model_digest(old)
-            assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_old]
     finally:
         pool.shutdown()
 
