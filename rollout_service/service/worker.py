@@ -356,7 +356,7 @@ class RolloutWorker:
         worker's share of the push went}; digest None if nothing was loaded, with `error` (the sender gave
         up) or after a header's no-go. Raises if the engine holds part of the push (the pool restarts it)."""
         receiver = self._current_receiver(sync_id)
-        if error is not None and self._receiving is not None and not self._receiving.done() and not receiver.declined:
+        if error is not None and self._receiving is not None and not self._receiving.done():
             # the engine thread waits in a broadcast the sender will not finish: not this actor's to mend
             raise RuntimeError(f"the push was abandoned while this worker was receiving it: {error}")
         try:
