@@ -43,8 +43,9 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
         assert phases["armed_ahead"] >= arm["train_s"] * 0.5
         assert phases["worker_begin"] <= phases["begin_pool"] <= phases["armed_ahead"] + phases["begin"]
         assert phases["begin_checks"] <= phases["begin_pool"]
-        # the workers' share runs between the pool's begin and its verdict
-        assert sum(phases[p] for p in worker) <= phases["begin"] + phases["send"] + phases["finish"]
+        # each phase of the workers' share (the slowest worker's, per phase) runs between the pool's begin
+        # and its verdict
+        assert all(phases[p] <= phases["begin"] + phases["send"] + phases["finish"] for p in worker)
         assert arm["samples_per_s"] > 0 and len(arm["reward_curve"]) == 2
         assert arm["reward_curve"][0][0] == 0.0 < arm["reward_curve"][1][0]  # seconds after the first step
     assert row["stock_over_canonical_step"] == stock["step_s"] / canonical["step_s"]

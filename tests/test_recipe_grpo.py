@@ -89,7 +89,10 @@ def test_broadcast_weight_sync_carries_the_same_weights(verified_run, tmp_path, 
     for r in again:
         assert all(r[f"perf/sync_{p}_s"] > 0.0 for p in phases + tuple(worker)), r
         assert sum(r[f"perf/sync_{p}_s"] for p in phases) <= r["perf/sync_push_s"]
-        assert sum(r[f"perf/sync_{p}_s"] for p in worker) <= sum(r[f"perf/sync_{p}_s"] for p in phases[2:])
+        # each phase of the slowest worker's (per phase: the pool keeps each phase's maximum over the
+        # workers, so their sum may exceed any one worker's time) lies between begin and the verdict
+        window = sum(r[f"perf/sync_{p}_s"] for p in phases[2:])
+        assert all(r[f"perf/sync_{p}_s"] <= window for p in worker), r
     assert all("perf/sync_send_s" not in r and r["perf/sync_connect_s"] > 0.0 for r in records)
     # every push after a train step was armed as the step began: its begin was asked that far ahead
     assert all(r["perf/sync_armed_ahead_s"] >= r["perf/train_s"] * 0.5 for r in again), again
