@@ -30,6 +30,7 @@ and every worker goes back to serving, having loaded nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import pickle
@@ -107,9 +108,11 @@ class SyncPlan:
 
     # Rule: a plan crosses Ray as bytes of the standard pickler (the sender to the pool, the pool to
     # each worker). Ray's own serializer pickles objects with cloudpickle, in Python: about 0.6 ms more
-    # per call for a plan of 339 tensors, on a call every push waits for.
+    # per call for a plan of 339 tensors, on a call every push waits for. A broadcast plan crosses
+    # without its fingerprints and digest: they travel in the push's header (_header).
     def to_wire(self) -> bytes:
-        return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
+        plan = dataclasses.replace(self, fingerprints=None, digest=None) if self.transport == "broadcast" else self
+        return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
     def from_wire(data: bytes) -> SyncPlan:
@@ -444,9 +447,7 @@ class WeightSender:
             if armed:
                 self.decline(f"the sender's checks refused the push: {e}")
             raise
-        if self.transport == "broadcast":  # the fingerprints go in the header
-            fingerprints, self.plan.fingerprints, self.plan.digest = self.plan.fingerprints, None, None
-        elif self.transport == "ipc":
+        if self.transport == "ipc":
             self.plan.gpu_uuid = gpu_uuid(self._plan_device)
         start = time.perf_counter()
         # the pool's checks; its workers drained and waiting (armed: asked before, maybe answered already)
@@ -458,11 +459,8 @@ class WeightSender:
         plan = self.plan
         plan.version = info["version"]  # the pool's version id of this push
         try:
-            if self.transport == "broadcast":  # the pool says whether the last group still fits
-                plan.group_id, plan.new_group = info["group_id"], info["new_group"]
-                plan.store_host, plan.store_port = info["store"]
-                self._group = join_group(plan, 0, info["world_size"], _SENDER_GROUPS, info["replaces"])
-                plan.fingerprints, plan.digest = fingerprints, digest
+            if self.transport == "broadcast":  # the fingerprints go in the header
+                self._group = self._join(info)
                 self._group.broadcast(_header(plan, self._plan_device, go=True), 0).wait()
             self._buf = self._stage if self._stage is not None else \
                 torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=self._plan_device)
@@ -477,6 +475,13 @@ class WeightSender:
             self.seconds["armed_ahead"] = start - self._asked_at
         return digest
 
+    def _join(self, info: dict):
+        """The sender's member of the broadcast group that the pool's begin (`info`) names: the last
+        group when it still fits, else a new one at this sender's store."""
+        self.plan.group_id, self.plan.new_group = info["group_id"], info["new_group"]
+        self.plan.store_host, self.plan.store_port = info["store"]
+        return join_group(self.plan, 0, info["world_size"], _SENDER_GROUPS, info["replaces"])
+
     def decline(self, reason: str) -> None:
         """An armed push refused by the sender: the header's no-go sends every worker back to serving
         with nothing loaded (the pool restarts none); where that cannot be sent, the push is abandoned."""
@@ -487,10 +492,7 @@ class WeightSender:
             self._release()
             return
         try:
-            self.plan.group_id, self.plan.new_group = info["group_id"], info["new_group"]
-            self.plan.store_host, self.plan.store_port = info["store"]
-            group = join_group(self.plan, 0, info["world_size"], _SENDER_GROUPS, info["replaces"])
-            group.broadcast(_header(self.plan, self._plan_device), 0).wait()
+            self._join(info).broadcast(_header(self.plan, self._plan_device), 0).wait()
         except Exception as e:
             self.abort(f"{reason}; and the no-go could not be sent: {e!r}")
             return
