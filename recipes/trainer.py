@@ -546,7 +546,14 @@ class TrainerGroup:
         try:
             return ray.get(refs)
         except BaseException:
-            self._queued_push = None  # its calls refuse to push after a failed step
+            queued, self._queued_push = self._queued_push, None
+            if queued is not None:  # its calls refuse to push after a failed step; their refusals are read
+                # here, so that Ray does not report them as unhandled errors
+                for ref in queued[1]:
+                    try:
+                        ray.get(ref, timeout=60)
+                    except Exception:
+                        pass
             raise
 
     def keep_version(self, version: int, keep: int) -> None:
