@@ -136,6 +136,10 @@ class RolloutConfig:
     """Top-k sampling; -1 or 0: off."""
     top_p: float = 1.0
     """Top-p (nucleus) sampling, in (0, 1]; 1.0: off."""
+    sleep_while_training: bool = True
+    """placement colocated: the engines release their memory (vLLM's sleep mode) while the trainer steps,
+    and wake for the next push. false keeps them awake and holding it (TRL colocate's default; verl's
+    free_cache_engine: false): no sleep and no wake in the step, where the GPU has memory for both."""
     return_routed_experts: bool | None = None
     """Record each token's MoE routing and log rollout_train/routing_agreement; null: on for MoE policies on
     native-engine workers without TP (recipes.rollouts.records_routing)."""
@@ -242,7 +246,8 @@ class RecipeConfig:
     """canonical | stock; stock needs rollout.determinism=off and trainer.old_logprobs=recompute."""
     # split: rollout workers and trainer ranks on GPUs (or CPUs) of their own; weights by NCCL
     # broadcast. colocated: worker i and trainer rank i share bundle i (one GPU) of one placement
-    # group; the engines sleep while the trainer steps and wake for the next rollout; weights by IPC.
+    # group; the engines sleep while the trainer steps and wake for the next rollout (unless
+    # rollout.sleep_while_training is false); weights by IPC.
     placement: str = "split"
     """split | colocated; colocated needs rollout.num_workers == trainer.num_ranks."""
     task: TaskConfig = field(default_factory=TaskConfig)

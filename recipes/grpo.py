@@ -40,7 +40,7 @@ from .grpo_loss import group_advantages
 from .metrics import MetricsLogger, StepProgress, step_metrics, step_split
 from .models import initial_model
 from .rollout_queue import RolloutQueue
-from .rollouts import engine_options, group_requests, prompt_indices, records_routing, rollouts_digest
+from .rollouts import engine_options, engines_sleep, group_requests, prompt_indices, records_routing, rollouts_digest
 from .task import build_task
 from .trainer import TrainerGroup
 from .warmup import answer_examples, supervised_warmup
@@ -168,7 +168,7 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
     pool_name, namespace = rollout_cfg.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
     pool = trainer = logger = shared = queue = None
     records = []
-    colocated, canonical = cfg.placement == "colocated", cfg.numerics == "canonical"
+    colocated, canonical, sleeps = cfg.placement == "colocated", cfg.numerics == "canonical", engines_sleep(cfg)
     try:
         width = cfg.canonical.tree_segments
         shared = colocated_bundles(cfg) if colocated else None
@@ -216,9 +216,9 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             trainer_version = sync["version"]
             stale = tuple(sorted({v for s in samples for v in s.weight_versions or ()} - {trainer_version}))
             t2 = time.perf_counter()
-            if colocated:  # the engines' memory goes to the trainer; the weight push wakes them
+            if sleeps:  # the engines' memory goes to the trainer; the weight push wakes them
                 client.sleep()
-            t_slept = time.perf_counter() if colocated else t2
+            t_slept = time.perf_counter() if sleeps else t2
             overlap = loop_cfg.async_steps > 0
             results = trainer.train_step(plans, tokens, stale, push_to=None if overlap else (pool_name, namespace))
             t3 = time.perf_counter()

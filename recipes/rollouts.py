@@ -66,15 +66,21 @@ def worker_backend(rollout: RolloutConfig) -> str:
 
 def engine_options(cfg) -> dict:
     """rollout.engine, plus what the run's numerics and placement ask of a vLLM worker: the stock
-    engine alone for numerics stock, sleep mode for the colocated placement. The native engine needs
+    engine alone for numerics stock, sleep mode where the engines sleep (engines_sleep). The native engine needs
     neither: its `off` mode is already its fast path alone, and it has no memory to release."""
     options = dict(cfg.rollout.engine)
     if worker_backend(cfg.rollout) == "vllm":
         if cfg.numerics == "stock":
             options.setdefault("stock_only", True)
-        if cfg.placement == "colocated":
+        if engines_sleep(cfg):
             options.setdefault("sleep_mode", True)
     return options
+
+
+def engines_sleep(cfg) -> bool:
+    """Whether the rollout engines release their memory while the trainer steps: colocated runs, unless
+    rollout.sleep_while_training is false."""
+    return cfg.placement == "colocated" and cfg.rollout.sleep_while_training
 
 
 def records_routing(rollout: RolloutConfig, model) -> bool:

@@ -143,3 +143,16 @@ def test_malformed_override_is_named():
 def test_numerics_and_placement_settings_that_do_not_fit_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(CONFIGS / "tiny.yaml", overrides)
+
+
+@pytest.mark.parametrize("awake", [False, True])
+def test_colocated_vllm_engines_are_built_with_sleep_mode_only_when_they_sleep(awake):
+    """vLLM's sleep mode (its cumem allocator) is asked for where the engines sleep while the trainer
+    steps: colocated, unless rollout.sleep_while_training is false; never for the split placement."""
+    from recipes.rollouts import engine_options
+    vllm_engine = "rollout.engine={backend: vllm, device: cpu}"
+    colocated = load_config(CONFIGS / "gpu_colocated.yaml",
+                            [vllm_engine, f"rollout.sleep_while_training={str(not awake).lower()}"])
+    split = load_config(CONFIGS / "gpu_split.yaml", [vllm_engine])
+    assert engine_options(colocated).get("sleep_mode", False) is (not awake)
+    assert "sleep_mode" not in engine_options(split)

@@ -150,17 +150,20 @@ def test_moe_baseline_determinism_off_routes_differently(local_ray, tmp_path):
         (1 - r["rollout_train/routing_agreement"]) * r["rollout_train/tokens"] * 2) for r in records)
 
 
-def test_colocated_placement_lands_the_split_runs_bits(verified_run, tmp_path):
+@pytest.mark.parametrize("sleep", [True, False], ids=["engines-sleep", "engines-awake"])
+def test_colocated_placement_lands_the_split_runs_bits(verified_run, tmp_path, sleep):
     """placement: colocated (worker i and trainer rank i on bundle i of one placement group; the
-    engines sleep while the ranks train, a no-op on CPU) changes where things run, not what they
-    compute: the same weights and rollouts as the split run at every step, KL 0."""
+    engines sleep while the ranks train, a no-op on CPU, unless rollout.sleep_while_training is
+    false) changes where things run, not what they compute: the same weights and rollouts as the
+    split run at every step, KL 0. Engines kept awake are never asked to sleep."""
     _, records = verified_run
-    cfg = load_config(TINY, SHORT + [f"run_dir={tmp_path}", "metrics.wandb=false", "placement=colocated"])
+    cfg = load_config(TINY, SHORT + [f"run_dir={tmp_path}", "metrics.wandb=false", "placement=colocated",
+                                     f"rollout.sleep_while_training={str(sleep).lower()}"])
     again = run(cfg, progress=False)["records"]
     assert [r["weights/digest"] for r in again] == [r["weights/digest"] for r in records]
     assert [r["rollout/digest"] for r in again] == [r["rollout/digest"] for r in records]
     assert all(r["rollout_train/kl"] == 0.0 and r["rollout_train/max_abs_logprob_diff"] == 0.0 for r in again)
-    assert all(r["perf/sleep_s"] > 0.0 for r in again) and all(r["perf/sleep_s"] == 0.0 for r in records)
+    assert all((r["perf/sleep_s"] > 0.0) == sleep for r in again) and all(r["perf/sleep_s"] == 0.0 for r in records)
 
 
 def test_stock_arm_has_nonzero_kl(local_ray, tmp_path):

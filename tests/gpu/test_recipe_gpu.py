@@ -39,14 +39,17 @@ def _run(tmp_path, overrides):
     return run(load_config(TINY, ONE_EACH + overrides + [f"run_dir={tmp_path}"]), progress=False)["records"]
 
 
-def test_colocated_vllm_run_has_zero_kl(cluster, tmp_path):
-    records = _run(tmp_path, COLOCATED)
+@pytest.mark.parametrize("sleep", [True, False], ids=["engine-sleeps", "engine-awake"])
+def test_colocated_vllm_run_has_zero_kl(cluster, tmp_path, sleep):
+    """Also with the engine kept awake while the rank trains (rollout.sleep_while_training false: built
+    without vLLM's sleep mode, never asked to sleep)."""
+    records = _run(tmp_path, COLOCATED + [f"rollout.sleep_while_training={str(sleep).lower()}"])
     assert [r["step"] for r in records] == [1, 2, 3]
     for rec in records:
         assert rec["rollout_train/kl"] == 0.0 and rec["rollout_train/max_abs_logprob_diff"] == 0.0, rec
         assert rec["rollout_train/tokens"] > 0
         assert rec["weights/transport"] == "ipc"
-        assert rec["perf/sleep_s"] > 0.0
+        assert (rec["perf/sleep_s"] > 0.0) == sleep
 
 
 def test_colocated_stock_arm_has_nonzero_kl(cluster, tmp_path):
