@@ -359,3 +359,36 @@ def test_pool_worker_on_vllm_from_a_checkpoint_path(checkpoint, engine):
     assert [r.token_ids for r in after_broadcast_off] == [r.token_ids for r in want_off]
     assert [r.token_ids for r in after_broadcast_off] != [r.token_ids for r in got_off]  # the weights changed
     assert ray.is_initialized()
+
+
+def test_a_partial_wake_names_its_tags_and_the_weights_come_first():
+    """VLLMInstance's sleep bookkeeping against vLLM's LLM API (sleep mode needs a GPU; the calls it
+    makes are recorded here): a wake names the tags it maps, so a wake of the rest after the weights
+    alone never asks vLLM to map the weights again (vLLM 0.25 would), and the KV cache never wakes
+    before the weights (the first wake after level 2 writes saved buffers into the weights' memory)."""
+    from rollout_service.vllm.instance import VLLMInstance
+
+    calls = []
+
+    class RecordingLLM:
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tags))
+
+    instance = object.__new__(VLLMInstance)  # the bookkeeping alone, no engine built
+    instance.llm, instance._sleep_mode, instance._asleep_tags = RecordingLLM(), True, frozenset()
+    instance.sleep(2)
+    instance.wake(("weights",))
+    assert instance.sleeping
+    instance.wake(("weights",))  # already awake: nothing asked of vLLM
+    instance.wake()
+    assert not instance.sleeping
+    instance.wake()
+    instance.sleep(2)
+    with pytest.raises(ValueError, match="weights wake first"):
+        instance.wake(("kv_cache",))
+    instance.wake()
+    assert calls == [("sleep", 2), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]),
+                     ("sleep", 2), ("wake_up", ["weights", "kv_cache"])]

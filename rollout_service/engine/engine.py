@@ -288,6 +288,9 @@ class Engine:
     def sleep(self) -> None:
         pass
 
+    def wake_weights(self) -> None:
+        pass
+
     def wake(self) -> None:
         pass
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,8 @@ from rollout_service.params import Rollout
 from rollout_service.service.switch_modes import SWITCH_IN_FLIGHT, check_switch_mode, engine_switch_modes
 from rollout_service.service.weight_sync import SyncPlan, WeightReceiver, gpu_uuid
 from rollout_service.weights import load_weights
+
+log = logging.getLogger(__name__)
 
 
 def error_rollout(prompt, message: str) -> Rollout:
@@ -57,6 +60,14 @@ class EarlyCancels:
 # Native-engine tuning (decode-verify-rollback, its own KV cache) that a vLLM worker has no use for
 NATIVE_ONLY_KWARGS = frozenset({"fast_path", "fast_path_options", "window", "group", "kv_cache_tokens",
                                 "block_size", "max_prefill_tokens", "verified_decode", "runner_factory"})
+
+
+def _log_failure(what: str):
+    """A done callback for work nobody awaits: its failure is logged, not left unread."""
+    def check(task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("%s failed: %r", what, task.exception())
+    return check
 
 
 def engine_backend(backend: str, device: str, tensor_parallel_size: int = 1, gpus: int = 1) -> str:
@@ -401,7 +412,9 @@ class RolloutWorker:
 
     async def sleep(self) -> None:
         """Finish what the engine holds, then release its memory (vLLM's sleep mode: KV cache freed,
-        weights offloaded to the host; nothing on CPU or in the native engine)."""
+        weights offloaded to the host; nothing on CPU or in the native engine). Returns once it is
+        released; the engine may then map its weights again behind it (VLLMEngine early_weights_wake)
+        on the engine thread, where any later call runs after it."""
         self._start()
         async with self._update_lock:
             await self._drain()
@@ -409,6 +422,8 @@ class RolloutWorker:
                 await self._call(self._sleep_engine)
             finally:
                 self._resume()
+        behind = asyncio.ensure_future(self._call(self._engine.wake_weights))
+        behind.add_done_callback(_log_failure("the weights' wake behind a sleep (the next wake maps them)"))
 
     async def wake(self) -> None:
         self._start()

@@ -53,13 +53,15 @@ class VLLMEngine:
     alone, with all of gpu_memory_utilization (the stock pipeline's workers; requests other than `off`
     are refused). sleep_mode: build the engines with vLLM's sleep mode on a GPU, so that sleep()
     releases their memory (colocated placement); sleep_level: vLLM's level, 2 by default (the weights
-    are discarded, not offloaded: see sleep)."""
+    are discarded, not offloaded: see sleep). early_weights_wake: wake_weights, which the rollout
+    worker calls right after each sleep, maps the weights' memory again then, while the trainer steps,
+    so that the wake before the next push maps the KV cache alone."""
 
     def __init__(self, model, *, device: str = "cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
                  copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None,
                  stock_in_process: bool = True, stock_memory_share: float = 0.5, stock_only: bool = False,
-                 sleep_mode: bool = False, sleep_level: int = 2):
+                 sleep_mode: bool = False, sleep_level: int = 2, early_weights_wake: bool = False):
         from rollout_service.vllm.plugin import HF_OVERRIDES, graph_options, pick_runner, register
 
         if isinstance(stock_memory_share, bool) or not isinstance(stock_memory_share, (int, float)) \
@@ -72,6 +74,7 @@ class VLLMEngine:
                              "tensor_parallel_size > 1")
         self.device = torch.device(device)
         self.sleep_level = sleep_level
+        self.early_weights_wake = early_weights_wake
         self._weights_discarded = False  # see sleep()
         self._host_copy_stream = None  # see load_named_weights
         self._host_copies: list[tuple[torch.cuda.Event, list]] = []  # (done, the tensors it reads), in flight
@@ -281,6 +284,13 @@ class VLLMEngine:
                 target.wake()
                 target.update_weights(self.model.state_dict())
             self._weights_discarded = False
+
+    def wake_weights(self) -> None:
+        """With early_weights_wake: map each sleeping engine's weights again, its KV cache left asleep.
+        The weights stay discarded at level 2 (the next push, or the host copy, fills them)."""
+        if self.early_weights_wake:
+            for target in self._targets():
+                target.wake(("weights",))
 
     def wake(self) -> None:
         for target in self._targets():

@@ -20,6 +20,8 @@ from rollout_service.vllm.plugin.sampling import CAPTURE, EXTRA_ARGS_KEY, PROCES
 from rollout_service.vllm.plugin.tensor_parallel import tp_options
 
 WORKER_EXTENSION = f"{__name__}.VLLMWorkerExtension"
+SLEEP_TAGS_ORDER = ("weights", "kv_cache")  # vLLM's tags of the memory a sleep releases, in the order they wake
+SLEEP_TAGS = frozenset(SLEEP_TAGS_ORDER)
 
 
 def canonical_vllm_params(params, num_preceding: int, max_tokens: int):
@@ -164,7 +166,7 @@ class VLLMInstance:
                            worker_extension_cls=WORKER_EXTENSION, **sampler, **llm_options)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self._sleep_mode = bool(llm_options.get("enable_sleep_mode")) and not _on_cpu()
-        self._asleep = False
+        self._asleep_tags: frozenset[str] = frozenset()  # vLLM's memory tags released by sleep, not woken
         self._weights_generation = 0  # see prompt()
         self._staged = False  # a bucketed push's tensors wait for finish_weight_load (load_named_weights)
 
@@ -237,18 +239,27 @@ class VLLMInstance:
         discards the weights too (the caller must load every weight again before the next step)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if self._sleep_mode and not self._asleep:
+        if self._sleep_mode and not self._asleep_tags:
             self.llm.sleep(level=level)
-            self._asleep = True
+            self._asleep_tags = SLEEP_TAGS
 
     @property
     def sleeping(self) -> bool:
-        return self._asleep
+        return bool(self._asleep_tags)
 
-    def wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    # Rule: a wake always names the tags it maps, and the weights come back first. vLLM 0.25 maps
+    # every allocation of the tags it is given, awake or not, so a wake of all tags after a wake of
+    # the weights alone would map them twice; and its first wake after a level-2 sleep writes the
+    # model's saved buffers back into the weights' memory.
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """Map the memory the last sleep released again: all of it, or only `tags` of vLLM's ("weights",
+        "kv_cache"); the engine serves again once nothing is left asleep."""
+        waking = self._asleep_tags if tags is None else self._asleep_tags & set(tags)
+        if "kv_cache" in waking and "weights" in self._asleep_tags - waking:
+            raise ValueError("the weights wake first (see the rule above)")
+        if waking:
+            self.llm.wake_up(tags=sorted(waking, key=SLEEP_TAGS_ORDER.index))
+            self._asleep_tags -= waking
 
     def capture(self, on: bool = True) -> list[dict]:
         """Switch recording of (params, position, logits row, chosen token, log-prob) per processed

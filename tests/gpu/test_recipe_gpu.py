@@ -39,11 +39,13 @@ def _run(tmp_path, overrides):
     return run(load_config(TINY, ONE_EACH + overrides + [f"run_dir={tmp_path}"]), progress=False)["records"]
 
 
-@pytest.mark.parametrize("sleep", [True, False], ids=["engine-sleeps", "engine-awake"])
-def test_colocated_vllm_run_has_zero_kl(cluster, tmp_path, sleep):
-    """Also with the engine kept awake while the rank trains (rollout.sleep_while_training false: built
-    without vLLM's sleep mode, never asked to sleep)."""
-    records = _run(tmp_path, COLOCATED + [f"rollout.sleep_while_training={str(sleep).lower()}"])
+@pytest.mark.parametrize("sleep,extra", [(True, []), (True, ["rollout.engine.early_weights_wake=true"]),
+                                         (False, ["rollout.sleep_while_training=false"])],
+                         ids=["engine-sleeps", "weights-wake-behind-sleep", "engine-awake"])
+def test_colocated_vllm_run_has_zero_kl(cluster, tmp_path, sleep, extra):
+    """Also with the weights' memory mapped again behind each sleep (early_weights_wake), and with the
+    engine kept awake while the rank trains (built without vLLM's sleep mode, never asked to sleep)."""
+    records = _run(tmp_path, COLOCATED + extra)
     assert [r["step"] for r in records] == [1, 2, 3]
     for rec in records:
         assert rec["rollout_train/kl"] == 0.0 and rec["rollout_train/max_abs_logprob_diff"] == 0.0, rec

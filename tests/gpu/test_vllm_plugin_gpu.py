@@ -346,3 +346,48 @@ def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer):
         assert [r[:2] for r in after] != [r[:2] for r in before]
     finally:
         engine.close()
+
+
+def test_weights_woken_behind_the_sleep_serve_the_host_copy_or_a_push(checkpoint, trainer):
+    """early_weights_wake: after a level-2 sleep the weights' memory is mapped again at once
+    (wake_weights, what the rollout worker calls behind each sleep) and the KV cache stays released
+    until the wake. Either way the engine then serves the host copy again, or a push, bit for bit."""
+    from rollout_service.vllm.engine import VLLMEngine
+
+    gc.collect()
+    engine = VLLMEngine(checkpoint, device="cuda", max_model_len=1024, max_num_seqs=64, sleep_mode=True,
+                        sleep_level=2, gpu_memory_utilization=0.3, early_weights_wake=True)
+    prompts = random_prompts(16, VOCAB, seed=22, lo=5, hi=200)
+    params = [SamplingParams(max_tokens=16, seed=1400 + i, **MIXED[i % 3]) for i in range(len(prompts))]
+
+    def rollouts():
+        return [(o.token_ids, o.logprobs, 0) for o in engine.generate(prompts, params)]
+
+    def sleep_wake_weights_and_scribble():
+        engine.sleep()
+        free_asleep, _ = torch.cuda.mem_get_info()
+        engine.wake_weights()
+        free, _ = torch.cuda.mem_get_info()
+        assert 0 < free_asleep - free < 0.5 * free_asleep  # the weights mapped again, the KV cache not
+        assert engine.canonical.sleeping
+        scribble = torch.full((int(free * 0.8),), 0x3F, dtype=torch.uint8, device="cuda")
+        del scribble
+        torch.cuda.empty_cache()
+
+    try:
+        before = rollouts()
+        assert_matches_trainer(trainer, prompts, params, before)
+        sleep_wake_weights_and_scribble()
+        engine.wake()
+        assert rollouts() == before  # the discarded weights: the host copy loaded first
+
+        new = tiny_model("qwen2", seed=10, dtype=torch.float32, **SHAPE).to(torch.bfloat16).cuda()
+        sleep_wake_weights_and_scribble()
+        engine.wake()
+        engine.load_named_weights(list(new.state_dict().items()))
+        engine.finish_weight_load()
+        after = rollouts()
+        assert_matches_trainer(new, prompts, params, after)
+        assert [r[:2] for r in after] != [r[:2] for r in before]
+    finally:
+        engine.close()
