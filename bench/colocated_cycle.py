@@ -8,7 +8,10 @@ the pool and the trainer ranks around it, so each part is timed alone: 32 prompt
 tokens per rollout, then the engine sleeps, the GPU is used as a trainer rank uses it (30 GB written,
 matmuls), the engine wakes and takes every weight as a push does (load_named_weights in buckets, then
 finish_weight_load). Levels take turns (1, 2, 1, 2), three cycles each; medians per arm and level.
-The first sleep of an engine allocates its pinned host buffers and is reported apart.
+The first sleep of an engine allocates its pinned host buffers and is reported apart. With
+--early-weights-wake the engine maps its weights again right after each sleep (wake_weights, which
+the rollout worker runs behind the sleep while the trainer steps), timed as its own part, and the
+wake maps the KV cache alone; without it that part does nothing.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 
 from bench.weight_sync import SHAPES, build
 
-PARTS = ("rollout", "sleep", "trainer", "wake", "push")
+PARTS = ("rollout", "sleep", "wake_weights", "trainer", "wake", "push")
 
 
 def timed(fn) -> float:
@@ -44,7 +47,7 @@ def trainer_like(nbytes: int) -> None:
     del big, x
 
 
-def run_arm(arm: str, path: str, weights, prompts, cycles: int, trainer_bytes: int) -> dict:
+def run_arm(arm: str, path: str, weights, prompts, cycles: int, trainer_bytes: int, early: bool = False) -> dict:
     from rollout_service import SamplingParams
     from rollout_service.vllm.engine import VLLMEngine
 
@@ -61,7 +64,8 @@ def run_arm(arm: str, path: str, weights, prompts, cycles: int, trainer_bytes: i
 
     t0 = time.perf_counter()
     engine = VLLMEngine(path, device="cuda", max_model_len=128, max_num_seqs=256, sleep_mode=True,
-                        gpu_memory_utilization=0.3, stock_only=arm == "stock")
+                        gpu_memory_utilization=0.3, stock_only=arm == "stock",
+                        early_weights_wake=early)
     result = {"build_s": time.perf_counter() - t0, "first_rollout_s": timed(lambda: engine.generate(prompts, params(0)))}
     times = {level: {part: [] for part in PARTS} for level in (1, 2)}
     step = 0
@@ -77,6 +81,7 @@ def run_arm(arm: str, path: str, weights, prompts, cycles: int, trainer_bytes: i
                     result["first_sleep_s"] = sleep_s  # pinned host buffers allocated (level 1)
                 else:
                     row["sleep"].append(sleep_s)
+                row["wake_weights"].append(timed(engine.wake_weights))
                 row["trainer"].append(timed(lambda: trainer_like(trainer_bytes)))
                 row["wake"].append(timed(engine.wake))
                 row["push"].append(timed(push))
@@ -94,6 +99,7 @@ def main() -> None:
     ap.add_argument("--arms", default="canonical,stock")
     ap.add_argument("--cycles", type=int, default=3, help="per level and turn")
     ap.add_argument("--trainer-gb", type=float, default=30.0)
+    ap.add_argument("--early-weights-wake", action="store_true", help="VLLMEngine early_weights_wake")
     args = ap.parse_args()
     model = build(args.model, seed=0, device="cuda")
     path = tempfile.mkdtemp(prefix="zerokl-bench-cycle-")
@@ -104,9 +110,10 @@ def main() -> None:
     prompts = [torch.randint(0, 150000, (int(torch.randint(10, 30, (1,), generator=g)),), generator=g).tolist()
                for _ in range(32)]
     prompts = [p for p in prompts for _ in range(8)]
-    out = {"model": args.model, "cycles": args.cycles}
+    out = {"model": args.model, "cycles": args.cycles, "early_weights_wake": args.early_weights_wake}
     for arm in args.arms.split(","):
-        out[arm] = run_arm(arm, path, weights, prompts, args.cycles, int(args.trainer_gb * 1e9))
+        out[arm] = run_arm(arm, path, weights, prompts, args.cycles, int(args.trainer_gb * 1e9),
+                           args.early_weights_wake)
         print(f"[bench] {arm}: {json.dumps(out[arm])}", file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
 
