@@ -363,9 +363,10 @@ def test_pool_worker_on_vllm_from_a_checkpoint_path(checkpoint, engine):
 
 def test_a_partial_wake_names_its_tags_and_the_weights_come_first():
     """VLLMInstance's sleep bookkeeping against vLLM's LLM API (sleep mode needs a GPU; the calls it
-    makes are recorded here): a wake names the tags it maps, so a wake of the rest after the weights
-    alone never asks vLLM to map the weights again (vLLM 0.25 would), and the KV cache never wakes
-    before the weights (the first wake after level 2 writes saved buffers into the weights' memory)."""
+    makes are recorded here): a wake after a partial one names the tags it maps, so a wake of the rest
+    after the weights alone never asks vLLM to map the weights again (vLLM 0.25 would), and the KV
+    cache never wakes before the weights (the first wake after level 2 writes saved buffers into the
+    weights' memory). A whole wake is vLLM's plain wake_up()."""
     from rollout_service.vllm.instance import VLLMInstance
 
     calls = []
@@ -391,4 +392,4 @@ def test_a_partial_wake_names_its_tags_and_the_weights_come_first():
         instance.wake(("kv_cache",))
     instance.wake()
     assert calls == [("sleep", 2), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]),
-                     ("sleep", 2), ("wake_up", ["weights", "kv_cache"])]
+                     ("sleep", 2), ("wake_up", None)]

@@ -247,10 +247,10 @@ class VLLMInstance:
     def sleeping(self) -> bool:
         return bool(self._asleep_tags)
 
-    # Rule: a wake always names the tags it maps, and the weights come back first. vLLM 0.25 maps
-    # every allocation of the tags it is given, awake or not, so a wake of all tags after a wake of
-    # the weights alone would map them twice; and its first wake after a level-2 sleep writes the
-    # model's saved buffers back into the weights' memory.
+    # Rule: a wake after a partial one names the tags it maps, and the weights come back first. vLLM
+    # 0.25 maps every allocation of the tags it is given (all of them when given none), awake or not,
+    # so a wake of all tags after a wake of the weights alone would map them twice; and its first wake
+    # after a level-2 sleep writes the model's saved buffers back into the weights' memory.
     def wake(self, tags: tuple[str, ...] | None = None) -> None:
         """Map the memory the last sleep released again: all of it, or only `tags` of vLLM's ("weights",
         "kv_cache"); the engine serves again once nothing is left asleep."""
@@ -258,7 +258,7 @@ class VLLMInstance:
         if "kv_cache" in waking and "weights" in self._asleep_tags - waking:
             raise ValueError("the weights wake first (see the rule above)")
         if waking:
-            self.llm.wake_up(tags=sorted(waking, key=SLEEP_TAGS_ORDER.index))
+            self.llm.wake_up(tags=None if waking == SLEEP_TAGS else sorted(waking, key=SLEEP_TAGS_ORDER.index))
             self._asleep_tags -= waking
 
     def capture(self, on: bool = True) -> list[dict]:
