@@ -298,16 +298,19 @@ def test_worker_engine_serves_verified_and_off_side_by_side(checkpoint, trainer)
         engine.close()
 
 
-def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer):
+@pytest.mark.parametrize("early", [False, True], ids=["wake-whole", "weights-woken-behind-sleep"])
+def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer, early):
     """VLLMEngine with sleep_mode (the colocated placement): level 2 discards the weights. A wake with
     no push serves the host copy again, bit for bit; a complete bucketed push after a wake serves the
     new weights, bit for bit. Control: the engine woken without either, after another allocation has
-    used the freed memory (a trainer rank does), does not match."""
+    used the freed memory (a trainer rank does), does not match. early (early_weights_wake): right
+    after the sleep the weights' memory is mapped again (wake_weights, what the rollout worker calls
+    behind each sleep) and the KV cache stays released until the wake; the same holds."""
     from rollout_service.vllm.engine import VLLMEngine
 
     gc.collect()
     engine = VLLMEngine(checkpoint, device="cuda", max_model_len=1024, max_num_seqs=64, sleep_mode=True,
-                        sleep_level=2, gpu_memory_utilization=0.3)
+                        sleep_level=2, gpu_memory_utilization=0.3, early_weights_wake=early)
     prompts = random_prompts(16, VOCAB, seed=21, lo=5, hi=200)
     params = [SamplingParams(max_tokens=16, seed=1300 + i, **MIXED[i % 3]) for i in range(len(prompts))]
 
@@ -317,6 +320,12 @@ def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer):
     def sleep_and_scribble():
         engine.sleep()
         free, _ = torch.cuda.mem_get_info()
+        if early:
+            free_asleep = free
+            engine.wake_weights()
+            free, _ = torch.cuda.mem_get_info()
+            assert 0 < free_asleep - free < 0.5 * free_asleep  # the weights mapped again, the KV cache not
+            assert engine.canonical.sleeping
         scribble = torch.full((int(free * 0.8),), 0x3F, dtype=torch.uint8, device="cuda")
         del scribble
         torch.cuda.empty_cache()
@@ -326,11 +335,12 @@ def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer):
         before = rollouts()
         assert_matches_trainer(trainer, prompts, params, before)
 
-        sleep_and_scribble()
-        engine.canonical.wake()  # what the engine's own wake does, without the restore on the next request
-        discarded = vllm_generate(engine.canonical.llm, prompts, params)
-        assert [r[:2] for r in discarded] != [r[:2] for r in before], "discarded weights served the old tokens"
-        assert rollouts() == before  # the next request loaded the host copy first
+        if not early:  # (woken early, the weights' memory is mapped before the scribble can reach it)
+            sleep_and_scribble()
+            engine.canonical.wake()  # what the engine's own wake does, without the restore on the next request
+            discarded = vllm_generate(engine.canonical.llm, prompts, params)
+            assert [r[:2] for r in discarded] != [r[:2] for r in before], "discarded weights served the old tokens"
+            assert rollouts() == before  # the next request loaded the host copy first
 
         sleep_and_scribble()
         engine.wake()
@@ -338,51 +348,6 @@ def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer):
 
         new = tiny_model("qwen2", seed=9, dtype=torch.float32, **SHAPE).to(torch.bfloat16).cuda()
         sleep_and_scribble()
-        engine.wake()
-        engine.load_named_weights(list(new.state_dict().items()))
-        engine.finish_weight_load()
-        after = rollouts()
-        assert_matches_trainer(new, prompts, params, after)
-        assert [r[:2] for r in after] != [r[:2] for r in before]
-    finally:
-        engine.close()
-
-
-def test_weights_woken_behind_the_sleep_serve_the_host_copy_or_a_push(checkpoint, trainer):
-    """early_weights_wake: after a level-2 sleep the weights' memory is mapped again at once
-    (wake_weights, what the rollout worker calls behind each sleep) and the KV cache stays released
-    until the wake. Either way the engine then serves the host copy again, or a push, bit for bit."""
-    from rollout_service.vllm.engine import VLLMEngine
-
-    gc.collect()
-    engine = VLLMEngine(checkpoint, device="cuda", max_model_len=1024, max_num_seqs=64, sleep_mode=True,
-                        sleep_level=2, gpu_memory_utilization=0.3, early_weights_wake=True)
-    prompts = random_prompts(16, VOCAB, seed=22, lo=5, hi=200)
-    params = [SamplingParams(max_tokens=16, seed=1400 + i, **MIXED[i % 3]) for i in range(len(prompts))]
-
-    def rollouts():
-        return [(o.token_ids, o.logprobs, 0) for o in engine.generate(prompts, params)]
-
-    def sleep_wake_weights_and_scribble():
-        engine.sleep()
-        free_asleep, _ = torch.cuda.mem_get_info()
-        engine.wake_weights()
-        free, _ = torch.cuda.mem_get_info()
-        assert 0 < free_asleep - free < 0.5 * free_asleep  # the weights mapped again, the KV cache not
-        assert engine.canonical.sleeping
-        scribble = torch.full((int(free * 0.8),), 0x3F, dtype=torch.uint8, device="cuda")
-        del scribble
-        torch.cuda.empty_cache()
-
-    try:
-        before = rollouts()
-        assert_matches_trainer(trainer, prompts, params, before)
-        sleep_wake_weights_and_scribble()
-        engine.wake()
-        assert rollouts() == before  # the discarded weights: the host copy loaded first
-
-        new = tiny_model("qwen2", seed=10, dtype=torch.float32, **SHAPE).to(torch.bfloat16).cuda()
-        sleep_wake_weights_and_scribble()
         engine.wake()
         engine.load_named_weights(list(new.state_dict().items()))
         engine.finish_weight_load()
