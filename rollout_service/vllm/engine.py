@@ -105,10 +105,10 @@ class VLLMEngine:
         stock_share = gpu_memory_utilization * (1.0 if stock_only else stock_memory_share) if stock_for_off else 0.0
         self.stock = VLLMInstance(self._tmpdir, stock_sampler=True, in_process=stock_in_process,
                                   **self._sized(common, stock_share)) if stock_for_off else None
+        runner = None if stock_only else pick_runner(self._tmpdir)  # read from the checkpoint once
         self.canonical = None if stock_only else VLLMInstance(
-            self._tmpdir, hf_overrides=dict(HF_OVERRIDES),
-            **graph_options(cuda_graphs and self.device.type == "cuda", pick_runner(self._tmpdir),
-                            tensor_parallel_size),
+            self._tmpdir, hf_overrides=dict(HF_OVERRIDES), runner=runner,
+            **graph_options(cuda_graphs and self.device.type == "cuda", runner, tensor_parallel_size),
             **self._sized(common, gpu_memory_utilization - stock_share))
         self._ids = itertools.count()
         self._where: dict[int, VLLMInstance] = {}  # request id -> the engine serving it

@@ -121,13 +121,14 @@ class VLLMInstance:
     package's entry point). `tensor_parallel_size` > 1: vLLM's worker processes, one per rank
     (vllm.plugin.tensor_parallel); weights then reach them through files. `logits_processor`: the
     processor class (or "module:Class"); the default applies kernels.sample. `capture()` records what
-    the processor saw (all LLMs of the process).
+    the processor saw (all LLMs of the process). `runner`: the canonical model's runner where the caller
+    has already picked it (pick_runner reads the checkpoint's config).
     """
 
     def __init__(self, model, *, max_model_len: int | None = None, dtype: str = "bfloat16",
                  in_process: bool = True, logits_processor=None, seed: int = 0,
                  weight_chunk_bytes: int = 1 << 29, stock_sampler: bool = False, tensor_parallel_size: int = 1,
-                 **llm_options):
+                 runner: str | None = None, **llm_options):
         self._tmpdir = None
         if isinstance(model, (str, os.PathLike)):
             path = str(model)
@@ -157,7 +158,7 @@ class VLLMInstance:
             self.runner, sampler = "v1", dict(logits_processors=[logits_processor or PROCESSOR_FQCN],
                                               logprobs_mode="processed_logits")
         else:
-            self.runner = pick_runner(path)
+            self.runner = runner or pick_runner(path)
             sampler = runner_options(self.runner)
         compat.allow_graph_capture()  # an earlier engine of this process may have cleared it
         with compat.engine_core_placement(own_process=not in_process):
