@@ -6,7 +6,9 @@
     python -m bench.grpo_step ... --arms canonical > a.json; ... --arms stock > b.json
     python -m bench.grpo_step --merge a.json b.json                      # one arm per call, joined
 
-Each round runs the recipe once per arm, taking turns (these machines are noisy): `canonical` (the
+Each round runs the recipe once per arm, taking turns (these machines are noisy), in the order given
+in even rounds and in the reverse order in odd ones (`order` in each round): on GPUs the arm that
+ran second was seen to run faster, so an even number of rounds pairs both orders. `canonical` (the
 config as it is, KL 0) and `stock` (numerics=stock: the stock engine's rollouts, the unpatched model
 under FSDP2, old log-probs recomputed); `--arms canonical,async` adds `async` (train.async_steps=1:
 the next step's rollouts generated while the trainer steps; split placement) and `async-in-flight` (the
@@ -170,7 +172,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="recipes/configs/tiny.yaml")
     ap.add_argument("--steps", type=int, default=11, help="per run; the first is left out of the medians")
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="odd rounds run the arms in reverse order")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the tiny config, a smoke run")
     ap.add_argument("--plot", default=None, help="a PNG of each arm's step split")
     ap.add_argument("--arms", default="canonical,stock",
@@ -192,8 +194,9 @@ def main() -> None:
         result = {"config": args.config, "steps": args.steps, "overrides": args.overrides, "rounds": []}
         with tempfile.TemporaryDirectory(prefix="zerokl-bench-grpo-") as tmp:
             for i in range(args.rounds):
-                row = {}
-                for arm in arms:
+                order = arms if i % 2 == 0 else arms[::-1]
+                row = {"order": order}
+                for arm in order:
                     row[arm] = summarise(run_arm(args.config, arm, args.steps, extra, Path(tmp) / f"{arm}-{i}"))
                     # each arm's figures as soon as it ends: a later arm that fails does not lose them
                     print(f"[bench] {arm} round {i}: {json.dumps(row[arm])}", file=sys.stderr, flush=True)

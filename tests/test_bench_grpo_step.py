@@ -79,3 +79,20 @@ def test_time_to_reward_is_the_first_step_at_the_reward_both_arms_reached():
     assert out["rounds"][0]["time_to_reward_canonical_vs_async"] == got
     assert out["canonical_over_async_step_median"] == 2.0
     assert time_to_reward({"canonical": row["canonical"]}, ("canonical", "async")) is None
+
+
+def test_rounds_take_the_arms_in_turns_and_odd_rounds_reverse_them(monkeypatch, capsys):
+    """On GPUs the arm that ran second was seen to run faster; with an even number of rounds each pair
+    of arms runs in both orders, and each round says which it ran."""
+    import bench.grpo_step as bench
+
+    ran = []
+    monkeypatch.setattr(bench, "run_arm", lambda config, arm, steps, extra, run_dir: ran.append(arm) or arm)
+    monkeypatch.setattr(bench, "summarise", lambda arm: {"step_s": {"canonical": 2.0, "stock": 3.0}[arm]})
+    monkeypatch.setattr(sys, "argv", ["grpo_step", "--rounds", "3", "--arms", "canonical,stock"])
+    bench.main()
+    out = json.loads(capsys.readouterr().out)
+    assert ran == ["canonical", "stock", "stock", "canonical", "canonical", "stock"]
+    assert [r["order"] for r in out["rounds"]] == [["canonical", "stock"], ["stock", "canonical"],
+                                                   ["canonical", "stock"]]
+    assert [r["stock_over_canonical_step"] for r in out["rounds"]] == [1.5, 1.5, 1.5]
