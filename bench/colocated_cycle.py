@@ -11,7 +11,9 @@ finish_weight_load). Levels take turns (1, 2, 1, 2), three cycles each; medians 
 The first sleep of an engine allocates its pinned host buffers and is reported apart. With
 --early-weights-wake the engine maps its weights again right after each sleep (wake_weights, which
 the rollout worker runs behind the sleep while the trainer steps), timed as its own part, and the
-wake maps the KV cache alone; without it that part does nothing.
+wake maps the KV cache alone; without it that part does nothing. --kv-cache-gib 1,8 builds each arm
+once per KV cache size (vLLM's kv_cache_memory_bytes) instead of at 0.3 of the GPU, in turn in one
+process, to show how the wake's time follows the memory it maps.
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def trainer_like(nbytes: int) -> None:
     del big, x
 
 
-def run_arm(arm: str, path: str, weights, prompts, cycles: int, trainer_bytes: int, early: bool = False) -> dict:
+def run_arm(arm: str, path: str, weights, prompts, cycles: int, trainer_bytes: int, early: bool = False,
+            kv_cache_bytes: int | None = None) -> dict:
     from rollout_service import SamplingParams
     from rollout_service.vllm.engine import VLLMEngine
 
@@ -65,8 +68,10 @@ def run_arm(arm: str, path: str, weights, prompts, cycles: int, trainer_bytes: i
     t0 = time.perf_counter()
     engine = VLLMEngine(path, device="cuda", max_model_len=128, max_num_seqs=256, sleep_mode=True,
                         gpu_memory_utilization=0.3, stock_only=arm == "stock",
-                        early_weights_wake=early)
-    result = {"build_s": time.perf_counter() - t0, "first_rollout_s": timed(lambda: engine.generate(prompts, params(0)))}
+                        early_weights_wake=early,
+                        vllm_options={"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else None)
+    result = {"build_s": time.perf_counter() - t0,
+              "first_rollout_s": timed(lambda: engine.generate(prompts, params(0)))}
     times = {level: {part: [] for part in PARTS} for level in (1, 2)}
     step = 0
     try:
@@ -100,6 +105,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=3, help="per level and turn")
     ap.add_argument("--trainer-gb", type=float, default=30.0)
     ap.add_argument("--early-weights-wake", action="store_true", help="VLLMEngine early_weights_wake")
+    ap.add_argument("--kv-cache-gib", default="", help="GiB, comma-separated; 0: 0.3 of the GPU")
     args = ap.parse_args()
     model = build(args.model, seed=0, device="cuda")
     path = tempfile.mkdtemp(prefix="zerokl-bench-cycle-")
@@ -111,10 +117,13 @@ def main() -> None:
                for _ in range(32)]
     prompts = [p for p in prompts for _ in range(8)]
     out = {"model": args.model, "cycles": args.cycles, "early_weights_wake": args.early_weights_wake}
-    for arm in args.arms.split(","):
-        out[arm] = run_arm(arm, path, weights, prompts, args.cycles, int(args.trainer_gb * 1e9),
-                           args.early_weights_wake)
-        print(f"[bench] {arm}: {json.dumps(out[arm])}", file=sys.stderr, flush=True)
+    sizes = [float(g) for g in args.kv_cache_gib.split(",")] if args.kv_cache_gib else [None]
+    for gib in sizes:
+        for arm in args.arms.split(","):
+            key = arm if gib is None else f"{arm}@kv{gib:g}GiB" if gib else f"{arm}@kv0.3"
+            out[key] = run_arm(arm, path, weights, prompts, args.cycles, int(args.trainer_gb * 1e9),
+                               args.early_weights_wake, int(gib * (1 << 30)) if gib else None)
+            print(f"[bench] {key}: {json.dumps(out[key])}", file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
 
 
