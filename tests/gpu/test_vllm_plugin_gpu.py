@@ -298,26 +298,28 @@ def test_worker_engine_serves_verified_and_off_side_by_side(checkpoint, trainer)
         engine.close()
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["wake-whole", "weights-woken-behind-sleep"])
-def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer, early):
+def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer):
     """VLLMEngine with sleep_mode (the colocated placement): level 2 discards the weights. A wake with
     no push serves the host copy again, bit for bit; a complete bucketed push after a wake serves the
     new weights, bit for bit. Control: the engine woken without either, after another allocation has
-    used the freed memory (a trainer rank does), does not match. early (early_weights_wake): right
-    after the sleep the weights' memory is mapped again (wake_weights, what the rollout worker calls
-    behind each sleep) and the KV cache stays released until the wake; the same holds."""
+    used the freed memory (a trainer rank does), does not match. Both wakes the engine has: whole, and
+    in two halves, the weights' memory mapped right after the sleep (wake_weights, what the rollout
+    worker calls behind each sleep with early_weights_wake) and the KV cache only at the wake; the same
+    holds. One engine serves both rounds: vLLM's sleep-mode allocator refuses a second engine in a
+    process while blocks of the first are still in its pool (as cases of their own, the second case's
+    build failed so), and early_weights_wake only arms wake_weights: the round without it wakes whole."""
     from rollout_service.vllm.engine import VLLMEngine
 
     gc.collect()
     engine = VLLMEngine(checkpoint, device="cuda", max_model_len=1024, max_num_seqs=64, sleep_mode=True,
-                        sleep_level=2, gpu_memory_utilization=0.3, early_weights_wake=early)
+                        sleep_level=2, gpu_memory_utilization=0.3, early_weights_wake=True)
     prompts = random_prompts(16, VOCAB, seed=21, lo=5, hi=200)
     params = [SamplingParams(max_tokens=16, seed=1300 + i, **MIXED[i % 3]) for i in range(len(prompts))]
 
     def rollouts():
         return [(o.token_ids, o.logprobs, 0) for o in engine.generate(prompts, params)]
 
-    def sleep_and_scribble():
+    def sleep_and_scribble(early: bool):
         engine.sleep()
         free, _ = torch.cuda.mem_get_info()
         if early:
@@ -335,24 +337,26 @@ def test_level_2_sleep_restores_or_takes_a_push(checkpoint, trainer, early):
         before = rollouts()
         assert_matches_trainer(trainer, prompts, params, before)
 
-        if not early:  # (woken early, the weights' memory is mapped before the scribble can reach it)
-            sleep_and_scribble()
-            engine.canonical.wake()  # what the engine's own wake does, without the restore on the next request
-            discarded = vllm_generate(engine.canonical.llm, prompts, params)
-            assert [r[:2] for r in discarded] != [r[:2] for r in before], "discarded weights served the old tokens"
-            assert rollouts() == before  # the next request loaded the host copy first
+        # (woken early, the weights' memory is mapped before the scribble can reach it: no control)
+        sleep_and_scribble(early=False)
+        engine.canonical.wake()  # what the engine's own wake does, without the restore on the next request
+        discarded = vllm_generate(engine.canonical.llm, prompts, params)
+        assert [r[:2] for r in discarded] != [r[:2] for r in before], "discarded weights served the old tokens"
+        assert rollouts() == before  # the next request loaded the host copy first
 
-        sleep_and_scribble()
-        engine.wake()
-        assert rollouts() == before
+        for early, seed in ((False, 9), (True, 10)):
+            sleep_and_scribble(early)
+            engine.wake()
+            assert rollouts() == before, f"early={early}: the host copy"
 
-        new = tiny_model("qwen2", seed=9, dtype=torch.float32, **SHAPE).to(torch.bfloat16).cuda()
-        sleep_and_scribble()
-        engine.wake()
-        engine.load_named_weights(list(new.state_dict().items()))
-        engine.finish_weight_load()
-        after = rollouts()
-        assert_matches_trainer(new, prompts, params, after)
-        assert [r[:2] for r in after] != [r[:2] for r in before]
+            new = tiny_model("qwen2", seed=seed, dtype=torch.float32, **SHAPE).to(torch.bfloat16).cuda()
+            sleep_and_scribble(early)
+            engine.wake()
+            engine.load_named_weights(list(new.state_dict().items()))
+            engine.finish_weight_load()
+            after = rollouts()
+            assert_matches_trainer(new, prompts, params, after)
+            assert [r[:2] for r in after] != [r[:2] for r in before], f"early={early}: the push"
+            before = after
     finally:
         engine.close()
