@@ -190,10 +190,11 @@ class TrainerConfig:
     """When a push takes effect for rollouts in flight (rollout_service/service/switch_modes.py): drain |
     finish-then-switch | switch-in-flight (native engines); other than drain needs weight_sync object_store."""
     arm_weight_push: bool = True
-    """A broadcast push that follows a train step (synchronous steps) is armed as the step starts: the
-    pool drains and its workers wait for it while the ranks train (weight_sync.WeightSender.arm), so
-    the pool's begin is off the step's path. Meanwhile the pool serves no request (the recipe sends
-    none then), and the push's timeout (300 s) counts from the arm, through the step."""
+    """A broadcast or ipc push that follows a train step (synchronous steps) is armed as the step starts:
+    the pool drains and its workers wait for it while the ranks train (weight_sync.WeightSender.arm), so
+    the pool's begin is off the step's path; a sleeping engine still wakes only for the push's first
+    load. Meanwhile the pool serves no request (the recipe sends none then), and the push's timeout
+    (300 s) counts from the arm, through the step."""
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import kernels as K
-from rollout_service.service.weight_sync import (WeightSender, choose_transport, fingerprint_entries,
-                                         iter_full_tensors, stages_whole)
+from rollout_service.service.weight_sync import (SenderStage, WeightSender, choose_transport,
+                                                 fingerprint_entries, iter_full_tensors, stages_whole)
 from rollout_service.weights import state_dict_digest
 from trainer_patch import patch_model, stock_token_logprobs, token_logprobs
 
@@ -52,6 +52,7 @@ class TrainerRank:
         self._pool_link = None  # ((pool name, namespace), the transport), kept between pushes: see _link
         self._pool_client = None  # rank 0: ((pool name, namespace), its client), kept likewise
         self._armed = None  # rank 0: ((pool name, namespace), its sender) of a push armed by train_step
+        self._stage = SenderStage()  # rank 0: a staged push's buffer (and by ipc its handle), kept between pushes
         self._train_failed = False  # the last train step raised: a push queued behind it is not sent
 
     def address(self) -> tuple[str, int]:
@@ -138,14 +139,14 @@ class TrainerRank:
         return result
 
     def _arm(self, pool_name: str, namespace: str) -> None:
-        """Rank 0 arms the push (WeightSender.arm) when it will go by broadcast, the transport it kept
-        from the last push to this pool (trainer.arm_weight_push)."""
+        """Rank 0 arms the push (WeightSender.arm) when it will go by broadcast or ipc, the transport it
+        kept from the last push to this pool (trainer.arm_weight_push)."""
         key = (pool_name, namespace)
         link, client = self._pool_link, self._pool_client
-        if (self.rank != 0 or not self.cfg.arm_weight_push or link is None or link != (key, "broadcast")
-                or client is None or client[0] != key):
+        if (self.rank != 0 or not self.cfg.arm_weight_push or link is None or link[0] != key
+                or link[1] == "object_store" or client is None or client[0] != key):
             return
-        sender = WeightSender(client[1], "broadcast", self.cfg.weight_bucket_mb << 20)
+        sender = self._sender(client[1], link[1])
         staged = stages_whole(self._state_numel, self.cfg.weight_stage_mb << 20)
         sender.arm(self._state_shapes, self.device, staged)
         self._armed = (key, sender)
@@ -388,7 +389,7 @@ class TrainerRank:
         sending in a thread (finish_push)."""
         sender = self._armed_sender(client, transport, overlap)
         if self.rank == 0 and sender is None:
-            sender = WeightSender(client, transport, self.cfg.weight_bucket_mb << 20)
+            sender = self._sender(client, transport)
         staged = stages_whole(self._state_numel, self.cfg.weight_stage_mb << 20)
         verdict = [None]
         start = time.perf_counter()
@@ -433,14 +434,17 @@ class TrainerRank:
         digest = sender.complete(tensors)
         return sender, {**phases, **sender.seconds}, staged, digest
 
+    def _sender(self, client, transport: str) -> WeightSender:
+        return WeightSender(client, transport, self.cfg.weight_bucket_mb << 20, stage=self._stage)
+
     def _armed_sender(self, client, transport: str, overlap: bool):
-        """Rank 0's armed sender, when it fits this push (its pool, a broadcast push not left sending);
-        one that does not is declined."""
+        """Rank 0's armed sender, when it fits this push (its pool and transport, a push not left
+        sending); one that does not is declined."""
         armed, self._armed = self._armed, None
         if armed is None:
             return None
         key, sender = armed
-        if client is not None and key == self._pool_client[0] and transport == "broadcast" and not overlap:
+        if client is not None and key == self._pool_client[0] and transport == sender.transport and not overlap:
             return sender
         sender.decline("the push it was armed for went another way")
         return None

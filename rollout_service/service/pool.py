@@ -321,9 +321,10 @@ class _PoolActor:
     async def end_weight_sync(self, sync_id: str, error: str | None = None, digest: str | None = None,
                               declined: bool = False) -> dict:
         """Every worker's verdict: adopt the push, or (error: the sender gave up) keep the old weights,
-        restarting any worker that holds part of it. digest: the sender's (a broadcast plan carries
-        none: its fingerprints came in the header). declined: the sender refused the push and its
-        header told every worker so; they answer having loaded nothing, and none is restarted. Returns
+        restarting any worker that holds part of it. digest: the sender's (a plan carries none: its
+        fingerprints came with the go). declined: the sender refused the push and told every worker
+        so (a broadcast's header; an ipc push whose go never came); they answer having loaded nothing,
+        and none is restarted. Returns
         {"digest": the digest adopted, "worker_seconds": each phase of the workers' share
         (WeightReceiver.seconds), the slowest's}."""
         if self._sync is None or self._sync[0].sync_id != sync_id:
@@ -334,7 +335,7 @@ class _PoolActor:
             if plan.digest is None:
                 plan.digest = digest
             if plan.digest is None and error is None:
-                error = "the sender's end of a broadcast push carried no digest"
+                error = "the sender's end of the push carried no digest"
             if ends is None:
                 results = await asyncio.gather(*(s.actor.end_weight_receive.remote(sync_id, error) for s in slots),
                                                return_exceptions=True)

@@ -21,11 +21,17 @@ worker serving the weights it had. Each worker then checks every received tensor
 against the sender's before loading it, which catches a broken transfer; a worker that fails there
 holds part of the new weights and is restarted by the pool.
 
-A broadcast push's fingerprints travel in its first broadcast, the header: the sender's go (or its
-no-go) and every tensor's fingerprint. The pool's begin therefore needs only the names and shapes,
-and a sender may arm a push (WeightSender.arm) before its tensors exist, while it trains: the pool
-drains and its workers wait in the group meanwhile. If the checks then fail, the header says no-go
-and every worker goes back to serving, having loaded nothing.
+A push's fingerprints travel with the sender's go: by broadcast in its first broadcast, the header
+(the go, or a no-go, and every tensor's fingerprint); by ipc in the call that hands the workers the
+first bucket. The pool's begin therefore needs only the names and shapes, and a sender may arm a
+push (WeightSender.arm) before its tensors exist, while it trains: the pool drains and its workers
+wait meanwhile (by broadcast, in the group). If the checks then fail, the no-go (a header saying so;
+by ipc, the end of a push no bucket reached) sends every worker back to serving, having loaded
+nothing.
+
+A staged ipc push's stage may be kept between pushes (SenderStage): its CUDA IPC handle is made
+once, and each worker keeps the buffer it opened from it (WeightReceiver's ipc_buffers), so no push
+pays for sharing and opening the stage's memory again.
 """
 from __future__ import annotations
 
@@ -71,7 +77,7 @@ class SyncPlan:
     """What the sender will send; the pool checks it and every receiver follows it."""
 
     transport: str
-    # broadcast: None until the header (the pool learns the digest from the sender's end)
+    # None until the go (the pool learns the digest from the sender's end)
     digest: str | None
     shapes: dict[str, tuple[int, ...]]  # in the sender's order, which is the order of the buckets
     fingerprints: dict[str, tuple[int, int]] | None
@@ -108,11 +114,11 @@ class SyncPlan:
 
     # Rule: a plan crosses Ray as bytes of the standard pickler (the sender to the pool, the pool to
     # each worker). Ray's own serializer pickles objects with cloudpickle, in Python: about 0.6 ms more
-    # per call for a plan of 339 tensors, on a call every push waits for. A broadcast plan crosses
-    # without its fingerprints and digest: they travel in the push's header (_header).
+    # per call for a plan of 339 tensors, on a call every push waits for. A plan crosses without its
+    # fingerprints and digest: they travel with the go (a broadcast's header, an ipc push's first
+    # bucket), so that the pool's begin may be asked before the tensors exist.
     def to_wire(self) -> bytes:
-        plan = dataclasses.replace(self, fingerprints=None, digest=None) if self.transport == "broadcast" else self
-        return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(dataclasses.replace(self, fingerprints=None, digest=None), protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
     def from_wire(data: bytes) -> SyncPlan:
@@ -133,10 +139,8 @@ class SyncPlan:
             raise ValueError(f"these workers cannot receive weights by {self.transport} (tensor-parallel "
                              f"workers take transport='object_store')")
         check_fit(spec, self.shapes)
-        if (self.fingerprints is None) != (self.transport == "broadcast"):
-            raise ValueError("a broadcast push's fingerprints come in its header; any other push's, in its plan")
         if self.fingerprints is not None:
-            self.take_fingerprints([self.fingerprints[n] for n in self.shapes], self.digest)
+            raise ValueError("a push's fingerprints come with its go, not in its plan")
 
     def take_fingerprints(self, prints: list, digest: str | None = None) -> None:
         """Set the fingerprints (in the order of shapes) and the digest they make; raises when `digest`
@@ -223,13 +227,16 @@ class WeightReceiver:
 
     def __init__(self, plan: SyncPlan, device: torch.device, load: Callable[[list[tuple[str, torch.Tensor]]], None],
                  rank: int | None = None, world_size: int | None = None, groups: dict | None = None,
-                 wait_reads: Callable[[], None] | None = None):
+                 wait_reads: Callable[[], None] | None = None, ipc_buffers: dict | None = None):
         """load may go on reading its tensors after it returns (VLLMEngine's host copy); wait_reads, where
         given, waits for those reads, and is called before the buffer is reused: in a push of several
-        buckets (streamed), after each. A staged push's buffer holds all its buckets and is never reused."""
+        buckets (streamed), after each. A staged push's buffer holds all its buckets and is never reused.
+        groups and ipc_buffers are the worker's, kept between pushes: its broadcast groups, and the one
+        sender's buffer it opened by ipc (by handle)."""
         self.plan, self.device, self._load, self._wait_reads = plan, torch.device(device), load, wait_reads
         self._rank, self._world = rank, world_size
-        self._groups = {} if groups is None else groups  # the worker's broadcast groups, kept between pushes
+        self._groups = {} if groups is None else groups
+        self._ipc_buffers = {} if ipc_buffers is None else ipc_buffers
         self._received: set[str] = set()
         self._ipc_buffer = None
         self.loaded_any = False
@@ -270,20 +277,41 @@ class WeightReceiver:
         if self.error is not None:
             raise self.error
 
-    def receive_ipc(self, index: int, handle) -> None:
-        """ipc: bucket `index`, read in place from the sender's buffer."""
+    def receive_ipc(self, index: int, handle, fingerprints: list | None = None, kept: bool = False) -> None:
+        """ipc: bucket `index`, read in place from the sender's buffer; the first bucket's call is the go
+        and carries every tensor's fingerprint (in the plan's order). kept: the buffer is a SenderStage
+        the sender keeps between pushes, so this worker keeps it open too."""
+        if fingerprints is not None:
+            self.plan.take_fingerprints(fingerprints)
+        if self.plan.fingerprints is None:
+            raise ValueError("an ipc push's first bucket carries its fingerprints")
         if self._ipc_buffer is None:
-            if self.device.type != "cuda" or gpu_uuid(self.device) != self.plan.gpu_uuid:
-                raise ValueError("transport='ipc' needs the worker on the sender's GPU; use 'broadcast'")
-            rebuild, args = handle
-            # The handle names the sender's device index; the same GPU may have another index here
-            # (Ray gives each actor its own CUDA_VISIBLE_DEVICES). Argument 6 of torch's
-            # rebuild_cuda_tensor is that index.
-            args = (*args[:6], self.device.index or 0, *args[7:])
-            self._ipc_buffer = rebuild(*args)
+            self._ipc_buffer = self._open(handle, kept)
         self._take(index, self._ipc_buffer)
         if self.error is not None:
             raise self.error
+
+    def _open(self, handle, kept: bool) -> torch.Tensor:
+        """The sender's buffer behind an ipc handle. A kept stage's buffer is opened once: the one this
+        worker opened before when the handle is the same, else opened now and kept in place of it (a
+        buffer that is not kept is let go at the push's end, so that the sender can free it). Rule: a
+        handle names one CUDA allocation for as long as a receiver holds it open (torch keeps a shared
+        block alive until its receivers let it go), so the same handle is the same memory; the stage is
+        complete on the sender's device before the go (stage() waited for its fingerprints)."""
+        if self.device.type != "cuda" or gpu_uuid(self.device) != self.plan.gpu_uuid:
+            raise ValueError("transport='ipc' needs the worker on the sender's GPU; use 'broadcast'")
+        rebuild, args = handle
+        key = pickle.dumps(args)
+        if key in self._ipc_buffers:
+            return self._ipc_buffers[key]
+        self._ipc_buffers.clear()  # one sender's stage at a time: a new one lets the last go
+        # The handle names the sender's device index; the same GPU may have another index here (Ray
+        # gives each actor its own CUDA_VISIBLE_DEVICES). Argument 6 of torch's rebuild_cuda_tensor is
+        # that index.
+        buf = rebuild(*args[:6], self.device.index or 0, *args[7:])
+        if kept:
+            self._ipc_buffers[key] = buf
+        return buf
 
     def _take(self, index: int, buf: torch.Tensor) -> None:
         if self.error is not None:
@@ -319,6 +347,29 @@ class WeightReceiver:
         return self.plan.digest
 
 
+class SenderStage:
+    """A staged push's buffer kept by its sender between pushes (a trainer's rank 0 pushes the same
+    shapes every step): allocated once, and by ipc shared once (its CUDA IPC handle), so a push pays
+    neither again and every worker keeps the buffer it opened. Rule: a push writes the stage only once
+    the last push from it has ended (WeightSender.finish), the workers having read and loaded it."""
+
+    def __init__(self):
+        self.tensor: torch.Tensor | None = None
+        self._handle = None
+
+    def buffer(self, numel: int, device: torch.device) -> torch.Tensor:
+        t = self.tensor
+        if t is None or t.numel() != numel or t.device != torch.device(device):
+            self.tensor, self._handle = torch.empty(numel, dtype=torch.bfloat16, device=device), None
+        return self.tensor
+
+    def ipc_handle(self):
+        if self._handle is None:
+            from torch.multiprocessing.reductions import reduce_tensor
+            self._handle = reduce_tensor(self.tensor)
+        return self._handle
+
+
 class WeightSender:
     """The sender's half of one push, on the process that holds the full tensors (trainer rank 0, or
     any driver with a state dict on its device).
@@ -330,18 +381,19 @@ class WeightSender:
         sender.begin(fingerprint_entries(named_tensors()), expected_digest)   # streamed: every check,
         digest = sender.complete(named_tensors())                             # then bucket by bucket
 
-        sender = WeightSender(client, "broadcast")
+        sender = WeightSender(client, "ipc", stage=kept)   # kept: a SenderStage, the same every push
         sender.arm(shapes, device, staged=True)   # the pool's begin travels while the caller trains
-        sender.begin(sender.stage(named_tensors(), numel))                    # checks, then the header
+        sender.begin(sender.stage(named_tensors(), numel))                    # checks, then the go
         digest = sender.complete()
 
     (push_state_dict does this for a state dict already on the device.)
     """
 
-    def __init__(self, client, transport: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0):
+    def __init__(self, client, transport: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0,
+                 stage: SenderStage | None = None):
         if transport not in TRANSPORTS[1:]:
             raise ValueError(f"WeightSender transport must be one of {TRANSPORTS[1:]}, got {transport!r}")
-        self.client, self.transport = client, transport
+        self.client, self.transport, self._kept = client, transport, stage
         self.bucket_bytes, self.timeout_s = int(bucket_bytes), float(timeout_s)
         self.plan: SyncPlan | None = None
         self._group = self._workers = self._buf = self._handle = None
@@ -374,7 +426,8 @@ class WeightSender:
             if used + n > numel:
                 raise ValueError(f"stage(): the tensors hold more than the {numel} elements announced")
             if self._stage is None:
-                self._stage = torch.empty(numel, dtype=torch.bfloat16, device=t.device)
+                self._stage = torch.empty(numel, dtype=torch.bfloat16, device=t.device) if self._kept is None \
+                    else self._kept.buffer(numel, t.device)
             copies.add(self._stage[used:used + n], t.detach().reshape(-1))
             meta.append((name, tuple(t.shape), t.device))
             layout.append((used, n))
@@ -386,20 +439,31 @@ class WeightSender:
         return _checked_entries(meta, rows, bad)
 
     def arm(self, shapes: dict[str, tuple[int, ...]], device: torch.device, staged: bool) -> None:
-        """broadcast: start the pool's begin for a push of these tensors (names and shapes in the order
-        they will come; staged: whether stage() will feed it) before they exist, e.g. before the training
-        step that makes them. The call travels, the pool drains and its workers wait in the group while
-        the caller works; begin() then checks the tensors and sends the header: go, or no-go if a check
-        fails. Returns at once; the pool's refusal (names, shapes) is raised by begin()."""
-        if self.transport != "broadcast":
-            raise ValueError(f"only a broadcast push is armed ahead; this one goes by {self.transport!r}")
+        """Start the pool's begin for a push of these tensors (names and shapes in the order they will
+        come; staged: whether stage() will feed it) before they exist, e.g. before the training step
+        that makes them. The call travels, the pool drains and its workers wait (by broadcast, in the
+        group) while the caller works; begin() then checks the tensors and gives the go (the header, or
+        by ipc the first bucket), or the no-go if a check fails. Returns at once; the pool's refusal
+        (names, shapes) is raised by begin()."""
         if self.plan is not None:
             raise RuntimeError("this sender has already begun a push")
-        device = torch.device(device)
-        self.plan = SyncPlan(self.transport, None, {n: tuple(s) for n, s in shapes.items()}, None,
-                             self.bucket_bytes, device.type, timeout_s=self.timeout_s, staged=staged)
-        self._plan_device = device
+        self._new_plan({n: tuple(s) for n, s in shapes.items()}, torch.device(device), staged)
         self._armed = self._ask_begin()
+
+    def _new_plan(self, shapes: dict[str, tuple[int, ...]], device: torch.device, staged: bool) -> None:
+        # a staged push by ipc is one bucket: the workers read the whole stage in place in one call and
+        # check it in one launch. By broadcast it goes in buckets, slices of the stage sent back to back,
+        # so that a worker checks and loads each while the next is in flight (streamed, a worker takes
+        # each bucket in turn: receive, check, load, wait).
+        if self.transport == "ipc" and device.type != "cuda":
+            raise ValueError("transport='ipc' shares GPU memory; on CPU the object store is the shared-memory "
+                             "path (transport='object_store')")
+        bucket_bytes = WHOLE if staged and self.transport == "ipc" else self.bucket_bytes
+        self.plan = SyncPlan(self.transport, None, shapes, None, bucket_bytes, device.type,
+                             timeout_s=self.timeout_s, staged=staged)
+        if self.transport == "ipc":
+            self.plan.gpu_uuid = gpu_uuid(device)
+        self._plan_device = device
 
     @property
     def armed(self) -> bool:
@@ -427,28 +491,15 @@ class WeightSender:
                 raise ValueError("the push's tensors are not the ones it was armed for (names, shapes, order "
                                  "or staging differ)")
             if not armed:
-                device = entries[0][3] if entries else torch.device("cpu")
-                # a staged push by ipc is one bucket: the workers read the whole stage in place in one call
-                # and check it in one launch. By broadcast it goes in buckets, slices of the stage sent back
-                # to back, so that a worker checks and loads each while the next is in flight (streamed, a
-                # worker takes each bucket in turn: receive, check, load, wait).
-                bucket_bytes = WHOLE if staged and self.transport == "ipc" else self.bucket_bytes
-                self.plan = SyncPlan(self.transport, None, shapes, None, bucket_bytes, device.type,
-                                     timeout_s=self.timeout_s, staged=staged)
-                self._plan_device = device
+                self._new_plan(shapes, entries[0][3] if entries else torch.device("cpu"), staged)
             self.plan.take_fingerprints(prints)
             digest = self.plan.digest
             if expected_digest is not None and digest != expected_digest:
                 raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
-            if self.transport == "ipc" and self._plan_device.type != "cuda":
-                raise ValueError("transport='ipc' shares GPU memory; on CPU the object store is the shared-memory "
-                                 "path (transport='object_store')")
         except BaseException as e:
             if armed:
                 self.decline(f"the sender's checks refused the push: {e}")
             raise
-        if self.transport == "ipc":
-            self.plan.gpu_uuid = gpu_uuid(self._plan_device)
         start = time.perf_counter()
         # the pool's checks; its workers drained and waiting (armed: asked before, maybe answered already)
         ref, self._armed = (self._armed if armed else self._ask_begin()), None
@@ -464,7 +515,9 @@ class WeightSender:
                 self._group.broadcast(_header(plan, self._plan_device, go=True), 0).wait()
             self._buf = self._stage if self._stage is not None else \
                 torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=self._plan_device)
-            if self.transport == "ipc":
+            if self.transport == "ipc" and self._kept is not None and self._buf is self._kept.tensor:
+                self._handle = self._kept.ipc_handle()
+            elif self.transport == "ipc":
                 from torch.multiprocessing.reductions import reduce_tensor
                 self._handle = reduce_tensor(self._buf)
         except BaseException as e:  # the workers are waiting: release them
@@ -483,8 +536,9 @@ class WeightSender:
         return join_group(self.plan, 0, info["world_size"], _SENDER_GROUPS, info["replaces"])
 
     def decline(self, reason: str) -> None:
-        """An armed push refused by the sender: the header's no-go sends every worker back to serving
-        with nothing loaded (the pool restarts none); where that cannot be sent, the push is abandoned."""
+        """An armed push refused by the sender: the no-go (a broadcast's header saying so; by ipc, the
+        push's end before any bucket) sends every worker back to serving with nothing loaded (the pool
+        restarts none); where a header cannot be sent, the push is abandoned."""
         ref, self._armed = self._armed, None
         try:
             info = self.client._await_begin(ref)
@@ -492,7 +546,8 @@ class WeightSender:
             self._release()
             return
         try:
-            self._join(info).broadcast(_header(self.plan, self._plan_device), 0).wait()
+            if self.transport == "broadcast":
+                self._join(info).broadcast(_header(self.plan, self._plan_device), 0).wait()
         except Exception as e:
             self.abort(f"{reason}; and the no-go could not be sent: {e!r}")
             return
@@ -556,8 +611,12 @@ class WeightSender:
                     torch.cuda.current_stream(self._buf.device).synchronize()
             if self.transport == "broadcast":
                 self._group.broadcast(view.view(torch.uint8), 0).wait()
-            else:  # ipc: streamed, the bucket buffer; staged, the stage, which is the plan's one bucket
-                ray.get([w.receive_weight_bucket.remote(self.plan.sync_id, index, self._handle) for w in self._workers])
+            else:  # ipc: streamed, the bucket buffer; staged, the stage, which is the plan's one bucket. The
+                # first bucket's call is the go: it carries the fingerprints
+                prints = [self.plan.fingerprints[n] for n in self.plan.shapes] if index == 0 else None
+                kept = self._kept is not None and self._buf is self._kept.tensor
+                ray.get([w.receive_weight_bucket.remote(self.plan.sync_id, index, self._handle, prints, kept)
+                         for w in self._workers])
 
     def complete(self, named: Iterable[tuple[str, torch.Tensor]] | None = None) -> str:
         """send() then finish(); a failure while sending abandons the push (abort) and is raised."""

@@ -118,6 +118,7 @@ class RolloutWorker:
         self._receiver: WeightReceiver | None = None  # the bucketed push in progress
         self._receiving: asyncio.Future | None = None
         self._weight_groups: dict[str, tuple] = {}  # broadcast groups kept between pushes (weight_sync)
+        self._ipc_buffers: dict = {}  # the sender's kept stage, opened by ipc, kept between pushes (weight_sync)
         # the version id of the weights the engine holds (the pool's count of adopted pushes; set and read
         # on the engine thread only), and each admitted request's version at admission (event loop)
         self._version = 0
@@ -340,15 +341,17 @@ class RolloutWorker:
         self._start()
         await self._update_lock.acquire()
         try:
+            # Rule: the engine is woken by the push's first load (on the engine thread), not here: an armed
+            # begin comes while a colocated rank trains, which the sleeping engine's memory is for
             await self._drain()
-            await self._call(self._wake_engine)
             device = getattr(self._engine, "device", torch.device("cpu"))
             if not hasattr(self._engine, "load_named_weights"):
                 raise ValueError("this worker's engine takes no bucketed pushes")
             if plan.new_group:  # a worker serves one pool: a new group replaces any it held
                 self._weight_groups.clear()
-            self._receiver = WeightReceiver(plan, device, self._engine.load_named_weights, rank, world_size,
-                                            self._weight_groups, getattr(self._engine, "wait_host_copies", None))
+            self._receiver = WeightReceiver(plan, device, self._woken(self._engine.load_named_weights), rank,
+                                            world_size, self._weight_groups,
+                                            getattr(self._engine, "wait_host_copies", None), self._ipc_buffers)
             if plan.transport == "broadcast":
                 self._receiving = asyncio.get_running_loop().run_in_executor(self._thread, self._receiver.receive_all)
             return {"seconds": time.perf_counter() - start}
@@ -358,9 +361,19 @@ class RolloutWorker:
             self._update_lock.release()
             raise
 
-    async def receive_weight_bucket(self, sync_id: str, index: int, handle) -> None:
+    def _woken(self, load):
+        """`load`, run on the engine thread once the engine is awake."""
+        def load_awake(named):
+            self._wake_engine()
+            load(named)
+        return load_awake
+
+    async def receive_weight_bucket(self, sync_id: str, index: int, handle, fingerprints: list | None = None,
+                                    kept: bool = False) -> None:
+        """ipc: bucket `index` of the push, read from the sender's buffer (WeightReceiver.receive_ipc);
+        the first carries the fingerprints, the sender's go."""
         receiver = self._current_receiver(sync_id)
-        await self._call(receiver.receive_ipc, index, handle)
+        await self._call(receiver.receive_ipc, index, handle, fingerprints, kept)
 
     async def end_weight_receive(self, sync_id: str, error: str | None = None) -> dict:
         """{"digest": the digest now held, after checking that everything arrived, "seconds": where this

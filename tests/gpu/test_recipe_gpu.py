@@ -52,6 +52,7 @@ def test_colocated_vllm_run_has_zero_kl(cluster, tmp_path, sleep, extra):
         assert rec["rollout_train/tokens"] > 0
         assert rec["weights/transport"] == "ipc"
         assert (rec["perf/sleep_s"] > 0.0) == sleep
+        assert rec["perf/sync_armed_ahead_s"] > 0.0  # the pool's begin asked as the train step started
 
 
 def test_colocated_stock_arm_has_nonzero_kl(cluster, tmp_path):
@@ -65,4 +66,4 @@ def test_split_vllm_run_has_zero_kl(cluster, tmp_path):
     records = _run(tmp_path, ["rollout.resources_per_worker.num_gpus=1", "trainer.resources_per_rank.num_gpus=1"])
     for rec in records:
         assert rec["rollout_train/kl"] == 0.0 and rec["rollout_train/max_abs_logprob_diff"] == 0.0, rec
-        assert rec["weights/transport"] == "broadcast"
+        assert rec["weights/transport"] == "broadcast" and rec["perf/sync_armed_ahead_s"] > 0.0
