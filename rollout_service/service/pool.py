@@ -324,9 +324,8 @@ class _PoolActor:
         restarting any worker that holds part of it. digest: the sender's (a plan carries none: its
         fingerprints came with the go). declined: the sender refused the push and told every worker
         so (a broadcast's header; an ipc push whose go never came); they answer having loaded nothing,
-        and none is restarted. Returns
-        {"digest": the digest adopted, "worker_seconds": each phase of the workers' share
-        (WeightReceiver.seconds), the slowest's}."""
+        and none is restarted. Returns {"digest": the digest adopted, "worker_seconds": each phase of
+        the workers' share (WeightReceiver.seconds), the slowest's}."""
         if self._sync is None or self._sync[0].sync_id != sync_id:
             raise RuntimeError(f"no weight push {sync_id!r} in progress (it may have timed out)")
         plan, slots, exclusive, ends = self._sync

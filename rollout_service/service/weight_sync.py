@@ -29,9 +29,9 @@ wait meanwhile (by broadcast, in the group). If the checks then fail, the no-go 
 by ipc, the end of a push no bucket reached) sends every worker back to serving, having loaded
 nothing.
 
-A staged ipc push's stage may be kept between pushes (SenderStage): its CUDA IPC handle is made
-once, and each worker keeps the buffer it opened from it (WeightReceiver's ipc_buffers), so no push
-pays for sharing and opening the stage's memory again.
+A staged push's stage may be kept between pushes (SenderStage): allocated once and, by ipc, shared
+once (its CUDA IPC handle), each worker keeping the buffer it opened from it (WeightReceiver's
+ipc_buffers), so no push pays for allocating, sharing and opening the stage's memory again.
 """
 from __future__ import annotations
 
