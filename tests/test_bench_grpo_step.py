@@ -36,9 +36,11 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
         assert arm["steps"] == 2 and arm["step_s"] > 0 and arm["rollout_s"] > 0 and arm["train_s"] > 0
         phases = arm["sync_phases_s"]
         sender = {"connect", "check", "begin", "send", "finish"}
-        worker = {f"worker_{p}" for p in ("receive", "check", "load", "settle", "engine")}
-        assert set(phases) == sender | worker | {"begin_pool", "begin_checks", "worker_begin", "push", "armed_ahead"}
+        worker = {f"worker_{p}" for p in ("receive", "check", "wake", "load", "settle", "engine")}
+        assert set(phases) == sender | worker | {"begin_pool", "begin_checks", "worker_begin", "push", "armed_ahead",
+                                                 "finish_pool"}
         assert sum(phases[p] for p in sender) <= phases["push"] * 1.0001
+        assert phases["finish_pool"] <= phases["finish"]
         # begin, nested: armed as the train step began, the pool's share ran while the ranks trained
         assert phases["armed_ahead"] >= arm["train_s"] * 0.5
         assert phases["worker_begin"] <= phases["begin_pool"] <= phases["armed_ahead"] + phases["begin"]

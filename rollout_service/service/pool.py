@@ -325,11 +325,12 @@ class _PoolActor:
         fingerprints came with the go). declined: the sender refused the push and told every worker
         so (a broadcast's header; an ipc push whose go never came); they answer having loaded nothing,
         and none is restarted. Returns {"digest": the digest adopted, "worker_seconds": each phase of
-        the workers' share (WeightReceiver.seconds), the slowest's}."""
+        the workers' share (WeightReceiver.seconds), the slowest's, "seconds": this call's own}."""
         if self._sync is None or self._sync[0].sync_id != sync_id:
             raise RuntimeError(f"no weight push {sync_id!r} in progress (it may have timed out)")
         plan, slots, exclusive, ends = self._sync
         self._sync = None
+        start = time.perf_counter()
         try:
             if plan.digest is None:
                 plan.digest = digest
@@ -356,7 +357,7 @@ class _PoolActor:
                         self.workers.restart_later(slot, f"an abandoned push left part of it loaded ({r!r})")
                 raise RuntimeError(f"weight push abandoned: {error}")
             digest = await self._settle(slots, results, plan.digest, FROM_PEER)
-            return {"digest": digest, "worker_seconds": seconds}
+            return {"digest": digest, "worker_seconds": seconds, "seconds": time.perf_counter() - start}
         finally:
             await exclusive.__aexit__(None, None, None)
 

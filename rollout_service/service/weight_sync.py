@@ -227,13 +227,16 @@ class WeightReceiver:
 
     def __init__(self, plan: SyncPlan, device: torch.device, load: Callable[[list[tuple[str, torch.Tensor]]], None],
                  rank: int | None = None, world_size: int | None = None, groups: dict | None = None,
-                 wait_reads: Callable[[], None] | None = None, ipc_buffers: dict | None = None):
+                 wait_reads: Callable[[], None] | None = None, ipc_buffers: dict | None = None,
+                 wake: Callable[[], None] | None = None):
         """load may go on reading its tensors after it returns (VLLMEngine's host copy); wait_reads, where
         given, waits for those reads, and is called before the buffer is reused: in a push of several
         buckets (streamed), after each. A staged push's buffer holds all its buckets and is never reused.
         groups and ipc_buffers are the worker's, kept between pushes: its broadcast groups, and the one
-        sender's buffer it opened by ipc (by handle)."""
+        sender's buffer it opened by ipc (by handle). wake, where given, runs before every load (a
+        sleeping engine wakes for the push's first load; after it, a no-op)."""
         self.plan, self.device, self._load, self._wait_reads = plan, torch.device(device), load, wait_reads
+        self._wake = wake
         self._rank, self._world = rank, world_size
         self._groups = {} if groups is None else groups
         self._ipc_buffers = {} if ipc_buffers is None else ipc_buffers
@@ -243,9 +246,11 @@ class WeightReceiver:
         self.declined = False  # a broadcast push whose header said no-go: nothing came, nothing was loaded
         self.error: Exception | None = None  # the first check that failed; later buckets are not loaded
         # where this worker's share of the push went, summed over buckets: receive (the broadcast; on
-        # NCCL only queued, its transfer then waited for by check), check (fingerprints), load (into
-        # the engine), settle (the device finishing the load)
-        self.seconds = {"receive": 0.0, "check": 0.0, "load": 0.0, "settle": 0.0}
+        # NCCL only queued, its transfer then waited for by check), check (fingerprints), wake (a
+        # sleeping engine's), load (into the engine), settle (the device finishing the load); by ipc
+        # also call (the worker's whole bucket calls, from their arrival: the rest of the sender's
+        # send is Ray carrying them)
+        self.seconds = {"receive": 0.0, "check": 0.0, "wake": 0.0, "load": 0.0, "settle": 0.0}
 
     def receive_all(self) -> None:
         """broadcast: every bucket, in order (blocks until the sender has sent them all), into a buffer of
@@ -326,10 +331,14 @@ class WeightReceiver:
             if (a, b) != tuple(self.plan.fingerprints[name]):
                 self.error = WeightMismatchError(f"{name}: the received bits differ from the sender's")
                 return
+        if self._wake is not None:
+            self._wake()
+        woken = time.perf_counter()
+        self.seconds["wake"] += woken - checked
         self.loaded_any = True
         self._load(named)
         loaded = time.perf_counter()
-        self.seconds["load"] += loaded - checked
+        self.seconds["load"] += loaded - woken
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # on the device before the push counts as landed
         self.seconds["settle"] += time.perf_counter() - loaded
@@ -403,11 +412,11 @@ class WeightSender:
         self._stage: torch.Tensor | None = None  # the whole push, after stage()
         self._in_flight: torch.cuda.Stream | None = None  # a staged broadcast's stream, until its sends end
         self._send_start = self._sent_at = 0.0
-        # where the push's time went: begin (the pool's checks, its workers drained and woken, the
-        # sender's buffer; inside it begin_pool, the pool's own share, in which begin_checks, its checks,
-        # and worker_begin, the slowest worker's), send (every bucket copied and sent), finish (the
-        # verdict, from the end of the send); after finish, the workers' phases (worker_receive,
-        # worker_check, ...: WeightReceiver)
+        # where the push's time went: begin (the pool's checks, its workers drained, the sender's
+        # buffer; inside it begin_pool, the pool's own share, in which begin_checks, its checks, and
+        # worker_begin, the slowest worker's), send (every bucket copied and sent), finish (the verdict,
+        # from the end of the send; inside it finish_pool, the pool's own share); after finish, the
+        # workers' phases (worker_receive, worker_check, ...: WeightReceiver)
         self.seconds: dict[str, float] = {}
 
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], numel: int) -> list:
@@ -416,6 +425,7 @@ class WeightSender:
         fingerprint_entries' rows for begin(). Tensors are copied a group at a time (weights.CopyGroup):
         each may be freed once its group is copied. The cast is the copy's (round to nearest, as
         .to(torch.bfloat16)): float32 master weights need no bf16 copy of their own first."""
+        self._wake_armed_workers()
         layout, meta, bad, used = [], [], [], 0
         copies = CopyGroup(max_bytes=STAGE_COPY_GROUP_BYTES)
         for name, t in named:
@@ -449,6 +459,24 @@ class WeightSender:
             raise RuntimeError("this sender has already begun a push")
         self._new_plan({n: tuple(s) for n, s in shapes.items()}, torch.device(device), staged)
         self._armed = self._ask_begin()
+
+    def _wake_armed_workers(self) -> None:
+        """An armed ipc push, as its stage starts: its workers are asked to wake their engines now (not
+        waited for), so that a sleeping engine maps its memory back while the stage is made, not in the
+        push's first load. Rule: the tensors exist, so the work the engines slept for has ended. Only
+        once the pool's begin has answered (it names the workers; a refusal is begin()'s to raise); an
+        engine still asleep at the first load wakes there."""
+        if self._armed is None or self.transport != "ipc":
+            return
+        import ray
+        if not ray.wait([self._armed], timeout=0)[0]:
+            return
+        try:
+            workers = self.client._await_begin(self._armed)["workers"]
+        except Exception:
+            return
+        for worker in workers:
+            worker.wake.remote()
 
     def _new_plan(self, shapes: dict[str, tuple[int, ...]], device: torch.device, staged: bool) -> None:
         # a staged push by ipc is one bucket: the workers read the whole stage in place in one call and
@@ -639,6 +667,7 @@ class WeightSender:
         try:
             then = self._wait_sent if self._in_flight is not None else None
             verdict = self.client._end_weight_sync(self.plan.sync_id, then=then, digest=self.plan.digest)
+            self.seconds["finish_pool"] = verdict["seconds"]
             self.seconds.update({f"worker_{k}": v for k, v in verdict["worker_seconds"].items()})
             return verdict["digest"]
         finally:

@@ -341,17 +341,18 @@ class RolloutWorker:
         self._start()
         await self._update_lock.acquire()
         try:
-            # Rule: the engine is woken by the push's first load (on the engine thread), not here: an armed
-            # begin comes while a colocated rank trains, which the sleeping engine's memory is for
+            # Rule: the engine is woken by the push's first load (on the engine thread), or before it by the
+            # sender's wake as its stage starts (WeightSender.stage), not here: an armed begin comes while a
+            # colocated rank trains, which the sleeping engine's memory is for
             await self._drain()
             device = getattr(self._engine, "device", torch.device("cpu"))
             if not hasattr(self._engine, "load_named_weights"):
                 raise ValueError("this worker's engine takes no bucketed pushes")
             if plan.new_group:  # a worker serves one pool: a new group replaces any it held
                 self._weight_groups.clear()
-            self._receiver = WeightReceiver(plan, device, self._woken(self._engine.load_named_weights), rank,
-                                            world_size, self._weight_groups,
-                                            getattr(self._engine, "wait_host_copies", None), self._ipc_buffers)
+            self._receiver = WeightReceiver(plan, device, self._engine.load_named_weights, rank, world_size,
+                                            self._weight_groups, getattr(self._engine, "wait_host_copies", None),
+                                            self._ipc_buffers, wake=self._wake_engine)
             if plan.transport == "broadcast":
                 self._receiving = asyncio.get_running_loop().run_in_executor(self._thread, self._receiver.receive_all)
             return {"seconds": time.perf_counter() - start}
@@ -361,19 +362,16 @@ class RolloutWorker:
             self._update_lock.release()
             raise
 
-    def _woken(self, load):
-        """`load`, run on the engine thread once the engine is awake."""
-        def load_awake(named):
-            self._wake_engine()
-            load(named)
-        return load_awake
-
     async def receive_weight_bucket(self, sync_id: str, index: int, handle, fingerprints: list | None = None,
                                     kept: bool = False) -> None:
         """ipc: bucket `index` of the push, read from the sender's buffer (WeightReceiver.receive_ipc);
         the first carries the fingerprints, the sender's go."""
         receiver = self._current_receiver(sync_id)
-        await self._call(receiver.receive_ipc, index, handle, fingerprints, kept)
+        start = time.perf_counter()
+        try:
+            await self._call(receiver.receive_ipc, index, handle, fingerprints, kept)
+        finally:
+            receiver.seconds["call"] = receiver.seconds.get("call", 0.0) + time.perf_counter() - start
 
     async def end_weight_receive(self, sync_id: str, error: str | None = None) -> dict:
         """{"digest": the digest now held, after checking that everything arrived, "seconds": where this
