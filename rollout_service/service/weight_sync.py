@@ -415,8 +415,9 @@ class WeightSender:
         # where the push's time went: begin (the pool's checks, its workers drained, the sender's
         # buffer; inside it begin_pool, the pool's own share, in which begin_checks, its checks, and
         # worker_begin, the slowest worker's), send (every bucket copied and sent), finish (the verdict,
-        # from the end of the send; inside it finish_pool, the pool's own share); after finish, the
-        # workers' phases (worker_receive, worker_check, ...: WeightReceiver)
+        # from the end of the send), finish_pool (the pool's own share of the verdict: inside finish,
+        # except for a staged broadcast, whose verdict is asked while its buckets are still leaving);
+        # after finish, the workers' phases (worker_receive, worker_check, ...: WeightReceiver)
         self.seconds: dict[str, float] = {}
 
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], numel: int) -> list:
