@@ -356,6 +356,12 @@ class WeightReceiver:
         return self.plan.digest
 
 
+def _ipc_handle(buf: torch.Tensor):
+    """What a worker on the same GPU opens `buf` from (torch's CUDA IPC form of a tensor)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    return reduce_tensor(buf)
+
+
 class SenderStage:
     """A staged push's buffer kept by its sender between pushes (a trainer's rank 0 pushes the same
     shapes every step): allocated once, and by ipc shared once (its CUDA IPC handle), so a push pays
@@ -374,8 +380,7 @@ class SenderStage:
 
     def ipc_handle(self):
         if self._handle is None:
-            from torch.multiprocessing.reductions import reduce_tensor
-            self._handle = reduce_tensor(self.tensor)
+            self._handle = _ipc_handle(self.tensor)
         return self._handle
 
 
@@ -544,11 +549,9 @@ class WeightSender:
                 self._group.broadcast(_header(plan, self._plan_device, go=True), 0).wait()
             self._buf = self._stage if self._stage is not None else \
                 torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=self._plan_device)
-            if self.transport == "ipc" and self._kept is not None and self._buf is self._kept.tensor:
-                self._handle = self._kept.ipc_handle()
-            elif self.transport == "ipc":
-                from torch.multiprocessing.reductions import reduce_tensor
-                self._handle = reduce_tensor(self._buf)
+            if self.transport == "ipc":  # (the handle, whether it is the kept stage's, which workers keep open)
+                kept = self._kept is not None and self._buf is self._kept.tensor
+                self._handle = (self._kept.ipc_handle() if kept else _ipc_handle(self._buf), kept)
         except BaseException as e:  # the workers are waiting: release them
             self.abort(f"the sender could not set up the push: {e!r}")
             raise
@@ -643,8 +646,8 @@ class WeightSender:
             else:  # ipc: streamed, the bucket buffer; staged, the stage, which is the plan's one bucket. The
                 # first bucket's call is the go: it carries the fingerprints
                 prints = [self.plan.fingerprints[n] for n in self.plan.shapes] if index == 0 else None
-                kept = self._kept is not None and self._buf is self._kept.tensor
-                ray.get([w.receive_weight_bucket.remote(self.plan.sync_id, index, self._handle, prints, kept)
+                handle, kept = self._handle
+                ray.get([w.receive_weight_bucket.remote(self.plan.sync_id, index, handle, prints, kept)
                          for w in self._workers])
 
     def complete(self, named: Iterable[tuple[str, torch.Tensor]] | None = None) -> str:
