@@ -482,7 +482,8 @@ def test_a_trainer_rank_keeps_its_pool_client_and_transport_until_a_push_is_refu
     @ray.remote(num_cpus=0)
     class Rank(TrainerRank):
         def link(self):  # which client object it holds (None: dropped), and whether it holds a transport
-            return None if self._pool_client is None else id(self._pool_client[1]), self._pool_link is not None
+            push = self.weight_push
+            return None if push._pool_client is None else id(push._pool_client[1]), push._pool_link is not None
 
         def set_first_weight(self, value: float | None) -> None:  # None: as it was, then halved
             param = next(self.model.parameters())
