@@ -192,8 +192,8 @@ class TrainerConfig:
     arm_weight_push: bool = True
     """A broadcast or ipc push that follows a train step (synchronous steps) is armed as the step starts:
     the pool drains and its workers wait for it while the ranks train (weight_sync.WeightSender.arm), so
-    the pool's begin is off the step's path; a sleeping engine still wakes only once the step is over
-    (as rank 0 stages the push). Meanwhile the pool serves no request (the recipe sends none then), and
+    the pool's begin is off the step's path; a sleeping engine still wakes only once the step's last
+    backward has run (asked by rank 0, by ipc). Meanwhile the pool serves no request (the recipe sends none then), and
     the push's timeout (300 s) counts from the arm, through the step."""
 
 

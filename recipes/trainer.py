@@ -164,6 +164,8 @@ class TrainerRank:
                 loss_total += loss_sum.item()
                 clipped_total += float(clipped)
                 seq_tokens += int(mb["attention_mask"].sum())
+            if m == len(minibatches) - 1:  # the step's last backward has run
+                self.weight_push.wake_engines()
             grad_norms.append(self._clip_grads())
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)

@@ -49,6 +49,14 @@ class RankWeightPush:
         sender.arm(self._state_shapes, self.device, staged)
         self._armed = (key, sender)
 
+    def wake_engines(self) -> None:
+        """Rank 0, an armed ipc push: the workers' engines are asked to wake now (WeightSender.wake_workers),
+        called once the step's last backward has run. Rule: the activations the engines slept for are
+        freed by then; what is left of the step (the clip, the optimizer step) runs while they map
+        their memory back, instead of the push's first load waiting for it."""
+        if self._armed is not None:
+            self._armed[1].wake_workers()
+
     def decline_armed(self, reason: str) -> None:
         """An armed push that will not follow: its workers go back to serving."""
         armed, self._armed = self._armed, None

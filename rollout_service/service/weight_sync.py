@@ -413,7 +413,7 @@ class WeightSender:
         self._group = self._workers = self._buf = self._handle = None
         self._armed = None  # the pool's begin, asked by arm() and not yet awaited
         self._plan_device = torch.device("cpu")
-        self._asked_at = 0.0
+        self._asked_at = self._woken_at = 0.0  # when arm() asked the pool's begin; wake_workers its workers
         self._stage: torch.Tensor | None = None  # the whole push, after stage()
         self._in_flight: torch.cuda.Stream | None = None  # a staged broadcast's stream, until its sends end
         self._send_start = self._sent_at = 0.0
@@ -431,7 +431,7 @@ class WeightSender:
         fingerprint_entries' rows for begin(). Tensors are copied a group at a time (weights.CopyGroup):
         each may be freed once its group is copied. The cast is the copy's (round to nearest, as
         .to(torch.bfloat16)): float32 master weights need no bf16 copy of their own first."""
-        self._wake_armed_workers()
+        self.wake_workers()
         layout, meta, bad, used = [], [], [], 0
         copies = CopyGroup(max_bytes=STAGE_COPY_GROUP_BYTES)
         for name, t in named:
@@ -466,13 +466,14 @@ class WeightSender:
         self._new_plan({n: tuple(s) for n, s in shapes.items()}, torch.device(device), staged)
         self._armed = self._ask_begin()
 
-    def _wake_armed_workers(self) -> None:
-        """An armed ipc push, as its stage starts: its workers are asked to wake their engines now (not
-        waited for), so that a sleeping engine maps its memory back while the stage is made, not in the
-        push's first load. Rule: the tensors exist, so the work the engines slept for has ended. Only
-        once the pool's begin has answered (it names the workers; a refusal is begin()'s to raise); an
-        engine still asleep at the first load wakes there."""
-        if self._armed is None or self.transport != "ipc":
+    def wake_workers(self) -> None:
+        """An armed ipc push: its workers are asked to wake their engines now (not waited for), so that a
+        sleeping engine maps its memory back while the caller goes on, not in the push's first load.
+        Rule: ask once the work the engines slept for has ended, as a trainer rank does after its
+        step's last backward (RankWeightPush.wake_engines); stage() asks as it starts, the tensors
+        existing by then. Asked once a push, and only once the pool's begin has answered (it names the
+        workers; a refusal is begin()'s to raise); an engine still asleep at the first load wakes there."""
+        if self._armed is None or self.transport != "ipc" or self._woken_at:
             return
         import ray
         if not ray.wait([self._armed], timeout=0)[0]:
@@ -481,6 +482,7 @@ class WeightSender:
             workers = self.client._await_begin(self._armed)["workers"]
         except Exception:
             return
+        self._woken_at = time.perf_counter()
         for worker in workers:
             worker.wake.remote()
 
@@ -558,6 +560,8 @@ class WeightSender:
         self.seconds["begin"] = time.perf_counter() - start
         if armed:  # from the arm call: what begin took where it was not hidden behind the caller's work
             self.seconds["armed_ahead"] = start - self._asked_at
+        if self._woken_at:  # how long before the begin the workers were asked to wake
+            self.seconds["woken_ahead"] = start - self._woken_at
         return digest
 
     def _join(self, info: dict):

@@ -342,8 +342,8 @@ class RolloutWorker:
         await self._update_lock.acquire()
         try:
             # Rule: the engine is woken by the push's first load (on the engine thread), or before it by the
-            # sender's wake as its stage starts (WeightSender.stage), not here: an armed begin comes while a
-            # colocated rank trains, which the sleeping engine's memory is for
+            # sender's wake once the rank's backward is over (WeightSender.wake_workers), not here: an armed
+            # begin comes while a colocated rank trains, which the sleeping engine's memory is for
             await self._drain()
             device = getattr(self._engine, "device", torch.device("cpu"))
             if not hasattr(self._engine, "load_named_weights"):
