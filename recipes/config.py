@@ -189,12 +189,16 @@ class TrainerConfig:
     weight_switch: str = "drain"
     """When a push takes effect for rollouts in flight (rollout_service/service/switch_modes.py): drain |
     finish-then-switch | switch-in-flight (native engines); other than drain needs weight_sync object_store."""
+    weight_push_timeout_s: float = 300.0
+    """How long a broadcast or ipc push's workers wait on its sender (WeightSender timeout_s); past it
+    they give the push up and restart, keeping the weights they had."""
     arm_weight_push: bool = True
     """A broadcast or ipc push that follows a train step (synchronous steps) is armed as the step starts:
     the pool drains and its workers wait for it while the ranks train (weight_sync.WeightSender.arm), so
     the pool's begin is off the step's path; a sleeping engine still wakes only once the step's last
-    backward has run (asked by rank 0, by ipc). Meanwhile the pool serves no request (the recipe sends none then), and
-    the push's timeout (300 s) counts from the arm, through the step."""
+    backward has run (asked by rank 0, by ipc). Meanwhile the pool serves no request (the recipe sends
+    none then). A step that outlasts half of weight_push_timeout_s has its armed push declined (the
+    workers go back to serving), and the push after it goes unarmed."""
 
 
 @dataclass(frozen=True)
@@ -426,6 +430,8 @@ def _check_values(cfg: RecipeConfig) -> None:
         raise ConfigError("trainer.weight_bucket_mb must be >= 1")
     if tr.weight_stage_mb < 0:
         raise ConfigError("trainer.weight_stage_mb must be >= 0")
+    if not tr.weight_push_timeout_s > 0:
+        raise ConfigError("trainer.weight_push_timeout_s must be > 0")
     if tr.num_ranks < 1 or tr.mini_batches < 1:
         raise ConfigError("trainer.num_ranks and trainer.mini_batches must be >= 1")
     if train.prompts_per_step % tr.mini_batches:

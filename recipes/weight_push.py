@@ -34,6 +34,9 @@ class RankWeightPush:
         self._pool_link = None  # ((pool name, namespace), the transport), kept between pushes: see _link
         self._pool_client = None  # rank 0: ((pool name, namespace), its client), kept likewise
         self._armed = None  # rank 0: ((pool name, namespace), its sender) of a push armed by arm()
+        # rank 0: guards _armed, which the train step's thread and the arm's expiry timer both take
+        self._armed_lock = threading.Lock()
+        self._arm_timer: threading.Timer | None = None
         self._stage = SenderStage()  # rank 0: a staged push's buffer (and by ipc its handle), kept between pushes
 
     def arm(self, pool_name: str, namespace: str) -> None:
@@ -44,22 +47,47 @@ class RankWeightPush:
         if (self.rank != 0 or not self.cfg.arm_weight_push or link is None or link[0] != key
                 or link[1] == "object_store" or client is None or client[0] != key):
             return
+        self.decline_armed("another push was armed")  # one armed at a time
         sender = self._sender(client[1], link[1])
         staged = stages_whole(self._state_numel, self.cfg.weight_stage_mb << 20)
         sender.arm(self._state_shapes, self.device, staged)
         self._armed = (key, sender)
+        # Rule: the workers wait for an armed push through the step, and give it up at the push's
+        # timeout (restarting); a step that outlasts half of it has its push declined first, and the
+        # push after it goes unarmed, with the whole timeout of its own
+        self._arm_timer = threading.Timer(self.cfg.weight_push_timeout_s / 2, self._expire_arm, args=(sender,))
+        self._arm_timer.daemon = True
+        self._arm_timer.start()
+
+    def _expire_arm(self, sender: WeightSender) -> None:
+        with self._armed_lock:
+            if self._armed is None or self._armed[1] is not sender:
+                return  # taken by the push, or declined, before the timer ran
+            self._armed = None
+            sender.decline(f"the train step outlasted half of the push's {self.cfg.weight_push_timeout_s:g} s "
+                           "timeout; the push follows unarmed")
+
+    def _take_armed(self):
+        """The armed ((pool name, namespace), sender), now no longer armed here; None if none is."""
+        with self._armed_lock:
+            armed, self._armed = self._armed, None
+        if self._arm_timer is not None:
+            self._arm_timer.cancel()
+            self._arm_timer = None
+        return armed
 
     def wake_engines(self) -> None:
         """Rank 0, an armed ipc push: the workers' engines are asked to wake now (WeightSender.wake_workers),
         called once the step's last backward has run. Rule: the activations the engines slept for are
         freed by then; what is left of the step (the clip, the optimizer step) runs while they map
         their memory back, instead of the push's first load waiting for it."""
-        if self._armed is not None:
-            self._armed[1].wake_workers()
+        with self._armed_lock:
+            if self._armed is not None:
+                self._armed[1].wake_workers()
 
     def decline_armed(self, reason: str) -> None:
         """An armed push that will not follow: its workers go back to serving."""
-        armed, self._armed = self._armed, None
+        armed = self._take_armed()
         if armed is not None:
             armed[1].decline(reason)
 
@@ -212,12 +240,13 @@ class RankWeightPush:
         return sender, {**phases, **sender.seconds}, staged, digest
 
     def _sender(self, client, transport: str) -> WeightSender:
-        return WeightSender(client, transport, self.cfg.weight_bucket_mb << 20, stage=self._stage)
+        return WeightSender(client, transport, self.cfg.weight_bucket_mb << 20, stage=self._stage,
+                            timeout_s=self.cfg.weight_push_timeout_s)
 
     def _armed_sender(self, client, transport: str, overlap: bool):
         """Rank 0's armed sender, when it fits this push (its pool and transport, a push not left
         sending); one that does not is declined."""
-        armed, self._armed = self._armed, None
+        armed = self._take_armed()
         if armed is None:
             return None
         key, sender = armed

@@ -523,6 +523,70 @@ def _restarts(pool):
     return [w["restarts"] for w in pool.stats()["workers"]]
 
 
+def test_a_train_step_longer_than_the_push_timeout_declines_its_armed_push(pool, reqs):
+    """An armed push's workers wait for it through the train step, and give it up at the push's timeout.
+    Control: a sender armed with a 4 s timeout and held 10 s loses its push (the sender's store waits
+    for workers that gave up), its workers restart, and the pool serves the weights it had. A trainer
+    rank whose step outlasts half of trainer.weight_push_timeout_s declines its armed push first: the
+    workers go back to serving, none restarted, and the push after the step goes unarmed and lands.
+    A short step's push is still armed."""
+    import time
+
+    from torch.distributed import DistStoreError
+
+    from bench.grpo_train_step import batch
+    from recipes.config import TrainerConfig
+    from recipes.trainer import TrainerRank
+
+    old, new = shared.model(), tiny_model("qwen2", seed=2)
+    before = _engine_rollouts(old, reqs)
+    assert pool.update_weights(old.state_dict()) == model_digest(old)
+    named = list(new.state_dict().items())
+    restarts = _restarts(pool)
+    sender = WeightSender(pool, "broadcast", timeout_s=4.0)
+    sender.arm({n: tuple(t.shape) for n, t in named}, torch.device("cpu"), staged=True)
+    time.sleep(10.0)
+    with pytest.raises(DistStoreError, match="timeout"):
+        sender.begin(sender.stage(named, sum(t.numel() for _, t in named)))
+        sender.complete()
+    shared_wait(lambda: _restarts(pool) == [r + 1 for r in restarts]
+                and all(w["state"] == "ready" for w in pool.stats()["workers"]), "the restarts", pool=pool)
+    assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
+    assert_same(pool.generate(*reqs), before, "after an armed push timed out")
+
+    @ray.remote(num_cpus=0)
+    class Rank(TrainerRank):
+        delay_s = 0.0
+
+        def set_delay(self, seconds: float) -> None:
+            self.delay_s = seconds
+
+        def _train_step(self, *args):  # the same step, made longer than the push's timeout
+            time.sleep(self.delay_s)
+            return super()._train_step(*args)
+
+    cfg = TrainerConfig(num_ranks=1, weight_sync="broadcast", weight_push_timeout_s=4.0)
+    rank = Rank.remote(0, 1, cfg, 1.0)
+    try:
+        ray.get(rank.setup.remote(*ray.get(rank.address.remote()), new))
+        assert ray.get(rank.push_weights.remote(pool.name, pool.namespace))["transport"] == "broadcast"
+        restarts = _restarts(pool)
+        plans, tokens = batch(new.config.vocab_size, 2, 2)
+        for delay_s, armed in ((8.0, False), (0.0, True)):
+            ray.get(rank.set_delay.remote(delay_s))
+            step = rank.train_step.remote(plans[0], tokens, (), (pool.name, pool.namespace))
+            pushed = rank.push_weights.remote(pool.name, pool.namespace, False, True)
+            ray.get(step)
+            result = ray.get(pushed)
+            assert ("armed_ahead" in result["phases"]) == armed, (delay_s, result["phases"])
+            assert result["pool_digest"] == result["digest"] and _worker_digests(pool) == [result["digest"]] * 2
+            assert _restarts(pool) == restarts and all(w["state"] == "ready" for w in pool.stats()["workers"])
+    finally:
+        ray.get(rank.close.remote())
+        ray.kill(rank)
+    assert pool.update_weights(old.state_dict()) == model_digest(old)
+
+
 def test_an_armed_push_lands_and_one_its_sender_then_refuses_loads_nothing(pool, reqs):
     """A broadcast push armed before its tensors exist (WeightSender.arm: the pool drains and its
     workers wait in the group) lands bitwise. When the sender's checks then refuse the push (the

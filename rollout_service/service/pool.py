@@ -52,7 +52,7 @@ class _PoolActor:
         self._min_version = 0
         self._update_lock: asyncio.Lock | None = None
         self._sync = None  # (plan, slots, exclusive block, workers' end calls) of the bucketed push in progress
-        self._broadcast_group = None  # (group id, sender id, members, store) of the last broadcast group
+        self._broadcast_group = None  # (group id, sender id, members, store, timeout) of the last broadcast group
         self._dropped_groups: list[str] = []  # groups replaced or given up since, for the sender to drop
 
     async def start(self, model_box: list, detached: bool, timeout_s: float) -> dict:
@@ -302,16 +302,19 @@ class _PoolActor:
 
     def _assign_group(self, plan, slots: list[WorkerSlot]) -> None:
         """The last broadcast group when its members (the sender's process, these workers in this order)
-        are the same, else a new one at the sender's store."""
+        and its timeout are the same, else a new one at the sender's store. Rule: a group's operations
+        time out after the timeout it was made with (join_group), so a push with another timeout_s
+        needs a group of its own to be held to it."""
         members = tuple(s.actor._actor_id.hex() for s in slots)
         last = self._broadcast_group
-        if last is not None and last[1] == plan.sender_id and last[2] == members:
+        if last is not None and last[1:3] == (plan.sender_id, members) and last[4] == plan.timeout_s:
             plan.group_id, plan.new_group = last[0], False
             plan.store_host, plan.store_port = last[3]
         else:
             self._forget_group()
             plan.group_id, plan.new_group = uuid.uuid4().hex[:12], True
-            self._broadcast_group = (plan.group_id, plan.sender_id, members, (plan.store_host, plan.store_port))
+            self._broadcast_group = (plan.group_id, plan.sender_id, members, (plan.store_host, plan.store_port),
+                                     plan.timeout_s)
 
     def _forget_group(self) -> None:
         if self._broadcast_group is not None:
