@@ -422,7 +422,8 @@ class WeightSender:
         # worker_begin, the slowest worker's), send (every bucket copied and sent), finish (the verdict,
         # from the end of the send), finish_pool (the pool's own share of the verdict: inside finish,
         # except for a staged broadcast, whose verdict is asked while its buckets are still leaving);
-        # after finish, the workers' phases (worker_receive, worker_check, ...: WeightReceiver)
+        # after finish, the workers' phases (worker_receive, worker_check, ...: WeightReceiver). Armed:
+        # armed_ahead, from arm() to begin(); woken_ahead, from wake_workers() to begin()
         self.seconds: dict[str, float] = {}
 
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], numel: int) -> list:
