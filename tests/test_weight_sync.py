@@ -525,7 +525,7 @@ def _restarts(pool):
 
 def test_a_train_step_longer_than_the_push_timeout_declines_its_armed_push(pool, reqs):
     """An armed push's workers wait for it through the train step, and give it up at the push's timeout.
-    Control: a sender armed with a 4 s timeout and held 10 s loses its push (the sender's store waits
+    Control: a sender armed with a 4 s timeout and held 16 s loses its push (the sender's store waits
     for workers that gave up), its workers restart, and the pool serves the weights it had. A trainer
     rank whose step outlasts half of trainer.weight_push_timeout_s declines its armed push first: the
     workers go back to serving, none restarted, and the push after the step goes unarmed and lands.
@@ -545,7 +545,7 @@ def test_a_train_step_longer_than_the_push_timeout_declines_its_armed_push(pool,
     restarts = _restarts(pool)
     sender = WeightSender(pool, "broadcast", timeout_s=4.0)
     sender.arm({n: tuple(t.shape) for n, t in named}, torch.device("cpu"), staged=True)
-    time.sleep(10.0)
+    time.sleep(16.0)  # four times the timeout: the workers have given up, however slowly they began
     with pytest.raises(DistStoreError, match="timeout"):
         sender.begin(sender.stage(named, sum(t.numel() for _, t in named)))
         sender.complete()
