@@ -557,6 +557,9 @@ class WeightSender:
                 self._handle = (self._kept.ipc_handle() if kept else _ipc_handle(self._buf), kept)
         except BaseException as e:  # the workers are waiting: release them
             self.abort(f"the sender could not set up the push: {e!r}")
+            if self.transport == "broadcast" and isinstance(e, Exception):
+                raise RuntimeError(f"the push's group failed before its go: a worker crashed, or gave the push up "
+                                   f"after its {self.timeout_s:g} s timeout ({type(e).__name__}: {e})") from e
             raise
         self.seconds["begin"] = time.perf_counter() - start
         if armed:  # from the arm call: what begin took where it was not hidden behind the caller's work
