@@ -53,9 +53,10 @@ def test_colocated_vllm_run_has_zero_kl(cluster, tmp_path, sleep, extra):
         assert rec["weights/transport"] == "ipc"
         assert (rec["perf/sleep_s"] > 0.0) == sleep
         assert rec["perf/sync_armed_ahead_s"] > 0.0  # the pool's begin asked as the train step started
-        # the engines asked to wake after the step's last backward: before the stage (the check), not as
-        # it starts (the same call on an engine kept awake does nothing)
-        assert rec["perf/sync_woken_ahead_s"] > rec["perf/sync_check_s"], rec
+        # after the first step (its begin may still be under way when its backward ends), the engines are
+        # asked to wake after the step's last backward: before the stage (the check), not as it starts
+        # (the same call on an engine kept awake does nothing)
+        assert rec["step"] == 1 or rec["perf/sync_woken_ahead_s"] > rec["perf/sync_check_s"], rec
         # the worker's bucket call (wake, check, load, settle) runs inside the sender's send
         assert 0.0 < rec["perf/sync_worker_call_s"] <= rec["perf/sync_send_s"]
         assert rec["perf/sync_worker_wake_s"] + rec["perf/sync_worker_load_s"] <= rec["perf/sync_worker_call_s"]
