@@ -548,8 +548,12 @@ class WeightSender:
         plan.version = info["version"]  # the pool's version id of this push
         try:
             if self.transport == "broadcast":  # the fingerprints go in the header
-                self._group = self._join(info)
-                self._group.broadcast(_header(plan, self._plan_device, go=True), 0).wait()
+                try:
+                    self._group = self._join(info)
+                    self._group.broadcast(_header(plan, self._plan_device, go=True), 0).wait()
+                except Exception as e:
+                    raise RuntimeError(f"the push's group failed before its go: a worker crashed, or gave the push "
+                                       f"up after its {self.timeout_s:g} s timeout ({type(e).__name__}: {e})") from e
             self._buf = self._stage if self._stage is not None else \
                 torch.empty(plan.bucket_numel, dtype=torch.bfloat16, device=self._plan_device)
             if self.transport == "ipc":  # (the handle, whether it is the kept stage's, which workers keep open)
@@ -557,9 +561,6 @@ class WeightSender:
                 self._handle = (self._kept.ipc_handle() if kept else _ipc_handle(self._buf), kept)
         except BaseException as e:  # the workers are waiting: release them
             self.abort(f"the sender could not set up the push: {e!r}")
-            if self.transport == "broadcast" and isinstance(e, Exception):
-                raise RuntimeError(f"the push's group failed before its go: a worker crashed, or gave the push up "
-                                   f"after its {self.timeout_s:g} s timeout ({type(e).__name__}: {e})") from e
             raise
         self.seconds["begin"] = time.perf_counter() - start
         if armed:  # from the arm call: what begin took where it was not hidden behind the caller's work
