@@ -291,6 +291,8 @@ class TrainerRank:
         self.weight_push.forget_sources()
 
     def close(self) -> None:
+        if self.weight_push is not None:  # an armed push's workers go back to serving now, not at its timeout
+            self.weight_push.decline_armed("the trainer closed")
         if dist.is_initialized():
             dist.destroy_process_group()
 

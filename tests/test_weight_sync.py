@@ -523,6 +523,33 @@ def _restarts(pool):
     return [w["restarts"] for w in pool.stats()["workers"]]
 
 
+def test_a_trainer_closed_with_an_armed_push_releases_its_workers(pool, reqs):
+    """A trainer rank closed after a train step that armed a push, the push never sent: its workers go
+    back to serving at once, none restarted, not after the push's timeout (300 s)."""
+    import concurrent.futures
+
+    from bench.grpo_train_step import batch
+    from recipes.config import TrainerConfig
+    from recipes.trainer import TrainerRank
+
+    old = shared.model()
+    before = _engine_rollouts(old, reqs)
+    rank = ray.remote(num_cpus=0)(TrainerRank).remote(0, 1, TrainerConfig(num_ranks=1, weight_sync="broadcast"), 1.0)
+    try:
+        ray.get(rank.setup.remote(*ray.get(rank.address.remote()), old))
+        assert ray.get(rank.push_weights.remote(pool.name, pool.namespace))["pool_digest"] == model_digest(old)
+        restarts = _restarts(pool)
+        plans, tokens = batch(old.config.vocab_size, 2, 2)
+        ray.get(rank.train_step.remote(plans[0], tokens, (), (pool.name, pool.namespace)))  # armed, not sent
+        ray.get(rank.close.remote())
+        # served at once: with the push still armed the pool would hold every request until its timeout
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            assert_same(ex.submit(pool.generate, *reqs).result(timeout=60), before, "after the trainer closed")
+        assert _restarts(pool) == restarts and pool.weights_digest() == model_digest(old)
+    finally:
+        ray.kill(rank)
+
+
 def test_a_train_step_longer_than_the_push_timeout_declines_its_armed_push(pool, reqs):
     """An armed push's workers wait for it through the train step, and give it up at the push's timeout.
     Control: a sender armed with a 4 s timeout and held 16 s loses its push (its store waits for
