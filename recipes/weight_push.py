@@ -51,7 +51,8 @@ class RankWeightPush:
         sender = self._sender(client[1], link[1])
         staged = stages_whole(self._state_numel, self.cfg.weight_stage_mb << 20)
         sender.arm(self._state_shapes, self.device, staged)
-        self._armed = (key, sender)
+        with self._armed_lock:
+            self._armed = (key, sender)
         # Rule: the workers wait for an armed push through the step, and give it up at the push's
         # timeout (restarting); a step that outlasts half of it has its push declined first, and the
         # push after it goes unarmed, with the whole timeout of its own
