@@ -379,6 +379,50 @@ def test_a_push_abandoned_after_begin_leaves_the_pool_serving_its_weights(pool, 
     assert pool.update_weights(old.state_dict()) == model_digest(old)
 
 
+def _ipc_begin(pool, model, timeout_s: float = 300.0) -> tuple[SyncPlan, list, list]:
+    """The pool's begin of a staged ipc push of `model` (its plan, the workers, the go's fingerprints),
+    asked as WeightSender asks it: ipc has no CPU form, so no sender makes one here, but the pool and
+    its workers run the push's protocol up to the first bucket, which a CPU worker refuses."""
+    named = list(model.state_dict().items())
+    plan = SyncPlan("ipc", None, {n: tuple(t.shape) for n, t in named}, None, WHOLE, "cpu",
+                    timeout_s=timeout_s, staged=True)
+    info = pool._begin_weight_sync(plan)
+    return plan, info["workers"], [fp for _, _, fp, _ in fingerprint_entries(named)]
+
+
+def test_an_ipc_push_not_completed_is_abandoned_and_the_pool_keeps_its_weights(pool, reqs):
+    """The pool asks each worker for an ipc push's end at begin, answered once the last bucket is taken.
+    A push that does not get there ends with every worker told that no bucket will come: declined
+    before its go, a bucket the worker refused, or a sender that asks for the verdict too early. Each
+    time every worker answers having loaded nothing, none is restarted, and the pool serves the
+    weights it had; then a push lands."""
+    old, new = shared.model(), tiny_model("qwen2", seed=2)
+    before = _engine_rollouts(old, reqs)
+    pool.update_weights(old.state_dict(), transport="object_store")
+    restarts = [w["restarts"] for w in pool.stats()["workers"]]
+
+    plan, workers, _ = _ipc_begin(pool, new)
+    with pytest.raises(RuntimeError, match="abandoned: the sender's checks refused"):
+        pool._end_weight_sync(plan.sync_id, error="the sender's checks refused the push", declined=True)
+
+    plan, workers, prints = _ipc_begin(pool, new)
+    with pytest.raises(ValueError, match="sender's GPU"):  # the go, refused where it cannot be opened
+        ray.get([w.receive_weight_bucket.remote(plan.sync_id, 0, None, prints) for w in workers])
+    with pytest.raises(RuntimeError, match="abandoned: refused"):
+        pool._end_weight_sync(plan.sync_id, error="refused")
+
+    plan, workers, _ = _ipc_begin(pool, new, timeout_s=1.0)
+    with pytest.raises(RuntimeError, match="before its last bucket reached every worker"):
+        pool._end_weight_sync(plan.sync_id, digest=model_digest(new))
+
+    assert [w["restarts"] for w in pool.stats()["workers"]] == restarts
+    assert all(w["state"] == "ready" for w in pool.stats()["workers"])
+    assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
+    assert_same(pool.generate(*reqs), before, "after ipc pushes that were not completed")
+    assert pool.update_weights(new.state_dict(), transport="broadcast") == model_digest(new)
+    assert pool.update_weights(old.state_dict()) == model_digest(old)
+
+
 def test_corrupted_transfer_after_a_worker_to_worker_push_waits_for_the_next_push(pool, reqs):
     """After a broadcast push no copy of the weights outlives the workers: when a broken transfer
     leaves every worker half-loaded, they come back "stale" (alive, serving nothing, saying why) and

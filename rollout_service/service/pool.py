@@ -280,13 +280,11 @@ class _PoolActor:
             self._forget_group()
             await exclusive.__aexit__(None, None, None)
             raise
-        ends = None
-        if plan.transport == "broadcast":
-            # Rule: a broadcast push's end is asked of every worker now, while the sender sends, not when
-            # the sender finishes: each answers once its receive has ended and it has adopted the push,
-            # so the sender's end waits for no further call to the workers. (An ipc push's buckets are
-            # calls of the sender's to the workers, which end must follow.)
-            ends = [asyncio.ensure_future(s.actor.end_weight_receive.remote(plan.sync_id)) for s in slots]
+        # Rule: a push's end is asked of every worker now, while the sender sends, not when the sender
+        # finishes: each answers once its receive has ended (broadcast) or its last bucket has been taken
+        # (ipc) and it has adopted the push, so the sender's end waits for no further call to the workers.
+        # A push that is not completed is ended by abandoning it (end_weight_sync).
+        ends = [asyncio.ensure_future(s.actor.end_weight_receive.remote(plan.sync_id)) for s in slots]
         self._sync = (plan, slots, exclusive, ends)
         asyncio.get_running_loop().create_task(self._expire_sync(plan.sync_id, plan.timeout_s))
         replaces, self._dropped_groups = (self._dropped_groups, []) if plan.new_group else ([], self._dropped_groups)
@@ -339,9 +337,16 @@ class _PoolActor:
                 plan.digest = digest
             if plan.digest is None and error is None:
                 error = "the sender's end of the push carried no digest"
-            if ends is None:
-                results = await asyncio.gather(*(s.actor.end_weight_receive.remote(sync_id, error) for s in slots),
-                                               return_exceptions=True)
+            if plan.transport == "ipc":
+                if error is None:  # the sender's last bucket call has returned: each worker adopts, or has
+                    _, waiting = await asyncio.wait(ends, timeout=plan.timeout_s)
+                    if waiting:
+                        error = "the sender ended the push before its last bucket reached every worker"
+                if error is not None:  # no more buckets will come: the workers answer having loaded nothing,
+                    # or raise, holding part of the push (restarted below)
+                    await asyncio.gather(*(s.actor.abandon_weight_receive.remote(sync_id, error)
+                                           for s, t in zip(slots, ends) if not t.done()), return_exceptions=True)
+                results = await asyncio.gather(*ends, return_exceptions=True)
             elif error is None or declined:
                 results = await asyncio.gather(*ends, return_exceptions=True)
             else:  # a worker that has not answered waits in a broadcast the sender will not finish

@@ -116,7 +116,11 @@ class RolloutWorker:
         self._update_lock: asyncio.Lock | None = None
         self._loop_task: asyncio.Task | None = None
         self._receiver: WeightReceiver | None = None  # the bucketed push in progress
+        # what end_weight_receive waits for: broadcast, the engine thread's receive_all; ipc, the push's last
+        # bucket call, or its abandonment (abandon_weight_receive)
         self._receiving: asyncio.Future | None = None
+        self._bucket_calls = 0  # ipc bucket calls of the push in progress not yet returned
+        self._abandoned: str | None = None  # why the ipc push in progress was abandoned
         self._weight_groups: dict[str, tuple] = {}  # broadcast groups kept between pushes (weight_sync)
         self._ipc_buffers: dict = {}  # the sender's kept stage, opened by ipc, kept between pushes (weight_sync)
         # the version id of the weights the engine holds (the pool's count of adopted pushes; set and read
@@ -353,11 +357,13 @@ class RolloutWorker:
             self._receiver = WeightReceiver(plan, device, self._engine.load_named_weights, rank, world_size,
                                             self._weight_groups, getattr(self._engine, "wait_host_copies", None),
                                             self._ipc_buffers, wake=self._wake_engine)
-            if plan.transport == "broadcast":
-                self._receiving = asyncio.get_running_loop().run_in_executor(self._thread, self._receiver.receive_all)
+            loop = asyncio.get_running_loop()
+            self._receiving = loop.run_in_executor(self._thread, self._receiver.receive_all) \
+                if plan.transport == "broadcast" else loop.create_future()
+            self._bucket_calls, self._abandoned = 0, None
             return {"seconds": time.perf_counter() - start}
         except BaseException:
-            self._receiver = None
+            self._receiver = self._receiving = None
             self._resume()
             self._update_lock.release()
             raise
@@ -365,26 +371,56 @@ class RolloutWorker:
     async def receive_weight_bucket(self, sync_id: str, index: int, handle, fingerprints: list | None = None,
                                     kept: bool = False) -> None:
         """ipc: bucket `index` of the push, read from the sender's buffer (WeightReceiver.receive_ipc);
-        the first carries the fingerprints, the sender's go."""
+        the first carries the fingerprints, the sender's go. The last bucket, taken, lets the pending
+        end_weight_receive adopt the push; after a bucket that failed, the end waits for the pool's
+        abandon_weight_receive (the sender aborts on the failure it gets back)."""
         receiver = self._current_receiver(sync_id)
+        if self._abandoned is not None:
+            raise RuntimeError(f"the push was abandoned: {self._abandoned}")
         start = time.perf_counter()
+        self._bucket_calls += 1
+        taken = False
         try:
             await self._call(receiver.receive_ipc, index, handle, fingerprints, kept)
+            taken = True
         finally:
+            self._bucket_calls -= 1
             receiver.seconds["call"] = receiver.seconds.get("call", 0.0) + time.perf_counter() - start
+            if (taken and index == len(receiver.plan.buckets) - 1) or \
+                    (self._abandoned is not None and self._bucket_calls == 0):
+                self._received_all()
+
+    async def abandon_weight_receive(self, sync_id: str, reason: str) -> None:
+        """ipc: the pool's word that no more buckets will come (the sender gave up or declined, or the push
+        timed out). The pending end_weight_receive then answers as for an abandoned push, once any bucket
+        call still on the engine thread has returned. A no-op once this worker's end has answered."""
+        if self._receiver is None or self._receiver.plan.sync_id != sync_id or self._abandoned is not None:
+            return
+        self._abandoned = reason
+        if self._bucket_calls == 0:
+            self._received_all()
+
+    def _received_all(self) -> None:
+        if self._receiving is not None and not self._receiving.done():
+            self._receiving.set_result(None)
 
     async def end_weight_receive(self, sync_id: str, error: str | None = None) -> dict:
         """{"digest": the digest now held, after checking that everything arrived, "seconds": where this
         worker's share of the push went}; digest None if nothing was loaded, with `error` (the sender gave
-        up) or after a header's no-go. Raises if the engine holds part of the push (the pool restarts it)."""
+        up; by ipc also abandon_weight_receive's reason) or after a header's no-go. Raises if the engine
+        holds part of the push (the pool restarts it). Asked by the pool right after begin: it answers once
+        the receive has ended (broadcast) or the last bucket has come (ipc)."""
         receiver = self._current_receiver(sync_id)
-        if error is not None and self._receiving is not None and not self._receiving.done():
+        if receiver.plan.transport == "ipc" and error is not None:  # no end was asked at begin (it failed)
+            await self.abandon_weight_receive(sync_id, error)
+        if error is not None and receiver.plan.transport == "broadcast" and not self._receiving.done():
             # the engine thread waits in a broadcast the sender will not finish: not this actor's to mend
             raise RuntimeError(f"the push was abandoned while this worker was receiving it: {error}")
         try:
             try:
                 if self._receiving is not None:
                     await self._receiving
+                error = error if error is not None else self._abandoned
                 if error is None and not receiver.declined:
                     return await self._call(self._adopt, receiver)
             except Exception as e:
@@ -395,7 +431,7 @@ class RolloutWorker:
                 raise RuntimeError(f"the push was abandoned after part of it was loaded: {error}")
             return {"digest": None, "seconds": receiver.seconds}
         finally:
-            self._receiver = self._receiving = None
+            self._receiver = self._receiving = self._abandoned = None
             self._resume()
             self._update_lock.release()
 
