@@ -346,8 +346,7 @@ class _PoolActor:
                     # or raise, holding part of the push (restarted below)
                     await asyncio.gather(*(s.actor.abandon_weight_receive.remote(sync_id, error)
                                            for s, t in zip(slots, ends) if not t.done()), return_exceptions=True)
-                results = await asyncio.gather(*ends, return_exceptions=True)
-            elif error is None or declined:
+            if plan.transport == "ipc" or error is None or declined:
                 results = await asyncio.gather(*ends, return_exceptions=True)
             else:  # a worker that has not answered waits in a broadcast the sender will not finish
                 results = [_outcome(t, RuntimeError("it was still receiving the abandoned push")) for t in ends]
