@@ -20,6 +20,7 @@ import os
 import shlex
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -147,18 +148,35 @@ def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, s
 
 def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = True) -> dict:
     """Run (or continue) a GRPO job on an initialised Ray; returns {"run_dir", "records"}."""
-    step0, cursor, ckpt, state = 0, 0, None, {}
-    if resume is not None:
-        ckpt = find_checkpoint(resume)
-        state = read_state(ckpt)
-        step0, cursor = state["step"], state["cursor"]
-    K.set_tree_segments(cfg.canonical.tree_segments or K.tree_segments())
-    # null meant the process's width: the run records the one it ran with
-    cfg = dataclasses.replace(cfg, canonical=CanonicalTreeConfig(tree_segments=K.tree_segments()))
-    rollout_cfg, trainer_cfg, loop_cfg = cfg.rollout, cfg.trainer, cfg.train
-    run_dir = _run_dir(cfg, ckpt)
-    run_name = f"{cfg.name}-{rollout_cfg.determinism}"
+    job = GRPOJob(cfg, resume)
+    return {"run_dir": str(job.run_dir), "records": list(job.steps(progress))}
 
+
+class GRPOJob:
+    """One GRPO job (new, or continued from `resume`) on an initialised Ray. steps() starts it and
+    yields each step's record as the step ends, so that a caller can take the steps of two jobs in
+    turns on the same GPUs (bench.grpo_step --interleave); its workers and ranks are torn down when the
+    generator ends or is closed."""
+
+    def __init__(self, cfg: RecipeConfig, resume: str | Path | None = None):
+        self.step0, self.cursor, self.ckpt, self.state = 0, 0, None, {}
+        if resume is not None:
+            self.ckpt = find_checkpoint(resume)
+            self.state = read_state(self.ckpt)
+            self.step0, self.cursor = self.state["step"], self.state["cursor"]
+        K.set_tree_segments(cfg.canonical.tree_segments or K.tree_segments())
+        # null meant the process's width: the run records the one it ran with
+        self.cfg = dataclasses.replace(cfg, canonical=CanonicalTreeConfig(tree_segments=K.tree_segments()))
+        self.run_dir = _run_dir(self.cfg, self.ckpt)
+
+    def steps(self, progress: bool = True) -> Iterator[dict]:
+        yield from _steps(self, progress)
+
+
+def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
+    cfg, run_dir, ckpt, state, step0, cursor = job.cfg, job.run_dir, job.ckpt, job.state, job.step0, job.cursor
+    rollout_cfg, trainer_cfg, loop_cfg = cfg.rollout, cfg.trainer, cfg.train
+    run_name = f"{cfg.name}-{rollout_cfg.determinism}"
     t_start = time.perf_counter()
     task = build_task(cfg)
     model = starting_model(cfg, task, resumed=ckpt is not None)
@@ -167,7 +185,6 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
     pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
     pool_name, namespace = rollout_cfg.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
     pool = trainer = logger = shared = queue = None
-    records = []
     colocated, canonical, sleeps = cfg.placement == "colocated", cfg.numerics == "canonical", engines_sleep(cfg)
     try:
         width = cfg.canonical.tree_segments
@@ -243,8 +260,8 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             metrics["perf/checkpoint_s"] = time.perf_counter() - t_save
             metrics["perf/step_s"] = time.perf_counter() - t_step
             logger.log(step, metrics)
-            records.append({"step": step, **metrics})
             bar.step(step, metrics)
+            yield {"step": step, **metrics}
         _landed(trainer)  # the last push, when it was left sending
         bar.close()
     finally:
@@ -258,7 +275,6 @@ def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = Tr
             pool.shutdown()
         if shared is not None:
             release(shared)
-    return {"run_dir": str(run_dir), "records": records}
 
 
 def colocated_bundles(cfg: RecipeConfig):
@@ -273,7 +289,9 @@ def colocated_bundles(cfg: RecipeConfig):
     if gpus > 1:
         raise ValueError(f"placement: colocated shares one GPU per bundle: the worker's and the rank's num_gpus "
                          f"add up to {gpus} > 1")
-    bundle = {"CPU": cpus, **({"GPU": 1} if gpus else {})}
+    # the bundle holds the GPU share the two actors add up to: all of it as shipped, part of it where
+    # two jobs take steps in turns on one GPU (bench.grpo_step --interleave)
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     group = reserve([bundle] * cfg.trainer.num_ranks, cfg.trainer.placement_strategy)
     ray.get(group.ready())
     return group

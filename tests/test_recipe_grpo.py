@@ -13,7 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from recipes.config import load_config  # noqa: E402
-from recipes.grpo import run  # noqa: E402
+from recipes.grpo import GRPOJob, run  # noqa: E402
 from recipes.metrics import read_metrics  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "tiny.yaml"
@@ -178,3 +178,30 @@ def test_stock_arm_has_nonzero_kl(local_ray, tmp_path):
     assert all(r["rollout_train/kl"] != 0.0 for r in records), records
     assert all(r["rollout_train/max_abs_logprob_diff"] > 0.0 for r in records)
     assert all(r["rollout_train/mismatched_tokens"] > 0 for r in records)
+
+
+def test_two_jobs_taking_steps_in_turns_keep_each_jobs_bits(verified_run, tmp_path):
+    """GRPOJob.steps() yields each step as it ends, so one process can run two jobs on one Ray taking
+    steps in turns (bench.grpo_step --interleave): the zero-KL job's weights and rollouts are the job's
+    alone at every step, the stock job beside it has its non-zero KL, and a job whose steps are closed
+    early is torn down (its pool gone)."""
+    from rollout_service.service.client import DEFAULT_NAMESPACE
+    _, alone = verified_run
+    zero_kl = GRPOJob(load_config(TINY, SHORT + [f"run_dir={tmp_path / 'zero-kl'}", "metrics.wandb=false"]))
+    zero_kl = zero_kl.steps(False)
+    stock = GRPOJob(load_config(TINY, SHORT + [f"run_dir={tmp_path / 'stock'}", "metrics.wandb=false", "numerics=stock",
+                                               "rollout.determinism=off", "trainer.old_logprobs=recompute",
+                                               "rollout.pool_name=stock-in-turns"])).steps(False)
+    in_turns, stock_records = [], []
+    for _ in range(2):
+        in_turns.append(next(zero_kl))
+        stock_records.append(next(stock))
+    assert ray.get_actor("stock-in-turns", namespace=DEFAULT_NAMESPACE) is not None
+    stock.close()
+    with pytest.raises(ValueError):
+        ray.get_actor("stock-in-turns", namespace=DEFAULT_NAMESPACE)
+    in_turns += list(zero_kl)
+    assert [r["weights/digest"] for r in in_turns] == [r["weights/digest"] for r in alone]
+    assert [r["rollout/digest"] for r in in_turns] == [r["rollout/digest"] for r in alone]
+    assert all(r["rollout_train/kl"] == 0.0 and r["rollout_train/max_abs_logprob_diff"] == 0.0 for r in in_turns)
+    assert all(r["rollout_train/max_abs_logprob_diff"] > 0.0 for r in stock_records)
