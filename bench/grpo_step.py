@@ -5,6 +5,7 @@
     python -m bench.grpo_step --steps 3 --rounds 1 --device cpu          # a smoke run of the tiny config
     python -m bench.grpo_step ... --arms canonical > a.json; ... --arms stock > b.json
     python -m bench.grpo_step --merge a.json b.json                      # one arm per call, joined
+    python -m bench.grpo_step --config recipes/configs/gpu_colocated.yaml --steps 21 --interleave
 
 Each round runs the recipe once per arm, taking turns (these machines are noisy), in the order given
 in even rounds and in the reverse order in odd ones (`order` in each round): on GPUs the arm that
@@ -20,10 +21,17 @@ step (above 1: zero KL is faster) and canonical step / async step (the asynchron
 same pairs of the steps after the first summed (`*_steps_summed`: slow steps count there), and
 samples per second; per round, for the async arms, the seconds of steps each arm took to reach the same
 reward (time_to_reward). Progress goes to stderr, the JSON to stdout; --plot draws the split.
+
+--interleave runs the arms' jobs side by side in this process, on the same GPUs, taking steps in turns
+(step k of each arm, their order alternating from step to step), so that a machine that slows for
+minutes slows both arms alike: each actor's resource share is halved for it, and each round also has the paired
+ratio of every step after the first (`*_per_step`) and its median. Only synchronous arms: an async
+arm generates between its steps, into the other arm's.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -31,6 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from recipes.config import load_config
 from recipes.metrics import STEP_PARTS, read_metrics, step_medians
 
 ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"],
@@ -45,12 +54,61 @@ REWARD_WINDOW = 3  # steps in the trailing mean that time-to-reward compares (re
 CPU_SMOKE = ["warmup.steps=10", "train.prompts_per_step=8", "metrics.wandb=false"]
 
 
+def arm_overrides(arm: str, steps: int, extra: list[str]) -> list[str]:
+    return [f"train.steps={steps}", "train.save_every=0", "train.save_final=false", "metrics.wandb=false",
+            *ARMS[arm], *extra]
+
+
 def run_arm(config: str, arm: str, steps: int, extra: list[str], run_dir: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "recipes.grpo", "--config", config, "--no-progress", "--run-dir", str(run_dir),
-           f"train.steps={steps}", "train.save_every=0", "train.save_final=false", "metrics.wandb=false", *ARMS[arm], *extra]
+           *arm_overrides(arm, steps, extra)]
     print(f"[bench] {arm}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, stdout=sys.stderr)
     return read_metrics(run_dir)
+
+
+def half_shares(config: str, overrides: list[str]) -> list[str]:
+    """Overrides that halve the workers' and ranks' CPU and GPU shares (Ray's resources, which only
+    place the actors), so that two jobs fit where one did."""
+    cfg = load_config(config, overrides)
+    out = []
+    for key, options in (("rollout.resources_per_worker", cfg.rollout.resources_per_worker),
+                         ("trainer.resources_per_rank", cfg.trainer.resources_per_rank)):
+        for resource in ("num_cpus", "num_gpus"):
+            if options.get(resource):
+                out.append(f"{key}.{resource}={options[resource] / 2}")
+    return out
+
+
+def run_interleaved(config: str, arms: list[str], steps: int, extra: list[str], tmp: Path) -> dict[str, list[dict]]:
+    """The arms' jobs side by side in this process (one Ray session), taking steps in turns: step k of
+    each arm, in the given order at odd k and reversed at even k. Each job's step is timed by the
+    recipe as in a run of its own; the other job is idle meanwhile (synchronous arms only)."""
+    from recipes.grpo import GRPOJob
+    from rollout_service.service.ray_cluster import init_ray
+    started = init_ray()
+    steppers, records = {}, {arm: [] for arm in arms}
+    with contextlib.redirect_stdout(sys.stderr):  # the jobs' progress lines: stdout is the JSON's
+        try:
+            for arm in arms:
+                overrides = arm_overrides(arm, steps, extra)
+                overrides += half_shares(config, overrides) + [f"run_dir={tmp / arm}"]
+                print(f"[bench] {arm}, interleaved: {' '.join(overrides)}", flush=True)
+                steppers[arm] = GRPOJob(load_config(config, overrides)).steps(progress=False)
+            for k in range(1, steps + 1):
+                for arm in (arms if k % 2 else arms[::-1]):
+                    records[arm].append(next(steppers[arm]))
+                    print(f"[bench] {arm} step {k}: {records[arm][-1]['perf/step_s']:.3f}s", flush=True)
+            for arm in arms:  # past the last step: the job lands its last push and tears down
+                for extra_step in steppers[arm]:
+                    raise RuntimeError(f"{arm}: a step past train.steps={steps}: {extra_step['step']}")
+        finally:
+            for stepper in steppers.values():
+                stepper.close()
+            if started:  # its workers' last log lines before the JSON, not into it
+                import ray
+                ray.shutdown()
+    return records
 
 
 def summarise(records: list[dict]) -> dict:
@@ -70,6 +128,7 @@ def summarise(records: list[dict]) -> dict:
     # seconds of the steps after the first (it compiles and warms caches, as in the medians) up to each step
     elapsed = [sum(seconds[1:i + 1]) for i in range(len(seconds))]
     out["reward_curve"] = [[round(t, 4), r["reward/mean"]] for t, r in zip(elapsed, records)]
+    out["step_seconds"] = seconds
     # all of them, summed: a few slow steps (a new shape compiled) move it, and not the median
     out["steps_after_first_s"] = elapsed[-1]
     return out
@@ -102,15 +161,23 @@ def with_ratios(result: dict) -> dict:
                 row[f"time_to_reward_{num}_vs_{den}"] = reached
     for name, (num, den) in RATIOS.items():
         summed = name.removesuffix("_step") + "_steps_summed"  # the same pair, of steps_after_first_s
+        # interleaved rounds: step k of one arm against step k of the other
+        per_step = name.removesuffix("_step") + "_per_step"
         for row in result["rounds"]:
             if num in row and den in row:
                 row[name] = row[num]["step_s"] / row[den]["step_s"]
                 if "steps_after_first_s" in row[num] and "steps_after_first_s" in row[den]:
                     row[summed] = row[num]["steps_after_first_s"] / row[den]["steps_after_first_s"]
+                if row.get("interleaved"):
+                    row[per_step] = [n / d for n, d in zip(row[num]["step_seconds"][1:], row[den]["step_seconds"][1:])]
+                    row[f"{per_step}_median"] = statistics.median(row[per_step])
         for key in (name, summed):
             ratios = [r[key] for r in result["rounds"] if key in r]
             if ratios:
                 result[f"{key}_median"] = statistics.median(ratios)
+        pooled = [ratio for r in result["rounds"] for ratio in r.get(per_step, [])]
+        if pooled:  # every round's steps
+            result[f"{per_step}_median"] = statistics.median(pooled)
     return result
 
 
@@ -143,8 +210,11 @@ def plot(result: dict, path: str) -> None:
     labels = [f"{arm} r{i}" for i, r in enumerate(rounds) for arm in r if arm in ARMS]
     curves = [(f"{arm} r{i}", r[arm]["reward_curve"]) for i, r in enumerate(rounds) for arm in r
               if arm in ARMS and "reward_curve" in r[arm]]
-    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(1.6 * len(labels) + 2 + (6 if curves else 0), 4),
-                             squeeze=False)
+    # interleaved rounds: each arm's step seconds, step by step (the pairs the per-step ratios divide)
+    turns = [(f"{arm} r{i}", r[arm]["step_seconds"]) for i, r in enumerate(rounds) if r.get("interleaved")
+             for arm in r["order"]]
+    panels = 1 + bool(curves) + bool(turns)
+    fig, axes = plt.subplots(1, panels, figsize=(1.6 * len(labels) + 2 + 6 * (panels - 1), 4), squeeze=False)
     ax = axes[0][0]
     bottom = [0.0] * len(labels)
     for part in STEP_PARTS:
@@ -164,6 +234,13 @@ def plot(result: dict, path: str) -> None:
         ax.set_xlabel("seconds of steps after the first")
         ax.set_ylabel(f"reward, mean of the last {REWARD_WINDOW} steps")
         ax.legend()
+    if turns:
+        ax = axes[0][-1]
+        for label, seconds in turns:
+            ax.plot(range(1, len(seconds) + 1), seconds, marker="o", label=label)
+        ax.set_xlabel("step (the arms in turns)")
+        ax.set_ylabel("step seconds")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -181,6 +258,8 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="no runs: join earlier outputs of this benchmark (one arm each, the same config "
                          "and machine, run in turns) round by round, with their ratios")
+    ap.add_argument("--interleave", action="store_true",
+                    help="the arms side by side on the same GPUs, taking steps in turns (synchronous arms only)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value, given to both arms")
     args = ap.parse_args()
     if args.merge:
@@ -190,16 +269,23 @@ def main() -> None:
         unknown = sorted(set(arms) - set(ARMS))
         if unknown:
             ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+        if args.interleave and any(a.startswith("async") for a in arms):
+            ap.error("--interleave: an async arm generates between its steps, into the other arm's; "
+                     "run it without --interleave")
         extra = (CPU_SMOKE if args.device == "cpu" else []) + args.overrides
         result = {"config": args.config, "steps": args.steps, "overrides": args.overrides, "rounds": []}
         with tempfile.TemporaryDirectory(prefix="zerokl-bench-grpo-") as tmp:
             for i in range(args.rounds):
                 order = arms if i % 2 == 0 else arms[::-1]
                 row = {"order": order}
-                for arm in order:
-                    row[arm] = summarise(run_arm(args.config, arm, args.steps, extra, Path(tmp) / f"{arm}-{i}"))
-                    # each arm's figures as soon as it ends: a later arm that fails does not lose them
-                    print(f"[bench] {arm} round {i}: {json.dumps(row[arm])}", file=sys.stderr, flush=True)
+                if args.interleave:
+                    records = run_interleaved(args.config, order, args.steps, extra, Path(tmp) / f"round-{i}")
+                    row.update({"interleaved": True, **{arm: summarise(records[arm]) for arm in order}})
+                else:
+                    for arm in order:
+                        row[arm] = summarise(run_arm(args.config, arm, args.steps, extra, Path(tmp) / f"{arm}-{i}"))
+                        # each arm's figures as soon as it ends: a later arm that fails does not lose them
+                        print(f"[bench] {arm} round {i}: {json.dumps(row[arm])}", file=sys.stderr, flush=True)
                 result["rounds"].append(row)
         with_ratios(result)
     print(json.dumps(result, indent=1))

@@ -3,6 +3,7 @@ the zero-KL arm's KL and max |Δ| are exactly 0, the stock arm's are not, every 
 median, and the joined round has their ratio."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,36 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
         assert arm["steps_after_first_s"] == pytest.approx(arm["reward_curve"][-1][0], abs=1e-4)
     assert row["stock_over_canonical_steps_summed"] == stock["steps_after_first_s"] / canonical["steps_after_first_s"]
     assert out["stock_over_canonical_step_median"] == row["stock_over_canonical_step"]
+
+
+def test_bench_grpo_step_interleaved_cpu(tmp_path):
+    """--interleave: both arms' jobs in one process take steps in turns, the order alternating step to
+    step; every step after the first is paired with the other arm's; KL as in runs of their own."""
+    env = {**os.environ, "RAY_ADDRESS": "local", "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "bench.grpo_step", "--device", "cpu", "--steps", "3", "--interleave",
+                           "--plot", str(tmp_path / "turns.png"), "trainer.weight_sync=broadcast"],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)  # the jobs' own lines went to stderr
+    turns = [m.groups() for m in re.finditer(r"^\[bench\] (\w+) step (\d+):", proc.stderr, re.M)]
+    assert turns == [("canonical", "1"), ("stock", "1"), ("stock", "2"), ("canonical", "2"), ("canonical", "3"),
+                     ("stock", "3")]
+    [row] = out["rounds"]
+    assert row["interleaved"] is True and row["order"] == ["canonical", "stock"]
+    canonical, stock = row["canonical"], row["stock"]
+    assert canonical["max_kl"] == 0.0 and canonical["max_abs_logprob_diff"] == 0.0
+    assert stock["max_abs_logprob_diff"] > 0.0
+    assert len(canonical["step_seconds"]) == len(stock["step_seconds"]) == 3
+    assert row["stock_over_canonical_per_step"] == [s / c for s, c in zip(stock["step_seconds"][1:],
+                                                                            canonical["step_seconds"][1:])]
+    assert out["stock_over_canonical_per_step_median"] == row["stock_over_canonical_per_step_median"]
+    assert (tmp_path / "turns.png").stat().st_size > 0
+
+
+def test_interleave_refuses_async_arms():
+    proc = subprocess.run([sys.executable, "-m", "bench.grpo_step", "--interleave", "--arms", "canonical,async"],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "an async arm generates between its steps" in proc.stderr
 
 
 def test_merge_refuses_runs_that_do_not_pair():
