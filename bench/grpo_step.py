@@ -13,9 +13,9 @@ ran second was seen to run faster, so an even number of rounds pairs both orders
 config as it is, KL 0) and `stock` (numerics=stock: the stock engine's rollouts, the unpatched model
 under FSDP2, old log-probs recomputed); `--arms canonical,async` adds `async` (train.async_steps=1:
 the next step's rollouts generated while the trainer steps; split placement) and `async-in-flight` (the
-same, its pushes landing in the rollouts in flight: native engines, object store). Per arm and round: the median over the steps after the first
-(compiles, warm caches) of rollout, train, weight sync, engine sleep and step seconds (checkpoint
-writes left out), tokens/s, and
+same, its pushes landing in the rollouts in flight: native engines, object store). Per arm and round:
+the median over the steps after the first (compiles, warm caches) of rollout, train, weight sync,
+engine sleep and step seconds (checkpoint writes left out), tokens/s, and
 the largest KL and max |Δ log-prob| of any step; per round the paired ratios stock step / canonical
 step (above 1: zero KL is faster) and canonical step / async step (the asynchronous speed-up), the
 same pairs of the steps after the first summed (`*_steps_summed`: slow steps count there), and
@@ -24,9 +24,9 @@ reward (time_to_reward). Progress goes to stderr, the JSON to stdout; --plot dra
 
 --interleave runs the arms' jobs side by side in this process, on the same GPUs, taking steps in turns
 (step k of each arm, their order alternating from step to step), so that a machine that slows for
-minutes slows both arms alike: each actor's resource share is halved for it, and each round also has the paired
-ratio of every step after the first (`*_per_step`) and its median. Only synchronous arms: an async
-arm generates between its steps, into the other arm's.
+minutes slows both arms alike; each actor's resource share is halved for it. Each round then also has
+the paired ratio of every step after the first (`*_per_step`) and its median. Only synchronous arms:
+an async arm generates between its steps, into the other arm's.
 """
 from __future__ import annotations
 
@@ -68,8 +68,9 @@ def run_arm(config: str, arm: str, steps: int, extra: list[str], run_dir: Path) 
 
 
 def half_shares(config: str, overrides: list[str]) -> list[str]:
-    """Overrides that halve the workers' and ranks' CPU and GPU shares (Ray's resources, which only
-    place the actors), so that two jobs fit where one did."""
+    """Overrides that halve the workers' and ranks' CPU and GPU shares, so that two jobs fit where one
+    did. Ray's shares place the actors; the CPU share also sets OMP_NUM_THREADS in them (Ray's
+    default), which the ranks override with trainer.torch_threads."""
     cfg = load_config(config, overrides)
     out = []
     for key, options in (("rollout.resources_per_worker", cfg.rollout.resources_per_worker),
@@ -100,7 +101,8 @@ def run_interleaved(config: str, arms: list[str], steps: int, extra: list[str], 
                     records[arm].append(next(steppers[arm]))
                     print(f"[bench] {arm} step {k}: {records[arm][-1]['perf/step_s']:.3f}s", flush=True)
             for arm in arms:  # past the last step: the job lands its last push and tears down
-                for extra_step in steppers[arm]:
+                extra_step = next(steppers[arm], None)
+                if extra_step is not None:
                     raise RuntimeError(f"{arm}: a step past train.steps={steps}: {extra_step['step']}")
         finally:
             for stepper in steppers.values():
