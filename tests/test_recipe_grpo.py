@@ -21,6 +21,8 @@ TINY_MOE = TINY.with_name("tiny_moe.yaml")
 # Short: 3 steps of 8 prompts x 8 samples at T=0.8 (log-probs of logits / T); checkpoints at steps 2, 3.
 SHORT = ["train.steps=3", "train.prompts_per_step=8", "train.save_every=2", "train.save_rollouts=true",
          "warmup.steps=30", "rollout.temperature=0.8"]
+# the stock pipeline: fast path alone, the unpatched model, old log-probs recomputed
+STOCK = ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"]
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +172,8 @@ def test_stock_arm_has_nonzero_kl(local_ray, tmp_path):
     """numerics: stock, the pipeline users run today on the same data, model and optimizer: rollouts
     on the fast path alone (`off`), the unpatched model (SDPA) in the trainer, old log-probs
     recomputed. Its rollout-vs-train KL is logged the same way and is not zero."""
-    cfg = load_config(TINY, ["train.steps=2", "train.prompts_per_step=8", "warmup.steps=30", "numerics=stock",
-                             "rollout.determinism=off", "trainer.old_logprobs=recompute", f"run_dir={tmp_path}",
-                             "metrics.wandb=false"])
+    cfg = load_config(TINY, ["train.steps=2", "train.prompts_per_step=8", "warmup.steps=30", *STOCK,
+                             f"run_dir={tmp_path}", "metrics.wandb=false"])
     records = run(cfg, progress=False)["records"]
     assert len(records) == 2
     assert all(r["rollout_train/kl"] != 0.0 for r in records), records
@@ -189,9 +190,8 @@ def test_two_jobs_taking_steps_in_turns_keep_each_jobs_bits(verified_run, tmp_pa
     _, alone = verified_run
     zero_kl = GRPOJob(load_config(TINY, SHORT + [f"run_dir={tmp_path / 'zero-kl'}", "metrics.wandb=false"]))
     zero_kl = zero_kl.steps(False)
-    stock = GRPOJob(load_config(TINY, SHORT + [f"run_dir={tmp_path / 'stock'}", "metrics.wandb=false", "numerics=stock",
-                                               "rollout.determinism=off", "trainer.old_logprobs=recompute",
-                                               "rollout.pool_name=stock-in-turns"])).steps(False)
+    stock = GRPOJob(load_config(TINY, SHORT + STOCK + [f"run_dir={tmp_path / 'stock'}", "metrics.wandb=false",
+                                                       "rollout.pool_name=stock-in-turns"])).steps(False)
     in_turns, stock_records = [], []
     for _ in range(2):
         in_turns.append(next(zero_kl))
