@@ -10,8 +10,8 @@ import torch
 
 from . import reference
 from .backend import backend_for, canonical_config, kernel_family
-from .backward import (add_with_grad, attention_ref, linear_with_grad, rms_norm_with_grad, rotary_with_grad,
-                       silu_mul_with_grad, with_reference_grad)
+from .backward import (add_rms_norm_with_grad, add_with_grad, attention_with_grad, linear_with_grad,
+                       rms_norm_with_grad, rotary_qk_with_grad, rotary_with_grad, silu_mul_with_grad)
 from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_WIDTHS, CanonicalConfig,
                        CanonicalMismatchError, check_canonical, set_tree_segments, tree_segments)
 from .logprobs import head_token_logprobs, log_softmax, logprob_temperature, scale_logits, token_logprobs
@@ -81,16 +81,12 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return add_with_grad(backend_for(a).add, a, b)
 
 
-def _needs_grad(*ts: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-
-
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, rms_norm(s, weight, eps)) with s = add(a, b): the residual add and the next norm, the same
-    bits as the two ops; one launch on GPU when no gradient is needed."""
+    bits as the two ops; one launch on GPU (with or without a gradient: one autograd node for both)."""
     backend = backend_for(a)
-    if backend is reference or _needs_grad(a, b, weight):
+    if backend is reference:
         s = add(a, b)
         return s, rms_norm(s, weight, eps)
     for name, t in (("a", a), ("b", b)):
@@ -99,18 +95,18 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
     if a.shape != b.shape or a.shape[-1] != weight.shape[0]:
         raise ValueError(f"add_rms_norm: a {tuple(a.shape)}, b {tuple(b.shape)}, weight {tuple(weight.shape)}")
     _same_device(a, b, weight)
-    return backend.add_rms_norm(a, b, weight, eps)
+    return add_rms_norm_with_grad(lambda a_, b_, w_: backend.add_rms_norm(a_, b_, w_, eps), a, b, weight, eps)
 
 
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rotary(q), rotary(k)): one launch on GPU when no gradient is needed, the same bits."""
+    """(rotary(q), rotary(k)): one launch on GPU (with or without a gradient), the same bits."""
     backend = backend_for(q)
-    if backend is reference or _needs_grad(q, k):
+    if backend is reference:
         return rotary(q, cos, sin), rotary(k, cos, sin)
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"rotary_qk: q {tuple(q.shape)} and k {tuple(k.shape)} must be [B, T, H, D] alike")
-    return backend.rotary_qk(q, k, cos, sin)
+    return rotary_qk_with_grad(backend.rotary_qk, q, k, cos, sin)
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
@@ -148,7 +144,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
                                   block_kv=family.attention_block_kv, split_kv=family.attention_split_kv)
     if block_table is not None:
         return fwd(q, k, v)
-    return with_reference_grad(fwd, lambda q_, k_, v_: attention_ref(q_, k_, v_, positions, scale), q, k, v)
+    return attention_with_grad(fwd, q, k, v, positions, scale)
 
 
 def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

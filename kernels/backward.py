@@ -7,6 +7,7 @@ linear layers by bf16 GEMMs (cuBLAS on CUDA), attention by scaled_dot_product_at
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -82,6 +83,24 @@ def silu_mul_ref(gate, up):
 # derives from the reference, evaluated in the same dtypes (silu_mul's by the same aten ops, so the
 # same bits; the others agree to rounding, which tests bound).
 
+def _rms_norm_grads(x, weight, eps: float, grad_out, want_x: bool, want_w: bool):
+    """(grad x, grad weight) of rms_norm_ref at x (None where not wanted)."""
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    g = grad_out.float()
+    grad_w = None
+    if want_w:
+        normed = (xf * r).to(torch.bfloat16).float()
+        grad_w = (g * normed).reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
+    grad_x = None
+    if want_x:
+        # the rounding of x * r to bf16 passes the gradient through in bf16, as autograd's does
+        gn = (g * weight.float()).to(torch.bfloat16).float()
+        dot = (gn * xf).sum(-1, keepdim=True)
+        grad_x = (gn * r - xf * (r.pow(3) * dot / xf.shape[-1])).to(x.dtype)
+    return grad_x, grad_w
+
+
 class _CanonicalRmsNorm(torch.autograd.Function):
     """Canonical rms_norm; the backward of rms_norm_ref: y = w * bf16(x * r), r = rsqrt(mean(x^2) + eps)."""
 
@@ -94,20 +113,37 @@ class _CanonicalRmsNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        xf = x.float()
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        g = grad_out.float()
-        grad_w = None
-        if ctx.needs_input_grad[2]:
-            normed = (xf * r).to(torch.bfloat16).float()
-            grad_w = (g * normed).reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[1]:
-            # the rounding of x * r to bf16 passes the gradient through in bf16, as autograd's does
-            gn = (g * weight.float()).to(torch.bfloat16).float()
-            dot = (gn * xf).sum(-1, keepdim=True)
-            grad_x = (gn * r - xf * (r.pow(3) * dot / xf.shape[-1])).to(x.dtype)
+        grad_x, grad_w = _rms_norm_grads(x, weight, ctx.eps, grad_out, ctx.needs_input_grad[1],
+                                         ctx.needs_input_grad[2])
         return None, grad_x, grad_w, None
+
+
+class _CanonicalAddRmsNorm(torch.autograd.Function):
+    """Canonical (s, rms_norm(s)) with s = a + b, from one launch; the backward of add then rms_norm_ref:
+    s's gradient is the one it gets directly plus the norm's, in s's dtype (autograd's sum of the two)."""
+
+    @staticmethod
+    def forward(ctx, canonical: Callable, a, b, weight, eps: float):
+        s, y = canonical(a, b, weight)
+        ctx.save_for_backward(s, weight)
+        ctx.eps, ctx.dtypes = eps, (a.dtype, b.dtype)
+        return s, y
+
+    @staticmethod
+    def backward(ctx, grad_s, grad_y):
+        s, weight = ctx.saved_tensors
+        want_s = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        grad_x, grad_w = _rms_norm_grads(s, weight, ctx.eps, grad_y, want_s, ctx.needs_input_grad[3])
+        total = grad_s.to(s.dtype) + grad_x if want_s else None
+        return (None, None if total is None else total.to(ctx.dtypes[0]),
+                None if total is None else total.to(ctx.dtypes[1]), grad_w, None)
+
+
+def add_rms_norm_with_grad(canonical: Callable, a, b, weight, eps: float):
+    """canonical(a, b, weight) -> (s, y), differentiable as add then rms_norm_ref when grad is needed."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or weight.requires_grad):
+        return _CanonicalAddRmsNorm.apply(canonical, a, b, weight, eps)
+    return canonical(a, b, weight)
 
 
 def rms_norm_with_grad(canonical: Callable, x, weight, eps: float):
@@ -140,6 +176,13 @@ def silu_mul_with_grad(canonical: Callable, gate, up):
     return canonical(gate, up)
 
 
+def _rotary_grad(grad_out, cos, sin, dtype):
+    """The rotate-half rotation's transpose applied to grad_out, in fp32 (the formula's dtype)."""
+    g1, g2 = grad_out.float().chunk(2, dim=-1)
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    return torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1).to(dtype)
+
+
 class _CanonicalRotary(torch.autograd.Function):
     """Canonical rotate-half RoPE; the backward of its fp32 formula (a rotation: its transpose)."""
 
@@ -152,19 +195,44 @@ class _CanonicalRotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         cos, sin = ctx.saved_tensors
-        g1, g2 = grad_out.float().chunk(2, dim=-1)
-        c, s = cos.unsqueeze(2), sin.unsqueeze(2)
-        grad_x = torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1).to(ctx.dtype)
-        return None, grad_x, None, None
+        return None, _rotary_grad(grad_out, cos, sin, ctx.dtype), None, None
+
+
+def _check_tables(cos, sin):
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("rotary: cos and sin take no gradient")
 
 
 def rotary_with_grad(canonical: Callable, x, cos, sin):
     """canonical(x, cos, sin), differentiable in x (cos and sin are tables: they take no gradient)."""
-    if cos.requires_grad or sin.requires_grad:
-        raise ValueError("rotary: cos and sin take no gradient")
+    _check_tables(cos, sin)
     if torch.is_grad_enabled() and x.requires_grad:
         return _CanonicalRotary.apply(canonical, x, cos, sin)
     return canonical(x, cos, sin)
+
+
+class _CanonicalRotaryQK(torch.autograd.Function):
+    """Canonical (rotary(q), rotary(k)) from one launch; each one's backward that of _CanonicalRotary."""
+
+    @staticmethod
+    def forward(ctx, canonical: Callable, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.dtypes = q.dtype, k.dtype
+        return canonical(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        return (None, _rotary_grad(grad_q, cos, sin, ctx.dtypes[0]), _rotary_grad(grad_k, cos, sin, ctx.dtypes[1]),
+                None, None)
+
+
+def rotary_qk_with_grad(canonical: Callable, q, k, cos, sin):
+    """canonical(q, k, cos, sin) -> (rotary(q), rotary(k)), differentiable in q and k."""
+    _check_tables(cos, sin)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _CanonicalRotaryQK.apply(canonical, q, k, cos, sin)
+    return canonical(q, k, cos, sin)
 
 
 class _CanonicalAdd(torch.autograd.Function):
@@ -186,20 +254,87 @@ def add_with_grad(canonical: Callable, a, b):
     return canonical(a, b)
 
 
-def attention_ref(q, k, v, positions, scale):
+_FROM_ZERO_MEMO: list = [None, -1, -1, False]  # weakref to the positions last checked, its version, keys, answer
+
+
+def whole_sequences(positions: torch.Tensor, keys: int) -> bool:
+    """Whether every row of positions [B, T] is 0 .. T-1 and there are T keys: the causal kernels' case.
+    One host sync per positions tensor: a forward's layers share theirs, so the check runs once a forward."""
+    ref, version, memo_keys, answer = _FROM_ZERO_MEMO
+    if ref is not None and ref() is positions and version == positions._version and memo_keys == keys:
+        return answer
+    t_q = positions.shape[1]
+    answer = t_q == keys and bool((positions == torch.arange(t_q, device=positions.device)).all())
+    _FROM_ZERO_MEMO[:] = [weakref.ref(positions), positions._version, keys, answer]
+    return answer
+
+
+def attention_ref(q, k, v, positions, scale, from_zero: bool | None = None):
     """Causal GQA attention over contiguous KV (training shapes) by scaled_dot_product_attention, for
-    its backward. q [B, T, Hq, D]; query (b, t) sees keys 0..positions[b, t]."""
+    its backward. q [B, T, Hq, D]; query (b, t) sees keys 0..positions[b, t]. from_zero: the answer of
+    whole_sequences(positions, T_k), if known."""
     groups = q.shape[2] // k.shape[2]
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(groups, dim=2),
                                               v.repeat_interleave(groups, dim=2)))
-    t_q, t_k = q.shape[1], k.shape[1]
-    key_pos = torch.arange(t_k, device=q.device)
-    if t_q == t_k and bool((positions == key_pos[:t_q]).all()):  # a whole sequence from 0: the causal kernel
+    if whole_sequences(positions, k.shape[1]) if from_zero is None else from_zero:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:  # padding rows (negative positions) see key 0 only: no empty softmax (their gradient is zero)
+        key_pos = torch.arange(k.shape[1], device=q.device)
         visible = (key_pos[None, None, :] <= positions[:, :, None].clamp_min(0))[:, None]
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=visible, scale=scale)
     return out.transpose(1, 2)
+
+
+def _flash_backward_ok(q: torch.Tensor) -> bool:
+    """Whether PyTorch's flash-attention kernels take q's shape here (CUDA, sm80+, bf16, head dim <= 256)."""
+    return (q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
+def _flash_attention_grads(q, k, v, grad_out, scale: float):
+    """(dq, dk, dv) of causal attention over whole sequences by PyTorch's flash kernels: its forward again
+    for the softmax statistics, then its backward, as two aten calls and no autograd graph (a nested
+    autograd pass costs about a millisecond of host time per layer). k and v keep their Hkv heads: the
+    flash kernels group query heads themselves (SDPA's enable_gqa path)."""
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        qt, kt, vt, 0.0, True, False, scale=scale)
+    g = grad_out.to(q.dtype).transpose(1, 2)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        g if g.stride(-1) == 1 else g.contiguous(), qt, kt, vt, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True,
+        seed, offset, scale=scale)
+    return tuple(t.transpose(1, 2) for t in grads)
+
+
+class _CanonicalAttention(torch.autograd.Function):
+    """Canonical causal attention over contiguous KV; attention_ref's backward. Whole sequences on a GPU
+    with flash kernels take _flash_attention_grads; the rest a nested autograd pass through attention_ref."""
+
+    @staticmethod
+    def forward(ctx, canonical: Callable, q, k, v, positions, scale: float):
+        ctx.save_for_backward(q, k, v, positions)
+        ctx.scale = scale
+        ctx.from_zero = whole_sequences(positions, k.shape[1])
+        return canonical(q, k, v)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, positions = ctx.saved_tensors
+        if ctx.from_zero and _flash_backward_ok(q):
+            grads = _flash_attention_grads(q, k, v, grad_out, ctx.scale)
+        else:
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            with torch.enable_grad():
+                out = attention_ref(*inputs, positions, ctx.scale, ctx.from_zero)
+            grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+        return (None, *(g if want else None for g, want in zip(grads, ctx.needs_input_grad[1:4])), None, None)
+
+
+def attention_with_grad(canonical: Callable, q, k, v, positions, scale: float):
+    """canonical(q, k, v), differentiable as attention_ref(q, k, v, positions, scale) when grad is needed."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _CanonicalAttention.apply(canonical, q, k, v, positions, scale)
+    return canonical(q, k, v)
 
 
 def _score_chunks(score_chunk: Callable, hidden, tokens, chunk_rows: int, entropy: bool):

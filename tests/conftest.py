@@ -26,6 +26,17 @@ def rollout_bits(rollout) -> tuple:
             tuple(struct.pack("<d", x) for x in rollout.logprobs))
 
 
+def attention_fp32(q, k, v, positions, scale):
+    """Causal GQA attention in fp32 einsums, query (b, t) seeing keys 0..positions[b, t]: the gradient oracle."""
+    g = q.shape[2] // k.shape[2]
+    kf, vf = k.float().repeat_interleave(g, dim=2), v.float().repeat_interleave(g, dim=2)
+    scores = torch.einsum("bthd,blhd->bhtl", q.float(), kf) * scale
+    keys = torch.arange(k.shape[1], device=q.device)
+    visible = keys[None, None, None, :] <= positions.clamp_min(0)[:, None, :, None]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("bhtl,blhd->bthd", probs, vf)
+
+
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = ""):
     assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} != {tuple(b.shape)}"
     assert a.dtype == b.dtype, f"{what}: dtypes {a.dtype} != {b.dtype}"

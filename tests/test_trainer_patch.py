@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import trainer_patch
+from conftest import attention_fp32
 from rollout_service.tiny_models import tiny_model
 
 
@@ -32,16 +33,6 @@ def test_backward_gives_finite_gradients_close_to_unpatched(arch):
         assert torch.isfinite(g).all(), name
         rel = (g - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)
         assert rel < 0.1, f"{name}: relative gradient error {rel:.3f}"
-
-
-def _attention_fp32(q, k, v, positions, scale):
-    """Causal GQA attention in fp32 einsums: the gradient oracle."""
-    g = q.shape[2] // k.shape[2]
-    kf, vf = k.float().repeat_interleave(g, dim=2), v.float().repeat_interleave(g, dim=2)
-    scores = torch.einsum("bthd,blhd->bhtl", q.float(), kf) * scale
-    visible = torch.arange(k.shape[1])[None, None, None, :] <= positions.clamp_min(0)[:, None, :, None]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.einsum("bhtl,blhd->bthd", probs, vf)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -88,10 +79,58 @@ def test_op_gradients_are_the_ordinary_ones(padded):
     g = torch.randn(2, 12, 4, 16, generator=gen)
     g[pos < 0] = 0  # nothing downstream uses a padding row
     got = torch.autograd.grad(K.attention(q, k, v, pos), (q, k, v), g.to(torch.bfloat16))
-    want = torch.autograd.grad(_attention_fp32(q, k, v, pos, 0.25), (q, k, v), g)
+    want = torch.autograd.grad(attention_fp32(q, k, v, pos, 0.25), (q, k, v), g)
     for a, e in zip(got, want):
         assert torch.isfinite(a).all()
         assert (a.float() - e).norm() / e.norm() < 2e-2
+
+
+def test_fused_nodes_give_the_gradients_of_the_ops_one_by_one():
+    """add + rms_norm and RoPE on q and k as one autograd node each (the GPU's one-launch forms) give the
+    bits of the ops one by one, forward and backward (here over the reference ops; tests/gpu: Triton)."""
+    import kernels as K
+    from kernels import reference as R
+    from kernels.backward import add_rms_norm_with_grad, rotary_qk_with_grad
+    gen = torch.Generator().manual_seed(2)
+    bf = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16)  # noqa: E731
+    a, b, w = bf(3, 7, 64).requires_grad_(), bf(3, 7, 64).requires_grad_(), (1 + bf(64) / 4).requires_grad_()
+    grads = bf(3, 7, 64), bf(3, 7, 64)
+
+    def apart(a, b, w):
+        s = K.add(a, b)
+        return s, K.rms_norm(s, w, 1e-6)
+
+    def one_launch(a_, b_, w_):
+        s = R.add(a_, b_)
+        return s, R.rms_norm(s, w_, 1e-6)
+    fused = add_rms_norm_with_grad(one_launch, a, b, w, 1e-6)
+    got = torch.autograd.grad(fused, (a, b, w), grads)
+    want = torch.autograd.grad(apart(a, b, w), (a, b, w), grads)
+    assert all(torch.equal(x, y) for x, y in zip(fused, apart(a, b, w)))
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert not torch.equal(got[0], grads[0]), "s's gradient includes the norm's"
+    q, k = bf(2, 5, 4, 16).requires_grad_(), bf(2, 5, 2, 16).requires_grad_()
+    angle = torch.randn(2, 5, 8, generator=gen)
+    cos, sin = angle.cos(), angle.sin()
+    grads = bf(2, 5, 4, 16), bf(2, 5, 2, 16)
+    fused = rotary_qk_with_grad(lambda q_, k_, c, s: (R.rotary(q_, c, s), R.rotary(k_, c, s)), q, k, cos, sin)
+    got = torch.autograd.grad(fused, (q, k), grads)
+    want = torch.autograd.grad((K.rotary(q, cos, sin), K.rotary(k, cos, sin)), (q, k), grads)
+    assert all(torch.equal(x, y) for x, y in zip(got, want)) and not torch.equal(got[0], grads[0])
+
+
+def test_whole_sequence_check_runs_once_per_positions_tensor(monkeypatch):
+    """The attention backward's choice of kernel asks the host once per positions tensor (a forward's
+    layers share one), and asks again when the tensor changes."""
+    from kernels import backward as B
+    pos = torch.arange(6).repeat(2, 1)
+    assert B.whole_sequences(pos, 6) and not B.whole_sequences(pos, 7)
+    calls = []
+    real_arange = torch.arange
+    monkeypatch.setattr(B.torch, "arange", lambda *a, **k: calls.append(1) or real_arange(*a, **k))
+    assert B.whole_sequences(pos, 7) is False and B.whole_sequences(pos, 7) is False and not calls
+    pos[1, 4:] = -1  # padding: a new version of the same tensor
+    assert B.whole_sequences(pos, 7) is False and B.whole_sequences(pos, 6) is False and len(calls) == 1
 
 
 @pytest.mark.parametrize("temperature", [0.7, 0.0])

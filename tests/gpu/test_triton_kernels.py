@@ -790,6 +790,55 @@ def test_public_ops_dispatch_to_triton_with_reference_grad(kt):
 
 
 @needs_cuda
+def test_fused_training_nodes_give_the_bits_of_the_ops_one_by_one(kt):
+    """With a gradient, add + rms_norm and RoPE on q and k still run as one launch each: forward and
+    backward bits those of the ops one by one."""
+    import kernels as K
+    a, b = (randn(300, 1536, seed=s).requires_grad_() for s in (80, 81))
+    w = (1 + randn(1536, seed=82) / 4).requires_grad_()
+    grads = randn(300, 1536, seed=83), randn(300, 1536, seed=84)
+    fused = K.add_rms_norm(a, b, w, 1e-6)
+    s = K.add(a, b)
+    apart = s, K.rms_norm(s, w, 1e-6)
+    assert all(same_bits(x.detach(), y.detach()) for x, y in zip(fused, apart))
+    got, want = (torch.autograd.grad(out, (a, b, w), grads) for out in (fused, apart))
+    assert all(same_bits(x, y) for x, y in zip(got, want))
+    q, k = randn(2, 150, 12, 128, seed=85).requires_grad_(), randn(2, 150, 2, 128, seed=86).requires_grad_()
+    angle = randn(2, 150, 64, dtype=torch.float32, seed=87)
+    grads = randn(2, 150, 12, 128, seed=88), randn(2, 150, 2, 128, seed=89)
+    fused = K.rotary_qk(q, k, angle.cos(), angle.sin())
+    apart = K.rotary(q, angle.cos(), angle.sin()), K.rotary(k, angle.cos(), angle.sin())
+    assert all(same_bits(x.detach(), y.detach()) for x, y in zip(fused, apart))
+    got, want = (torch.autograd.grad(out, (q, k), grads) for out in (fused, apart))
+    assert all(same_bits(x, y) for x, y in zip(got, want))
+
+
+@needs_cuda
+def test_attention_backward_takes_flash_over_whole_sequences(kt, monkeypatch):
+    """Whole sequences: the flash kernels' backward, no nested autograd pass (attention_ref is not
+    called), gradients close to fp32 autograd. Padded rows: the nested pass through attention_ref."""
+    import kernels as K
+    from conftest import attention_fp32
+    from kernels import backward as B
+    nested = []
+    real_ref = B.attention_ref
+    monkeypatch.setattr(B, "attention_ref", lambda *a: nested.append(1) or real_ref(*a))
+    for padded in (False, True):
+        q, k, v, pos, _ = _attn_case(2, 300, 12, 2, 128, seed=90)
+        if not padded:
+            pos = torch.arange(300, device=DEV).repeat(2, 1)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        g = randn(2, 300, 12, 128, dtype=torch.float32, seed=93)
+        g[pos < 0] = 0  # nothing downstream uses a padding row
+        got = torch.autograd.grad(K.attention(q, k, v, pos, scale=128 ** -0.5), (q, k, v), g.to(BF))
+        want = torch.autograd.grad(attention_fp32(q, k, v, pos, 128 ** -0.5), (q, k, v), g)
+        assert len(nested) == int(padded)
+        for a, e in zip(got, want):
+            assert a.shape == e.shape and torch.isfinite(a).all()
+            assert (a.float() - e).norm() / e.norm() < 2e-2
+
+
+@needs_cuda
 def test_reference_ops_are_invariant_on_cuda():
     """The CPU oracle's own properties hold when it runs on CUDA tensors (torch elementwise ops)."""
     from kernels import reference as R
