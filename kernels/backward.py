@@ -269,14 +269,14 @@ def whole_sequences(positions: torch.Tensor, keys: int) -> bool:
     return answer
 
 
-def attention_ref(q, k, v, positions, scale, from_zero: bool | None = None):
+def attention_ref(q, k, v, positions, scale, from_zero: bool):
     """Causal GQA attention over contiguous KV (training shapes) by scaled_dot_product_attention, for
     its backward. q [B, T, Hq, D]; query (b, t) sees keys 0..positions[b, t]. from_zero: the answer of
-    whole_sequences(positions, T_k), if known."""
+    whole_sequences(positions, T_k), which the forward has asked."""
     groups = q.shape[2] // k.shape[2]
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(groups, dim=2),
                                               v.repeat_interleave(groups, dim=2)))
-    if whole_sequences(positions, k.shape[1]) if from_zero is None else from_zero:
+    if from_zero:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:  # padding rows (negative positions) see key 0 only: no empty softmax (their gradient is zero)
         key_pos = torch.arange(k.shape[1], device=q.device)
@@ -331,7 +331,7 @@ class _CanonicalAttention(torch.autograd.Function):
 
 
 def attention_with_grad(canonical: Callable, q, k, v, positions, scale: float):
-    """canonical(q, k, v), differentiable as attention_ref(q, k, v, positions, scale) when grad is needed."""
+    """canonical(q, k, v), differentiable as attention_ref when grad is needed."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _CanonicalAttention.apply(canonical, q, k, v, positions, scale)
     return canonical(q, k, v)
