@@ -81,25 +81,37 @@ def half_shares(config: str, overrides: list[str]) -> list[str]:
     return out
 
 
-def run_interleaved(config: str, arms: list[str], steps: int, extra: list[str], tmp: Path) -> dict[str, list[dict]]:
+def run_interleaved(config: str, arms: list[str], steps: int, extra: list[str], tmp: Path):
     """The arms' jobs side by side in this process (one Ray session), taking steps in turns: step k of
     each arm, in the given order at odd k and reversed at even k. Each job's step is timed by the
-    recipe as in a run of its own; the other job is idle meanwhile (synchronous arms only)."""
-    from recipes.grpo import GRPOJob
-    from rollout_service.service.ray_cluster import init_ray
+    recipe as in a run of its own; the other job is idle meanwhile (synchronous arms only). Returns
+    each arm's step records, and the GPUs Ray gave its workers and ranks.
+
+    Rule: both jobs take half of each bundle of one placement group, reserved as one job's would be:
+    the arms' workers share their GPUs, as do their ranks, and a split job's worker is never on its
+    rank's GPU (Ray packs two half shares onto one GPU when no bundle keeps them apart, which would
+    make a split arm a colocated one whose weights go by CUDA IPC)."""
+    from recipes.grpo import GRPOJob, reserve_placement
+    from rollout_service.service.ray_cluster import init_ray, release
     started = init_ray()
-    steppers, records = {}, {arm: [] for arm in arms}
+    jobs, steppers, records = {}, {}, {arm: [] for arm in arms}
+    group = None
     with contextlib.redirect_stdout(sys.stderr):  # the jobs' progress lines: stdout is the JSON's
         try:
+            placement = load_config(config, arm_overrides(arms[0], steps, extra))
+            group = reserve_placement(placement)
             for arm in arms:
                 overrides = arm_overrides(arm, steps, extra)
                 overrides += half_shares(config, overrides) + [f"run_dir={tmp / arm}"]
                 print(f"[bench] {arm}, interleaved: {' '.join(overrides)}", flush=True)
-                steppers[arm] = GRPOJob(load_config(config, overrides)).steps(progress=False)
+                jobs[arm] = GRPOJob(load_config(config, overrides), placement_group=group)
+                steppers[arm] = jobs[arm].steps(progress=False)
             for k in range(1, steps + 1):
                 for arm in (arms if k % 2 else arms[::-1]):
                     records[arm].append(next(steppers[arm]))
                     print(f"[bench] {arm} step {k}: {records[arm][-1]['perf/step_s']:.3f}s", flush=True)
+                if k == 1:
+                    check_split_gpus(placement.placement, {arm: job.gpus for arm, job in jobs.items()})
             for arm in arms:  # past the last step: the job lands its last push and tears down
                 extra_step = next(steppers[arm], None)
                 if extra_step is not None:
@@ -107,10 +119,24 @@ def run_interleaved(config: str, arms: list[str], steps: int, extra: list[str], 
         finally:
             for stepper in steppers.values():
                 stepper.close()
+            if group is not None and not started:
+                release(group)
             if started:  # its workers' last log lines before the JSON, not into it
                 import ray
                 ray.shutdown()
-    return records
+    return records, {arm: job.gpus for arm, job in jobs.items()}
+
+
+def check_split_gpus(placement: str, gpus: dict[str, dict[str, list[str]]]) -> None:
+    """Refuses a split arm whose rollout workers and trainer ranks share a GPU (`gpus`: each arm's
+    GRPOJob.gpus): its step would not be a split step."""
+    if placement != "split":
+        return
+    for arm, where in gpus.items():
+        both = sorted(set(where["rollout"]) & set(where["trainer"]))
+        if both:
+            raise RuntimeError(f"{arm}: split placement, but its rollout workers and trainer ranks share GPUs "
+                               f"{both} (rollout {where['rollout']}, trainer {where['trainer']})")
 
 
 def summarise(records: list[dict]) -> dict:
@@ -281,8 +307,9 @@ def main() -> None:
                 order = arms if i % 2 == 0 else arms[::-1]
                 row = {"order": order}
                 if args.interleave:
-                    records = run_interleaved(args.config, order, args.steps, extra, Path(tmp) / f"round-{i}")
-                    row.update({"interleaved": True, **{arm: summarise(records[arm]) for arm in order}})
+                    records, gpus = run_interleaved(args.config, order, args.steps, extra, Path(tmp) / f"round-{i}")
+                    row.update({"interleaved": True,
+                                **{arm: {**summarise(records[arm]), "gpus": gpus[arm]} for arm in order}})
                 else:
                     for arm in order:
                         row[arm] = summarise(run_arm(args.config, arm, args.steps, extra, Path(tmp) / f"{arm}-{i}"))

@@ -76,7 +76,8 @@ def starting_model(cfg: RecipeConfig, task, resumed: bool) -> torch.nn.Module:
 
 
 def _start_rollout_pool(cfg: RecipeConfig, model, pool_name: str, namespace: str, shared):
-    """The rollout workers, each told the run's tree width (on `shared` bundles when colocated)."""
+    """The rollout workers, each told the run's tree width; worker i on bundle i of `shared`, if given
+    (placement_bundles)."""
     rollout_cfg = cfg.rollout
     return start_pool(model, num_workers=rollout_cfg.num_workers, name=pool_name, engine_kwargs=engine_options(cfg),
                       resources_per_worker=with_tree_width(rollout_cfg.resources_per_worker,
@@ -156,10 +157,16 @@ class GRPOJob:
     """One GRPO job (new, or continued from `resume`) on an initialised Ray. steps() starts it and
     yields each step's record as the step ends, so that a caller can take the steps of two jobs in
     turns on the same GPUs (bench.grpo_step --interleave); its workers and ranks are torn down when the
-    generator ends or is closed."""
+    generator ends or is closed.
 
-    def __init__(self, cfg: RecipeConfig, resume: str | Path | None = None):
+    placement_group: one the caller reserved with placement_bundles(cfg)'s bundles, whose shares the
+    job's actors take instead of reserving their own, e.g. two jobs sharing each bundle. Once the
+    job has started, `gpus` names the GPUs Ray gave its workers and its ranks."""
+
+    def __init__(self, cfg: RecipeConfig, resume: str | Path | None = None, placement_group=None):
         self.step0, self.cursor, self.ckpt, self.state = 0, 0, None, {}
+        self.placement_group = placement_group
+        self.gpus: dict[str, list[str]] = {}
         if resume is not None:
             self.ckpt = find_checkpoint(resume)
             self.state = read_state(self.ckpt)
@@ -184,16 +191,23 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
     t_model = time.perf_counter()
     pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
     pool_name, namespace = rollout_cfg.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
-    pool = trainer = logger = shared = queue = None
+    pool = trainer = logger = owned = queue = None
     colocated, canonical, sleeps = cfg.placement == "colocated", cfg.numerics == "canonical", engines_sleep(cfg)
     try:
         width = cfg.canonical.tree_segments
-        shared = colocated_bundles(cfg) if colocated else None
+        shared = job.placement_group
+        if shared is None and colocated:
+            shared = owned = reserve_placement(cfg)
         pool = _start_rollout_pool(cfg, model, pool_name, namespace, shared)
         t_pool = time.perf_counter()
         ranks = dataclasses.replace(trainer_cfg,
                                     resources_per_rank=with_tree_width(trainer_cfg.resources_per_rank, width))
-        trainer = TrainerGroup(ranks, model, rollout_cfg.temperature, cfg.numerics, colocate_with=shared)
+        # the ranks' bundles: colocated, worker i's (bundle i); split, those after the workers'
+        first_bundle = 0 if colocated else rollout_cfg.num_workers
+        trainer = TrainerGroup(ranks, model, rollout_cfg.temperature, cfg.numerics, colocate_with=shared,
+                               first_bundle=first_bundle)
+        job.gpus = {"rollout": [g for w in pool.stats()["workers"] for g in w["gpu_ids"]],
+                    "trainer": trainer.gpu_ids}
         if canonical:
             K.check_canonical({"rollout workers": pool.info["canonical"], "trainer ranks": trainer.canonical})
         if ckpt is not None:
@@ -207,6 +221,8 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
         t_ready = time.perf_counter()
         _say(f"run directory {run_dir}; set up in {t_ready - t_start:.0f}s (task and model {t_model - t_start:.0f}s, "
              f"rollout pool {t_pool - t_model:.0f}s, trainer ranks {t_ready - t_pool:.0f}s)")
+        if job.gpus["rollout"] or job.gpus["trainer"]:
+            _say(f"GPUs (Ray's ids): rollout workers {job.gpus['rollout']}, trainer ranks {job.gpus['trainer']}")
 
         def generate(step: int):
             first = cursor0 + (step - step0 - 1) * loop_cfg.prompts_per_step
@@ -273,15 +289,23 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             trainer.close()
         if pool is not None:
             pool.shutdown()
-        if shared is not None:
-            release(shared)
+        if owned is not None:
+            release(owned)
 
 
-def colocated_bundles(cfg: RecipeConfig):
-    """The colocated placement's placement group: bundle i holds rollout worker i and trainer rank i,
-    with room for both actors' CPUs and one GPU (on GPU runs) that they share."""
+def placement_bundles(cfg: RecipeConfig) -> list[dict]:
+    """The bundles of a job's placement group, in order. Colocated: one per trainer rank, holding rollout
+    worker i and rank i: both actors' CPUs and the GPU (on GPU runs) that they share. Split: one per
+    rollout worker, then one per rank, each holding its actor's resources, so that a worker's GPU is
+    never a rank's (Ray packs fractional GPU shares onto one GPU when no bundle keeps them apart)."""
     w, t = cfg.rollout.resources_per_worker, cfg.trainer.resources_per_rank
-    cpus = w.get("num_cpus", 1) + t.get("num_cpus", 1)
+
+    def bundle(cpus: float, gpus: float) -> dict:
+        return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    if cfg.placement == "split":
+        rank_gpus = t.get("num_gpus", 1 if cfg.trainer.device == "cuda" else 0)
+        return ([bundle(w.get("num_cpus", 1), w.get("num_gpus", 0))] * cfg.rollout.num_workers
+                + [bundle(t.get("num_cpus", 1), rank_gpus)] * cfg.trainer.num_ranks)
     gpus = w.get("num_gpus", 0) + t.get("num_gpus", 0)
     if cfg.trainer.device == "cuda" and not 0 < t.get("num_gpus", 0) < 1:
         raise ValueError("placement: colocated on GPUs needs trainer.resources_per_rank.num_gpus, a share below 1 "
@@ -289,10 +313,12 @@ def colocated_bundles(cfg: RecipeConfig):
     if gpus > 1:
         raise ValueError(f"placement: colocated shares one GPU per bundle: the worker's and the rank's num_gpus "
                          f"add up to {gpus} > 1")
-    # the bundle holds the GPU share the two actors add up to: all of it as shipped, part of it where
-    # two jobs take steps in turns on one GPU (bench.grpo_step --interleave)
-    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    group = reserve([bundle] * cfg.trainer.num_ranks, cfg.trainer.placement_strategy)
+    return [bundle(w.get("num_cpus", 1) + t.get("num_cpus", 1), gpus)] * cfg.trainer.num_ranks
+
+
+def reserve_placement(cfg: RecipeConfig):
+    """A placement group of placement_bundles(cfg) (cfg.trainer.placement_strategy), once it is ready."""
+    group = reserve(placement_bundles(cfg), cfg.trainer.placement_strategy)
     ray.get(group.ready())
     return group
 

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import kernels as K
+from rollout_service.service.ray_cluster import actor_gpu_ids
 from trainer_patch import patch_model, stock_token_logprobs, token_logprobs
 
 from .config import TrainerConfig
@@ -79,7 +80,8 @@ class TrainerRank:
                                      weight_decay=self.cfg.weight_decay)
         self.weight_push = RankWeightPush(self.rank, self.world, self.cfg, self.device, model, self.full_state_dict)
         canonical = K.canonical_config(self.device) if self.numerics == "canonical" else None
-        return {"num_params": sum(p.numel() for p in model.parameters()), "canonical": canonical}
+        return {"num_params": sum(p.numel() for p in model.parameters()), "canonical": canonical,
+                "gpu_ids": actor_gpu_ids()}
 
     # -- training --------------------------------------------------------------------------------
 
@@ -327,9 +329,12 @@ class TrainerGroup:
     """Driver-side handle: starts the ranks, forms the process group, fans calls out to all ranks."""
 
     def __init__(self, cfg: TrainerConfig, model: torch.nn.Module, temperature: float, numerics: str = "canonical",
-                 colocate_with=None):
-        """colocate_with: a placement group with one bundle per rank (the colocated placement): rank r
-        takes a share of bundle r, which it shares with rollout worker r."""
+                 colocate_with=None, first_bundle: int = 0):
+        """colocate_with: a placement group of the caller's whose bundles other actors share: rank r takes
+        a share of bundle first_bundle + r. The colocated placement shares bundle r with rollout worker
+        r; two jobs taking steps in turns on the same GPUs share each bundle (bench.grpo_step
+        --interleave; a split job's ranks come after its workers' bundles). Without it, GPU ranks
+        reserve a group of their own. `gpu_ids`: the GPUs Ray gave each rank, in rank order."""
         import ray
 
         self.world = cfg.num_ranks
@@ -340,7 +345,8 @@ class TrainerGroup:
         per_rank = [dict(opts) for _ in range(self.world)]
         from rollout_service.service.ray_cluster import on_bundle, reserve
         if colocate_with is not None:
-            per_rank = [dict(opts, scheduling_strategy=on_bundle(colocate_with, r)) for r in range(self.world)]
+            per_rank = [dict(opts, scheduling_strategy=on_bundle(colocate_with, first_bundle + r))
+                        for r in range(self.world)]
         elif cfg.device == "cuda":
             opts.setdefault("num_gpus", 1)
             # One node where possible: NCCL stays intra-node and checkpoints land on one disk.
@@ -356,6 +362,7 @@ class TrainerGroup:
             model_ref = ray.put(model)
             infos = ray.get([a.setup.remote(addr, port, model_ref) for a in self.ranks])
             self.num_params = infos[0]["num_params"]
+            self.gpu_ids = [g for info in infos for g in info["gpu_ids"]]
             self.canonical = None if numerics == "stock" else K.check_canonical(
                 {f"trainer rank {r}": info["canonical"] for r, info in enumerate(infos)})
         except BaseException:

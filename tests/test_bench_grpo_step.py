@@ -58,12 +58,22 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
     assert out["stock_over_canonical_step_median"] == row["stock_over_canonical_step"]
 
 
+# the bench's CLI in a Ray session that declares two GPUs: Ray places actors that ask for GPU shares, and
+# tells each the ids it gave it, as on a two-GPU machine (the engines and ranks still compute on the CPU)
+TWO_RAY_GPUS = ("import sys, ray; ray.init(address='local', num_cpus=4, num_gpus=2, include_dashboard=False, "
+                "log_to_driver=False); from bench.grpo_step import main; main()")
+SPLIT_ON_TWO_GPUS = ["rollout.num_workers=1", "trainer.num_ranks=1", "rollout.engine.device=cpu",
+                     "rollout.resources_per_worker.num_gpus=1", "trainer.resources_per_rank.num_gpus=1"]
+
+
 def test_bench_grpo_step_interleaved_cpu(tmp_path):
     """--interleave: both arms' jobs in one process take steps in turns, the order alternating step to
-    step; every step after the first is paired with the other arm's; KL as in runs of their own."""
-    env = {**os.environ, "RAY_ADDRESS": "local", "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "bench.grpo_step", "--device", "cpu", "--steps", "3", "--interleave",
-                           "--plot", str(tmp_path / "turns.png"), "trainer.weight_sync=broadcast"],
+    step; every step after the first is paired with the other arm's; KL as in runs of their own. Split
+    over two GPUs, each arm's worker and rank take half of a GPU each: both workers share one, both
+    ranks the other, and no worker is on its rank's GPU."""
+    env = {**os.environ, "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", TWO_RAY_GPUS, "--device", "cpu", "--steps", "3", "--interleave",
+                           "--plot", str(tmp_path / "turns.png"), "trainer.weight_sync=broadcast", *SPLIT_ON_TWO_GPUS],
                           check=False, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)  # the jobs' own lines went to stderr
@@ -80,6 +90,19 @@ def test_bench_grpo_step_interleaved_cpu(tmp_path):
                                                                             canonical["step_seconds"][1:])]
     assert out["stock_over_canonical_per_step_median"] == row["stock_over_canonical_per_step_median"]
     assert (tmp_path / "turns.png").stat().st_size > 0
+    gpus = canonical["gpus"]
+    assert len(gpus["rollout"]) == len(gpus["trainer"]) == 1 and gpus["rollout"] != gpus["trainer"]
+    assert stock["gpus"] == gpus
+
+
+def test_split_arms_whose_worker_shares_its_ranks_gpu_are_refused():
+    from bench.grpo_step import check_split_gpus
+    apart = {"canonical": {"rollout": ["0"], "trainer": ["1"]}, "stock": {"rollout": ["0"], "trainer": ["1"]}}
+    check_split_gpus("split", apart)
+    packed = {"canonical": {"rollout": ["0"], "trainer": ["0"]}, "stock": {"rollout": ["1"], "trainer": ["1"]}}
+    check_split_gpus("colocated", packed)  # sharing is what colocated means
+    with pytest.raises(RuntimeError, match=r"canonical: split placement, but .* share GPUs \['0'\]"):
+        check_split_gpus("split", packed)
 
 
 def test_interleave_refuses_async_arms():

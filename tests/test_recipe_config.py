@@ -11,7 +11,7 @@ import yaml
 
 from recipes.checkpoint import CONFIG_FILE, write_state
 from recipes.config import ConfigError, RecipeConfig, RolloutConfig, coerce_numbers, load_config
-from recipes.grpo import build_config
+from recipes.grpo import build_config, placement_bundles
 
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 TINY = CONFIGS / "tiny.yaml"
@@ -156,3 +156,18 @@ def test_colocated_vllm_engines_are_built_with_sleep_mode_only_when_they_sleep(a
     split = load_config(CONFIGS / "gpu_split.yaml", [vllm_engine])
     assert engine_options(colocated).get("sleep_mode", False) is (not awake)
     assert "sleep_mode" not in engine_options(split)
+
+
+def test_placement_bundles_keep_a_split_runs_workers_off_its_ranks_gpus():
+    """Split: a bundle per worker, then one per rank, each a whole GPU of its own, so that two jobs
+    taking half of each (bench.grpo_step --interleave) stay split. Colocated: a bundle per rank that
+    rank i and worker i share."""
+    split = load_config(CONFIGS / "gpu_split.yaml", ["rollout.num_workers=2", "trainer.num_ranks=3"])
+    assert placement_bundles(split) == [{"CPU": 2, "GPU": 1}] * 2 + [{"CPU": 2, "GPU": 1}] * 3
+    cpu_split = load_config(TINY, [])  # CPU ranks ask for no GPU
+    assert placement_bundles(cpu_split) == [{"CPU": 0.5}] * 4
+    colocated = load_config(CONFIGS / "gpu_colocated.yaml", [])
+    assert placement_bundles(colocated) == [{"CPU": 4, "GPU": 1.0}]
+    too_much = load_config(CONFIGS / "gpu_colocated.yaml", ["trainer.resources_per_rank.num_gpus=0.9"])
+    with pytest.raises(ValueError, match="add up to 1.4 > 1"):
+        placement_bundles(too_much)

@@ -47,6 +47,13 @@ def with_tree_width(options: dict | None, segments: int) -> dict:
     return options
 
 
+def actor_gpu_ids() -> list[str]:
+    """The GPUs Ray gave the calling actor (ray.get_gpu_ids(), as strings): who shares a GPU with whom,
+    as Ray placed them; empty for an actor that asked for none."""
+    import ray
+    return [str(g) for g in ray.get_gpu_ids()]
+
+
 def release(placement) -> None:
     from ray.util.placement_group import remove_placement_group
     remove_placement_group(placement)

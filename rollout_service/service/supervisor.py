@@ -295,7 +295,8 @@ class WorkerSupervisor:
     def worker_stats(self) -> list[dict]:
         return [{"index": s.index, "state": s.state, "in_flight": s.in_flight, "completed": s.completed,
                  "restarts": s.restarts, "failed_restarts": s.failed_restarts, "error": s.error,
-                 "weight_version": s.weight_version, "pid": s.info.get("pid"), "gpu": s.info.get("gpu")}
+                 "weight_version": s.weight_version, "pid": s.info.get("pid"), "gpu": s.info.get("gpu"),
+                 "gpu_ids": s.info.get("gpu_ids", [])}
                 for s in self.slots]
 
     async def shutdown(self) -> None:

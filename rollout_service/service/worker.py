@@ -20,6 +20,7 @@ from rollout_service.engine.config import ParallelConfig, split_worker_options
 from rollout_service.engine.engine import Engine, load_model
 from rollout_service.engine.tp import create_tp_group
 from rollout_service.params import Rollout
+from rollout_service.service.ray_cluster import actor_gpu_ids
 from rollout_service.service.switch_modes import SWITCH_IN_FLIGHT, check_switch_mode, engine_switch_modes
 from rollout_service.service.weight_sync import SyncPlan, WeightReceiver, gpu_uuid
 from rollout_service.weights import load_weights
@@ -172,7 +173,7 @@ class RolloutWorker:
                 "digest": await self._call(self._engine.weights_digest),
                 "canonical": await self._call(self._engine.canonical_config),
                 "spec": await self._call(spec) if spec is not None else None, "gpu": self._gpu_uuid(),
-                "switch_modes": list(self._switch_modes)}
+                "gpu_ids": actor_gpu_ids(), "switch_modes": list(self._switch_modes)}
 
     def _gpu_uuid(self) -> str | None:
         device = torch.device(getattr(self._engine, "device", "cpu"))
