@@ -62,18 +62,23 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
 # tells each the ids it gave it, as on a two-GPU machine (the engines and ranks still compute on the CPU)
 TWO_RAY_GPUS = ("import sys, ray; ray.init(address='local', num_cpus=4, num_gpus=2, include_dashboard=False, "
                 "log_to_driver=False); from bench.grpo_step import main; main()")
-SPLIT_ON_TWO_GPUS = ["rollout.num_workers=1", "trainer.num_ranks=1", "rollout.engine.device=cpu",
-                     "rollout.resources_per_worker.num_gpus=1", "trainer.resources_per_rank.num_gpus=1"]
+ON_TWO_GPUS = {  # placement: (overrides, whether rank i shares worker i's GPU)
+    "split": (["rollout.num_workers=1", "trainer.num_ranks=1", "rollout.engine.device=cpu",
+               "rollout.resources_per_worker.num_gpus=1", "trainer.resources_per_rank.num_gpus=1"], False),
+    "colocated": (["placement=colocated", "rollout.engine.device=cpu", "rollout.resources_per_worker.num_gpus=0.5",
+                   "trainer.resources_per_rank.num_gpus=0.5"], True)}
 
 
-def test_bench_grpo_step_interleaved_cpu(tmp_path):
+@pytest.mark.parametrize("placement", ON_TWO_GPUS)
+def test_bench_grpo_step_interleaved_cpu(tmp_path, placement):
     """--interleave: both arms' jobs in one process take steps in turns, the order alternating step to
-    step; every step after the first is paired with the other arm's; KL as in runs of their own. Split
-    over two GPUs, each arm's worker and rank take half of a GPU each: both workers share one, both
-    ranks the other, and no worker is on its rank's GPU."""
+    step; every step after the first is paired with the other arm's; KL as in runs of their own. On two
+    GPUs both arms take half of each GPU their placement gives one job: split, both workers share one
+    and both ranks the other (no worker on its rank's GPU); colocated, worker i and rank i share GPU i."""
+    overrides, shared = ON_TWO_GPUS[placement]
     env = {**os.environ, "HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", TWO_RAY_GPUS, "--device", "cpu", "--steps", "3", "--interleave",
-                           "--plot", str(tmp_path / "turns.png"), "trainer.weight_sync=broadcast", *SPLIT_ON_TWO_GPUS],
+                           "--plot", str(tmp_path / "turns.png"), "trainer.weight_sync=broadcast", *overrides],
                           check=False, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)  # the jobs' own lines went to stderr
@@ -91,8 +96,9 @@ def test_bench_grpo_step_interleaved_cpu(tmp_path):
     assert out["stock_over_canonical_per_step_median"] == row["stock_over_canonical_per_step_median"]
     assert (tmp_path / "turns.png").stat().st_size > 0
     gpus = canonical["gpus"]
-    assert len(gpus["rollout"]) == len(gpus["trainer"]) == 1 and gpus["rollout"] != gpus["trainer"]
-    assert stock["gpus"] == gpus
+    assert stock["gpus"] == gpus  # the arms share each GPU
+    assert sorted(gpus["rollout"] + gpus["trainer"]) == (["0", "0", "1", "1"] if shared else ["0", "1"])
+    assert (gpus["rollout"] == gpus["trainer"]) is shared
 
 
 def test_split_arms_whose_worker_shares_its_ranks_gpu_are_refused():
