@@ -98,8 +98,8 @@ def run_interleaved(config: str, arms: list[str], steps: int, extra: list[str], 
     group = None
     with contextlib.redirect_stdout(sys.stderr):  # the jobs' progress lines: stdout is the JSON's
         try:
-            placement = load_config(config, arm_overrides(arms[0], steps, extra))
-            group = reserve_placement(placement)
+            one_job = load_config(config, arm_overrides(arms[0], steps, extra))  # at one job's whole shares
+            group = reserve_placement(one_job)
             for arm in arms:
                 overrides = arm_overrides(arm, steps, extra)
                 overrides += half_shares(config, overrides) + [f"run_dir={tmp / arm}"]
@@ -111,7 +111,7 @@ def run_interleaved(config: str, arms: list[str], steps: int, extra: list[str], 
                     records[arm].append(next(steppers[arm]))
                     print(f"[bench] {arm} step {k}: {records[arm][-1]['perf/step_s']:.3f}s", flush=True)
                 if k == 1:
-                    check_split_gpus(placement.placement, {arm: job.gpus for arm, job in jobs.items()})
+                    check_split_gpus(one_job.placement, {arm: job.gpus for arm, job in jobs.items()})
             for arm in arms:  # past the last step: the job lands its last push and tears down
                 extra_step = next(steppers[arm], None)
                 if extra_step is not None:
