@@ -93,15 +93,18 @@ class ForwardContext:
     MixedPrecisionPolicy(cast_forward_inputs=True), its default, casts the floating tensors it finds
     in a layer's arguments (inside dataclasses, dicts, tuples) to bf16, and the float32 rotary rows
     must reach the layers as they are."""
-    __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv", "routing", "defer_residual", "pending")
+    __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv", "routing", "sequence_lengths", "defer_residual",
+                 "pending")
 
     def __init__(self, ops: OpSet, spec: ModelSpec, positions: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, kv: PagedKV | None = None, routing: list | None = None):
+                 sin: torch.Tensor, kv: PagedKV | None = None, routing: list | None = None,
+                 sequence_lengths: tuple[int, ...] | None = None):
         self.ops, self.spec = ops, spec
         self.positions = positions  # [B, T]; negative = padding token
         self.cos, self.sin = cos, sin  # float32 rotary rows per token
         self.kv = kv  # None: contiguous KV of this call (training / full sequences)
         self.routing = routing  # a list: each MoE layer appends its expert ids [B, T, k]
+        self.sequence_lengths = sequence_lengths  # a packed row [1, N]: its sequences' lengths (packed_lengths)
         # Without autograd a layer's last residual add is left to the next norm (one fused launch,
         # the same bits). With it, every layer adds its own: FSDP2 prepares a layer's backward from
         # the tensors that layer returns.
@@ -148,7 +151,7 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     q, k = ops.rotary_qk(q, k, ctx.cos, ctx.sin)
     scale = getattr(attn, "scaling", spec.head_dim ** -0.5)
     if ctx.kv is None:
-        o = ops.attention(q, k, v, ctx.positions, None, scale)
+        o = _contiguous_attention(ops, q, k, v, ctx, scale)
     else:  # the cache picks the query layout (each query row's numbers do not depend on it)
         o = ctx.kv.attend(ops, attn.layer_idx, q, k, v, ctx.positions, scale)
     # Each intermediate is dropped once used: a prefill step's peak memory is what vLLM leaves out of
@@ -167,6 +170,43 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     for lo in range(0, b * t, MLP_CHUNK_ROWS):
         down[lo:lo + MLP_CHUNK_ROWS] = _dense_mlp(ops, mlp, rows[lo:lo + MLP_CHUNK_ROWS])
     return ctx.residual(hidden, down.view(b, t, -1))
+
+
+def _contiguous_attention(ops: OpSet, q, k, v, ctx: ForwardContext, scale: float) -> torch.Tensor:
+    """Attention over this call's own K/V. A packed row's sequences each attend alone: every one is the
+    very call it would be if scored on its own ([1, L], positions 0..L-1), so packing cannot change a
+    bit of it, and no query row ever sees another sequence's keys or a pad."""
+    if ctx.sequence_lengths is None:
+        return ops.attention(q, k, v, ctx.positions, None, scale)
+    parts, start = [], 0
+    for length in ctx.sequence_lengths:
+        rows = slice(start, start + length)
+        parts.append(ops.attention(q[:, rows], k[:, rows], v[:, rows], ctx.positions[:, rows], None, scale))
+        start += length
+    return torch.cat(parts, dim=1)
+
+
+def packed_lengths(positions: torch.Tensor) -> tuple[int, ...] | None:
+    """The sequence lengths of a packed row, or None for ordinary rows.
+
+    The layout is Hugging Face's padding-free one: sequences back to back in one row [1, N] whose
+    positions restart at 0 for each (0..L1-1, 0..L2-1, ...). Any other restart of the positions is
+    refused: contiguous attention reads key j at position j of its row."""
+    if positions.dim() != 2 or positions.shape[1] < 2:
+        return None
+    starts = (positions[:, 1:] == 0).nonzero()
+    if starts.numel() == 0:
+        return None
+    if positions.shape[0] != 1:
+        raise ValueError(f"packed sequences (positions restarting at 0) go in one row [1, N]; got "
+                         f"positions of shape {tuple(positions.shape)}")
+    row = positions[0]
+    bounds = [0, *(starts[:, 1] + 1).tolist(), row.shape[0]]
+    lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    expected = torch.cat([torch.arange(n, device=row.device) for n in lengths])
+    if not torch.equal(row, expected):
+        raise ValueError("a packed row's positions must run 0..L-1 for each of its sequences")
+    return lengths
 
 
 def _dense_mlp(ops: OpSet, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -221,12 +261,19 @@ def _row_blocks(parts: list[torch.nn.Module], name: str) -> torch.Tensor:
 
 
 def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, *,
-                   ops: OpSet = CANONICAL_OPS, kv: PagedKV | None = None, routing: list | None = None) -> torch.Tensor:
+                   ops: OpSet = CANONICAL_OPS, kv: PagedKV | None = None, routing: list | None = None,
+                   sequence_lengths: tuple[int, ...] | None = None) -> torch.Tensor:
     """Final-norm hidden states [B, T, H] (bf16) for token ids [B, T] at absolute positions [B, T].
-    routing: a list that receives each MoE layer's expert ids [B, T, k] (MoE models)."""
+    routing: a list that receives each MoE layer's expert ids [B, T, k] (MoE models).
+    sequence_lengths: a packed row [1, N] of sequences of these lengths (packed_lengths(positions)),
+    each scored as if alone; contiguous KV only."""
     spec = model_spec(model)
+    if sequence_lengths is not None and (kv is not None or input_ids.shape[0] != 1
+                                         or sum(sequence_lengths) != input_ids.shape[1]):
+        raise ValueError(f"sequence_lengths {sequence_lengths} must split one contiguous row [1, N]; got "
+                         f"input_ids {tuple(input_ids.shape)}{' with a paged cache' if kv is not None else ''}")
     cos, sin = rope_table(model).lookup(positions)
-    ctx = ForwardContext(ops, spec, positions, cos, sin, kv, routing)
+    ctx = ForwardContext(ops, spec, positions, cos, sin, kv, routing, sequence_lengths)
     hidden = model.model.embed_tokens(input_ids).to(torch.bfloat16)
     for layer in model.model.layers:
         hidden = layer(hidden, ctx) if _is_patched(layer) else decoder_layer_forward(layer, hidden, ctx)

@@ -173,7 +173,18 @@ class TrainerConfig:
     mini_batches: int = 1
     """Optimizer steps per rollout batch, at least 1; train.prompts_per_step must be divisible by it."""
     micro_batch_size: int = 0
-    """Sequences per forward on a rank; 0 = all at once."""
+    """Sequences per forward on a rank; 0 = all at once. Unused when max_tokens_per_micro_batch is set."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one forward on a rank (verl's ppo_max_token_len_per_gpu): whole sequences are grouped
+    into micro-batches of at most this many tokens (recipes.batch.budget_groups); 0: micro_batch_size rules.
+    At least the longest prompt + rollout.max_tokens. Log-probs keep their bits whatever the budget; the
+    gradient is a sum over micro-batches, whose order of summation (and so its last bits) follows them."""
+    packing: bool = True
+    """Each micro-batch's sequences go back to back in one row, positions restarting per sequence (no pad
+    token in any matmul or attention); false: right-padded rows. Log-probs are the same bits either way."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (long sequences);
+    the forward's values, and so the log-probs, do not change."""
     old_logprobs: str = "rollout"
     """rollout (the rollouts' own) | recompute (the trainer's, before the update; numerics stock needs it)."""
     scale_advantages: bool = True
@@ -432,6 +443,8 @@ def _check_values(cfg: RecipeConfig) -> None:
         raise ConfigError("trainer.weight_stage_mb must be >= 0")
     if not tr.weight_push_timeout_s > 0:
         raise ConfigError("trainer.weight_push_timeout_s must be > 0")
+    if tr.micro_batch_size < 0 or tr.max_tokens_per_micro_batch < 0:
+        raise ConfigError("trainer.micro_batch_size and trainer.max_tokens_per_micro_batch must be >= 0")
     if tr.num_ranks < 1 or tr.mini_batches < 1:
         raise ConfigError("trainer.num_ranks and trainer.mini_batches must be >= 1")
     if train.prompts_per_step % tr.mini_batches:

@@ -245,7 +245,8 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
                 raise RuntimeError(f"{len(failed)} rollouts failed, e.g. {failed[0].finish_reason}: {failed[0].error}")
             rewards, samples = _score(task, rows, prompts, rollouts, rollout_cfg.n, trainer_cfg.scale_advantages)
             plans, tokens = split_for_ranks(samples, trainer_cfg.num_ranks, trainer_cfg.mini_batches,
-                                            trainer_cfg.micro_batch_size, pad_id)
+                                            trainer_cfg.micro_batch_size, pad_id,
+                                            trainer_cfg.max_tokens_per_micro_batch, trainer_cfg.packing)
             trainer_version = sync["version"]
             stale = tuple(sorted({v for s in samples for v in s.weight_versions or ()} - {trainer_version}))
             t2 = time.perf_counter()

@@ -18,10 +18,11 @@ def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
                     clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over masked tokens of the PPO-clipped surrogate (to minimise), and how many tokens clipped.
 
-    logp, old_logp, mask: [B, L]; advantages: [B] (one per sequence, shared by its tokens).
+    logp, old_logp, mask: [B, L]; advantages: [B] (one per sequence, shared by its tokens) or [B, L] (per
+    token: packed rows hold several sequences).
     """
     ratio = torch.exp(logp - old_logp)
-    adv = advantages.unsqueeze(1)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)

@@ -24,8 +24,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import kernels as K
 from rollout_service.service.ray_cluster import actor_gpu_ids
-from trainer_patch import patch_model, stock_token_logprobs, token_logprobs
+from trainer_patch import checkpoint_activations, patch_model, stock_token_logprobs, token_logprobs
 
+from .batch import real_tokens
 from .config import TrainerConfig
 from .grpo_loss import clipped_pg_loss
 from .metrics import logprob_agreement, routing_agreement
@@ -70,6 +71,8 @@ class TrainerRank:
             patch_model(model)
         else:  # the stock arm: the model's own forward with its best stock attention
             model.config._attn_implementation = "sdpa"
+        if self.cfg.activation_checkpointing:
+            checkpoint_activations(model)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -86,11 +89,14 @@ class TrainerRank:
     # -- training --------------------------------------------------------------------------------
 
     def _logprobs(self, mb: dict, routing: list | None = None) -> torch.Tensor:
+        """Log-probs of a micro-batch, padded rows or one packed row (recipes.batch)."""
+        ids = mb["input_ids"].to(self.device)
+        layout = ({"position_ids": mb["position_ids"].to(self.device)} if "position_ids" in mb
+                  else {"attention_mask": mb["attention_mask"].to(self.device)})
         if self.numerics == "stock":
-            return stock_token_logprobs(self.model, mb["input_ids"].to(self.device),
-                                        mb["attention_mask"].to(self.device), temperature=self.temperature)
-        return token_logprobs(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
-                              temperature=self.temperature, routing=routing)
+            return stock_token_logprobs(self.model, ids, temperature=self.temperature,
+                                        **{"attention_mask": None, **layout})
+        return token_logprobs(self.model, ids, temperature=self.temperature, routing=routing, **layout)
 
     @staticmethod
     def _routing_out(mb: dict) -> list | None:
@@ -165,7 +171,7 @@ class TrainerRank:
                 (loss_sum * scale).backward()
                 loss_total += loss_sum.item()
                 clipped_total += float(clipped)
-                seq_tokens += int(mb["attention_mask"].sum())
+                seq_tokens += real_tokens(mb)
             if m == len(minibatches) - 1:  # the step's last backward has run
                 self.weight_push.wake_engines()
             grad_norms.append(self._clip_grads())

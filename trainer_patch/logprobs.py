@@ -7,7 +7,8 @@ from .patch import RoutingSink, ScoreTokens, check_input_ids, is_patched, patch_
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   temperature: float = 1.0, routing: list | None = None) -> torch.Tensor:
+                   temperature: float = 1.0, routing: list | None = None,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) at the rollout's temperature.
 
     `temperature` is the one the rollout sampled with (0 for greedy: log-probs at T = 1, the rule of
@@ -18,6 +19,11 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     routing: a list that receives, from this same forward, each MoE layer's expert ids [B, T, k]
     (increasing ids; row t routed the hidden state whose logits score token t + 1, as a rollout's
     routed_experts records it). Nothing is appended for a dense model.
+
+    position_ids: packed sequences, Hugging Face's padding-free layout: input_ids [1, N] holds the sequences
+    back to back and position_ids [1, N] restarts at 0 for each (no attention_mask). Each sequence's
+    log-probs are the ones it gets scored alone, bit for bit; the position before a sequence's first
+    token (it would score the next sequence's start) is 0, like padding.
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0 \
             or temperature == float("inf"):
@@ -25,7 +31,13 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     ids = check_input_ids(model, input_ids)
     if ids.shape[1] < 2:
         raise ValueError("input_ids need at least 2 tokens per row to have a next-token log-prob")
-    if attention_mask is not None:
+    if position_ids is not None:
+        if attention_mask is not None:
+            raise ValueError("packed sequences (position_ids) take no attention_mask")
+        if position_ids.shape != ids.shape:
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} != input_ids {tuple(ids.shape)}")
+        position_ids = position_ids.to(ids.device)
+    elif attention_mask is not None:
         if attention_mask.shape != ids.shape:
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)} != input_ids {tuple(ids.shape)}")
         mask = attention_mask.to(ids.device).bool()
@@ -37,18 +49,36 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         patch_model(model)
     extra = {} if routing is None else {"zerokl_routing": RoutingSink(routing)}
     # only real positions pass through the lm head; the rest stay 0
-    scored = mask[:, 1:] if attention_mask is not None else torch.ones_like(ids[:, 1:], dtype=torch.bool)
+    scored = _scored_positions(ids, attention_mask, position_ids)
+    if position_ids is not None:
+        extra["position_ids"] = position_ids
     return model(input_ids=ids, zerokl_score=ScoreTokens(scored, float(temperature)), **extra).log_probs
 
 
-def stock_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         temperature: float = 1.0) -> torch.Tensor:
+def _scored_positions(ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      position_ids: torch.Tensor | None) -> torch.Tensor:
+    """[B, T-1] bool: position t scores token t + 1 of the same sequence."""
+    if position_ids is not None:  # a packed row: t + 1 must not start the next sequence
+        return position_ids[:, 1:] != 0
+    if attention_mask is not None:
+        return attention_mask.to(ids.device).bool()[:, 1:]
+    return torch.ones_like(ids[:, 1:], dtype=torch.bool)
+
+
+def stock_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                         temperature: float = 1.0, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The same quantity from an unpatched Hugging Face model, the way stock RL trainers compute it
     (the stock arm of the recipe): its own forward (SDPA attention, cuBLAS matmuls), logits in
     float32 divided by the temperature (greedy: 1), log_softmax, gathered at the next tokens. It does
-    not equal a rollout engine's log-probs bit for bit; that difference is what the recipe measures."""
-    mask = attention_mask.to(input_ids.device)
-    logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float()
+    not equal a rollout engine's log-probs bit for bit; that difference is what the recipe measures.
+
+    position_ids: packed sequences in one row, as in token_logprobs; transformers turns the restarting
+    positions into a block-diagonal causal mask (or varlen flash attention), its padding-free path."""
+    if position_ids is not None:
+        position_ids = position_ids.to(input_ids.device)
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[:, :-1].float()
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask.to(input_ids.device)).logits[:, :-1].float()
     logp = torch.log_softmax(logits / (float(temperature) or 1.0), dim=-1)
     logp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.where(mask[:, 1:].bool(), logp, 0.0)
+    return torch.where(_scored_positions(input_ids, attention_mask, position_ids), logp, 0.0)

@@ -10,11 +10,47 @@ from transformers.utils import ModelOutput
 
 import kernels as K
 from kernels.forward import (SUPPORTED_ARCHITECTURES, CANONICAL_OPS, compute_logits, decoder_layer_forward,
-                             forward_hidden, lm_head_weight, model_spec)
+                             forward_hidden, lm_head_weight, model_spec, packed_lengths)
+
+_CHECKPOINT = "_zerokl_checkpoint"  # layer.__dict__ flag set by checkpoint_activations
 
 
 def _layer_forward(self, hidden_states, ctx):
+    if self.__dict__.get(_CHECKPOINT) and torch.is_grad_enabled():
+        return _checkpointed_layer_forward(self, hidden_states, ctx)
     return decoder_layer_forward(self, hidden_states, ctx)
+
+
+def _checkpointed_layer_forward(layer, hidden_states, ctx):
+    """The layer's forward under torch.utils.checkpoint: its activations are dropped after the forward and
+    recomputed in its backward. The recompute is the same canonical forward on the same inputs, so it gives
+    the same bits; MoE routing is recorded by the first run only (the recompute would append it again)."""
+    runs = 0
+
+    def run(hidden):
+        nonlocal runs
+        runs += 1
+        routing = ctx.routing
+        if runs > 1:
+            ctx.routing = None
+        try:
+            return decoder_layer_forward(layer, hidden, ctx)
+        finally:
+            ctx.routing = routing
+
+    return torch.utils.checkpoint.checkpoint(run, hidden_states, use_reentrant=False, preserve_rng_state=False)
+
+
+def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
+    """Activation checkpointing per decoder layer, for a patched model or a stock one (Hugging Face's own
+    gradient_checkpointing_enable, non-reentrant). Call before or after fully_shard. Forward values do not
+    change, so log-probs keep their bits; gradients are those of the same forward."""
+    if is_patched(model):
+        for layer in model.model.layers:
+            layer.__dict__[_CHECKPOINT] = True
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 class RoutingSink:
@@ -55,7 +91,9 @@ def _lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, la
     with zerokl_score the scored positions' log-probs (TokenScoresOutput).
 
     Sequences are right-padded; `attention_mask` is accepted for API compatibility (padding never
-    changes the values at real positions, because every row only sees its own earlier tokens).
+    changes the values at real positions, because every row only sees its own earlier tokens). Packed
+    sequences come as Hugging Face's padding-free layout: one row [1, N] with `position_ids` restarting
+    at 0 for each sequence; each is scored as if alone (kernels.forward.packed_lengths).
     zerokl_routing: a RoutingSink whose list receives each MoE layer's expert ids [B, T, k].
     """
     unsupported = {k for k, v in kwargs.items() if v is not None and k not in ("use_cache", "return_dict")}
@@ -67,7 +105,8 @@ def _lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, la
     if zerokl_routing is not None and not isinstance(zerokl_routing, RoutingSink):
         raise TypeError(f"zerokl_routing must be a RoutingSink, got {type(zerokl_routing).__name__}")
     routing = None if zerokl_routing is None else zerokl_routing.layers
-    hidden = forward_hidden(self, ids, position_ids, ops=CANONICAL_OPS, routing=routing)
+    hidden = forward_hidden(self, ids, position_ids, ops=CANONICAL_OPS, routing=routing,
+                            sequence_lengths=packed_lengths(position_ids))
     if zerokl_score is None:
         return CausalLMOutputWithPast(logits=compute_logits(self, hidden))
     return _score(self, ids, hidden, zerokl_score)
