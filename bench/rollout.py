@@ -31,6 +31,8 @@ SHAPES = {
                      num_kv_heads=2, vocab_size=151936),
     "qwen1.5b": dict(arch="qwen2", hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
                      num_kv_heads=2, vocab_size=151936),
+    "qwen3-4b": dict(arch="qwen3", hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
+                     num_kv_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     # Qwen3-30B-A3B (48 layers: pass num_layers to fit the GPU); stock vLLM MoE is not in the GPU bundle
     "qwen3moe30b": dict(arch="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
                         num_kv_heads=4, head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,

@@ -83,7 +83,8 @@ class TrainerRank:
                                      weight_decay=self.cfg.weight_decay)
         self.weight_push = RankWeightPush(self.rank, self.world, self.cfg, self.device, model, self.full_state_dict)
         canonical = K.canonical_config(self.device) if self.numerics == "canonical" else None
-        return {"num_params": sum(p.numel() for p in model.parameters()), "canonical": canonical,
+        self.num_params = sum(p.numel() for p in model.parameters())
+        return {"num_params": self.num_params, "canonical": canonical,
                 "gpu_ids": actor_gpu_ids()}
 
     # -- training --------------------------------------------------------------------------------
@@ -140,6 +141,8 @@ class TrainerRank:
     def _train_step(self, minibatches: list[list[dict]], tokens_per_mini: list[int],
                     stale_versions: tuple[int, ...]) -> dict:
         cfg, start = self.cfg, time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         behaviour = self._stale_logprobs(minibatches, stale_versions)
         agreement, pre = [], None
         if len(minibatches) > 1 or cfg.old_logprobs == "recompute":
@@ -182,9 +185,11 @@ class TrainerRank:
             # device by the whole optimizer step (it reads nothing back after it); without this wait that
             # time would be counted in whatever reads the weights next, the weight push.
             torch.cuda.current_stream(self.device).synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         return {"agreement": agreement, "loss_sum": loss_total, "clipped_tokens": clipped_total,
                 "grad_norm": grad_norms, "tokens": seq_tokens, "ratio": ratios.summary(),
-                "seconds": time.perf_counter() - start}
+                "seconds": time.perf_counter() - start, "peak_memory_bytes": peak,
+                "num_params": self.num_params}
 
     # -- weight versions (asynchronous steps) ------------------------------------------------------
 

@@ -11,12 +11,13 @@ TINY_PREFIX = "tiny:"
 def tiny_config(arch: str = "qwen2", vocab_size: int = 96, hidden_size: int = 64, num_layers: int = 2,
                 num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                 max_positions: int = 512, head_dim: int | None = None, num_experts: int = 8,
-                num_experts_per_tok: int = 2, moe_intermediate_size: int | None = None):
+                num_experts_per_tok: int = 2, moe_intermediate_size: int | None = None,
+                tie_word_embeddings: bool = False):
     import transformers
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                  tie_word_embeddings=tie_word_embeddings, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if arch == "llama":
         return transformers.LlamaConfig(**common)
     if arch == "qwen2":

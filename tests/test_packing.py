@@ -7,17 +7,15 @@ control that differs.
 """
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from recipes.batch import Sample, budget_groups, pack, pack_flat, split_for_ranks
+from packing_shared import per_sample, rollout_samples, score, train_step_in_process
+from recipes.batch import budget_groups, pack, pack_flat, split_for_ranks
 from recipes.config import ConfigError, TrainerConfig, load_config
-from rollout_service import Engine, SamplingParams
 from rollout_service.tiny_models import tiny_model
-from trainer_patch import checkpoint_activations, stock_token_logprobs, token_logprobs
+from trainer_patch import checkpoint_activations, patch_model, token_logprobs
 
 VOCAB = 200
 # completions of varied length, as RL batches have them (lengths drawn once, fixed here)
@@ -34,37 +32,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def samples(checkpoint):
-    """Rollouts of varied lengths from the engine, as training samples (advantages alternate in sign)."""
-    engine = Engine(checkpoint, fast_path="native", window=8, group=16, device="cpu")
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, VOCAB, (2 + i % 5,), generator=gen).tolist() for i in range(len(LENGTHS))]
-    params = [SamplingParams(max_tokens=n, temperature=1.0, seed=100 + i)
-              for i, n in enumerate(LENGTHS)]
-    rollouts = engine.generate(prompts, params)
-    assert [len(r.token_ids) for r in rollouts] == LENGTHS
-    return [Sample(p, r.token_ids, r.logprobs, (-1.0) ** i) for i, (p, r) in enumerate(zip(prompts, rollouts))]
+    return rollout_samples(checkpoint, LENGTHS, VOCAB, "cpu")
 
 
 def _policy(checkpoint):
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
-
-
-def _per_sample(mb: dict, logp: torch.Tensor, samples: list[Sample]) -> list[list[float]]:
-    """Each sample's generated-token log-probs out of a micro-batch (samples in the batch's order)."""
-    flat = logp[mb["loss_mask"]].tolist()
-    out, start = [], 0
-    for s in samples:
-        out.append(flat[start:start + len(s.token_ids)])
-        start += len(s.token_ids)
-    return out
-
-
-def _score(model, mb: dict, stock: bool = False) -> torch.Tensor:
-    layout = ({"position_ids": mb["position_ids"]} if "position_ids" in mb else
-              {"attention_mask": mb["attention_mask"]})
-    if stock:
-        return stock_token_logprobs(model, mb["input_ids"], **{"attention_mask": None, **layout})
-    return token_logprobs(model, mb["input_ids"], temperature=1.0, **layout)
 
 
 @pytest.mark.parametrize("order", ["as generated", "reversed", "interleaved"])
@@ -79,7 +51,7 @@ def test_packed_logprobs_are_the_rollouts_whatever_the_packing(checkpoint, sampl
         for group in groups:
             mb = pack_flat(group)
             assert mb["input_ids"].shape[0] == 1  # one row: no pad token anywhere
-            got = _per_sample(mb, _score(model, mb), group)
+            got = per_sample(mb, score(model, mb), group)
             assert got == [s.logprobs for s in group]  # bit for bit: exact float equality
 
 
@@ -90,11 +62,11 @@ def test_packed_equals_padded_and_alone_and_stock_packing_differs(checkpoint, sa
     stock.config._attn_implementation = "sdpa"
     flat, padded = pack_flat(samples), pack(samples)
     with torch.no_grad():
-        canonical_packed = _per_sample(flat, _score(model, flat), samples)
-        canonical_padded = _per_sample(padded, _score(model, padded), samples)
-        alone = [_per_sample(pack_flat([s]), _score(model, pack_flat([s])), [s])[0] for s in samples]
-        stock_packed = _per_sample(flat, _score(stock, flat, stock=True), samples)
-        stock_alone = [_per_sample(pack([s]), _score(stock, pack([s]), stock=True), [s])[0] for s in samples]
+        canonical_packed = per_sample(flat, score(model, flat), samples)
+        canonical_padded = per_sample(padded, score(model, padded), samples)
+        alone = [per_sample(pack_flat([s]), score(model, pack_flat([s])), [s])[0] for s in samples]
+        stock_packed = per_sample(flat, score(stock, flat, stock=True), samples)
+        stock_alone = [per_sample(pack([s]), score(stock, pack([s]), stock=True), [s])[0] for s in samples]
     assert canonical_packed == canonical_padded == alone == [s.logprobs for s in samples]
     assert stock_packed != stock_alone
     # ...by rounding, not by attending across sequences (which would move log-probs by nats)
@@ -149,9 +121,8 @@ def test_activation_checkpointing_keeps_logprobs_and_gradients(checkpoint, sampl
         for p in model.parameters():  # float32 masters, bf16 forward, as the trainer runs it
             p.requires_grad_(True)
         if checkpointed:
-            from trainer_patch import patch_model
             checkpoint_activations(patch_model(model))
-        logp = _score(model, mb)
+        logp = score(model, mb)
         (logp * mb["advantages"] * mb["loss_mask"]).sum().backward()
         values.append(logp.detach())
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -165,7 +136,6 @@ def test_activation_checkpointing_keeps_logprobs_and_gradients(checkpoint, sampl
 
 def test_checkpointed_moe_records_its_routing_once():
     model = tiny_model("qwen3_moe", vocab_size=64, max_positions=64).float()
-    from trainer_patch import patch_model
     checkpoint_activations(patch_model(model))
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     layers: list = []
@@ -181,12 +151,6 @@ def test_config_fields_for_packing_and_budgets():
         load_config(None, ["trainer.max_tokens_per_micro_batch=-1"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("layout", [dict(packing=True, max_tokens_per_micro_batch=290),
                                     dict(packing=True, max_tokens_per_micro_batch=1000,
                                          activation_checkpointing=True),
@@ -194,17 +158,8 @@ def _free_port() -> int:
 def test_fsdp2_trainer_rank_agrees_with_the_rollouts_in_every_layout(checkpoint, samples, layout):
     """A TrainerRank (FSDP2 fully_shard, gloo, one rank) trains on the packed, budgeted micro-batches: its
     forward reports the rollouts' log-probs bit for bit (KL 0, no mismatched token) before the update."""
-    from recipes.trainer import TrainerRank
-
     cfg = TrainerConfig(num_ranks=1, lr=1e-3, **layout)
-    rank = TrainerRank(0, 1, cfg, temperature=1.0)
-    try:
-        rank.setup("127.0.0.1", _free_port(), _policy(checkpoint))
-        plans, tokens = split_for_ranks(samples, 1, 1, cfg.micro_batch_size, 0, cfg.max_tokens_per_micro_batch,
-                                        cfg.packing)
-        result = rank.train_step(plans[0], tokens)
-    finally:
-        rank.close()
+    result = train_step_in_process(cfg, _policy(checkpoint), samples)
     parts = result["agreement"]
     assert sum(p["tokens"] for p in parts) == sum(LENGTHS)
     assert sum(p["mismatched"] for p in parts) == 0 and max(p["max_abs"] for p in parts) == 0.0
