@@ -75,10 +75,23 @@ def stock_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attent
     position_ids: packed sequences in one row, as in token_logprobs; transformers turns the restarting
     positions into a block-diagonal causal mask (or varlen flash attention), its padding-free path."""
     if position_ids is not None:
+        _check_stock_packing()
         position_ids = position_ids.to(input_ids.device)
+        # use_cache=False: with a KV cache transformers skips its packed-sequence detection, and every token
+        # would attend to the sequences before it in the row
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[:, :-1].float()
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask.to(input_ids.device)).logits[:, :-1].float()
     logp = torch.log_softmax(logits / (float(temperature) or 1.0), dim=-1)
     logp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.where(_scored_positions(input_ids, attention_mask, position_ids), logp, 0.0)
+
+
+def _check_stock_packing() -> None:
+    """transformers reads packed rows from restarting position_ids since its masking_utils learnt to
+    (find_packed_sequence_indices); an older release would let sequences attend to each other."""
+    import transformers
+    import transformers.masking_utils as masking
+    if not hasattr(masking, "find_packed_sequence_indices"):
+        raise RuntimeError(f"transformers {transformers.__version__} cannot score packed rows with the stock "
+                           "forward: set trainer.packing=false, or upgrade transformers")
