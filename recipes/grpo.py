@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import shlex
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,15 +32,16 @@ import kernels as K
 from rollout_service.service.client import DEFAULT_NAMESPACE, RolloutClient
 from rollout_service.params import DETERMINISM_MODES
 from rollout_service.service.pool import start_pool
-from rollout_service.service.ray_cluster import init_ray, release, reserve, with_tree_width
+from rollout_service.service.ray_cluster import init_ray, original_error, release, reserve, with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
 from .checkpoint import CONFIG_FILE, checkpoint_dir, find_checkpoint, read_state, write_state
-from .config import CanonicalTreeConfig, RecipeConfig, load_config
+from .config import CanonicalTreeConfig, ConfigError, RecipeConfig, load_config
 from .grpo_loss import group_advantages
+from .memory_plan import MemoryPlan, TrainerOutOfMemory, measure_rank_gpu, plan_memory
 from .metrics import MetricsLogger, StepProgress, step_metrics, step_split
-from .models import initial_model
+from .models import initial_model, policy_config
 from .rollout_queue import RolloutQueue
 from .rollouts import engine_options, engines_sleep, group_requests, prompt_indices, records_routing, rollouts_digest
 from .task import build_task
@@ -186,6 +188,7 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
     run_name = f"{cfg.name}-{rollout_cfg.determinism}"
     t_start = time.perf_counter()
     task = build_task(cfg)
+    memory_plan = check_memory_plan(job, task)
     model = starting_model(cfg, task, resumed=ckpt is not None)
     routed = records_routing(rollout_cfg, model)  # MoE: rollouts record routing, the trainer compares its own
     t_model = time.perf_counter()
@@ -202,10 +205,8 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
         t_pool = time.perf_counter()
         ranks = dataclasses.replace(trainer_cfg,
                                     resources_per_rank=with_tree_width(trainer_cfg.resources_per_rank, width))
-        # the ranks' bundles: colocated, worker i's (bundle i); split, those after the workers'
-        first_bundle = 0 if colocated else rollout_cfg.num_workers
         trainer = TrainerGroup(ranks, model, rollout_cfg.temperature, cfg.numerics, colocate_with=shared,
-                               first_bundle=first_bundle)
+                               first_bundle=ranks_first_bundle(cfg), memory_plan=memory_plan)
         job.gpus = {"rollout": [g for w in pool.stats()["workers"] for g in w["gpu_ids"]],
                     "trainer": trainer.gpu_ids}
         if canonical:
@@ -294,6 +295,32 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             release(owned)
 
 
+def ranks_first_bundle(cfg: RecipeConfig) -> int:
+    """The trainer ranks' first bundle of a job's placement group: colocated, worker i's (bundle i); split,
+    the one after the workers' (placement_bundles)."""
+    return 0 if cfg.placement == "colocated" else cfg.rollout.num_workers
+
+
+def check_memory_plan(job: GRPOJob, task) -> MemoryPlan | None:
+    """GPU ranks: the run's memory plan (recipes.memory_plan), checked against a GPU like a rank's before
+    anything long starts (the model, its warm-up, the rollout pool); a plan that cannot fit raises
+    MemoryPlanRefused. The ranks check it again against their own GPUs (TrainerRank.setup)."""
+    cfg = job.cfg
+    if cfg.trainer.device != "cuda":
+        return None
+    longest_prompt = max(len(ids) for ids in task.dataset["prompt_ids"])
+    plan = plan_memory(cfg, policy_config(cfg, task.tokenizer), longest_prompt)
+    gpu = measure_rank_gpu(cfg.trainer, job.placement_group, ranks_first_bundle(cfg))
+    if gpu is None:
+        _say("memory plan: no GPU answered in time; each trainer rank checks it against its own")
+        return plan
+    plan = plan.on_gpu(gpu)
+    plan.check()
+    _say(f"memory plan: about {plan.total / 2 ** 30:.1f} GiB of a trainer rank's GPU ({gpu.name}, "
+         f"{gpu.total_bytes / 2 ** 30:.1f} GiB)")
+    return plan
+
+
 def placement_bundles(cfg: RecipeConfig) -> list[dict]:
     """The bundles of a job's placement group, in order. Colocated: one per trainer rank, holding rollout
     worker i and rank i: both actors' CPUs and the GPU (on GPU runs) that they share. Split: one per
@@ -365,9 +392,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = ap.parse_intermixed_args(argv)
-    cfg = build_config(args)
-    init_ray(args.ray_address)
-    result = run(cfg, resume=args.resume, progress=not args.no_progress)
+    try:
+        cfg = build_config(args)
+        init_ray(args.ray_address)
+        result = run(cfg, resume=args.resume, progress=not args.no_progress)
+    except Exception as e:
+        error = original_error(e)  # a trainer rank's own error out of Ray's wrapper
+        if not isinstance(error, (ConfigError, TrainerOutOfMemory)):
+            raise
+        # Rule: a run its config (or its memory plan, a ConfigError) refuses, or whose step ran out of
+        # memory, ends with the message, its numbers and the knobs, not a traceback; status 2 for a refusal
+        print(f"{ap.prog}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2 if isinstance(error, ConfigError) else 1) from None
     last = result["records"][-1] if result["records"] else {}
     if last:
         print(f"final step {last['step']}: reward {last['reward/mean']:.3f}, "

@@ -3,9 +3,18 @@ from __future__ import annotations
 
 import torch
 
-from rollout_service.tiny_models import tiny_model
+from rollout_service.tiny_models import tiny_config, tiny_model
 
 from .config import RecipeConfig
+
+
+def policy_config(cfg: RecipeConfig, tokenizer):
+    """The Hugging Face config of the model initial_model builds, read without building it (no weights)."""
+    spec = cfg.model
+    if spec.source == "tiny":
+        return tiny_config(vocab_size=spec.vocab_size or len(tokenizer), **spec.tiny_options())
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(spec.name)
 
 
 def initial_model(cfg: RecipeConfig, tokenizer) -> torch.nn.Module:

@@ -8,6 +8,7 @@ only where used, so a TrainerRank also runs in plain torch.distributed processes
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import socket
@@ -29,6 +30,7 @@ from trainer_patch import checkpoint_activations, patch_model, stock_token_logpr
 from .batch import real_tokens
 from .config import TrainerConfig
 from .grpo_loss import clipped_pg_loss
+from .memory_plan import MemoryPlan, TrainerOutOfMemory, device_memory, out_of_memory_message
 from .metrics import logprob_agreement, routing_agreement
 from .weight_push import RankWeightPush
 
@@ -37,8 +39,12 @@ class TrainerRank:
     """One rank. Created by TrainerGroup as a Ray actor; every method except `address` is collective."""
 
     def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, temperature: float,
-                 numerics: str = "canonical"):
+                 numerics: str = "canonical", memory_plan: MemoryPlan | None = None):
+        """memory_plan: the run's (recipes.memory_plan), or None. A CUDA rank checks it against its GPU
+        before taking any memory, names it when a step runs out of memory, and gives its cached memory
+        back before an engine sleeping on its GPU wakes (MemoryPlan.engine_wakes_after_step)."""
         self.rank, self.world, self.cfg, self.numerics = rank, world_size, cfg, numerics
+        self.memory_plan = memory_plan
         self.temperature = float(temperature) if temperature > 0 else 1.0
         torch.set_num_threads(cfg.torch_threads or 1)
         # The patched root returns a view of the logits; nothing here modifies it in place.
@@ -47,6 +53,7 @@ class TrainerRank:
         self._versions: dict[int, list[torch.Tensor]] = {}  # weight version -> this rank's shards (keep_version)
         self.weight_push: RankWeightPush | None = None  # made by setup, with the model
         self._train_failed = False  # the last train step raised: a push queued behind it is not sent
+        self._optimizer_steps = 0  # optimizer steps applied in the train step under way
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -60,6 +67,9 @@ class TrainerRank:
         if self.cfg.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
             self.device, backend = torch.device("cuda", 0), "nccl"
+            if self.memory_plan is not None:  # refused before this rank takes any memory
+                self.memory_plan = self.memory_plan.on_gpu(device_memory(0))
+                self.memory_plan.check()
         else:
             self.device, backend = torch.device("cpu"), "gloo"
         dist.init_process_group(backend, rank=self.rank, world_size=self.world)
@@ -131,12 +141,41 @@ class TrainerRank:
         if arm is not None:
             self.weight_push.arm(*arm)
         try:
-            result = self._train_step(minibatches, tokens_per_mini, stale_versions)
+            result = self._step_or_out_of_memory(minibatches, tokens_per_mini, stale_versions)
         except BaseException as e:
             self.weight_push.decline_armed(f"the train step before it failed: {e!r}")
             raise
         self._train_failed = False
         return result
+
+    def _step_or_out_of_memory(self, minibatches: list[list[dict]], tokens_per_mini: list[int],
+                               stale_versions: tuple[int, ...]) -> dict:
+        """_train_step; one that runs out of device memory raises TrainerOutOfMemory, once the rank has
+        dropped what the step held (_drop_failed_step), so that it can step again."""
+        self._optimizer_steps = 0
+        try:
+            return self._train_step(minibatches, tokens_per_mini, stale_versions)
+        except torch.OutOfMemoryError as e:
+            message = out_of_memory_message(e, self.memory_plan, self._optimizer_steps, len(minibatches))
+        # Rule: the step's memory is dropped only here, after the except block: the caught error's
+        # traceback holds the step's frames, and with them its activations, until that block ends (so the
+        # error raised here is not chained to it either).
+        self._drop_failed_step()
+        raise TrainerOutOfMemory(message)
+
+    def _drop_failed_step(self) -> None:
+        """What a failed step leaves is dropped: FSDP2's iteration state (reset_iter_state waits for the
+        collectives in flight and reshards every layer), the partial gradients (the step is lost), and on
+        CUDA the allocator's cache."""
+        reset = getattr(self.model, "reset_iter_state", None)
+        if reset is not None:
+            reset()
+        else:  # a torch without FSDPModule.reset_iter_state: every gathered parameter dropped at least
+            self._reshard()
+        self.opt.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _train_step(self, minibatches: list[list[dict]], tokens_per_mini: list[int],
                     stale_versions: tuple[int, ...]) -> dict:
@@ -176,9 +215,11 @@ class TrainerRank:
                 clipped_total += float(clipped)
                 seq_tokens += real_tokens(mb)
             if m == len(minibatches) - 1:  # the step's last backward has run
+                self._release_cache_for_engine()
                 self.weight_push.wake_engines()
             grad_norms.append(self._clip_grads())
             self.opt.step()
+            self._optimizer_steps += 1
             self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             # Rule: a step ends when its optimizer step has run on the device. The host is ahead of the
@@ -247,6 +288,15 @@ class TrainerRank:
                         else:
                             logps[key], rows[key] = logp, mine
         return {key: (logps[key], rows[key]) for key in logps}
+
+    def _release_cache_for_engine(self) -> None:
+        """Rule: a CUDA rank gives its cached memory back (torch.cuda.empty_cache) before a rollout engine
+        sleeping on its GPU wakes (colocated placement). The last backward has freed the activations, but
+        PyTorch's caching allocator keeps their blocks for this process, where the waking engine, another
+        process, cannot map them. Where no engine wakes on the GPU the cache is kept: the next step reuses
+        it without allocating from the device again."""
+        if self.device.type == "cuda" and self.memory_plan is not None and self.memory_plan.engine_wakes_after_step:
+            torch.cuda.empty_cache()
 
     def _clip_grads(self) -> float:
         max_norm = self.cfg.max_grad_norm or math.inf
@@ -340,12 +390,13 @@ class TrainerGroup:
     """Driver-side handle: starts the ranks, forms the process group, fans calls out to all ranks."""
 
     def __init__(self, cfg: TrainerConfig, model: torch.nn.Module, temperature: float, numerics: str = "canonical",
-                 colocate_with=None, first_bundle: int = 0):
+                 colocate_with=None, first_bundle: int = 0, memory_plan: MemoryPlan | None = None):
         """colocate_with: a placement group of the caller's whose bundles other actors share: rank r takes
         a share of bundle first_bundle + r. The colocated placement shares bundle r with rollout worker
         r; two jobs taking steps in turns on the same GPUs share each bundle (bench.grpo_step
         --interleave; a split job's ranks come after its workers' bundles). Without it, GPU ranks
-        reserve a group of their own. `gpu_ids`: the GPUs Ray gave each rank, in rank order."""
+        reserve a group of their own. `gpu_ids`: the GPUs Ray gave each rank, in rank order.
+        memory_plan: the run's (recipes.memory_plan), given to every rank (TrainerRank)."""
         import ray
 
         self.world = cfg.num_ranks
@@ -366,7 +417,7 @@ class TrainerGroup:
             ray.get(self.placement.ready())
             per_rank = [dict(opts, scheduling_strategy=on_bundle(self.placement, r)) for r in range(self.world)]
         actor = ray.remote(TrainerRank)
-        self.ranks = [actor.options(**per_rank[r]).remote(r, self.world, cfg, temperature, numerics)
+        self.ranks = [actor.options(**per_rank[r]).remote(r, self.world, cfg, temperature, numerics, memory_plan)
                       for r in range(self.world)]
         try:
             addr, port = ray.get(self.ranks[0].address.remote())

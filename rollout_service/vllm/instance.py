@@ -24,6 +24,29 @@ SLEEP_TAGS_ORDER = ("weights", "kv_cache")  # vLLM's tags of the memory a sleep 
 SLEEP_TAGS = frozenset(SLEEP_TAGS_ORDER)
 
 
+class EngineWakeOutOfMemory(RuntimeError):
+    """vLLM's wake could not map the engine's memory back: the GPU it shares (with a trainer rank, in the
+    GRPO recipe's colocated placement) lacks room for the engine's share. What stayed asleep wakes on the
+    next wake, which retries it."""
+
+
+# What a failed wake asks of the run. The names are the GRPO recipe's keys (recipes.config); the engine's
+# own options are the same names under rollout.engine.
+WAKE_KNOBS = ("a smaller engine share (rollout.engine.gpu_memory_utilization, or "
+              "rollout.engine.vllm_options.kv_cache_memory_bytes: the KV cache to the rollout's need), less "
+              "held by the trainer rank on the same GPU when the engine wakes (trainer.num_ranks shards its "
+              "weights, gradients and AdamW states; trainer.max_tokens_per_micro_batch and "
+              "trainer.activation_checkpointing bound its activations), or rollout.sleep_while_training=false "
+              "where the engine and the rank fit side by side")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's OutOfMemoryError, or vLLM's sleep-mode allocator failing to map memory back: its C
+    extension (cumem_allocator) raises a RuntimeError "CUDA Error: out of memory at ..." (vLLM 0.25-0.32)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+
+
 def canonical_vllm_params(params, num_preceding: int, max_tokens: int):
     """vLLM SamplingParams that make vLLM emit our rule's tokens and log-probs for a
     rollout_service.SamplingParams request whose first new token follows `num_preceding` tokens.
@@ -259,7 +282,14 @@ class VLLMInstance:
         if "kv_cache" in waking and "weights" in self._asleep_tags - waking:
             raise ValueError("the weights wake first (see the rule above)")
         if waking:
-            self.llm.wake_up(tags=None if waking == SLEEP_TAGS else sorted(waking, key=SLEEP_TAGS_ORDER.index))
+            try:
+                self.llm.wake_up(tags=None if waking == SLEEP_TAGS else sorted(waking, key=SLEEP_TAGS_ORDER.index))
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                raise EngineWakeOutOfMemory(
+                    f"vLLM's wake ran out of GPU memory mapping {' and '.join(sorted(waking))} back ({e}). "
+                    f"Make room with {WAKE_KNOBS}.") from e
             self._asleep_tags -= waking
 
     def capture(self, on: bool = True) -> list[dict]:
