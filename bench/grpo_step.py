@@ -6,6 +6,10 @@
     python -m bench.grpo_step ... --arms canonical > a.json; ... --arms stock > b.json
     python -m bench.grpo_step --merge a.json b.json                      # one arm per call, joined
     python -m bench.grpo_step --config recipes/configs/gpu_colocated.yaml --steps 21 --interleave
+    python -m bench.grpo_step --config recipes/configs/gpu_colocated.yaml --steps 6 --interleave \
+        --plot-lengths lengths.png warmup.steps=0 train.prompts_per_step=64 model.max_positions=8192 \
+        rollout.length_distribution=lognormal rollout.length_median=1024 rollout.max_tokens=4096 \
+        trainer.max_tokens_per_micro_batch=16384 trainer.activation_checkpointing=true
 
 Each round runs the recipe once per arm, taking turns (these machines are noisy), in the order given
 in even rounds and in the reverse order in odd ones (`order` in each round): on GPUs the arm that
@@ -15,12 +19,22 @@ under FSDP2, old log-probs recomputed); `--arms canonical,async` adds `async` (t
 the next step's rollouts generated while the trainer steps; split placement) and `async-in-flight` (the
 same, its pushes landing in the rollouts in flight: native engines, object store). Per arm and round:
 the median over the steps after the first (compiles, warm caches) of rollout, train, weight sync,
-engine sleep and step seconds (checkpoint writes left out), tokens/s, and
+engine sleep and step seconds (checkpoint writes left out), rollout and train tokens/s, the
+trainer's MFU and peak memory (GPU ranks only), the completions' median length and its spread, and
 the largest KL and max |Δ log-prob| of any step; per round the paired ratios stock step / canonical
-step (above 1: zero KL is faster) and canonical step / async step (the asynchronous speed-up), the
-same pairs of the steps after the first summed (`*_steps_summed`: slow steps count there), and
-samples per second; per round, for the async arms, the seconds of steps each arm took to reach the same
-reward (time_to_reward). Progress goes to stderr, the JSON to stdout; --plot draws the split.
+step (above 1: zero KL is faster), canonical / stock train tokens/s, and canonical step / async step
+(the asynchronous speed-up), the same pairs of the steps after the first summed (`*_steps_summed`:
+slow steps count there), and samples per second; per round, for the async arms, the seconds of steps
+each arm took to reach the same reward (time_to_reward). Progress goes to stderr, the JSON to stdout;
+--plot draws the split.
+
+Completion lengths: rollout.length_distribution=lognormal gives each request its own max_tokens, drawn
+as the recipe draws it (recipes.rollouts.completion_budget: median rollout.length_median, log-space
+std rollout.length_sigma, capped at rollout.max_tokens). These benchmarks' random models almost
+never emit EOS, so their completions run to the drawn budget, with one exception: the supervised
+warm-up teaches the arithmetic answer and its EOS (about 3 tokens), hence warmup.steps=0 above.
+--plot-lengths draws a histogram of the budgets the config draws for its steps (and puts their
+summary in the JSON as `drawn_lengths`) before the runs start.
 
 --interleave runs the arms' jobs side by side in this process, on the same GPUs, taking steps in turns
 (step k of each arm, their order alternating from step to step), so that a machine that slows for
@@ -39,7 +53,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from recipes.config import load_config
+from recipes.config import RecipeConfig, load_config
 from recipes.metrics import STEP_PARTS, read_metrics, step_medians
 
 ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"],
@@ -50,6 +64,11 @@ ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", 
 RATIOS = {"stock_over_canonical_step": ("stock", "canonical"),
           "canonical_over_async_step": ("canonical", "async"),
           "canonical_over_async_in_flight_step": ("canonical", "async-in-flight")}
+# (numerator arm, denominator arm) of each paired ratio of train tokens/s, per round (above 1: the
+# numerator's trainer is faster)
+TOKEN_RATIOS = {"canonical_over_stock_train_tokens_per_s": ("canonical", "stock")}
+# the trainer's device figures (recipes.metrics.train_device_metrics): logged by GPU ranks only
+DEVICE_FIGURES = {"train_mfu": "perf/train_mfu", "train_peak_memory_gib": "perf/train_peak_memory_gib"}
 REWARD_WINDOW = 3  # steps in the trailing mean that time-to-reward compares (rewards are noisy step to step)
 CPU_SMOKE = ["warmup.steps=10", "train.prompts_per_step=8", "metrics.wandb=false"]
 
@@ -144,6 +163,17 @@ def summarise(records: list[dict]) -> dict:
     out = {f"{part}_s": seconds for part, seconds in step_medians(records).items()}
     out["rollout_tokens_per_s"] = statistics.median(r["perf/rollout_tokens_per_s"] for r in steady)
     out["train_tokens_per_s"] = statistics.median(r["perf/train_tokens_per_s"] for r in steady)
+    out["train_tokens_per_s_by_step"] = [r["perf/train_tokens_per_s"] for r in records]
+    for name, key in DEVICE_FIGURES.items():
+        values = [r[key] for r in steady if key in r]
+        if values:
+            out[name] = statistics.median(values)
+    if all("response/length_median" in r for r in steady):  # generated tokens per rollout
+        out["completion_length_median"] = statistics.median(r["response/length_median"] for r in steady)
+        out["completion_length_mean"] = statistics.median(r["response/length_mean"] for r in steady)
+        out["completion_length_min"] = min(r["response/length_min"] for r in steady)
+        out["completion_length_max"] = max(r["response/length_max"] for r in steady)
+        out["stop_fraction"] = statistics.median(r["response/stop_fraction"] for r in steady)
     out["sync_share"] = out["weight_sync_s"] / out["step_s"]
     phases = sorted({k for r in steady for k in r if k.startswith("perf/sync_")})  # where the sync went
     out["sync_phases_s"] = {k[len("perf/sync_"):-2]: statistics.median(r.get(k, 0.0) for r in steady) for k in phases}
@@ -206,7 +236,71 @@ def with_ratios(result: dict) -> dict:
         pooled = [ratio for r in result["rounds"] for ratio in r.get(per_step, [])]
         if pooled:  # every round's steps
             result[f"{per_step}_median"] = statistics.median(pooled)
+    for name, (num, den) in TOKEN_RATIOS.items():
+        per_step = f"{name}_per_step"
+        for row in result["rounds"]:
+            if "train_tokens_per_s" in row.get(num, {}) and "train_tokens_per_s" in row.get(den, {}):
+                row[name] = row[num]["train_tokens_per_s"] / row[den]["train_tokens_per_s"]
+                if row.get("interleaved"):
+                    row[per_step] = [n / d for n, d in zip(row[num]["train_tokens_per_s_by_step"][1:],
+                                                           row[den]["train_tokens_per_s_by_step"][1:])]
+        ratios = [r[name] for r in result["rounds"] if name in r]
+        if ratios:
+            result[f"{name}_median"] = statistics.median(ratios)
+        pooled = [ratio for r in result["rounds"] for ratio in r.get(per_step, [])]
+        if pooled:
+            result[f"{per_step}_median"] = statistics.median(pooled)
     return result
+
+
+def drawn_lengths(cfg: RecipeConfig) -> list[int]:
+    """The max_tokens of every request a new run of `cfg` sends in its train.steps steps, drawn by the
+    recipe's own functions (the task's prompt order, recipes.rollouts.group_requests)."""
+    from recipes.rollouts import group_requests, prompt_indices
+    from recipes.task import build_task
+    task = build_task(cfg)
+    per_step = cfg.train.prompts_per_step
+    lengths = []
+    for step in range(1, cfg.train.steps + 1):
+        indices = prompt_indices((step - 1) * per_step, per_step, len(task.dataset), cfg.seed)
+        _, params = group_requests([task.dataset[i]["prompt_ids"] for i in indices], indices, step, cfg.rollout,
+                                   cfg.seed, task.stop_token_ids)
+        lengths += [p.max_tokens for p in params]
+    return lengths
+
+
+def length_summary(cfg: RecipeConfig, lengths: list[int]) -> dict:
+    r = cfg.rollout
+    return {"distribution": r.length_distribution, "median_set": r.length_median, "sigma": r.length_sigma,
+            "cap": r.max_tokens, "steps": cfg.train.steps, "count": len(lengths),
+            "median": statistics.median(lengths), "min": min(lengths), "max": max(lengths),
+            "at_cap": sum(n == r.max_tokens for n in lengths) / len(lengths)}
+
+
+def plot_lengths(cfg: RecipeConfig, lengths: list[int], path: str) -> str:
+    """A histogram of drawn completion budgets; returns its title, which states the distribution and its
+    parameters."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    r, summary = cfg.rollout, length_summary(cfg, lengths)
+    if r.length_distribution == "lognormal":
+        law = f"lognormal: median {r.length_median}, sigma {r.length_sigma:g}, cap {r.max_tokens}"
+    else:
+        law = f"fixed: every request {r.max_tokens}"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(lengths, bins=min(60, max(1, len(set(lengths)))), color="tab:blue")
+    ax.axvline(summary["median"], color="black", linestyle="--", label=f"median drawn {summary['median']:g}")
+    ax.set_xlabel("completion budget (max_tokens), tokens")
+    ax.set_ylabel("requests")
+    title = (f"{law}\n{len(lengths)} requests over {cfg.train.steps} steps "
+             f"({cfg.train.prompts_per_step} prompts x {r.n}); {summary['at_cap']:.1%} at the cap")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return title
 
 
 def merge(parts: list[dict]) -> dict:
@@ -288,8 +382,12 @@ def main() -> None:
                          "and machine, run in turns) round by round, with their ratios")
     ap.add_argument("--interleave", action="store_true",
                     help="the arms side by side on the same GPUs, taking steps in turns (synchronous arms only)")
+    ap.add_argument("--plot-lengths", default=None, metavar="PNG",
+                    help="a histogram of the completion budgets (max_tokens) the config draws for its steps")
     ap.add_argument("overrides", nargs="*", help="key.sub=value, given to both arms")
     args = ap.parse_args()
+    if args.merge and args.plot_lengths:
+        ap.error("--plot-lengths draws a run's lengths: give it without --merge")
     if args.merge:
         result = merge([json.loads(Path(p).read_text()) for p in args.merge])
     else:
@@ -302,6 +400,11 @@ def main() -> None:
                      "run it without --interleave")
         extra = (CPU_SMOKE if args.device == "cpu" else []) + args.overrides
         result = {"config": args.config, "steps": args.steps, "overrides": args.overrides, "rounds": []}
+        if args.plot_lengths:  # before the runs: the lengths are the config's, whatever the runs do
+            cfg = load_config(args.config, arm_overrides(arms[0], args.steps, extra))
+            lengths = drawn_lengths(cfg)
+            plot_lengths(cfg, lengths, args.plot_lengths)
+            result["drawn_lengths"] = length_summary(cfg, lengths)
         with tempfile.TemporaryDirectory(prefix="zerokl-bench-grpo-") as tmp:
             for i in range(args.rounds):
                 order = arms if i % 2 == 0 else arms[::-1]

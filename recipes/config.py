@@ -29,6 +29,7 @@ TRAINER_DEVICES = ("cpu", "cuda")
 NUMERICS = ("canonical", "stock")
 PLACEMENTS = ("split", "colocated")
 WEIGHT_TRANSPORTS = ("auto", *TRANSPORTS)
+LENGTH_DISTRIBUTIONS = ("fixed", "lognormal")
 
 
 class ConfigError(ValueError):
@@ -129,7 +130,17 @@ class RolloutConfig:
     n: int = 8
     """Samples per prompt (the GRPO group), each with its own seed; at least 2."""
     max_tokens: int = 16
-    """Most tokens generated per rollout."""
+    """Most tokens generated per rollout; with length_distribution lognormal, the cap of every drawn budget."""
+    length_distribution: str = "fixed"
+    """Each request's max_tokens: fixed (every request rollout.max_tokens) | lognormal (drawn per request,
+    median length_median, log-space std length_sigma, clipped to [1, max_tokens]): completions whose
+    lengths vary inside a batch as reasoning rollouts' do. A draw is a pure function of (run seed, step,
+    prompt index, sample index), like the sampling seed (recipes.rollouts.completion_budget)."""
+    length_median: int | None = None
+    """lognormal: the median drawn max_tokens, 1 .. max_tokens (required there)."""
+    length_sigma: float = 0.7
+    """lognormal: the std of the budget's logarithm, >= 0; 0.7 puts a 10x spread between the 5th and 95th
+    percentiles (exp(2 x 1.645 x 0.7) = 10)."""
     temperature: float = 1.0
     """Sampling temperature, >= 0 (0: greedy); the trainer's log-probs use it too (0: 1.0 there)."""
     top_k: int = -1
@@ -407,6 +418,13 @@ def _check_values(cfg: RecipeConfig) -> None:
     one_of("rollout.determinism", r.determinism, DETERMINISM_MODES)
     if r.n < 2:
         raise ConfigError("rollout.n must be >= 2: group-normalised advantages need several samples per prompt")
+    one_of("rollout.length_distribution", r.length_distribution, LENGTH_DISTRIBUTIONS)
+    if r.length_distribution == "lognormal":
+        if r.length_median is None or not 1 <= r.length_median <= r.max_tokens:
+            raise ConfigError(f"rollout.length_median must be in 1 .. rollout.max_tokens ({r.max_tokens}) when "
+                              f"rollout.length_distribution is lognormal, got {r.length_median!r}")
+        if not r.length_sigma >= 0:
+            raise ConfigError(f"rollout.length_sigma must be >= 0, got {r.length_sigma!r}")
     one_of("trainer.device", tr.device, TRAINER_DEVICES)
     one_of("warmup.device", cfg.warmup.device, TRAINER_DEVICES)
     one_of("trainer.old_logprobs", tr.old_logprobs, OLD_LOGPROBS)

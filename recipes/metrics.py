@@ -92,6 +92,7 @@ def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_toke
         "reward/accuracy": float((rewards >= 1.0).float().mean()),
         "reward/solved_groups": float((rewards.max(dim=1).values >= 1.0).float().mean()),
         "response/length_mean": gen_tokens / len(rollouts),
+        **length_spread([len(ro.token_ids) for ro in rollouts]),
         "response/stop_fraction": sum(ro.finish_reason == "stop" for ro in rollouts) / len(rollouts),
         **dvr_counters(rollouts),
         "train/loss": sum(r["loss_sum"] for r in results) / max(loss_tokens, 1),
@@ -105,6 +106,12 @@ def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_toke
         "perf/rollout_tokens_per_s": gen_tokens / max(times.get("generate", times["rollout"]), 1e-9),
         "perf/train_tokens_per_s": sum(r["tokens"] for r in results) / max(times["train"], 1e-9),
     }
+
+
+def length_spread(lengths: list[int]) -> dict:
+    """The spread of a step's completion lengths (generated tokens per rollout): median, min, max."""
+    return {"response/length_median": statistics.median(lengths), "response/length_min": min(lengths),
+            "response/length_max": max(lengths)}
 
 
 def ratio_spread(parts: list[dict]) -> dict:

@@ -1,13 +1,15 @@
 """Which prompts a step uses, the seeded group requests it sends, and a digest of what came back.
 
-Seeds and prompt order are pure functions of (run seed, step, prompt index, sample index), so a
-resumed run sends exactly the requests the uninterrupted run would have sent.
+Seeds, completion budgets (max_tokens) and prompt order are pure functions of (run seed, step, prompt
+index, sample index), so a resumed run sends exactly the requests the uninterrupted run would have sent.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import random
+import statistics
 import struct
 
 from kernels.moe import moe_spec
@@ -21,6 +23,34 @@ def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) 
     """A 63-bit sampling seed for one rollout."""
     key = f"grpo/{run_seed}/{step}/{prompt_index}/{sample_index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2 ** 63 - 1)
+
+
+_STANDARD_NORMAL = statistics.NormalDist()
+
+
+def completion_budget(run_seed: int, step: int, prompt_index: int, sample_index: int, distribution: str,
+                      cap: int, median: int | None = None, sigma: float = 0.0) -> int:
+    """One rollout's max_tokens (rollout.length_distribution): `cap` for "fixed"; for "lognormal",
+    round(median * exp(sigma * z)) clipped to [1, cap], z a standard normal drawn from a hash of the
+    key (its inverse CDF at a uniform in (0, 1)), so a draw repeats across runs and resumes.
+
+    A completion stops at its budget unless the model emits EOS (or a stop token) first; the
+    benchmarks' random models almost never do (1 in ~150k tokens over Qwen's vocabulary of 151936),
+    so there a completion's length is its drawn budget."""
+    if distribution == "fixed":
+        return cap
+    if distribution != "lognormal":
+        raise ValueError(f"unknown length distribution {distribution!r}; fixed | lognormal")
+    key = f"length/{run_seed}/{step}/{prompt_index}/{sample_index}".encode()
+    bits = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 11  # 53 bits
+    z = _STANDARD_NORMAL.inv_cdf((bits + 0.5) / 2 ** 53)
+    return max(1, min(cap, round(median * math.exp(sigma * z))))
+
+
+def rollout_budget(rollout: RolloutConfig, run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """completion_budget under the `rollout` section's length settings."""
+    return completion_budget(run_seed, step, prompt_index, sample_index, rollout.length_distribution,
+                             rollout.max_tokens, rollout.length_median, rollout.length_sigma)
 
 
 @functools.lru_cache(maxsize=4)
@@ -42,15 +72,16 @@ def prompt_indices(cursor: int, count: int, size: int, run_seed: int) -> list[in
 def group_requests(prompts: list[list[int]], indices: list[int], step: int, rollout: RolloutConfig, run_seed: int,
                    stop_token_ids: tuple[int, ...], routed_experts: bool = False
                    ) -> tuple[list[list[int]], list[SamplingParams]]:
-    """rollout.n requests per prompt (prompt-major order), each with its own derived seed.
-    routed_experts: ask for each token's MoE routing (`records_routing`)."""
+    """rollout.n requests per prompt (prompt-major order), each with its own derived seed and max_tokens
+    (rollout_budget). routed_experts: ask for each token's MoE routing (`records_routing`)."""
     r = rollout
     all_prompts, all_params = [], []
     for prompt, index in zip(prompts, indices):
         for j in range(r.n):
             all_prompts.append(list(prompt))
             all_params.append(SamplingParams(
-                max_tokens=r.max_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                max_tokens=rollout_budget(r, run_seed, step, index, j), temperature=r.temperature, top_k=r.top_k,
+                top_p=r.top_p,
                 seed=sample_seed(run_seed, step, index, j), stop_token_ids=tuple(stop_token_ids),
                 determinism=r.determinism, return_routed_experts=routed_experts))
     return all_prompts, all_params

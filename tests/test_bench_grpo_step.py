@@ -1,6 +1,7 @@
 """bench.grpo_step runs the tiny recipe's arms on CPU, one call each (--arms), and joins them (--merge):
 the zero-KL arm's KL and max |Δ| are exactly 0, the stock arm's are not, every step part has its
-median, and the joined round has their ratio."""
+median, and the joined round has their ratio. Completion budgets drawn per request (lognormal) are
+the recipe's, plotted with --plot-lengths; train tokens/s, MFU and peak memory where logged."""
 import json
 import os
 import re
@@ -12,6 +13,9 @@ import pytest
 
 pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[1]
+# each request's max_tokens drawn from a log-normal (recipes.rollouts.completion_budget)
+LOGNORMAL = ["rollout.length_distribution=lognormal", "rollout.length_median=6", "rollout.length_sigma=0.6",
+             "rollout.max_tokens=12"]
 
 
 def _bench(args: list[str], env: dict, tmp_path: Path, out: str) -> dict:
@@ -24,9 +28,13 @@ def _bench(args: list[str], env: dict, tmp_path: Path, out: str) -> dict:
 
 def test_bench_grpo_step_cpu_smoke(tmp_path):
     env = {**os.environ, "RAY_ADDRESS": "local", "HOME": str(tmp_path)}  # runs land in tmp_path/zerokl-runs
-    common = ["--device", "cpu", "--steps", "2", "--rounds", "1", "trainer.weight_sync=broadcast"]
-    parts = [_bench([*common, "--arms", arm], env, tmp_path, f"{arm}.json") for arm in ("canonical", "stock")]
+    common = ["--device", "cpu", "--steps", "2", "--rounds", "1", "trainer.weight_sync=broadcast", *LOGNORMAL]
+    parts = [_bench([*common, "--arms", arm, *(["--plot-lengths", str(tmp_path / "lengths.png")] * (arm == "stock"))],
+                    env, tmp_path, f"{arm}.json") for arm in ("canonical", "stock")]
     assert all("stock_over_canonical_step_median" not in p for p in parts)  # one arm: no ratio
+    drawn = parts[1]["drawn_lengths"]
+    assert drawn["distribution"] == "lognormal" and drawn["count"] == 2 * 8 * 8 and drawn["max"] <= 12
+    assert (tmp_path / "lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = _bench(["--merge", str(tmp_path / "canonical.json"), str(tmp_path / "stock.json")], env, tmp_path,
                  "both.json")
     [row] = out["rounds"]
@@ -35,6 +43,9 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
     assert stock["max_abs_logprob_diff"] > 0.0
     for arm in (canonical, stock):
         assert arm["steps"] == 2 and arm["step_s"] > 0 and arm["rollout_s"] > 0 and arm["train_s"] > 0
+        assert arm["train_tokens_per_s"] > 0 and "train_mfu" not in arm and "train_peak_memory_gib" not in arm
+        assert 1 <= arm["completion_length_min"] <= arm["completion_length_median"] <= arm["completion_length_max"]
+        assert arm["completion_length_max"] <= drawn["max"]  # a completion stops at its drawn budget
         phases = arm["sync_phases_s"]
         sender = {"connect", "check", "begin", "send", "finish"}
         worker = {f"worker_{p}" for p in ("receive", "check", "wake", "load", "settle", "engine")}
@@ -56,6 +67,9 @@ def test_bench_grpo_step_cpu_smoke(tmp_path):
         assert arm["steps_after_first_s"] == pytest.approx(arm["reward_curve"][-1][0], abs=1e-4)
     assert row["stock_over_canonical_steps_summed"] == stock["steps_after_first_s"] / canonical["steps_after_first_s"]
     assert out["stock_over_canonical_step_median"] == row["stock_over_canonical_step"]
+    tokens_ratio = canonical["train_tokens_per_s"] / stock["train_tokens_per_s"]
+    assert row["canonical_over_stock_train_tokens_per_s"] == tokens_ratio
+    assert out["canonical_over_stock_train_tokens_per_s_median"] == tokens_ratio
 
 
 # the bench's CLI in a Ray session that declares two GPUs: Ray places actors that ask for GPU shares, and
@@ -158,3 +172,65 @@ def test_rounds_take_the_arms_in_turns_and_odd_rounds_reverse_them(monkeypatch, 
     assert [r["order"] for r in out["rounds"]] == [["canonical", "stock"], ["stock", "canonical"],
                                                    ["canonical", "stock"]]
     assert [r["stock_over_canonical_step"] for r in out["rounds"]] == [1.5, 1.5, 1.5]
+
+
+def _record(step: int, train_tps: float, gpu: bool, lengths: tuple[int, int, int]) -> dict:
+    """A step record as recipes.metrics.step_metrics logs it (the keys bench.grpo_step reads)."""
+    median, low, high = lengths
+    rec = {"step": step, "perf/rollout_s": 1.0, "perf/train_s": 2.0, "perf/weight_sync_s": 0.5, "perf/sleep_s": 0.0,
+           "perf/step_s": 4.0, "perf/rollout_tokens_per_s": 100.0, "perf/train_tokens_per_s": train_tps,
+           "rollout_train/kl": 0.0, "rollout_train/max_abs_logprob_diff": 0.0, "reward/mean": 0.1 * step,
+           "rollout/samples": 16, "response/length_mean": median + 1.0, "response/length_median": median,
+           "response/length_min": low, "response/length_max": high, "response/stop_fraction": 0.0}
+    if gpu:
+        rec.update({"perf/train_mfu": 0.01 * step, "perf/train_peak_memory_gib": 10.0 + step})
+    return rec
+
+
+def test_summary_has_train_device_figures_and_completion_lengths_where_logged():
+    from bench.grpo_step import summarise, with_ratios
+    lengths = [(900, 100, 3000), (1000, 50, 4096), (1100, 200, 2000), (1200, 300, 2500)]
+    gpu = [_record(s, 1000.0 * s, True, lengths[s - 1]) for s in range(1, 5)]
+    cpu = [_record(s, 500.0 * s, False, lengths[s - 1]) for s in range(1, 5)]
+    on_gpu, on_cpu = summarise(gpu), summarise(cpu)
+    # medians over the steps after the first; the spread is the widest of those steps'
+    assert on_gpu["train_tokens_per_s"] == 3000.0 and on_gpu["train_mfu"] == pytest.approx(0.03)
+    assert on_gpu["train_peak_memory_gib"] == 13.0
+    assert "train_mfu" not in on_cpu and "train_peak_memory_gib" not in on_cpu  # CPU ranks log neither
+    assert on_cpu["train_tokens_per_s"] == 1500.0
+    assert on_cpu["completion_length_median"] == 1100 and on_cpu["completion_length_mean"] == 1101.0
+    assert on_cpu["completion_length_min"] == 50 and on_cpu["completion_length_max"] == 4096
+    assert on_cpu["train_tokens_per_s_by_step"] == [500.0, 1000.0, 1500.0, 2000.0]
+    result = with_ratios({"rounds": [{"canonical": on_gpu, "stock": on_cpu}, {"canonical": on_cpu, "stock": on_cpu}]})
+    first, second = result["rounds"]
+    ratio = on_gpu["train_tokens_per_s"] / on_cpu["train_tokens_per_s"]
+    assert first["canonical_over_stock_train_tokens_per_s"] == ratio
+    assert second["canonical_over_stock_train_tokens_per_s"] == 1.0
+    assert result["canonical_over_stock_train_tokens_per_s_median"] == 1.5
+    assert "canonical_over_stock_train_tokens_per_s_per_step" not in first  # runs of their own: no step pairs
+    paired = with_ratios({"rounds": [{"interleaved": True, "canonical": on_gpu, "stock": on_cpu}]})
+    assert paired["rounds"][0]["canonical_over_stock_train_tokens_per_s_per_step"] == [2.0, 2.0, 2.0]
+    assert paired["canonical_over_stock_train_tokens_per_s_per_step_median"] == 2.0
+    older = {k: v for k, v in on_cpu.items() if not k.startswith("completion_")}  # a summary from before
+    assert "canonical_over_stock_train_tokens_per_s" in with_ratios({"rounds": [{"canonical": older,
+                                                                                 "stock": older}]})["rounds"][0]
+
+
+def test_plotted_lengths_are_the_budgets_the_recipe_draws(tmp_path):
+    from bench.grpo_step import drawn_lengths, length_summary, plot_lengths
+    from recipes.config import load_config
+    from recipes.rollouts import completion_budget, prompt_indices
+
+    cfg = load_config(REPO / "recipes" / "configs" / "tiny.yaml", [*LOGNORMAL, "train.steps=3"])
+    lengths = drawn_lengths(cfg)
+    per_step = cfg.train.prompts_per_step
+    expected = [completion_budget(0, step, index, j, "lognormal", 12, 6, 0.6) for step in (1, 2, 3)
+                for index in prompt_indices((step - 1) * per_step, per_step, 400, 0) for j in range(cfg.rollout.n)]
+    assert lengths == expected and len(lengths) == 3 * per_step * cfg.rollout.n
+    summary = length_summary(cfg, lengths)
+    assert summary["median"] == 6 and summary["max"] <= 12 and summary["cap"] == 12 and summary["count"] == len(lengths)
+    title = plot_lengths(cfg, lengths, str(tmp_path / "lengths.png"))
+    assert title.startswith("lognormal: median 6, sigma 0.6, cap 12\n")
+    assert (tmp_path / "lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fixed = load_config(REPO / "recipes" / "configs" / "tiny.yaml", ["train.steps=2"])
+    assert set(drawn_lengths(fixed)) == {fixed.rollout.max_tokens}

@@ -14,9 +14,10 @@ from recipes import tiny_task
 from recipes.batch import Sample, pack, split_for_ranks
 from recipes.config import load_config
 from recipes.grpo_loss import clipped_pg_loss, group_advantages
-from recipes.metrics import (combine_agreement, logprob_agreement, read_metrics, routing_agreement, step_line,
-                             wandb_mode)
-from recipes.rollouts import group_requests, prompt_indices, records_routing, rollouts_digest, sample_seed
+from recipes.metrics import (combine_agreement, length_spread, logprob_agreement, read_metrics, routing_agreement,
+                             step_line, wandb_mode)
+from recipes.rollouts import (completion_budget, group_requests, prompt_indices, records_routing, rollouts_digest,
+                              sample_seed)
 from rollout_service.params import Rollout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,6 +98,69 @@ def test_group_requests_one_seed_per_sample():
     assert params[1].seed == sample_seed(0, 2, 7, 1) and params[3].seed == sample_seed(0, 2, 9, 0)
     assert params[0].stop_token_ids == (1,) and params[0].determinism == rollout.determinism
     assert all(p.max_tokens == 5 for p in params)
+
+
+def test_completion_budgets_are_pure_functions_of_their_key():
+    draw = [completion_budget(0, 1, p, j, "lognormal", 4096, 1024, 0.7) for p in range(8) for j in range(8)]
+    assert draw == [completion_budget(0, 1, p, j, "lognormal", 4096, 1024, 0.7) for p in range(8) for j in range(8)]
+    assert len(set(draw)) > 32  # they differ from request to request
+    for seed, step in ((1, 1), (0, 2)):  # another run seed, another step: other draws
+        assert draw != [completion_budget(seed, step, p, j, "lognormal", 4096, 1024, 0.7) for p in range(8)
+                        for j in range(8)]
+    assert completion_budget(0, 1, 2, 3, "fixed", 16) == 16  # fixed: every request rollout.max_tokens
+    with pytest.raises(ValueError, match="length distribution"):
+        completion_budget(0, 1, 2, 3, "uniform", 16)
+
+
+def test_completion_budgets_follow_the_lognormal_capped_and_at_least_one():
+    import math
+    import statistics
+
+    draws = [completion_budget(7, s, p, 0, "lognormal", 4096, 1024, 0.7) for s in range(40) for p in range(100)]
+    assert all(isinstance(n, int) and 1 <= n <= 4096 for n in draws)
+    assert abs(statistics.median(draws) - 1024) < 0.05 * 1024
+    logs = [math.log(n) for n in draws if n < 4096]  # the log-space spread, below the cap
+    assert 0.6 < statistics.pstdev(logs) < 0.75
+    assert 0 < sum(n == 4096 for n in draws) / len(draws) < 0.05  # P(z > ln 4 / 0.7) = 2.4%: clipped to the cap
+    tiny = [completion_budget(0, 1, p, 0, "lognormal", 8, 1, 3.0) for p in range(200)]
+    assert min(tiny) == 1 and max(tiny) == 8  # clipped at both ends
+    assert {completion_budget(0, 1, p, 0, "lognormal", 64, 10, 0.0) for p in range(20)} == {10}  # sigma 0
+
+
+def test_length_settings_are_checked():
+    cfg = load_config(TINY, ["rollout.length_distribution=lognormal", "rollout.length_median=3",
+                             "rollout.max_tokens=12", "rollout.length_sigma=1"])
+    assert cfg.rollout.length_sigma == 1.0 and cfg.rollout.length_median == 3
+    assert load_config(TINY).rollout.length_distribution == "fixed"
+    with pytest.raises(ValueError, match="rollout.length_distribution"):
+        load_config(TINY, ["rollout.length_distribution=uniform"])
+    for bad in (["rollout.length_median=13"], [], ["rollout.length_median=0"]):
+        with pytest.raises(ValueError, match="rollout.length_median"):
+            load_config(TINY, ["rollout.length_distribution=lognormal", "rollout.max_tokens=12", *bad])
+    with pytest.raises(ValueError, match="rollout.length_sigma"):
+        load_config(TINY, ["rollout.length_distribution=lognormal", "rollout.length_median=3",
+                           "rollout.length_sigma=-0.1"])
+
+
+def test_group_requests_carry_each_requests_drawn_max_tokens():
+    lognormal = ["rollout.n=4", "rollout.max_tokens=64", "rollout.length_distribution=lognormal",
+                 "rollout.length_median=16", "rollout.length_sigma=0.8"]
+    rollout = load_config(TINY, lognormal).rollout
+    _, params = group_requests([[3, 4], [5]], [7, 9], step=2, rollout=rollout, run_seed=5, stop_token_ids=(1,))
+    budgets = [p.max_tokens for p in params]
+    assert budgets == [completion_budget(5, 2, index, j, "lognormal", 64, 16, 0.8) for index in (7, 9)
+                       for j in range(4)]
+    assert len(set(budgets)) > 1
+    _, again = group_requests([[3, 4], [5]], [7, 9], step=2, rollout=rollout, run_seed=5, stop_token_ids=(1,))
+    assert [p.max_tokens for p in again] == budgets  # a resumed run sends the same requests
+    fixed = load_config(TINY, ["rollout.n=4", "rollout.max_tokens=64"]).rollout
+    _, params = group_requests([[3, 4], [5]], [7, 9], step=2, rollout=fixed, run_seed=5, stop_token_ids=(1,))
+    assert [p.max_tokens for p in params] == [64] * 8
+
+
+def test_length_spread_of_a_step():
+    assert length_spread([3, 10, 1, 7]) == {"response/length_median": 5.0, "response/length_min": 1,
+                                            "response/length_max": 10}
 
 
 def test_group_requests_ask_for_routing_of_moe_policies():
