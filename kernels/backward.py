@@ -254,19 +254,35 @@ def add_with_grad(canonical: Callable, a, b):
     return canonical(a, b)
 
 
-_FROM_ZERO_MEMO: list = [None, -1, -1, False]  # weakref to the positions last checked, its version, keys, answer
+# id(positions) -> (a weak reference to it, its version, keys, answer): whole_sequences' answers, each
+# dropped with its tensor (a WeakKeyDictionary would compare tensors with ==)
+_WHOLE_SEQUENCES: dict[int, tuple] = {}
 
 
 def whole_sequences(positions: torch.Tensor, keys: int) -> bool:
     """Whether every row of positions [B, T] is 0 .. T-1 and there are T keys: the causal kernels' case.
-    One host sync per positions tensor: a forward's layers share theirs, so the check runs once a forward."""
-    ref, version, memo_keys, answer = _FROM_ZERO_MEMO
-    if ref is not None and ref() is positions and version == positions._version and memo_keys == keys:
-        return answer
+    One host sync per positions tensor: a forward's layers share theirs, so the check runs once a forward
+    (a packed row's sequences each have theirs, marked by mark_whole_sequences: no sync at all)."""
+    memo = _WHOLE_SEQUENCES.get(id(positions))
+    if memo is not None and memo[0]() is positions and memo[1] == positions._version and memo[2] == keys:
+        return memo[3]
     t_q = positions.shape[1]
     answer = t_q == keys and bool((positions == torch.arange(t_q, device=positions.device)).all())
-    _FROM_ZERO_MEMO[:] = [weakref.ref(positions), positions._version, keys, answer]
+    _remember(positions, keys, answer)
     return answer
+
+
+def mark_whole_sequences(positions: torch.Tensor) -> torch.Tensor:
+    """Record that positions [B, T] is 0 .. T-1 in every row, which its caller has checked; returns it."""
+    _remember(positions, positions.shape[1], True)
+    return positions
+
+
+def _remember(positions: torch.Tensor, keys: int, answer: bool) -> None:
+    key = id(positions)
+    if key not in _WHOLE_SEQUENCES:
+        weakref.finalize(positions, _WHOLE_SEQUENCES.pop, key, None)
+    _WHOLE_SEQUENCES[key] = (weakref.ref(positions), positions._version, keys, answer)
 
 
 def attention_ref(q, k, v, positions, scale, from_zero: bool):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels as K
+from kernels.backward import mark_whole_sequences
 from kernels.moe import MoESpec, is_moe_block, moe_forward, moe_spec
 from kernels.opset import CANONICAL_OPS, OpSet
 from kernels.rope import RopeTable
@@ -93,8 +94,8 @@ class ForwardContext:
     MixedPrecisionPolicy(cast_forward_inputs=True), its default, casts the floating tensors it finds
     in a layer's arguments (inside dataclasses, dicts, tuples) to bf16, and the float32 rotary rows
     must reach the layers as they are."""
-    __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv", "routing", "sequence_lengths", "defer_residual",
-                 "pending")
+    __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv", "routing", "sequence_lengths",
+                 "sequence_positions", "defer_residual", "pending")
 
     def __init__(self, ops: OpSet, spec: ModelSpec, positions: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, kv: PagedKV | None = None, routing: list | None = None,
@@ -105,6 +106,10 @@ class ForwardContext:
         self.kv = kv  # None: contiguous KV of this call (training / full sequences)
         self.routing = routing  # a list: each MoE layer appends its expert ids [B, T, k]
         self.sequence_lengths = sequence_lengths  # a packed row [1, N]: its sequences' lengths (packed_lengths)
+        # each packed sequence's positions, one tensor for every layer, known to run 0..L-1 (packed_lengths
+        # checked them): the attention backward asks the host nothing about them
+        self.sequence_positions = None if sequence_lengths is None else [
+            mark_whole_sequences(p) for p in positions.split(list(sequence_lengths), dim=1)]
         # Without autograd a layer's last residual add is left to the next norm (one fused launch,
         # the same bits). With it, every layer adds its own: FSDP2 prepares a layer's backward from
         # the tensors that layer returns.
@@ -179,9 +184,9 @@ def _contiguous_attention(ops: OpSet, q, k, v, ctx: ForwardContext, scale: float
     if ctx.sequence_lengths is None:
         return ops.attention(q, k, v, ctx.positions, None, scale)
     parts, start = [], 0
-    for length in ctx.sequence_lengths:
+    for length, positions in zip(ctx.sequence_lengths, ctx.sequence_positions):
         rows = slice(start, start + length)
-        parts.append(ops.attention(q[:, rows], k[:, rows], v[:, rows], ctx.positions[:, rows], None, scale))
+        parts.append(ops.attention(q[:, rows], k[:, rows], v[:, rows], positions, None, scale))
         start += length
     return torch.cat(parts, dim=1)
 

@@ -165,3 +165,20 @@ def test_fsdp2_trainer_rank_agrees_with_the_rollouts_in_every_layout(checkpoint,
     assert sum(p["mismatched"] for p in parts) == 0 and max(p["max_abs"] for p in parts) == 0.0
     assert result["tokens"] == sum(len(s.prompt_ids) + len(s.token_ids) for s in samples)
     assert result["grad_norm"][0] > 0
+
+
+def test_a_packed_backward_asks_the_host_nothing_per_sequence(checkpoint, samples, monkeypatch):
+    """Each packed sequence's positions are marked whole once a forward (packed_lengths checked them on the
+    host); the attention backward's kernel choice then reads the mark instead of syncing per sequence and
+    layer, which on a GPU would drain the queue hundreds of times a micro-batch."""
+    from kernels import backward as B
+    remembered = []
+    real = B._remember
+    monkeypatch.setattr(B, "_remember", lambda *a: remembered.append(a[1:]) or real(*a))
+    model = patch_model(_policy(checkpoint).float())
+    mb = pack_flat(samples)
+    logp = score(model, mb)
+    marked = len(remembered)
+    assert marked == len(samples) and all(answer for _, answer in remembered)
+    (logp * mb["loss_mask"]).sum().backward()
+    assert len(remembered) == marked
