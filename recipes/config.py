@@ -79,13 +79,17 @@ class ModelConfig:
     """tiny: the MLP's intermediate width (qwen3_moe: each expert's is half of it)."""
     max_positions: int | None = None
     """tiny: max_position_embeddings, the engines' default max_model_len."""
+    head_dim: int | None = None
+    """tiny, qwen3 and qwen3_moe: the attention head width; null: hidden_size / num_heads (Qwen3-4B: 128)."""
+    tie_word_embeddings: bool | None = None
+    """tiny: the lm head shares the embedding's weight (Qwen3-4B and smaller Qwen models do)."""
     vocab_size: int | None = None
     """tiny: logits width, >= the tokenizer's; null: the tokenizer's; more: a real model's (benchmarks)."""
 
     def tiny_options(self) -> dict:
         """The tiny model's keyword options that are set."""
         names = ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                 "max_positions")
+                 "max_positions", "head_dim", "tie_word_embeddings")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
@@ -412,6 +416,9 @@ def _check_values(cfg: RecipeConfig) -> None:
         raise ConfigError("model.name is required when model.source is hf")
     if m.arch is not None:
         one_of("model.arch", m.arch, ARCHITECTURES)
+    if m.head_dim is not None and m.arch not in ("qwen3", "qwen3_moe"):
+        raise ConfigError(f"model.head_dim is a qwen3 / qwen3_moe option (llama and qwen2 take hidden_size / "
+                          f"num_heads); got model.arch {m.arch!r}")
     width = cfg.canonical.tree_segments
     if width is not None and (width not in TREE_WIDTHS or isinstance(width, bool)):
         raise ConfigError(f"canonical.tree_segments must be one of {TREE_WIDTHS} or null, got {width!r}")

@@ -160,10 +160,10 @@ def measure_rank_gpu(trainer: TrainerConfig, placement_group=None, bundle: int =
 
     from rollout_service.service.ray_cluster import on_bundle
 
-    options = {"num_cpus": 0, "num_gpus": trainer.resources_per_rank.get("num_gpus", 1), "max_calls": 1}
+    options = {"num_cpus": 0, "num_gpus": trainer.resources_per_rank.get("num_gpus", 1)}
     if placement_group is not None:
         options["scheduling_strategy"] = on_bundle(placement_group, bundle)
-    ref = ray.remote(device_memory).options(**options).remote()
+    ref = ray.remote(max_calls=1)(device_memory).options(**options).remote()  # .options() refuses max_calls
     try:
         return ray.get(ref, timeout=timeout_s)
     except GetTimeoutError:

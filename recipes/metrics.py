@@ -105,7 +105,23 @@ def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_toke
         "perf/sleep_s": times.get("sleep", 0.0),  # colocated: the engines releasing their memory
         "perf/rollout_tokens_per_s": gen_tokens / max(times.get("generate", times["rollout"]), 1e-9),
         "perf/train_tokens_per_s": sum(r["tokens"] for r in results) / max(times["train"], 1e-9),
+        **train_device_metrics(results, times["train"]),
     }
+
+
+# The H200's dense bf16 peak, the denominator of the trainer's MFU (a reference figure, not measured here).
+H200_BF16_FLOPS = 790e12
+
+
+def train_device_metrics(results: list[dict], train_seconds: float) -> dict:
+    """GPU ranks only: the largest rank's peak allocated memory in the train step, and MFU, the model
+    FLOPs of a forward and backward per trained token (6 x parameters) over the ranks' bf16 peak."""
+    peak = max((r.get("peak_memory_bytes", 0) for r in results), default=0)
+    if not peak:
+        return {}
+    flops = 6 * results[0]["num_params"] * sum(r["tokens"] for r in results) / max(train_seconds, 1e-9)
+    return {"perf/train_peak_memory_gib": peak / 2 ** 30,
+            "perf/train_mfu": flops / (H200_BF16_FLOPS * len(results))}
 
 
 def length_spread(lengths: list[int]) -> dict:
