@@ -15,7 +15,8 @@ Each round runs the recipe once per arm, taking turns (these machines are noisy)
 in even rounds and in the reverse order in odd ones (`order` in each round): on GPUs the arm that
 ran second was seen to run faster, so an even number of rounds pairs both orders. `canonical` (the
 config as it is, KL 0) and `stock` (numerics=stock: the stock engine's rollouts, the unpatched model
-under FSDP2, old log-probs recomputed); `--arms canonical,async` adds `async` (train.async_steps=1:
+under FSDP2 with SDPA, old log-probs recomputed, right-padded rows within the config's token budget and
+activation checkpointing; see ARMS); `--arms canonical,async` adds `async` (train.async_steps=1:
 the next step's rollouts generated while the trainer steps; split placement) and `async-in-flight` (the
 same, its pushes landing in the rollouts in flight: native engines, object store). Per arm and round:
 the median over the steps after the first (compiles, warm caches) of rollout, train, weight sync,
@@ -56,7 +57,11 @@ from pathlib import Path
 from recipes.config import RecipeConfig, load_config
 from recipes.metrics import STEP_PARTS, read_metrics, step_medians
 
-ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"],
+# The stock arm pads its rows within the same token budget: transformers' padding-free path over SDPA builds a
+# dense block-diagonal mask per packed row, and its train step measured 0.55x its padded one's speed on an
+# H200 (flash-attn's varlen kernels, its fast padding-free path, are not installed there).
+ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute",
+                                   "trainer.packing=false"],
         "async": ["train.async_steps=1"],
         "async-in-flight": ["train.async_steps=1", "trainer.weight_switch=switch-in-flight",
                             "trainer.weight_sync=object_store"]}

@@ -23,7 +23,8 @@ the recipe's random models never stop sooner), the shape of reasoning RL; `--len
 Layouts (`--layouts`, recipes.batch.split_for_ranks): packed, each micro-batch's sequences back to back
 in one row (the recipe's default, trainer.packing), and padded, the same micro-batches (the same
 sequences per forward: those that `--max-tokens-per-micro-batch` groups, or all of them) as rows
-right-padded to the longest. One arm's process takes its layouts in turns, step by step, their order
+right-padded to the longest; with `--padded-rows N`, micro-batches of N sequences in batch order, padded,
+as the trainer formed them before token budgets (trainer.micro_batch_size). One arm's process takes its layouts in turns, step by step, their order
 alternating from step to step and from round to round, so that a machine that slows slows both.
 
 Per arm, round and layout: the median seconds of a step after warm-up (the device waited for), train
@@ -81,6 +82,21 @@ def batch(vocab: int, prompts: int, group: int, seed: int = 0, layout: str = "pa
                            max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=layout == "packed")
 
 
+def layout_plans(batch_samples: list, layouts: list[str], max_tokens_per_micro_batch: int,
+                 padded_rows: int = 0) -> dict:
+    """{layout: split_for_ranks(...) of one rank and one mini-batch}. The same samples in every layout and,
+    unless padded_rows > 0, the same micro-batches: only their layout differs. padded_rows > 0: the padded
+    layout's micro-batches are that many sequences in batch order (trainer.micro_batch_size)."""
+    from recipes.batch import split_for_ranks
+    plans = {}
+    for layout in layouts:
+        rows = padded_rows if layout == "padded" else 0
+        plans[layout] = split_for_ranks(batch_samples, world=1, mini_batches=1, micro_batch_size=rows,
+                                        max_tokens_per_micro_batch=0 if rows else max_tokens_per_micro_batch,
+                                        packed=layout == "packed")
+    return plans
+
+
 def layout_shape(micro_batches: list[dict]) -> dict:
     """Real tokens (no pad), tokens in the tensors (pad included) and micro-batches of one rank's plan."""
     from recipes.batch import real_tokens
@@ -106,7 +122,6 @@ def run_arm(args) -> dict:
     """This process: one arm's trainer rank, its layouts' warm-up steps, timed steps in turns and
     optional profiles."""
     from bench.rollout import build_model
-    from recipes.batch import split_for_ranks
     from recipes.config import TrainerConfig
     from recipes.trainer import TrainerRank
     device = torch.device(args.device)
@@ -119,11 +134,7 @@ def run_arm(args) -> dict:
     num_params = sum(p.numel() for p in model.parameters())
     batch_samples = samples(model.config.vocab_size, args.prompts, args.group, args.lengths, args.median, args.sigma,
                             args.cap)
-    plans = {}
-    for layout in layouts:  # the same samples, the same micro-batches: only their layout differs
-        plans[layout] = split_for_ranks(batch_samples, world=1, mini_batches=1,
-                                        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-                                        packed=layout == "packed")
+    plans = layout_plans(batch_samples, layouts, args.max_tokens_per_micro_batch, args.padded_rows)
     rank = TrainerRank(0, 1, cfg, temperature=1.0, numerics=args.arm)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -222,6 +233,9 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=4096, help="fixed and lognormal: the longest completion")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=0,
                     help="token budget of one forward (trainer.max_tokens_per_micro_batch); 0: one micro-batch")
+    ap.add_argument("--padded-rows", type=int, default=0,
+                    help="padded layout: micro-batches of this many sequences in batch order (trainer.micro_batch_size, "
+                         "the trainer before token budgets); 0: the packed layout's micro-batches, padded")
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each decoder layer's activations in the backward "
                          "(trainer.activation_checkpointing)")
@@ -248,7 +262,7 @@ def main() -> None:
     passed = ["--model", args.model, "--device", args.device, "--prompts", str(args.prompts), "--group",
               str(args.group), "--lengths", args.lengths, "--median", str(args.median), "--sigma", str(args.sigma),
               "--cap", str(args.cap), "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch),
-              "--warmup", str(args.warmup), "--steps", str(args.steps)]
+              "--warmup", str(args.warmup), "--steps", str(args.steps), "--padded-rows", str(args.padded_rows)]
     passed += ["--activation-checkpointing"] * args.activation_checkpointing
     rounds = []
     for r in range(args.rounds):

@@ -98,3 +98,17 @@ def test_bench_lengths_are_the_recipes_draws_and_layouts_share_micro_batches():
                                                                    for s in drawn)
     assert shape_packed["pad_fraction"] == 0.0 < shape_padded["pad_fraction"]
     assert mfu(10 ** 9, 790e12 / 6e9) == pytest.approx(1.0)  # 6 x params x tokens/s over the H200's peak
+
+
+def test_bench_padded_rows_are_the_trainer_before_token_budgets():
+    """--padded-rows N: the padded layout forms micro-batches of N sequences in batch order, padded to their
+    longest, as trainer.micro_batch_size did; the packed layout keeps its token budget."""
+    from bench.grpo_train_step import layout_plans, layout_shape, samples
+
+    batch = samples(96, prompts=4, group=4, lengths="lognormal", median=40, sigma=0.7, cap=160)
+    plans = layout_plans(batch, ["packed", "padded"], max_tokens_per_micro_batch=400, padded_rows=4)
+    padded, packed = layout_shape(plans["padded"][0][0][0]), layout_shape(plans["packed"][0][0][0])
+    assert padded["micro_batches"] == 4 and padded["tokens"] == packed["tokens"]
+    assert [mb["input_ids"].shape[0] for mb in plans["padded"][0][0][0]] == [4, 4, 4, 4]
+    assert padded["pad_fraction"] > 0 and packed["pad_fraction"] == 0
+    assert all(mb["input_ids"].numel() <= 400 for mb in plans["packed"][0][0][0])
