@@ -76,8 +76,13 @@ def test_activation_checkpointing_keeps_logprobs_and_gradients(checkpoint, sampl
         (logp * mb["advantages"].cuda() * mb["loss_mask"].cuda()).sum().backward()
         values.append(logp.detach())
         grads.append([p.grad.clone() for p in model.parameters()])
-    assert torch.equal(values[0], values[1])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert torch.equal(values[0], values[1])  # the log-probs: bit for bit
+    # the gradients: CUDA's backward kernels (flash attention's, the embedding's) accumulate with atomics
+    # and round to bf16 on the way, so two backward passes differ by a bf16 ulp here and there whether or
+    # not the forward is recomputed (the CPU test, deterministic, proves them bit for bit). A bf16 ulp is
+    # 2^-8 of a value: the bound is two of them over the whole gradient.
+    for a, b in zip(*grads):
+        assert torch.linalg.vector_norm(a - b) <= 2 ** -7 * torch.linalg.vector_norm(a) + 1e-6
 
 
 @pytest.mark.parametrize("layout", [dict(max_tokens_per_micro_batch=2000),
