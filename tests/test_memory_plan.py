@@ -322,3 +322,23 @@ def test_a_vllm_wake_out_of_memory_names_the_knobs_and_stays_asleep():
     instance.wake()
     assert not instance.sleeping and instance.llm.woken == [None]
 
+
+
+@pytest.mark.parametrize("name", ["gpu_colocated.yaml", "gpu_split.yaml", "gpu_colocated_4b.yaml"])
+def test_the_shipped_gpu_configs_fit_an_h200(name):
+    """Each GPU config's plan, with the model it builds (read from its config, no weights) and its longest
+    prompt, fits a 141 GiB GPU; the 4B config only with its activation checkpointing."""
+    from recipes.models import policy_config
+    from recipes.task import build_task
+
+    cfg = load_config(REPO / "recipes" / "configs" / name)
+    task = build_task(cfg)
+    longest = max(len(ids) for ids in task.dataset["prompt_ids"])
+    plan = plan_memory(cfg, policy_config(cfg, task.tokenizer), longest).on_gpu(H200)
+    plan.check()
+    assert plan.total < H200.total_bytes
+    if name == "gpu_colocated_4b.yaml":
+        assert policy_config(cfg, task.tokenizer).tie_word_embeddings
+        without = load_config(REPO / "recipes" / "configs" / name, ["trainer.activation_checkpointing=false"])
+        with pytest.raises(MemoryPlanRefused):
+            plan_memory(without, policy_config(without, task.tokenizer), longest).on_gpu(H200).check()
