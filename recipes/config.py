@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -316,15 +317,30 @@ class RecipeConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> RecipeConfig:
     """The defaults, under the YAML file at `path`, under the `a.b.c=value` overrides."""
-    data = {}
-    if path is not None:
-        with open(path) as f:
-            data = coerce_numbers(yaml.safe_load(f) or {})
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the config must be a mapping, got {data!r}")
+    data = {} if path is None else read_config_file(path)
     for item in overrides:
         apply_override(data, item)
     return RecipeConfig.from_dict(data)
+
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A config file's raw data; a missing file is named with the configs that ship, a broken one with
+    YAML's reason (ConfigError either way: the CLI prints it, no traceback)."""
+    path = Path(path)
+    if not path.is_file():
+        shipped = ", ".join(f"recipes/configs/{p.name}" for p in sorted(SHIPPED_CONFIGS.glob("*.yaml")))
+        raise ConfigError(f"{path}: no such config file; the configs that ship: {shipped}")
+    try:
+        with open(path) as f:
+            data = coerce_numbers(yaml.safe_load(f) or {})
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a mapping, got {data!r}")
+    return data
 
 
 # YAML 1.1 (PyYAML) reads "1e-6" as a string; numbers in scientific notation are meant as floats.
@@ -403,12 +419,83 @@ def _convert(value, hint, path: str):
     raise ConfigError(f"{path} must be {expected}{' or null' if optional else ''}, got {value!r}")
 
 
+# The range of every numeric field: (test, the range in words). Rule: a value the run cannot use is refused
+# at load, naming its key, not steps later inside a Ray actor. The tests are comparisons that NaN fails;
+# a null (optional) value is not checked; a key ending in [] is each element of a list.
+POSITIVE = (lambda v: v > 0, "> 0")
+NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
+NUMERIC_RANGES = {
+    "seed": NON_NEGATIVE,
+    "task.max_operand": NON_NEGATIVE,
+    "task.max_prompt_tokens": NON_NEGATIVE,
+    "task.stop_token_ids[]": NON_NEGATIVE,
+    **{f"model.{k}": AT_LEAST_1 for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                                          "intermediate_size", "max_positions", "head_dim", "vocab_size")},
+    "warmup.steps": NON_NEGATIVE,
+    "warmup.lr": POSITIVE,
+    "warmup.batch_size": AT_LEAST_1,
+    "rollout.num_workers": AT_LEAST_1,
+    "rollout.start_timeout_s": POSITIVE,
+    "rollout.n": (lambda v: v >= 2, ">= 2: group-normalised advantages need several samples per prompt"),
+    "rollout.max_tokens": AT_LEAST_1,
+    "rollout.length_median": AT_LEAST_1,
+    "rollout.length_sigma": NON_NEGATIVE,
+    "rollout.temperature": NON_NEGATIVE,
+    "rollout.top_k": (lambda v: v >= -1, ">= -1 (-1 or 0: off)"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1: off)"),
+    "trainer.num_ranks": AT_LEAST_1,
+    "trainer.torch_threads": NON_NEGATIVE,
+    "trainer.lr": POSITIVE,
+    "trainer.betas[]": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "trainer.weight_decay": NON_NEGATIVE,
+    "trainer.max_grad_norm": NON_NEGATIVE,
+    "trainer.clip_low": NON_NEGATIVE,
+    "trainer.clip_high": NON_NEGATIVE,
+    "trainer.mini_batches": AT_LEAST_1,
+    "trainer.micro_batch_size": NON_NEGATIVE,
+    "trainer.max_tokens_per_micro_batch": NON_NEGATIVE,
+    "trainer.weight_bucket_mb": AT_LEAST_1,
+    "trainer.weight_stage_mb": NON_NEGATIVE,
+    "trainer.weight_push_timeout_s": POSITIVE,
+    "train.steps": AT_LEAST_1,
+    "train.prompts_per_step": AT_LEAST_1,
+    "train.save_every": NON_NEGATIVE,
+    "train.async_steps": NON_NEGATIVE,
+}
+
+
+def _values_at(cfg: RecipeConfig, key: str) -> list[tuple[str, object]]:
+    """(dotted path, value) of a NUMERIC_RANGES key: the field's value, or each element of a `key[]` list."""
+    name = key.removesuffix("[]")
+    value = cfg
+    for part in name.split("."):
+        value = getattr(value, part)
+    if key.endswith("[]"):
+        return [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return [(name, value)]
+
+
+def _check_ranges(cfg: RecipeConfig) -> None:
+    if len(cfg.trainer.betas) != 2:
+        raise ConfigError(f"trainer.betas must be [beta1, beta2], got {cfg.trainer.betas!r}")
+    for key, (in_range, allowed) in NUMERIC_RANGES.items():
+        for path, value in _values_at(cfg, key):
+            if value is None:
+                continue
+            if isinstance(value, float) and math.isinf(value):
+                raise ConfigError(f"{path} must be finite, got {value!r}")
+            if not in_range(value):
+                raise ConfigError(f"{path} must be {allowed}, got {value!r}")
+
+
 def _check_values(cfg: RecipeConfig) -> None:
     """Checks beyond the types: allowed values and how settings fit together."""
     def one_of(path: str, value, allowed) -> None:
         if value not in allowed:
             raise ConfigError(f"{path} must be one of {', '.join(map(str, allowed))}, got {value!r}")
 
+    _check_ranges(cfg)  # first: the checks below divide by and compare these values
     t, m, r, tr, train = cfg.task, cfg.model, cfg.rollout, cfg.trainer, cfg.train
     one_of("task.kind", t.kind, TASK_KINDS)
     one_of("model.source", m.source, MODEL_SOURCES)
@@ -423,15 +510,11 @@ def _check_values(cfg: RecipeConfig) -> None:
     if width is not None and (width not in TREE_WIDTHS or isinstance(width, bool)):
         raise ConfigError(f"canonical.tree_segments must be one of {TREE_WIDTHS} or null, got {width!r}")
     one_of("rollout.determinism", r.determinism, DETERMINISM_MODES)
-    if r.n < 2:
-        raise ConfigError("rollout.n must be >= 2: group-normalised advantages need several samples per prompt")
     one_of("rollout.length_distribution", r.length_distribution, LENGTH_DISTRIBUTIONS)
     if r.length_distribution == "lognormal":
         if r.length_median is None or not 1 <= r.length_median <= r.max_tokens:
             raise ConfigError(f"rollout.length_median must be in 1 .. rollout.max_tokens ({r.max_tokens}) when "
                               f"rollout.length_distribution is lognormal, got {r.length_median!r}")
-        if not r.length_sigma >= 0:
-            raise ConfigError(f"rollout.length_sigma must be >= 0, got {r.length_sigma!r}")
     one_of("trainer.device", tr.device, TRAINER_DEVICES)
     one_of("warmup.device", cfg.warmup.device, TRAINER_DEVICES)
     one_of("trainer.old_logprobs", tr.old_logprobs, OLD_LOGPROBS)
@@ -452,25 +535,11 @@ def _check_values(cfg: RecipeConfig) -> None:
     if tr.weight_switch != "drain" and tr.weight_sync != "object_store":
         raise ConfigError(f"trainer.weight_switch={tr.weight_switch} needs trainer.weight_sync=object_store "
                           f"(bucketed pushes switch in drain mode only), got {tr.weight_sync!r}")
-    if isinstance(train.async_steps, bool) or not isinstance(train.async_steps, int) or train.async_steps < 0:
-        raise ConfigError(f"train.async_steps must be an int >= 0, got {train.async_steps!r}")
     if train.async_steps and (cfg.placement != "split" or cfg.numerics != "canonical"
                               or tr.old_logprobs != "rollout"):
         # colocated engines sleep while the trainer steps; the stock arm's and a recomputed denominator
         # are not the behaviour policy's log-probs
         raise ConfigError("train.async_steps > 0 needs placement split, numerics canonical and "
                           "trainer.old_logprobs rollout")
-    if r.start_timeout_s <= 0:
-        raise ConfigError("rollout.start_timeout_s must be > 0")
-    if tr.weight_bucket_mb < 1:
-        raise ConfigError("trainer.weight_bucket_mb must be >= 1")
-    if tr.weight_stage_mb < 0:
-        raise ConfigError("trainer.weight_stage_mb must be >= 0")
-    if not tr.weight_push_timeout_s > 0:
-        raise ConfigError("trainer.weight_push_timeout_s must be > 0")
-    if tr.micro_batch_size < 0 or tr.max_tokens_per_micro_batch < 0:
-        raise ConfigError("trainer.micro_batch_size and trainer.max_tokens_per_micro_batch must be >= 0")
-    if tr.num_ranks < 1 or tr.mini_batches < 1:
-        raise ConfigError("trainer.num_ranks and trainer.mini_batches must be >= 1")
     if train.prompts_per_step % tr.mini_batches:
         raise ConfigError("train.prompts_per_step must be divisible by trainer.mini_batches")

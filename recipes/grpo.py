@@ -368,11 +368,20 @@ def _save_rollouts(run_dir: Path, step: int, rollouts, rewards) -> None:
             f.write(json.dumps(line) + "\n")
 
 
+def resumed_checkpoint(resume: str) -> Path:
+    """--resume's checkpoint; a path without one is a ConfigError, refused before any Ray actor starts."""
+    try:
+        return find_checkpoint(resume)
+    except FileNotFoundError as e:
+        raise ConfigError(f"--resume {resume}: {e}") from None
+
+
 def build_config(args) -> RecipeConfig:
     """Config from --config (or, when resuming without one, the checkpoint's), then the overrides."""
     path = args.config or DEFAULT_CONFIG
-    if args.config is None and args.resume is not None:
-        path = find_checkpoint(args.resume) / CONFIG_FILE
+    if args.resume is not None:
+        checkpoint = resumed_checkpoint(args.resume)
+        path = args.config or checkpoint / CONFIG_FILE
     cfg = load_config(path, args.overrides)
     if args.determinism is not None:
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, determinism=args.determinism))

@@ -80,7 +80,7 @@ def test_wrong_type_is_named(override, message):
 
 
 def test_ints_are_floats_where_floats_are_meant_and_bare_off_is_off(tmp_path):
-    cfg = load_config(TINY, ["trainer.lr=1", "trainer.betas=[0, 1]"])
+    cfg = load_config(TINY, ["trainer.lr=1", "trainer.betas=[0, 0]"])  # AdamW: each beta in [0, 1)
     assert cfg.trainer.lr == 1.0 and type(cfg.trainer.lr) is float
     assert [type(b) for b in cfg.trainer.betas] == [float, float]
     path = tmp_path / "off.yaml"
@@ -171,3 +171,86 @@ def test_placement_bundles_keep_a_split_runs_workers_off_its_ranks_gpus():
     too_much = load_config(CONFIGS / "gpu_colocated.yaml", ["trainer.resources_per_rank.num_gpus=0.9"])
     with pytest.raises(ValueError, match="add up to 1.4 > 1"):
         placement_bundles(too_much)
+
+
+@pytest.mark.parametrize("override", [
+    "trainer.lr=0", "trainer.lr=-1e-4", "trainer.lr=.nan", "trainer.lr=.inf", "warmup.lr=0", "warmup.lr=-3e-3",
+    "trainer.betas=[1.0, 0.999]", "trainer.betas=[0.9, -0.1]", "trainer.betas=[0.9]", "trainer.betas=[0.9, 0.99, 0.9]",
+    "trainer.weight_decay=-0.01", "trainer.max_grad_norm=-1", "trainer.max_grad_norm=.nan",
+    "trainer.clip_low=-0.2", "trainer.clip_high=-0.1",
+    "rollout.temperature=-0.7", "rollout.temperature=.nan", "rollout.top_p=0", "rollout.top_p=1.5",
+    "rollout.top_k=-2", "rollout.max_tokens=0", "rollout.num_workers=0", "rollout.n=1",
+    "rollout.start_timeout_s=0", "rollout.length_sigma=-0.5",
+    "train.steps=0", "train.prompts_per_step=0", "train.save_every=-1", "train.async_steps=-1",
+    "trainer.num_ranks=0", "trainer.mini_batches=0", "trainer.micro_batch_size=-1",
+    "trainer.max_tokens_per_micro_batch=-1", "trainer.torch_threads=-1", "trainer.weight_bucket_mb=0",
+    "trainer.weight_stage_mb=-1", "trainer.weight_push_timeout_s=0", "trainer.weight_push_timeout_s=-5",
+    "warmup.steps=-1", "warmup.batch_size=0",
+    "task.max_operand=-1", "task.max_prompt_tokens=-1", "task.stop_token_ids=[2, -1]",
+    "model.hidden_size=0", "model.num_layers=0", "model.num_heads=-4", "model.num_kv_heads=0",
+    "model.intermediate_size=0", "model.max_positions=0", "model.vocab_size=0", "seed=-1",
+])
+def test_every_numeric_field_out_of_range_is_named(override):
+    """A value the run cannot use is refused at load, naming its key, not steps later inside an actor."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    assert key in str(err.value), str(err.value)
+
+
+def test_head_dim_out_of_range_is_named():
+    with pytest.raises(ConfigError, match=r"model\.head_dim must be >= 1, got 0"):
+        load_config(CONFIGS / "tiny_moe.yaml", ["model.arch=qwen3", "model.head_dim=0"])
+
+
+@pytest.mark.parametrize("override", [
+    "trainer.max_grad_norm=null", "trainer.max_grad_norm=0", "rollout.temperature=0", "rollout.top_k=-1",
+    "rollout.top_k=0", "rollout.top_p=1", "trainer.betas=[0, 0]", "trainer.weight_decay=0", "train.save_every=0",
+    "trainer.clip_low=0", "warmup.steps=0", "task.max_prompt_tokens=0", "trainer.torch_threads=0", "seed=0",
+])
+def test_boundary_values_that_mean_off_are_accepted(override):
+    load_config(TINY, [override])
+
+
+def test_missing_config_file_names_the_configs_that_ship(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "nope.yaml")
+    message = str(err.value)
+    assert str(tmp_path / "nope.yaml") in message and "no such config file" in message
+    assert all(f"recipes/configs/{p.name}" in message for p in CONFIGS.glob("*.yaml"))
+
+
+def test_config_file_that_is_not_yaml_is_named(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("trainer: {lr: 1e-4\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: not YAML"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", str(TINY), "trainer.lr=abc"], "trainer.lr must be a float, got 'abc'"),
+    (["--config", str(TINY), "trainer.lr=-1"], "trainer.lr must be > 0"),
+    (["--config", str(TINY), "trainer.lr"], "override 'trainer.lr' is not key=value"),
+    (["--config", str(TINY), "trainer.betas=[0.9"], "trainer.betas: the value '[0.9' is not YAML"),
+    (["--config", "nope.yaml"], "nope.yaml: no such config file"),
+    (["--resume", "no-such-run"], "--resume no-such-run: no complete checkpoint"),
+])
+def test_cli_config_errors_print_the_message_and_exit_2(argv, message, capsys):
+    from recipes.grpo import main
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m recipes.grpo: {message}") and "Traceback" not in err, err
+
+
+def test_cli_config_error_is_one_message_not_a_traceback(tmp_path):
+    """As a user runs it: the message on stderr, nothing else, status 2 (no Ray started)."""
+    import subprocess
+    import sys
+    repo = CONFIGS.parents[1]
+    proc = subprocess.run([sys.executable, "-m", "recipes.grpo", "--config", "nope.yaml"], cwd=repo,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().startswith("python -m recipes.grpo: nope.yaml: no such config file;")
+    assert "recipes/configs/tiny.yaml" in proc.stderr
