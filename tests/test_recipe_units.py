@@ -339,6 +339,43 @@ def test_plot_renders_png(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
 
 
+def _fake_run(run_dir):
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout_train/kl": 0.0, "reward/mean": 0.5}) + "\n")
+    return run_dir
+
+
+def test_plot_takes_a_run_name_under_the_default_or_a_configs_output_dir(tmp_path, monkeypatch):
+    from recipes.plot import main as plot_main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default output_dir is ~/zerokl-runs
+    run = _fake_run(tmp_path / "zerokl-runs" / "grpo-verified-20260101-000000-abc123")
+    plot_main([run.name])
+    assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    elsewhere = _fake_run(tmp_path / "elsewhere" / "mine-off-1")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"output_dir: {elsewhere.parent}\n")
+    plot_main([elsewhere.name, "--config", str(config), "--baseline", str(run), "--out", str(tmp_path / "c.png")])
+    assert (tmp_path / "c.png").is_file()
+
+
+def test_plot_of_an_unknown_run_names_close_matches(tmp_path, monkeypatch, capsys):
+    from recipes.plot import main as plot_main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _fake_run(tmp_path / "zerokl-runs" / "grpo-verified-20260101-000000-abc123")
+    _fake_run(tmp_path / "zerokl-runs" / "grpo-off-20260101-000000-def456")
+    with pytest.raises(SystemExit) as exit_:
+        plot_main(["grpo-verified-20260101-000000-abc124"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "no run 'grpo-verified-20260101-000000-abc124'" in err and str(tmp_path / "zerokl-runs") in err
+    assert "grpo-verified-20260101-000000-abc123" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        plot_main(["grpo-off"])  # a prefix of one run's name: offered, not guessed
+    assert "grpo-off-20260101-000000-def456" in capsys.readouterr().err
+
+
 def test_ray_cluster_yaml_passes_ray_validation():
     jsonschema = pytest.importorskip("jsonschema")
     from ray.autoscaler._private.util import prepare_config, validate_config
