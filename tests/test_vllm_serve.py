@@ -288,3 +288,86 @@ def test_seed_echo_body_rule():
     ours = b'{"prompt": [1], "vllm_xargs": {"zerokl_temperature": 0.7, "zerokl_seed": 9}}'
     assert with_seed(ours) == (ours, 9)  # the seed the sampling rule will use, not a new one
     assert with_seed(b'{"vllm_xargs": {"zerokl_seed": "9"}}')[1] is None
+
+
+NOT_FOUND_BODIES = {  # vLLM's 404 for a model it does not serve: 0.32's nested error, 0.25's flat one
+    "nested": {"error": {"message": "The model `Qwen/Qwen2.5-1.5B` does not exist. Valid aliases: /ckpt.",
+                         "type": "NotFoundError", "param": "model", "code": 404}},
+    "flat": {"object": "error", "message": "The model `Qwen/Qwen2.5-1.5B` does not exist.",
+             "type": "NotFoundError", "param": None, "code": 404},
+}
+
+
+@pytest.mark.parametrize("shape", list(NOT_FOUND_BODIES))
+def test_unknown_model_message_gets_the_served_name(shape):
+    from types import SimpleNamespace
+    from rollout_service.vllm.plugin.model_hint import model_hint, with_model_hint
+    hint = model_hint(SimpleNamespace(model="/ckpt", served_model_name=None))
+    assert hint == ("this server serves the checkpoint path '/ckpt' as its model name; pass "
+                    "--served-model-name NAME to choose one")
+    body = NOT_FOUND_BODIES[shape]
+    rewritten = json.loads(with_model_hint(json.dumps(body).encode(), hint))
+    message = rewritten["error"]["message"] if shape == "nested" else rewritten["message"]
+    old = body["error"]["message"] if shape == "nested" else body["message"]
+    assert message == f"{old} Note: {hint}."
+    assert {**rewritten, "error": None, "message": None} == {**body, "error": None, "message": None}
+
+
+def test_model_hint_names_a_chosen_name_and_leaves_other_bodies_alone():
+    from types import SimpleNamespace
+    from rollout_service.vllm.plugin.model_hint import model_hint, with_model_hint
+    assert model_hint(SimpleNamespace(model="/ckpt", served_model_name=["qwen", "q"])) == \
+        "this server's model names are 'qwen', 'q' (its --served-model-name)"
+    assert "--served-model-name" in model_hint(None) and "GET /v1/models" in model_hint(None)
+    for body in (b'{"detail": "Not Found"}', b'{"error": {"message": "prompt too long"}}', b"not json", b"[]", b""):
+        assert with_model_hint(body, "hint") == body
+
+
+def test_seed_echo_rewrites_an_unknown_model_404_and_passes_the_rest():
+    """The middleware, over an app answering a 404 in two chunks: the hint lands in the body, the
+    content-length follows it, the seed header stays; a 200 streams through untouched."""
+    import asyncio
+    from types import SimpleNamespace
+    from rollout_service.vllm.plugin.seed_echo import SeedEcho
+
+    def app_answering(status, body):
+        async def app(scope, receive, send):
+            await receive()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body[:10], "more_body": True})
+            await send({"type": "http.response.body", "body": body[10:]})
+        return app
+
+    def request(app):
+        state = SimpleNamespace(args=SimpleNamespace(model="/ckpt", served_model_name=None))
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+                 "app": SimpleNamespace(state=state)}
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b'{"model": "x", "prompt": [1]}'}
+
+        async def send(message):
+            sent.append(message)
+        asyncio.run(SeedEcho(app)(scope, receive, send))
+        return sent
+
+    not_found = json.dumps(NOT_FOUND_BODIES["nested"]).encode()
+    start, *chunks = request(app_answering(404, not_found))
+    body = b"".join(c["body"] for c in chunks)
+    headers = dict(start["headers"])
+    assert "checkpoint path '/ckpt'" in json.loads(body)["error"]["message"]
+    assert headers[b"content-length"] == str(len(body)).encode() and SEED_HEADER.encode() in headers
+    ok = b'{"choices": [], "padding": "' + b"x" * 40 + b'"}'
+    start, *chunks = request(app_answering(200, ok))
+    assert start["status"] == 200 and [c["body"] for c in chunks] == [ok[:10], ok[10:]]
+
+
+@pytest.mark.slow
+def test_unknown_model_404_from_the_server_names_the_checkpoint_path(server, checkpoint):
+    status, body = call(server + "/v1/completions", dict(model="Qwen/Qwen2.5-1.5B", prompt=[1, 2, 3], max_tokens=2))
+    assert status == 404, body
+    message = body["error"]["message"]
+    assert "Qwen/Qwen2.5-1.5B" in message and f"the checkpoint path '{checkpoint}'" in message, message
+    assert "--served-model-name NAME" in message

@@ -7,16 +7,22 @@ Rule: the seed is chosen here, at the HTTP edge, not in the engine, because only
 told it: the engine's request rule (sampling.canonical_request) then sees an ordinary seeded request, and
 its n samples take seed + index as for any seeded one. Bodies that are not a JSON object, and seeds that
 are not integers, pass through untouched for vLLM to refuse.
+
+A 404 for a model the server does not serve gets the server's model name added (model_hint): vLLM serves
+a checkpoint under its path, which a client asking for a hub name does not guess.
 """
 from __future__ import annotations
 
 import json
 import secrets
 
+from rollout_service.vllm.plugin.model_hint import model_hint, server_args, with_model_hint
+
 SEED_HEADER = "x-zerokl-seed"
 SAMPLING_PATHS = ("/v1/completions", "/v1/chat/completions")
 SEED_BITS = 62  # room for seed + n below 2**63 (sampling.canonical_request)
 XARGS_SEED = "zerokl_seed"  # sampling.XARGS_PREFIX + "seed"; that module imports torch, this one stays light
+NOT_FOUND = 404
 
 
 def with_seed(body: bytes) -> tuple[bytes, int | None]:
@@ -67,7 +73,30 @@ class SeedEcho:
             await send(message)
 
         await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive),
-                       send_with_seed)
+                       _hinting_not_found(send_with_seed, model_hint(server_args(scope))))
+
+
+def _hinting_not_found(send, hint: str):
+    """An ASGI send that adds `hint` to vLLM's unknown-model 404: a 404's start is held until its whole body
+    is read, then both go out, the body rewritten (with_model_hint) and its content-length with it. Other
+    responses go out as they come: a stream stays a stream."""
+    held = {}  # a 404's start message and the body chunks read so far
+
+    async def hinting(message):
+        if message["type"] == "http.response.start" and message["status"] == NOT_FOUND:
+            held.update(start=message, chunks=[])
+            return
+        if "start" not in held or message["type"] != "http.response.body":
+            return await send(message)
+        held["chunks"].append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        body = with_model_hint(b"".join(held["chunks"]), hint)
+        start = held.pop("start")
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    return hinting
 
 
 def _replay(messages: list[dict], receive):

@@ -4,7 +4,9 @@
 
 execs `vllm serve CHECKPOINT` with the plugin's model class, the strict Gumbel processor, processed
 log-probs and vLLM temperature 0 as the server default; further args go to vLLM unchanged (a later
-flag wins). Ordinary requests get the canonical rule (vllm.plugin.sampling.canonical_request):
+flag wins). Requests name the model by the CHECKPOINT path unless --served-model-name gives a name (a 404
+for another name says so: model_hint). Ordinary requests get the canonical rule
+(vllm.plugin.sampling.canonical_request):
 
     {"prompt": [token ids], "max_tokens": 16, "n": 4, "temperature": 0.7, "seed": 5, "logprobs": 0,
      "return_token_ids": true}
