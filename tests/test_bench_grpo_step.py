@@ -26,6 +26,7 @@ def _bench(args: list[str], env: dict, tmp_path: Path, out: str) -> dict:
     return json.loads((tmp_path / out).read_text())
 
 
+@pytest.mark.slow
 def test_bench_grpo_step_cpu_smoke(tmp_path):
     env = {**os.environ, "RAY_ADDRESS": "local", "HOME": str(tmp_path)}  # runs land in tmp_path/zerokl-runs
     common = ["--device", "cpu", "--steps", "2", "--rounds", "1", "trainer.weight_sync=broadcast", *LOGNORMAL]
@@ -83,6 +84,7 @@ ON_TWO_GPUS = {  # placement: (overrides, whether rank i shares worker i's GPU)
                    "trainer.resources_per_rank.num_gpus=0.5"], True)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ON_TWO_GPUS)
 def test_bench_grpo_step_interleaved_cpu(tmp_path, placement):
     """--interleave: both arms' jobs in one process take steps in turns, the order alternating step to

@@ -18,6 +18,7 @@ from bench.peer_vllm import _report, interleaved_gpu_share  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine_core", ["in-process", "own-process"])
 def test_two_systems_in_one_run(tmp_path, engine_core):
     """own-process is vLLM's default placement; the plugin is then found through its entry point."""
@@ -49,6 +50,7 @@ def _assert_pass_ratios(ratios, times, stock_times):
         assert (b - half) / (x + half) - 5e-4 <= ratio <= (b + half) / (x - half) + 5e-4, (ratio, x, b)
 
 
+@pytest.mark.slow
 def test_interleaved_systems_share_one_process_and_take_turns(tmp_path):
     """--interleave: stock vLLM and the plugin in one process per round, their passes in turn; each
     pass's ratio to stock's pass of the same turn is reported, and the round's output is one log."""
@@ -73,6 +75,7 @@ def test_interleaved_systems_share_one_process_and_take_turns(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["peer.interleaved.log", "peer.json"]
 
 
+@pytest.mark.slow
 def test_the_worker_off_takes_turns_with_stock_vllm_in_one_process(tmp_path):
     """worker-off interleaves too: VLLMEngine's stock engine serves its off requests in the same
     process as stock vLLM's own engine, pass for pass."""

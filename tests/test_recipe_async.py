@@ -51,6 +51,7 @@ def async_run(local_ray, tmp_path_factory, request):
     return k, cfg, Path(result["run_dir"]), result["records"]
 
 
+@pytest.mark.slow
 def test_every_step_logs_staleness_ratio_spread_and_zero_kl_to_the_behaviour_version(async_run):
     k, cfg, _, records = async_run
     assert [r["step"] for r in records] == list(range(1, cfg.train.steps + 1))
@@ -90,6 +91,7 @@ def _scores(model, line: dict, temperature: float) -> list[float]:
     return logp[len(line["prompt"]) - 1:].tolist()
 
 
+@pytest.mark.slow
 def test_each_token_is_the_trainers_under_its_own_version_and_not_the_latest(async_run):
     _, cfg, run_dir, records = async_run
     models = _weights_by_version(cfg, run_dir, records)
@@ -119,6 +121,7 @@ def test_each_token_is_the_trainers_under_its_own_version_and_not_the_latest(asy
         assert spanning == 0, "drain pushes never let a rollout span two versions"
 
 
+@pytest.mark.slow
 def test_staged_pushes_send_behind_the_next_train_step(async_run):
     """With asynchronous steps a staged bucketed push returns once checked and drained; its send runs
     while the next step trains, and that step's sync waits only for what is left of it. (Each token is

@@ -16,6 +16,8 @@ from recipes.config import load_config  # noqa: E402
 from recipes.grpo import GRPOJob, run  # noqa: E402
 from recipes.metrics import read_metrics  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test runs the recipe, on a local Ray cluster
+
 TINY = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "tiny.yaml"
 TINY_MOE = TINY.with_name("tiny_moe.yaml")
 # Short: 3 steps of 8 prompts x 8 samples at T=0.8 (log-probs of logits / T); checkpoints at steps 2, 3.

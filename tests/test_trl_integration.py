@@ -123,6 +123,7 @@ def assert_exactly_zero(logs):
             assert h[f"sampling/importance_sampling_ratio/{k}"] == 1.0, h
 
 
+@pytest.mark.slow
 def test_zerokl_difference_is_exactly_zero(checkpoint, tmp_path):
     result = run(checkpoint, "zerokl", tmp_path)
     logs = result["logs"]
@@ -134,12 +135,14 @@ def test_zerokl_difference_is_exactly_zero(checkpoint, tmp_path):
     assert run(checkpoint, "zerokl-trl-correction", tmp_path) == result
 
 
+@pytest.mark.slow
 def test_stock_trl_difference_is_not_zero(checkpoint, tmp_path):
     [h] = run(checkpoint, "stock", tmp_path)["logs"]
     assert h["sampling/sampling_logp_difference/max"] > 0.0
     assert h["sampling/importance_sampling_ratio/max"] != 1.0 or h["sampling/importance_sampling_ratio/min"] != 1.0
 
 
+@pytest.mark.slow
 def test_llama_with_three_generations_per_prompt(tmp_path):
     """A Llama-family policy with num_generations = 3 (so batches of 6, not the default 8): exactly 0 too."""
     from rollout_service.tiny_models import save_with_word_tokenizer, tiny_model
@@ -153,6 +156,7 @@ def test_llama_with_three_generations_per_prompt(tmp_path):
     assert len(result["completions"]) == 3 and len(set(map(tuple, result["completions"]))) > 1
 
 
+@pytest.mark.slow
 def test_two_iterations_per_generation_match_trls_own_old_logprobs(checkpoint, tmp_path):
     """num_iterations = 2: the second pass over a batch runs on updated weights, and its ratio's
     denominator is still the behaviour policy's. The rollout's log-probs there give the same run, bit for

@@ -134,6 +134,7 @@ def test_tp4_tied_checkpoint_equals_trainer(tmp_path_factory):
     assert_matches_trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), prompts, params, results)
 
 
+@pytest.mark.slow
 def test_tp8_equals_trainer_and_its_control_differs(tmp_path_factory):
     """TP = 8, the tree's full width: each rank holds one segment of every row-parallel product, so the
     combine is the whole tree. Equal to the trainer; the bf16 all-reduce control over the same 8 ranks

@@ -186,6 +186,7 @@ def test_chat_completions_sample_canonically(server, checkpoint, policy):
         assert (tokens, logprobs) == complete(server, prompt, 6, temperature=0.8, top_p=0.9, seed=77 + j)
 
 
+@pytest.mark.slow
 def test_stock_server_is_not_the_trainer(checkpoint, policy, tmp_path):
     """Negative control: vLLM's own server (plugin not selected), asked the same standard request with
     temperature-scaled log-probs, returns log-probs that are not the trainer's, and echoes no seed."""

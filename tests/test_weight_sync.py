@@ -594,6 +594,7 @@ def test_a_trainer_closed_with_an_armed_push_releases_its_workers(pool, reqs):
         ray.kill(rank)
 
 
+@pytest.mark.slow
 def test_a_train_step_longer_than_the_push_timeout_declines_its_armed_push(pool, reqs):
     """An armed push's workers wait for it through the train step, and give it up at the push's timeout.
     Control: a sender armed with a 4 s timeout and held 16 s loses its push (its store waits for
