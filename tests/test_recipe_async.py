@@ -31,11 +31,14 @@ ASYNC = ["train.steps=5", "train.prompts_per_step=8", "train.save_every=1", "tra
          "warmup.steps=30", "rollout.temperature=0.8", "metrics.wandb=false"]
 
 
-# canonical steps of one token each, four requests at a time per worker: a push lands between two of a
-# running rollout's tokens. Whether a push finds rollouts running is timing: five steps (four pushes)
-# on a loaded machine sometimes found none; twelve steps give eleven pushes that may.
+# canonical steps of one token each, two requests at a time per worker: a push lands between two of a
+# running rollout's tokens. Whether a push finds rollouts running is timing: a push lands mid-rollout
+# only while the next step's generation outlasts the train step. Five steps (four pushes) on a loaded
+# machine sometimes found none, and so did twelve steps at four requests a worker once the trainer's
+# packed step got faster; two requests a worker double the generation's waves (10 of 768 rollouts
+# spanned two versions in a run on two loaded cores).
 IN_FLIGHT = ["trainer.weight_switch=switch-in-flight", "trainer.weight_sync=object_store", "train.steps=12",
-             "rollout.determinism=invariant", "rollout.engine={window: 4, group: 8, kv_cache_tokens: 8192, max_num_seqs: 4}"]
+             "rollout.determinism=invariant", "rollout.engine={window: 4, group: 8, kv_cache_tokens: 8192, max_num_seqs: 2}"]
 
 
 # a staged push over a gloo group from the FSDP2 ranks, sending behind the next train step
