@@ -1,0 +1,99 @@
+"""What every rollout engine provides: the calls a RolloutWorker makes on it (RolloutEngine), the
+extra calls of an engine that takes bucketed weight pushes (BucketedPushEngine), and what it can do
+(EngineCapabilities), so that callers ask the engine instead of guessing from its type or config.
+
+Engines: the native Engine (engine.py), rank 0 of a tensor-parallel group (tp/; a worker drives it
+through TPGroup.engine()) and VLLMEngine (rollout_service.vllm).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    # takes every weight-switch mode of service/switch_modes.py, switch-in-flight included: its
+    # update_weights between two steps with requests running is exact (it sets weight_version, with
+    # which later tokens are stamped)
+    switch_modes: bool
+    # returns MoE routing records (SamplingParams.return_routed_experts)
+    routing_records: bool
+    # a BucketedPushEngine: accepts bucketed in-place weight pushes (weight_spec / load_named_weights)
+    bucketed_push: bool
+    # sleep() releases its GPU memory for another process (wake() maps it again); otherwise sleep,
+    # wake and wake_weights are no-ops
+    sleep: bool
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Requests in, rollouts out, one step at a time; weights replaced whole; the canonical contract."""
+
+    def capabilities(self) -> EngineCapabilities:
+        """What this engine can do (constant for its lifetime)."""
+        ...
+
+    def add_request(self, prompt_token_ids, params) -> int:
+        """Queue a request; raises InvalidRequestError if it can never be served."""
+        ...
+
+    def abort(self, request_id: int) -> bool:
+        ...
+
+    def step(self) -> list:
+        """One step; the (request id, Rollout) pairs that finished during it."""
+        ...
+
+    def has_unfinished(self) -> bool:
+        ...
+
+    def generate(self, prompts, params) -> list:
+        """Rollouts in request order (scripts and tests; a worker steps the engine itself)."""
+        ...
+
+    def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
+        """Load whole new weights (refused, nothing loaded, when the digest is not the expected one);
+        returns their digest."""
+        ...
+
+    def weights_digest(self) -> str:
+        ...
+
+    def canonical_config(self):
+        """The kernels.CanonicalConfig its canonical forward runs under (compared with the trainer's)."""
+        ...
+
+    def sleep(self) -> None:
+        ...
+
+    def wake_weights(self) -> None:
+        """Map the weights' memory again, the rest left asleep (an engine may do nothing here)."""
+        ...
+
+    def wake(self) -> None:
+        ...
+
+
+@runtime_checkable
+class BucketedPushEngine(RolloutEngine, Protocol):
+    """An engine with capabilities().bucketed_push: a push arrives as named tensors, bucket by bucket,
+    already checked against the sender's spec (rollout_service.service.weight_sync)."""
+
+    device: object  # the torch.device the buckets are received on
+
+    def weight_spec(self) -> dict:
+        """{name: shape} of every tensor a push carries."""
+        ...
+
+    def load_named_weights(self, named) -> None:
+        """Copy (name, tensor) pairs into the weights in place."""
+        ...
+
+    def wait_host_copies(self) -> None:
+        """Until the engine has finished reading the tensors given to load_named_weights."""
+        ...
+
+    def finish_weight_load(self) -> None:
+        """The push is complete and checked: later tokens run on it."""
+        ...
