@@ -1,0 +1,1 @@
+"""The parts of `python -m bench.kernels`: GPU timing, and one module per kernel family it times."""
