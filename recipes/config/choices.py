@@ -1,0 +1,11 @@
+"""The allowed values of the recipe config's string keys (checked at load, recipes.config.checks)."""
+from rollout_service.service.weight_sync import TRANSPORTS
+
+TASK_KINDS = ("tiny", "gsm8k")
+MODEL_SOURCES = ("tiny", "hf")
+OLD_LOGPROBS = ("rollout", "recompute")
+TRAINER_DEVICES = ("cpu", "cuda")
+NUMERICS = ("canonical", "stock")
+PLACEMENTS = ("split", "colocated")
+WEIGHT_TRANSPORTS = ("auto", *TRANSPORTS)
+LENGTH_DISTRIBUTIONS = ("fixed", "lognormal")

@@ -1,0 +1,65 @@
+"""The policy's sections of the recipe config: `model` (its starting weights), `canonical` (its forward's
+segment tree) and `warmup` (supervised steps before GRPO)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The `model` section: the policy's starting weights (and the tokenizer of the gsm8k task)."""
+    source: str = "tiny"
+    """tiny (a random model made by the project) | hf (a hub id or local checkpoint in `name`)."""
+    name: str | None = None
+    """hf: the hub id or local checkpoint directory (required); also gsm8k's tokenizer unless `tokenizer`."""
+    tokenizer: str | None = None
+    """gsm8k: the tokenizer's hub id or local directory, when it is not `name`'s; null: `name`."""
+    # tiny: rollout_service.tiny_models options; null keeps that module's default
+    arch: str | None = None
+    """tiny: the architecture, llama | qwen2 | qwen3 | qwen3_moe."""
+    hidden_size: int | None = None
+    """tiny: the hidden size (model width)."""
+    num_layers: int | None = None
+    """tiny: the number of decoder layers."""
+    num_heads: int | None = None
+    """tiny: the number of attention (query) heads."""
+    num_kv_heads: int | None = None
+    """tiny: the number of key/value heads (fewer than num_heads: grouped-query attention)."""
+    intermediate_size: int | None = None
+    """tiny: the MLP's intermediate width (qwen3_moe: each expert's is half of it)."""
+    max_positions: int | None = None
+    """tiny: max_position_embeddings, the engines' default max_model_len."""
+    head_dim: int | None = None
+    """tiny, qwen3 and qwen3_moe: the attention head width; null: hidden_size / num_heads (Qwen3-4B: 128)."""
+    tie_word_embeddings: bool | None = None
+    """tiny: the lm head shares the embedding's weight (Qwen3-4B and smaller Qwen models do)."""
+    vocab_size: int | None = None
+    """tiny: logits width, >= the tokenizer's; null: the tokenizer's; more: a real model's (benchmarks)."""
+
+    def tiny_options(self) -> dict:
+        """The tiny model's keyword options that are set."""
+        names = ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                 "max_positions", "head_dim", "tie_word_embeddings")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True)
+class CanonicalTreeConfig:
+    """The `canonical` section: the canonical forward's row-parallel segment tree."""
+    tree_segments: int | None = None
+    """Tree width, 1, 2, 4 or 8: the largest TP degree that reproduces the trainer; null: ZEROKL_TREE_SEGMENTS
+    or 8. Given to every rollout worker and trainer rank; the run's config.yaml records the width used."""
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Supervised steps on the task's answers before GRPO (0 = none); skipped when resuming."""
+    steps: int = 0
+    """AdamW steps of the warm-up; 0: no warm-up."""
+    lr: float = 3e-3
+    """The warm-up's AdamW learning rate (no weight decay)."""
+    batch_size: int = 64
+    """(prompt, answer) examples per step, drawn at random with replacement from the whole task (seeded)."""
+    device: str = "cpu"
+    """cpu | cuda (the driver's GPU, before the workers and ranks start)."""
+
