@@ -14,6 +14,7 @@ from .backward import (add_rms_norm_with_grad, add_with_grad, attention_with_gra
                        rms_norm_with_grad, rotary_qk_with_grad, rotary_with_grad, silu_mul_with_grad)
 from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_WIDTHS, CanonicalConfig,
                        CanonicalMismatchError, check_canonical, set_tree_segments, tree_segments)
+from .packed_attention import PackedRow, packed_attention_with_grad
 from .logprobs import head_token_logprobs, log_softmax, logprob_temperature, scale_logits, token_logprobs
 from .sampling import gumbel_noise, sample, sampling_position, sampling_positions
 
@@ -147,6 +148,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     return attention_with_grad(fwd, q, k, v, positions, scale)
 
 
+def attention_sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: PackedRow, *,
+                        scale: float | None = None) -> torch.Tensor:
+    """Canonical causal attention of a packed row: q [1, N, Hq, D], k, v [1, N, Hkv, D] bf16 hold the
+    sequences row.lengths back to back, positions 0..L-1 each. Every query row gets the bits
+    `attention` gives it with its sequence alone, in one launch (kernels.packed_attention).
+    Differentiable."""
+    _check("q", q, dims=4, dtype=torch.bfloat16)
+    _check("k", k, dims=4, dtype=torch.bfloat16)
+    _check("v", v, dims=4, dtype=torch.bfloat16)
+    _same_device(q, k, v, row.positions)
+    if q.shape[0] != 1 or k.shape[:2] != q.shape[:2] or k.shape != v.shape or sum(row.lengths) != q.shape[1]:
+        raise ValueError(f"a packed row is q [1, N, Hq, D], k, v [1, N, Hkv, D] with N = sum(lengths) = "
+                         f"{sum(row.lengths)}; got q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    if q.shape[2] % k.shape[2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"bad GQA shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    impl = backend_for(q).attention_packed
+    family = kernel_family(q.device)
+
+    def fwd(q_, k_, v_):  # the row's keys as one-token pages: [N, 1, Hkv, D]
+        out = torch.empty_like(q_[0])
+        impl(q_[0], k_[0].unsqueeze(1), v_[0].unsqueeze(1), row.positions, row.key_table, row.query_start,
+             row.query_len, row.max_len, out, scale, family.attention_block_kv, family.attention_split_kv)
+        return out[None]
+    return packed_attention_with_grad(fwd, q, k, v, row, scale)
+
+
 def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      block_table: torch.Tensor, query_start: torch.Tensor, query_len: torch.Tensor,
                      max_query_len: int, *, out: torch.Tensor | None = None,
@@ -182,7 +210,7 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 
 __all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm",
-           "attention", "attention_packed", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
+           "PackedRow", "attention", "attention_packed", "attention_sequences", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
            "head_token_logprobs", "kernel_family", "log_softmax", "logprob_temperature", "matmul", "rms_norm",
            "rotary", "rotary_qk", "sample", "sampling_position", "sampling_positions", "scale_logits",
            "set_tree_segments", "silu_mul", "token_logprobs", "tree_segments", "write_kv"]

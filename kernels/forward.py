@@ -14,6 +14,7 @@ import kernels as K
 from kernels.backward import mark_whole_sequences
 from kernels.moe import MoESpec, is_moe_block, moe_forward, moe_spec
 from kernels.opset import CANONICAL_OPS, OpSet
+from kernels.packed_attention import PackedRow
 from kernels.rope import RopeTable
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -95,7 +96,7 @@ class ForwardContext:
     in a layer's arguments (inside dataclasses, dicts, tuples) to bf16, and the float32 rotary rows
     must reach the layers as they are."""
     __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv", "routing", "sequence_lengths",
-                 "sequence_positions", "defer_residual", "pending")
+                 "packed_row", "sequence_positions", "defer_residual", "pending")
 
     def __init__(self, ops: OpSet, spec: ModelSpec, positions: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, kv: PagedKV | None = None, routing: list | None = None,
@@ -106,9 +107,11 @@ class ForwardContext:
         self.kv = kv  # None: contiguous KV of this call (training / full sequences)
         self.routing = routing  # a list: each MoE layer appends its expert ids [B, T, k]
         self.sequence_lengths = sequence_lengths  # a packed row [1, N]: its sequences' lengths (packed_lengths)
-        # each packed sequence's positions, one tensor for every layer, known to run 0..L-1 (packed_lengths
-        # checked them): the attention backward asks the host nothing about them
-        self.sequence_positions = None if sequence_lengths is None else [
+        self.packed_row = None if sequence_lengths is None else PackedRow.of(sequence_lengths, positions)
+        # an op set without the one-launch packed attention attends per sequence: each sequence's
+        # positions, one tensor for every layer, known to run 0..L-1 (packed_lengths checked them), so
+        # the attention backward asks the host nothing about them
+        self.sequence_positions = None if sequence_lengths is None or ops.attention_sequences is not None else [
             mark_whole_sequences(p) for p in positions.split(list(sequence_lengths), dim=1)]
         # Without autograd a layer's last residual add is left to the next norm (one fused launch,
         # the same bits). With it, every layer adds its own: FSDP2 prepares a layer's backward from
@@ -178,11 +181,13 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
 
 
 def _contiguous_attention(ops: OpSet, q, k, v, ctx: ForwardContext, scale: float) -> torch.Tensor:
-    """Attention over this call's own K/V. A packed row's sequences each attend alone: every one is the
-    very call it would be if scored on its own ([1, L], positions 0..L-1), so packing cannot change a
-    bit of it, and no query row ever sees another sequence's keys or a pad."""
+    """Attention over this call's own K/V. A packed row's sequences each attend alone: every query row
+    gets the numbers it gets with its sequence scored on its own ([1, L], positions 0..L-1), so packing
+    cannot change a bit of it, and no query row ever sees another sequence's keys or a pad."""
     if ctx.sequence_lengths is None:
         return ops.attention(q, k, v, ctx.positions, None, scale)
+    if ops.attention_sequences is not None:
+        return ops.attention_sequences(q, k, v, ctx.packed_row, scale)
     parts, start = [], 0
     for length, positions in zip(ctx.sequence_lengths, ctx.sequence_positions):
         rows = slice(start, start + length)

@@ -31,6 +31,9 @@ class OpSet:
     # paged attention over packed query rows, in place (kernels.attention_packed); None: an op set that
     # cannot attend over vLLM's paged cache
     attention_packed: Callable | None = None
+    # causal attention of a packed training row's sequences, each alone, in one launch
+    # (kernels.attention_sequences): (q, k, v, PackedRow, scale) -> bf16; None: one call per sequence
+    attention_sequences: Callable | None = None
 
     def add_rms_norm(self, a, b, weight, eps):
         if self.fused_add_rms_norm is not None:
@@ -56,4 +59,5 @@ CANONICAL_OPS = OpSet(
     fused_rotary_qk=K.rotary_qk,
     grouped_experts=True,
     attention_packed=K.attention_packed,
+    attention_sequences=lambda q, k, v, row, scale=None: K.attention_sequences(q, k, v, row, scale=scale),
 )

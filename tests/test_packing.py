@@ -167,18 +167,42 @@ def test_fsdp2_trainer_rank_agrees_with_the_rollouts_in_every_layout(checkpoint,
     assert result["grad_norm"][0] > 0
 
 
-def test_a_packed_backward_asks_the_host_nothing_per_sequence(checkpoint, samples, monkeypatch):
-    """Each packed sequence's positions are marked whole once a forward (packed_lengths checked them on the
-    host); the attention backward's kernel choice then reads the mark instead of syncing per sequence and
-    layer, which on a GPU would drain the queue hundreds of times a micro-batch."""
-    from kernels import backward as B
-    remembered = []
-    real = B._remember
-    monkeypatch.setattr(B, "_remember", lambda *a: remembered.append(a[1:]) or real(*a))
+def _autograd_node_names(root) -> list[str]:
+    seen, stack, names = set(), [root.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+def test_a_packed_row_attends_in_one_call_a_layer_with_the_per_sequence_bits(checkpoint, samples, monkeypatch):
+    """A packed row's sequences attend in one canonical call a layer (kernels.attention_sequences), one
+    autograd node a layer for the backward, not one per sequence. An op set without that call attends
+    sequence by sequence: both give the same log-prob bits, and gradients of the same formula."""
+    import dataclasses
+
+    from kernels import forward as F
     model = patch_model(_policy(checkpoint).float())
     mb = pack_flat(samples)
     logp = score(model, mb)
-    marked = len(remembered)
-    assert marked == len(samples) and all(answer for _, answer in remembered)
+    names = _autograd_node_names(logp)
+    assert names.count("_PackedAttentionBackward") == model.config.num_hidden_layers
+    assert "_CanonicalAttentionBackward" not in names
     (logp * mb["loss_mask"]).sum().backward()
-    assert len(remembered) == marked
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    per_sequence = dataclasses.replace(F.CANONICAL_OPS, attention_sequences=None)
+    monkeypatch.setattr("trainer_patch.patch.CANONICAL_OPS", per_sequence)
+    alone = score(model, mb)
+    names = _autograd_node_names(alone)
+    assert names.count("_CanonicalAttentionBackward") == model.config.num_hidden_layers * len(samples)
+    assert torch.equal(alone, logp)
+    (alone * mb["loss_mask"]).sum().backward()
+    for name, p in model.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6)
