@@ -20,7 +20,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench import emit  # noqa: E402
-from bench.peer_vllm import TINY_KW  # noqa: E402
+from bench.peer.systems import TINY_KW  # noqa: E402
 from bench.vllm_step_profile import record_step_rows, step_rows  # noqa: E402
 
 

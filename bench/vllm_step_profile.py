@@ -35,7 +35,7 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench import emit  # noqa: E402
-from bench.peer_vllm import _capped, _workload, add_engine_args, build_llm, engine_facts, request_params  # noqa: E402
+from bench.peer.engines import add_engine_args, build_llm, capped, engine_facts, request_params, workload  # noqa: E402
 
 
 def _sync_sites(run) -> collections.Counter:
@@ -402,7 +402,7 @@ def main():
         save_model(args.shape, tmp.name, args.num_layers)
         args.model = tmp.name
     import transformers
-    prompts = _workload(args, transformers.AutoConfig.from_pretrained(args.model).vocab_size)
+    prompts = workload(args, transformers.AutoConfig.from_pretrained(args.model).vocab_size)
     host_totals = _time_host_functions() if args.host_times else None
     step_log = record_step_rows() if args.host_times else None
     llm = build_llm(args, args.system, len(prompts))
@@ -413,7 +413,7 @@ def main():
         llm.reset_prefix_cache()
         return llm.generate(inputs, params, use_tqdm=False)
 
-    llm.generate(inputs, [_capped(q, 8) for q in params], use_tqdm=False)  # warm-up: every prefill shape
+    llm.generate(inputs, [capped(q, 8) for q in params], use_tqdm=False)  # warm-up: every prefill shape
     for _ in range(args.full_warmups):
         generate()
     start = time.perf_counter()

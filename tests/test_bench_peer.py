@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from bench.peer_vllm import _report, interleaved_gpu_share  # noqa: E402
+from bench.peer.report import build_report  # noqa: E402
+from bench.peer.systems import interleaved_gpu_share  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +111,7 @@ def test_partial_report_is_written_and_marked(tmp_path):
                               window=8, group=8, kv_cache_mib=512, gpu_memory_utilization=0.4, num_gpu_blocks=None)
     runs = {"vllm": [dict(generated_tokens=6, seconds=2.0, tokens_per_s=3.0)], "vllm-plugin": []}
     path = tmp_path / "partial.json"
-    report = _report(args, "tiny", runs, str(path))
+    report = build_report(args, "tiny", runs, str(path))
     assert json.loads(path.read_text()) == report
     assert report["complete"] is False and set(report["results"]) == {"vllm"}
     assert report["results"]["vllm"]["x_vllm"] == 1.0
@@ -128,7 +129,7 @@ def test_repeats_report_each_rounds_ratio_to_stock(tmp_path):
         return dict(generated_tokens=6, seconds=6 / tps, tokens_per_s=tps)
     runs = {"vllm": [run(10.0), run(20.0), run(10.0)],
             "worker-off": [run(9.0), run(20.0), dict(error="RuntimeError: boom")]}
-    results = _report(args, "tiny", runs)["results"]
+    results = build_report(args, "tiny", runs)["results"]
     off = results["worker-off"]
     assert off["runs_tokens_per_s"][:2] == [9.0, 20.0] and off["tokens_per_s"] == 9.0  # median of the two that ran
     assert off["x_vllm"] == 0.9  # against stock's median run, 10.0
@@ -167,7 +168,7 @@ def test_a_process_stuck_after_its_result_is_killed_and_its_result_kept():
     """A system that measured but does not exit (seen: vLLM's TP = 4 teardown) is killed `grace`
     seconds after its RESULT line, not at the timeout; one that exits is not stopped, even while a
     child of its own keeps the output pipe open."""
-    from bench.peer_vllm import supervise
+    from bench.peer.processes import supervise
     stuck = "import time; print('RESULT {}', flush=True); time.sleep(120)"
     start = time.perf_counter()
     output, stopped, _ = supervise([sys.executable, "-c", stuck], dict(os.environ), timeout=300, grace=1)
@@ -182,7 +183,7 @@ def test_a_process_stuck_after_its_result_is_killed_and_its_result_kept():
 
 
 def test_error_lines_keep_the_last_distinct_errors_in_order():
-    from bench.peer_vllm import error_lines
+    from bench.peer.processes import error_lines
     output = "\n".join(["INFO start", "Traceback (most recent call last):", "ValueError: first",
                         "INFO more", "RuntimeError: Engine core initialization failed", "ValueError: first",
                         'RESULT {"error": "RuntimeError"}'])

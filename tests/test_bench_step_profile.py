@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _profile(tmp_path, *options) -> dict:
     """The report of a plugin generate of 2 prompts x 8 tokens, 4 new tokens each, on a tiny checkpoint."""
     pytest.importorskip("vllm")
-    from bench.peer_vllm import TINY_KW
+    from bench.peer.systems import TINY_KW
     from rollout_service.tiny_models import tiny_model
     tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp_path / "model")
     out = tmp_path / "profile.json"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.peer_vllm import ALL_SYSTEMS, INTERLEAVABLE, INTERLEAVED_GPU_SHARE, interleaved_gpu_share
+from bench.peer.systems import ALL_SYSTEMS, INTERLEAVABLE, INTERLEAVED_GPU_SHARE, interleaved_gpu_share
 from bench.rollout import SHAPES
 from bench.speed_tables import TABLES, main
 
@@ -73,7 +73,7 @@ def test_unknown_table_is_refused():
 def test_a_table_runs_on_cpu_with_a_tiny_checkpoint(tmp_path):
     """--model wins over the table's random-weight shape (a checkpoint vLLM's CPU attention takes)."""
     pytest.importorskip("vllm")
-    from bench.peer_vllm import TINY_KW
+    from bench.peer.systems import TINY_KW
     from rollout_service.tiny_models import tiny_model
     tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp_path / "model")
     out = tmp_path / "table.json"

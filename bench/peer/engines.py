@@ -1,0 +1,124 @@
+"""The workload, the engine options every system shares, and the vllm.LLM of a `vllm*` system with its
+requests."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+
+def workload(args, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+
+
+def on_cpu() -> bool:
+    import torch
+    return not torch.cuda.is_available()
+
+
+def vllm_options(args) -> dict:
+    opts = dict(max_model_len=args.prompt_len + args.max_tokens + 8)
+    if on_cpu():
+        opts.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20)
+    else:
+        opts.update(gpu_memory_utilization=args.gpu_memory_utilization)
+        if args.num_gpu_blocks:  # the same KV cache for every system, whatever profiling would leave it
+            opts.update(num_gpu_blocks_override=args.num_gpu_blocks)
+    return opts
+
+
+def kv_settings(args) -> dict:
+    """What sized the engines' KV caches (a report's record of the workload)."""
+    if on_cpu():
+        return dict(kv_cache_mib=args.kv_cache_mib)
+    return dict(gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks)
+
+
+def add_engine_args(p: argparse.ArgumentParser, gpu_memory_utilization: float = 0.4) -> None:
+    """The options build_llm reads (KV cache size, TP degree): one definition for every tool that builds
+    engines through it."""
+    p.add_argument("--kv-cache-mib", type=int, default=512, help="vLLM KV cache on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=gpu_memory_utilization,
+                   help="vLLM's share of GPU memory (the verifier shares the GPU)")
+    p.add_argument("--num-gpu-blocks", type=int,
+                   help="GPU: every vLLM engine gets this many KV blocks (vLLM's num_gpu_blocks_override) "
+                        "instead of what its memory profile leaves; compares speed at equal KV capacity")
+    p.add_argument("--logprobs-layout", choices=("flat", "lists"), default="flat",
+                   help="how the vllm* systems' outputs hold log-probs: vLLM's FlatLogprobs (flat_logprobs=True, "
+                        "as the worker's engines ask) or vLLM's default dict per token, whose allocations set off "
+                        "Python's garbage collector; the same for every vllm* system")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vllm* systems: vLLM's tensor parallelism over this many GPUs (the plugin's row-parallel "
+                        "outputs combined by the segment tree, stock vLLM's by its all-reduce)")
+
+
+def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
+    """The vllm.LLM of a `vllm*` system, its engine core in this process or its own (VLLM_BATCH_INVARIANT
+    comes from the env). vllm-plugin*: the canonical model class and our seeded sampling rule."""
+    if system == "vllm-v1":  # stock on the model runner the plugin uses (vLLM 0.25 defaults to V2)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    from vllm import LLM
+    options = vllm_options(args)
+    if system == "vllm-eager":
+        options["enforce_eager"] = True
+    k = args.tensor_parallel_size
+    if system.startswith("vllm-plugin"):
+        from rollout_service.vllm.plugin import (
+            llm_options,
+            register,
+            require_entry_point,
+        )
+        register()  # in-process engine core: the entry point may not be installed
+        if own_process:
+            require_entry_point()  # vLLM's engine-core process builds the model
+        options.update(llm_options(args.model, cuda_graphs=system != "vllm-plugin-eager" and not on_cpu(),
+                                   runner="v1" if system == "vllm-plugin-v1" else None, tensor_parallel_size=k))
+        reduce = {"vllm-plugin-gather": "tree", "vllm-plugin-scatter": "tree_scatter"}.get(system)
+        if reduce:  # TP > 1: the same tree, scheduled otherwise
+            from rollout_service.vllm.plugin.tensor_parallel import TP_REDUCE_KEY
+            options["additional_config"] = {TP_REDUCE_KEY: reduce}
+    else:
+        from rollout_service.vllm.plugin.tensor_parallel import tp_options
+        options.update(tp_options(None, k))
+    if not own_process:
+        options.setdefault("distributed_executor_backend", "uni" if k == 1 else "mp")
+    from rollout_service.vllm.plugin.compat import engine_core_placement
+    with engine_core_placement(own_process):  # own process: the plugin is found through its entry point
+        return LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, seed=args.seed,
+                   max_num_seqs=max(max_num_seqs, 1), **options)
+
+
+def request_params(args, system: str, prompts) -> list:
+    """Per-request vLLM SamplingParams: the plugin's carry our rule's params (vLLM greedy over the
+    one finite logit the rule leaves); stock ones sample with vLLM's sampler, seeded per request,
+    returning the chosen token's log-prob with --stock-logprobs (as an RL rollout needs)."""
+    from vllm import SamplingParams
+    flat = args.logprobs_layout == "flat"
+    if system.startswith("vllm-plugin"):
+        from rollout_service.vllm.plugin.sampling import EXTRA_ARGS_KEY
+        return [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
+                               logprobs=0, flat_logprobs=flat, extra_args={EXTRA_ARGS_KEY: dict(
+                                   seed=args.seed + i, temperature=args.temperature, top_k=-1, top_p=args.top_p,
+                                   position=len(p))})
+                for i, p in enumerate(prompts)]
+    return [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + i,
+                           max_tokens=args.max_tokens, ignore_eos=True, detokenize=False,
+                           logprobs=0 if args.stock_logprobs else None, flat_logprobs=flat)
+            for i in range(len(prompts))]
+
+
+def engine_facts(llm) -> dict:
+    """Which model runner and scheduling the engine ended up with (vLLM picks them per config), and
+    its KV cache in tokens: what memory profiling left it, which caps how many sequences run at once."""
+    config = llm.llm_engine.vllm_config
+    cache = config.cache_config
+    return dict(model_runner="v2" if getattr(config, "use_v2_model_runner", False) else "v1",
+                async_scheduling=bool(config.scheduler_config.async_scheduling),
+                kv_cache_tokens=(cache.num_gpu_blocks or 0) * cache.block_size)
+
+
+def capped(params, max_tokens: int):
+    capped = params.clone()
+    capped.max_tokens = min(max_tokens, params.max_tokens)
+    return capped
