@@ -21,7 +21,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench import emit  # noqa: E402
 from bench.peer.systems import TINY_KW  # noqa: E402
-from bench.vllm_step_profile import record_step_rows, step_rows  # noqa: E402
+from bench.step_profile.host_times import record_step_rows, step_rows  # noqa: E402
 
 
 def decode_rows_by_16(steps: list[tuple[int, int, int]]) -> dict[str, int]:

@@ -47,13 +47,13 @@ def test_host_stalls_count_garbage_collections():
     the block is counted by generation, with its start and length."""
     import gc
 
-    from bench.vllm_step_profile import _host_stalls
-    with _host_stalls() as stalls:
+    from bench.step_profile.timeline import host_stalls
+    with host_stalls() as stalls:
         gc.collect()
         gc.collect(0)
     assert stalls["gc"]["gen2"]["count"] == 1 and stalls["gc"]["gen0"]["count"] >= 1, stalls
     assert stalls["longest_gc"][0]["generation"] == 2 and stalls["longest_gc"][0]["ms"] > 0, stalls
-    with _host_stalls() as quiet:
+    with host_stalls() as quiet:
         pass
     assert quiet["gc"] == {} and quiet["triton_compiles"]["count"] == 0, quiet
 
@@ -61,15 +61,15 @@ def test_host_stalls_count_garbage_collections():
 def test_largest_gaps_name_the_work_around_them():
     """Each long idle gap names the device work before and after it and the host ops overlapping it,
     longest first (microsecond timestamps, as in torch.profiler's trace)."""
-    from bench.vllm_step_profile import _idle_gaps, _largest_gaps
+    from bench.step_profile.timeline import idle_gaps, largest_gaps
     events = [dict(cat="kernel", name="k1", ts=0, dur=10), dict(cat="kernel", name="k2", ts=100, dur=10),
               dict(cat="gpu_memcpy", name="copy", ts=115, dur=5), dict(cat="kernel", name="k3", ts=500, dur=5),
               dict(cat="cpu_op", name="aten::slow", ts=20, dur=300),
               dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=490, dur=5)]
-    gaps = _idle_gaps([(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] != "cpu_op"
+    gaps = idle_gaps([(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] != "cpu_op"
                        and e["cat"] != "cuda_runtime"], min_us=20)
     assert gaps == [(10, 100), (120, 500)]
-    longest, second = _largest_gaps(events, gaps, first=0, top=5)
+    longest, second = largest_gaps(events, gaps, first=0, top=5)
     assert (longest["us"], longest["before"], longest["after"]) == (380, "copy", "k3")
     assert longest["host"] == [dict(op="cpu_op: aten::slow", us=200), dict(op="cuda_runtime: cudaLaunchKernel", us=5)]
     assert (second["us"], second["before"], second["after"]) == (90, "k1", "k2")
