@@ -118,7 +118,7 @@ def test_bench_grpo_step_interleaved_cpu(tmp_path, placement):
 
 
 def test_split_arms_whose_worker_shares_its_ranks_gpu_are_refused():
-    from bench.grpo_step import check_split_gpus
+    from bench.grpo_arms.run import check_split_gpus
     apart = {"canonical": {"rollout": ["0"], "trainer": ["1"]}, "stock": {"rollout": ["0"], "trainer": ["1"]}}
     check_split_gpus("split", apart)
     packed = {"canonical": {"rollout": ["0"], "trainer": ["0"]}, "stock": {"rollout": ["1"], "trainer": ["1"]}}
@@ -134,7 +134,7 @@ def test_interleave_refuses_async_arms():
 
 
 def test_merge_refuses_runs_that_do_not_pair():
-    from bench.grpo_step import merge
+    from bench.grpo_arms.ratios import merge
     run = {"config": "c.yaml", "steps": 3, "overrides": [], "rounds": [{"canonical": {"step_s": 1.0}}]}
     with pytest.raises(ValueError, match="differ"):
         merge([run, {**run, "steps": 4}])
@@ -143,7 +143,8 @@ def test_merge_refuses_runs_that_do_not_pair():
 
 
 def test_time_to_reward_is_the_first_step_at_the_reward_both_arms_reached():
-    from bench.grpo_step import time_to_reward, with_ratios
+    from bench.grpo_arms.ratios import with_ratios
+    from bench.grpo_arms.summary import time_to_reward
     # rewards per step, one second a step (sync) and half a second (async); trailing means of 3 steps
     sync = [[float(i + 1), r] for i, r in enumerate([0.1, 0.2, 0.3, 0.5, 0.6, 0.7])]  # last mean 0.6
     fast = [[0.5 * (i + 1), r] for i, r in enumerate([0.1, 0.1, 0.2, 0.3, 0.4, 0.5])]  # last mean 0.4
@@ -190,7 +191,8 @@ def _record(step: int, train_tps: float, gpu: bool, lengths: tuple[int, int, int
 
 
 def test_summary_has_train_device_figures_and_completion_lengths_where_logged():
-    from bench.grpo_step import summarise, with_ratios
+    from bench.grpo_arms.ratios import with_ratios
+    from bench.grpo_arms.summary import summarise
     lengths = [(900, 100, 3000), (1000, 50, 4096), (1100, 200, 2000), (1200, 300, 2500)]
     gpu = [_record(s, 1000.0 * s, True, lengths[s - 1]) for s in range(1, 5)]
     cpu = [_record(s, 500.0 * s, False, lengths[s - 1]) for s in range(1, 5)]
@@ -219,7 +221,7 @@ def test_summary_has_train_device_figures_and_completion_lengths_where_logged():
 
 
 def test_plotted_lengths_are_the_budgets_the_recipe_draws(tmp_path):
-    from bench.grpo_step import drawn_lengths, length_summary, plot_lengths
+    from bench.grpo_arms.lengths import drawn_lengths, length_summary, plot_lengths
     from recipes.config import load_config
     from recipes.rollouts import completion_budget, prompt_indices
 
