@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib
 
+import rollout_service.vllm  # noqa: F401  registers the native engine's "vllm" fast path (vLLM is imported on use)
+
 _EXPORTS = {
     "Engine": "rollout_service.engine.engine",
     "SamplingParams": "rollout_service.params",

@@ -19,6 +19,26 @@ class Determinism(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def parse(cls, value) -> Determinism:
+        """`value` (a member or its string: "verified", "invariant", "off") as a member; ValueError
+        naming the modes otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"must be one of {', '.join(m.value for m in cls)}, got {value!r}") from None
+
+    @property
+    def runs_canonical(self) -> bool:
+        """Its tokens and log-probs are the canonical forward's, the trainer's bits (all but off)."""
+        return self is not Determinism.OFF
+
+    @property
+    def verifies(self) -> bool:
+        """Decoded by fast-path proposals that the canonical forward verifies (DVR), where the decode
+        policy finds that cheaper than canonical steps; counted in RolloutStats' verify windows."""
+        return self is Determinism.VERIFIED
+
 
 DETERMINISM_MODES = tuple(m.value for m in Determinism)
 
@@ -154,10 +174,11 @@ class SamplingParams:
         except InvalidRequestError as e:
             bad(str(e))
         object.__setattr__(self, "top_k", top_k)  # off is -1 here, whether -1 or 0 was given
-        if self.determinism not in DETERMINISM_MODES:
-            bad(f"determinism must be one of {DETERMINISM_MODES}, got {self.determinism!r}")
-        object.__setattr__(self, "determinism", Determinism(self.determinism))
-        if self.seed is None and not self.greedy and self.determinism != Determinism.OFF:
+        try:
+            object.__setattr__(self, "determinism", Determinism.parse(self.determinism))
+        except ValueError as e:
+            bad(f"determinism {e}")
+        if self.seed is None and not self.greedy and self.determinism.runs_canonical:
             bad(f"a sampled request (temperature={self.temperature}) with determinism="
                 f"{self.determinism!r} needs a seed")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

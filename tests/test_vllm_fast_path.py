@@ -229,7 +229,7 @@ def test_completion_tokens_reads_both_logprob_layouts():
 
     from vllm.logprobs import FlatLogprobs, Logprob
 
-    from rollout_service.vllm.instance import canonical_vllm_params, completion_tokens
+    from rollout_service.vllm.requests import canonical_vllm_params, completion_tokens
     assert canonical_vllm_params(SamplingParams(max_tokens=4, seed=1), 3, 4).flat_logprobs
     tokens = [5, 9, 5]
     positions = [{5: Logprob(-0.5, 1)}, {2: Logprob(-0.1, 1), 9: Logprob(-1.25, 2)}, {5: Logprob(-3.0, 1)}]

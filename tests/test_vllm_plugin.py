@@ -20,7 +20,7 @@ from rollout_service.vllm.instance import WORKER_EXTENSION  # noqa: E402
 from rollout_service.vllm.plugin.sampling import PROCESSOR_FQCN  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.vllm.plugin import HF_OVERRIDES, register  # noqa: E402
-from rollout_service.vllm.instance import completion_tokens  # noqa: E402
+from rollout_service.vllm.requests import completion_tokens  # noqa: E402
 from vllm_shared import (assert_matches_trainer, count_trainer_mismatches, random_prompts, trainer_logprobs,  # noqa: E402
                          vllm_generate)
 

@@ -5,7 +5,7 @@ import random
 import torch
 
 import trainer_patch
-from rollout_service.vllm.instance import canonical_vllm_params, completion_tokens
+from rollout_service.vllm.requests import canonical_vllm_params, completion_tokens
 
 
 def random_prompts(n, vocab, seed=0, lo=1, hi=40):

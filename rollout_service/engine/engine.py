@@ -14,16 +14,13 @@ Outputs are a pure function of (weights, prompt, params, seed) for verified and 
 """
 from __future__ import annotations
 
-import copy
 import itertools
-import json
 import time
-from pathlib import Path
 
 import torch
 
 import kernels as K
-from kernels.forward import CANONICAL_OPS, SUPPORTED_ARCHITECTURES, model_spec
+from kernels.forward import CANONICAL_OPS, model_spec
 from kernels.moe import capturable
 from rollout_service.engine.config import EngineConfig
 from rollout_service.engine.cuda_graphs import GraphedModelRunner
@@ -31,119 +28,21 @@ from rollout_service.engine.decode_policy import DecodePolicy
 from rollout_service.engine.decoder import WindowedDecoder
 from rollout_service.engine.fast_path.base import DraftRequest, FastPath, Proposal
 from rollout_service.engine.fast_path.native_ops import FAST_OPS
+from rollout_service.engine.fast_path.registry import fast_path_factory
+from rollout_service.engine.generate import generate_in_order
 from rollout_service.engine.kv_cache import KVCache
+from rollout_service.engine.model_loading import check_model_source, load_model
+from rollout_service.engine.protocol import EngineCapabilities
 from rollout_service.engine.request import Request
 from rollout_service.engine.runner import ModelRunner
 from rollout_service.engine.scheduler import DecodeWork, PrefillWork, Scheduler, StepPlan
 from rollout_service.engine.verifier import Verifier, VerifyItem
-from rollout_service.params import Determinism, InvalidRequestError, Rollout, SamplingParams, check_batch, check_request
-from rollout_service.tiny_models import ARCHITECTURES, TINY_PREFIX, tiny_model
-from rollout_service.weights import copy_into, load_weights, model_digest, weight_spec
+from rollout_service.params import InvalidRequestError, Rollout, SamplingParams, check_request
+from rollout_service.weight_digest import model_digest
+from rollout_service.weights import copy_into, load_weights, weight_spec
 
-
-def load_model(model, device, copy_model: bool = True) -> torch.nn.Module:
-    """An HF causal LM as a bf16 inference model on `device`.
-
-    `model`: a model object, a local checkpoint directory, or "tiny:{llama,qwen2,qwen3}" (a tiny
-    random model, rollout_service.tiny_models; the same names everywhere: Engine, workers, the audit).
-    """
-    if isinstance(model, str) and model.startswith(TINY_PREFIX):
-        model = tiny_model(model[len(TINY_PREFIX):])
-    elif isinstance(model, (str, Path)):
-        path = Path(model)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model path {str(model)!r} is not a local directory "
-                                    f"(no model hub is contacted; pass a saved checkpoint, "
-                                    f"{TINY_PREFIX}<{'|'.join(ARCHITECTURES)}> or a model object)")
-        import transformers
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    elif not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a Hugging Face model or a local path, got {type(model).__name__}")
-    elif copy_model:
-        model = copy.deepcopy(model)
-    model_spec(model)  # supported architecture?
-    return model.to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
-
-
-def check_model_source(model) -> None:
-    """What can be checked of a model without loading it, so that a bad one fails at the call with a
-    one-line FileNotFoundError / ValueError (inside a worker it would surface as an actor's death):
-    a "tiny:" name, or a checkpoint directory whose config loads, names a supported architecture and
-    whose safetensors files are complete."""
-    if isinstance(model, str) and model.startswith(TINY_PREFIX):
-        if model[len(TINY_PREFIX):] not in ARCHITECTURES:
-            raise ValueError(f"unknown tiny model {model!r}: use {TINY_PREFIX}<{'|'.join(ARCHITECTURES)}>")
-        return
-    if not isinstance(model, (str, Path)):
-        return
-    path = Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model path {str(model)!r} is not a local directory (no model hub is contacted; "
-                                f"pass a saved checkpoint, {TINY_PREFIX}<{'|'.join(ARCHITECTURES)}> or a model object)")
-    import transformers
-    try:
-        config = transformers.AutoConfig.from_pretrained(path)
-    except Exception as e:
-        raise ValueError(f"model path {str(path)!r}: its config does not load ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    archs = getattr(config, "architectures", None) or []
-    if not set(archs) & set(SUPPORTED_ARCHITECTURES):
-        raise ValueError(f"model path {str(path)!r}: architecture {archs} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    files = sorted(path.glob("*.safetensors"))
-    if not files and not list(path.glob("*.bin")):
-        raise FileNotFoundError(f"model path {str(path)!r} has no weights (*.safetensors or *.bin)")
-    for f in files:
-        _check_safetensors(f)
-
-
-def _check_safetensors(path: Path) -> None:
-    """ValueError unless the file is as long as its header says (a truncated copy is not)."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        header = fh.read(n) if 0 < n <= size - 8 else b""
-    try:
-        meta = json.loads(header)
-        end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{str(path)!r} is not a readable safetensors file") from None
-    if size != 8 + n + end:
-        raise ValueError(f"{str(path)!r} is truncated or corrupt: {size} bytes, its header describes {8 + n + end}")
-
-
-def generate_in_order(engine, prompts, params, use_tqdm: bool = False) -> list[Rollout]:
-    """Drive any engine (add_request / step) until every request finishes; rollouts in request order,
-    a request the engine refuses gets finish_reason 'error'. `params`: one SamplingParams or a list."""
-    check_batch(prompts, params)
-    params_list = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    if len(params_list) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
-    results: dict[int, Rollout] = {}
-    order: list[int | Rollout] = []
-    for prompt, p in zip(prompts, params_list):
-        try:
-            order.append(engine.add_request(prompt, p))
-        except (InvalidRequestError, TypeError, ValueError) as err:
-            order.append(Rollout(list(prompt) if isinstance(prompt, (list, tuple)) else [],
-                                 finish_reason="error", error=str(err)))
-    pending = {x for x in order if isinstance(x, int)}
-    progress = None
-    if use_tqdm:
-        from tqdm.auto import tqdm
-        progress = tqdm(total=len(pending), desc="rollouts")
-    while pending:  # per step: only the finished requests are looked at
-        for rid, rollout in engine.step():
-            results[rid] = rollout
-            if rid in pending:
-                pending.discard(rid)
-                if progress is not None:
-                    progress.update(1)
-    if progress is not None:
-        progress.close()
-    return [results[x] if isinstance(x, int) else x for x in order]
-
+# where these were defined before engine/model_loading.py and engine/generate.py
+__all__ = ["Engine", "check_model_source", "generate_in_order", "load_model"]
 
 class Engine:
     """model: a model object, a checkpoint directory or "tiny:<arch>". Options: an EngineConfig and/or
@@ -153,6 +52,12 @@ class Engine:
     # update_weights between two steps with requests running is exact (see the rule above
     # update_weights): a pool may push to it in "switch-in-flight" mode (service/switch_modes.py)
     switches_weights_in_flight = True
+
+    def capabilities(self) -> EngineCapabilities:
+        """Weights switch in flight and arrive bucketed; MoE routing is recorded (by the canonical
+        forward and the native fast path); sleep releases nothing (see sleep)."""
+        return EngineCapabilities(switch_modes=self.switches_weights_in_flight, routing_records=True,
+                                  bucketed_push=True, sleep=False)
 
     def __init__(self, model, config: EngineConfig | None = None, *, runner_factory=None, **options):
         self.config = cfg = EngineConfig.build(config, **options)
@@ -189,11 +94,8 @@ class Engine:
     def _make_fast_path(self, fast_path, options) -> FastPath:
         if fast_path == "native":
             return WindowedDecoder(self._make_runner(FAST_OPS, {1: self.max_num_seqs}))
-        if fast_path == "vllm":
-            from rollout_service.vllm.proposer import VLLMProposer
-            return VLLMProposer(self.model, **options)
         if isinstance(fast_path, str):
-            raise ValueError(f"unknown fast_path {fast_path!r}: use 'native', 'vllm' or a FastPath object")
+            return fast_path_factory(fast_path)(self.model, **options)
         return fast_path
 
     # ---- public API -------------------------------------------------------------------------
@@ -275,6 +177,9 @@ class Engine:
     def load_named_weights(self, named) -> None:
         copy_into(self.model, named)
 
+    def wait_host_copies(self) -> None:
+        """Nothing to wait for: load_named_weights' copies are ordered on the caller's stream."""
+
     def finish_weight_load(self) -> None:
         self.fast_path.update_weights(self.model.state_dict())
         self._new_version(None)
@@ -320,8 +225,8 @@ class Engine:
 
     def _decode(self, plan: StepPlan) -> None:
         start, before = time.perf_counter(), sum(len(w.req.tokens) for w in plan.decode)
-        fast = [w for w in plan.decode if w.num_tokens > 0 and (w.verify or w.req.params.determinism == Determinism.OFF)]
-        canonical = [w for w in plan.decode if not w.verify and w.req.params.determinism != Determinism.OFF]
+        fast = [w for w in plan.decode if w.num_tokens > 0 and (w.verify or not w.req.params.determinism.runs_canonical)]
+        canonical = [w for w in plan.decode if not w.verify and w.req.params.determinism.runs_canonical]
         proposals = {**self._propose(self.fast_path, fast), **self._propose(self.canonical_decoder, canonical)}
         windows = []
         for w in plan.decode:

@@ -14,7 +14,6 @@ from rollout_service.engine.config import EngineConfig
 from rollout_service.engine.decode_policy import DecodePolicy
 from rollout_service.engine.kv_cache import KVCache, OutOfBlocks
 from rollout_service.engine.request import Request
-from rollout_service.params import Determinism
 
 
 @dataclass
@@ -103,14 +102,14 @@ class Scheduler:
         return [w for w in work if w.req in self.running]  # a later reservation may preempt
 
     def _plan_decode(self, reqs: list[Request]) -> StepPlan:
-        num_verified = sum(r.params.determinism == Determinism.VERIFIED for r in reqs)
+        num_verified = sum(r.params.determinism.verifies for r in reqs)
         strategy = self.decode_policy.choose(num_verified) if num_verified else None
         work = []
         for req in sorted(reqs, key=lambda r: r.arrival):
             if req not in self.running:
                 continue  # preempted while reserving for an earlier request
             room = min(req.remaining, self.max_model_len - len(req.tokens))
-            dvr = req.params.determinism == Determinism.VERIFIED and strategy == "dvr"
+            dvr = req.params.determinism.verifies and strategy == "dvr"
             n = min(self.window, room - dvr)  # DVR leaves room for the verifier's own next token
             if self._reserve(req, len(req.tokens) + max(n, 1)):
                 work.append(DecodeWork(req, n, dvr))

@@ -19,7 +19,6 @@ from kernels.forward import model_spec
 from rollout_service.engine.request import Request
 from rollout_service.engine.runner import Chunk
 from rollout_service.engine.sampler import sample_rows, token_logprobs_at
-from rollout_service.params import Determinism
 
 
 @dataclass
@@ -74,7 +73,7 @@ class Verifier:
             experts = routing[offset:offset + n + 1] if record else None
             offset += n + 1
             accepted = next((i for i in range(n) if canon[i] != it.proposals[i]), n)
-            if it.is_window and req.params.determinism == Determinism.VERIFIED:
+            if it.is_window and req.params.determinism.verifies:
                 req.stats.verify_windows += 1
                 req.stats.proposed_tokens += n
                 req.stats.accepted_tokens += accepted

@@ -21,24 +21,18 @@ from __future__ import annotations
 import itertools
 import shutil
 import tempfile
-import threading
 
 import torch
 
 import kernels as K
-from rollout_service.engine.engine import generate_in_order, load_model
-from rollout_service.params import Determinism, InvalidRequestError, Rollout, SamplingParams, check_request
-from rollout_service.vllm.instance import VLLMInstance, canonical_vllm_params, completion_tokens
-from rollout_service.weights import copy_into, load_weights, model_digest, weight_spec
-
-
-def pin_host_copy(model: torch.nn.Module) -> None:
-    """Page-lock the host copy's tensors, once: every push copies each bucket into it from the GPU,
-    and a copy into pageable memory runs at a fraction of the link's speed (tied tensors stay tied:
-    each Parameter object is re-pointed once)."""
-    with torch.no_grad():
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            t.data = t.data.pin_memory()
+from rollout_service.engine.generate import generate_in_order
+from rollout_service.engine.protocol import EngineCapabilities
+from rollout_service.params import InvalidRequestError, Rollout, SamplingParams, check_request
+from rollout_service.vllm.host_copy import HostWeights
+from rollout_service.vllm.instance import VLLMInstance
+from rollout_service.vllm.requests import canonical_vllm_params, completion_tokens
+from rollout_service.weight_digest import model_digest
+from rollout_service.weights import load_weights, weight_spec
 
 
 class VLLMEngine:
@@ -76,30 +70,19 @@ class VLLMEngine:
         self.sleep_level = sleep_level
         self.early_weights_wake = early_weights_wake
         self._weights_discarded = False  # see sleep()
-        self._host_copy_stream = None  # see load_named_weights
-        self._host_copies: list[tuple[torch.cuda.Event, list]] = []  # (done, the tensors it reads), in flight
-        self._host_copies_lock = threading.Lock()  # held while waiting for them (see wait_host_copies)
-        self._host_unissued: list = []  # loaded, its host copy not yet issued (see load_named_weights)
-        self._host_sources_ready = None  # an event after which the unissued copies' sources may be read
         if (self.device.type == "cuda") != torch.cuda.is_available():
             raise ValueError(f"VLLMEngine on {self.device} needs vLLM's build for it (CUDA available: "
                              f"{torch.cuda.is_available()})")
-        # the weights the workers report and verify (digest, state_dict), on the host: read it as
-        # self.model, which first waits for the host copies of a push still in flight
-        self._host_model = load_model(model, "cpu", copy_model)
-        if self.device.type == "cuda":
-            pin_host_copy(self._host_model)
-        # its state dict, for the copies of every push; rule: its tensors are only ever written in
-        # place after this (copy_into, load_weights), so the entries stay the model's
-        self._host_tensors = self._host_model.state_dict()
+        self._host = HostWeights(model, self.device, copy_model)  # the weights workers report and verify
         self._tmpdir = tempfile.mkdtemp(prefix="zerokl-vllm-engine-")
-        self._host_model.save_pretrained(self._tmpdir)
-        self.max_model_len = max_model_len or self._host_model.config.max_position_embeddings
-        self.vocab_size = self._host_model.config.vocab_size
+        self.model.save_pretrained(self._tmpdir)
+        self.max_model_len = max_model_len or self.model.config.max_position_embeddings
+        self.vocab_size = self.model.config.vocab_size
         register()  # the canonical engine's core runs in this process, where the entry point may not have run
         common = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                       tensor_parallel_size=tensor_parallel_size, **(vllm_options or {}))
-        if sleep_mode and self.device.type == "cuda":  # vLLM's CPU build has no sleep mode
+        self._sleeps = sleep_mode and self.device.type == "cuda"  # vLLM's CPU build has no sleep mode
+        if self._sleeps:
             common["enable_sleep_mode"] = True
         stock_for_off = stock_for_off or stock_only
         stock_share = gpu_memory_utilization * (1.0 if stock_only else stock_memory_share) if stock_for_off else 0.0
@@ -129,11 +112,11 @@ class VLLMEngine:
         if params.return_routed_experts:
             raise InvalidRequestError("return_routed_experts: the vLLM backend does not record MoE routing; "
                                       "use the native engine (engine_kwargs={'backend': 'native'})")
-        if self.canonical is None and params.determinism != Determinism.OFF:
+        if self.canonical is None and params.determinism.runs_canonical:
             raise InvalidRequestError(f"determinism {params.determinism!r}: this worker runs the stock engine "
                                       "alone (stock_only=True), which serves only determinism='off'")
         rid = next(self._ids)
-        stock = self.stock is not None and params.determinism == Determinism.OFF
+        stock = self.stock is not None and not params.determinism.runs_canonical
         target = self.stock if stock else self.canonical
         target.llm.llm_engine.add_request(str(rid), target.prompt(prompt), self._vllm_params(
             prompt, params, stock))
@@ -188,6 +171,11 @@ class VLLMEngine:
         return generate_in_order(self, prompts, params, use_tqdm)
 
     # ---- weights and contract ---------------------------------------------------------------------
+    def capabilities(self) -> EngineCapabilities:
+        """Weights change with no request running (no weight versions are stamped); no MoE routing is
+        recorded; pushes arrive bucketed; sleep releases GPU memory where sleep_mode was asked on CUDA."""
+        return EngineCapabilities(switch_modes=False, routing_records=False, bucketed_push=True, sleep=self._sleeps)
+
     def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
         """Check and keep the weights, push them into every vLLM engine in place (captured graphs stay
         valid) and drop their prefix caches; returns the content digest. A refused push loads nothing."""
@@ -207,65 +195,27 @@ class VLLMEngine:
     @property
     def model(self) -> torch.nn.Module:
         """The host copy of the weights last loaded, once every copy into it has landed."""
-        self.wait_host_copies()
-        return self._host_model
+        return self._host.model
 
     def wait_host_copies(self) -> None:
-        """Until every copy into the host copy has landed (any not yet issued first); then its tensors
-        are let go."""
-        with self._host_copies_lock:
-            self._issue_host_copies()
-            for done, _ in self._host_copies:
-                done.synchronize()
-            self._host_copies.clear()
+        """Until every copy into the host copy has landed (HostWeights.wait)."""
+        self._host.wait()
 
     def load_named_weights(self, named) -> None:
         """Into each vLLM model in place (on the current stream), and into the host copy that digests
-        and restarts read. On a GPU the copy to the (page-locked) host copy runs on a stream of its own
-        and is not waited for: it reads the caller's tensors while rollouts go on, at the host link's
-        speed, which is most of a push's time otherwise. It is issued by the thread finish_weight_load
-        starts, or at wait_host_copies, not bucket by bucket: its device-to-host traffic shares the copy
-        engine with the small reads of the next buckets' checks, and held them up; and issuing a copy
-        per tensor takes milliseconds of host time, which the push's verdict need not wait for.
-
-        Rule: the caller writes to `named` again only after wait_host_copies() (a staged push's buffer
-        is never written again: the sender's stage, read by CUDA IPC, or the receiver's buffer); they
-        are kept until the copy has read them (finish_weight_load lets go of them once it lands), and
-        whatever reads self.model waits first."""
+        and restarts read, behind the push (HostWeights.load says when the caller may reuse `named`)."""
         named = list(named)
-        if self.device.type != "cuda":
-            copy_into(self._host_tensors, named)
-        else:
-            with self._host_copies_lock:  # the sources are ready on this thread's stream, now
-                self._host_unissued.extend(named)
-                self._host_sources_ready = torch.cuda.current_stream(self.device).record_event()
+        self._host.load(named)
         for target in self._targets():
             target.load_named_weights(named)
 
-    def _issue_host_copies(self) -> None:
-        """The host copies of what was loaded since the last issue, behind what made their sources on
-        the loading thread's stream (the caller, on any thread, holds _host_copies_lock)."""
-        if not self._host_unissued:
-            return
-        named, self._host_unissued = self._host_unissued, []
-        if self._host_copy_stream is None:
-            self._host_copy_stream = torch.cuda.Stream(self.device)
-        stream = self._host_copy_stream
-        stream.wait_event(self._host_sources_ready)
-        with torch.cuda.stream(stream):
-            copy_into(self._host_tensors, named)
-            self._host_copies.append((stream.record_event(), named))
-
     def finish_weight_load(self) -> None:
-        """The push is complete and checked: every weight of every engine is the host copy's. A thread
-        issues the host copy, waits for it to land and lets go of the push's buffers, so that an idle
-        engine does not keep them (a sender's stage read by CUDA IPC stays allocated on its GPU until
-        then)."""
+        """The push is complete and checked: every weight of every engine is the host copy's, which
+        lands behind it (HostWeights.finish_in_background)."""
         for target in self._targets():
             target.finish_weight_load()
         self._weights_discarded = False
-        if self._host_unissued or self._host_copies:
-            threading.Thread(target=self.wait_host_copies, name="host-copy", daemon=True).start()
+        self._host.finish_in_background()
 
     # Rule: at sleep level 2 the engines' weights are discarded, not copied to the host, because in
     # the colocated loop the next push replaces them all anyway (level 1 copies them to pinned host

@@ -1,7 +1,7 @@
 """One vllm.LLM on a checkpoint, through vLLM's public offline API only: built with the project's
 options (the plugin's canonical model, or vLLM's stock model and sampler), fed weights in place,
 put to sleep and woken. VLLMEngine builds its engines from it; the native engine's vLLM proposer
-(vllm.proposer) drafts with one.
+(vllm.proposer) drafts with one; vllm.requests puts requests in its terms.
 
 Weights reach vLLM through `worker_extension_cls` + `LLM.collective_rpc`. `import vllm` happens only
 when a VLLMInstance is built, so `import rollout_service` works without vLLM installed.
@@ -16,7 +16,7 @@ import tempfile
 import torch
 
 from rollout_service.vllm.plugin import HF_OVERRIDES, compat, pick_runner, require_entry_point, runner_options
-from rollout_service.vllm.plugin.sampling import CAPTURE, EXTRA_ARGS_KEY, PROCESSOR_FQCN
+from rollout_service.vllm.plugin.sampling import CAPTURE, PROCESSOR_FQCN
 from rollout_service.vllm.plugin.tensor_parallel import tp_options
 
 WORKER_EXTENSION = f"{__name__}.VLLMWorkerExtension"
@@ -45,38 +45,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     extension (cumem_allocator) raises a RuntimeError "CUDA Error: out of memory at ..." (vLLM 0.25-0.32)."""
     return isinstance(error, torch.OutOfMemoryError) or (
         isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
-
-
-def canonical_vllm_params(params, num_preceding: int, max_tokens: int):
-    """vLLM SamplingParams that make vLLM emit our rule's tokens and log-probs for a
-    rollout_service.SamplingParams request whose first new token follows `num_preceding` tokens.
-    Final output only: a per-step cumulative RequestOutput costs the engine loop a copy of every
-    request's tokens and log-probs at every step (LLM.generate asks the same). Flat log-probs: the
-    default layout allocates a dict and a Logprob per token, which sets off Python's garbage
-    collector every step or two and, as they pile up, full collections that stall the engine
-    loop for 0.1 s (`bench.vllm_step_profile --timeline` counts them)."""
-    from vllm import SamplingParams as VSamplingParams
-    from vllm.sampling_params import RequestOutputKind
-    cfg = dict(seed=params.effective_seed, temperature=float(params.temperature), top_k=int(params.top_k),
-               top_p=float(params.top_p), position=num_preceding)
-    return VSamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, flat_logprobs=True, ignore_eos=True,
-                           detokenize=False, stop_token_ids=list(params.stop_token_ids) or None,
-                           extra_args={EXTRA_ARGS_KEY: cfg}, output_kind=RequestOutputKind.FINAL_ONLY)
-
-
-def completion_tokens(completion) -> tuple[list[int], list[float]]:
-    """(token ids, the log-prob vLLM reported for each) of a vLLM CompletionOutput, its log-probs in
-    either layout: vLLM's FlatLogprobs (flat_logprobs=True) or a dict per position."""
-    tokens = list(completion.token_ids)
-    reported = completion.logprobs
-    if reported is None or len(reported) != len(tokens):
-        raise ValueError(f"vLLM reported log-probs for {0 if reported is None else len(reported)} of "
-                         f"{len(tokens)} tokens; request them with logprobs=0")
-    if hasattr(reported, "start_indices"):  # FlatLogprobs: read its lists, building no dict per position
-        ids, values = reported.token_ids, reported.logprobs
-        return tokens, [values[ids.index(t, start, end)]
-                        for t, start, end in zip(tokens, reported.start_indices, reported.end_indices)]
-    return tokens, [reported[j][t].logprob for j, t in enumerate(tokens)]
 
 
 class VLLMWorkerExtension:

@@ -9,7 +9,8 @@ reuses the KV.
 from __future__ import annotations
 
 from rollout_service.engine.fast_path.base import DraftRequest, Proposal
-from rollout_service.vllm.instance import VLLMInstance, canonical_vllm_params, completion_tokens
+from rollout_service.vllm.instance import VLLMInstance
+from rollout_service.vllm.requests import canonical_vllm_params, completion_tokens
 
 
 class VLLMProposer:

@@ -158,7 +158,7 @@ def test_v2_sampler_output_ours_or_vllms(checkpoint, trainer, monkeypatch):
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from rollout_service.vllm.instance import canonical_vllm_params, completion_tokens
+    from rollout_service.vllm.requests import canonical_vllm_params, completion_tokens
     from rollout_service.vllm.plugin import runner_v2
 
     built = []

@@ -13,9 +13,11 @@ from rollout_service.engine.config import EngineConfig
 from rollout_service.engine.engine import Engine, load_model
 from rollout_service.engine.fast_path.native_ops import FAST_OPS
 from rollout_service.engine.kv_cache import KVCache
+from rollout_service.engine.protocol import EngineCapabilities
 from rollout_service.engine.runner import Chunk, ModelRunner
 from rollout_service.engine.tp.comm import ForwardBatch, LoadWeights, Shutdown, TPContext
-from rollout_service.weights import WeightMismatchError, load_weights, model_digest, state_dict_digest
+from rollout_service.weight_digest import model_digest, state_dict_digest
+from rollout_service.weights import WeightMismatchError, load_weights
 
 # Op sets a follower can run, by name (rank 0 names its op set in each ForwardBatch).
 OPS_BY_NAME = {CANONICAL_OPS.name: CANONICAL_OPS, FAST_OPS.name: FAST_OPS}
@@ -71,9 +73,9 @@ def _load_shard(model, state_dict, ctx: TPContext):
         return f"rank {ctx.rank}: {type(e).__name__}: {e}"
 
 
-# what a RolloutWorker calls on its engine; a TP group serves them from rank 0
+# what a RolloutWorker calls on its engine (engine.protocol.RolloutEngine); a TP group serves them from rank 0
 ENGINE_METHODS = ("generate", "add_request", "abort", "step", "has_unfinished", "update_weights", "weights_digest",
-                  "canonical_config")
+                  "canonical_config", "sleep", "wake_weights", "wake")
 
 
 class TPEngine(Engine):
@@ -85,6 +87,10 @@ class TPEngine(Engine):
 
     # its update_weights keeps the running requests' KV: weights change only with none running
     switches_weights_in_flight = False
+    # weights arrive whole (a bucketed push would load full tensors into shards); the TP runner
+    # records no MoE routing; sleep releases nothing, as the native Engine's
+    CAPABILITIES = EngineCapabilities(switch_modes=switches_weights_in_flight, routing_records=False,
+                                      bucketed_push=False, sleep=False)
 
     def __init__(self, model, ctx: TPContext | None = None, **engine_kwargs):
         ctx = ctx or TPContext()
@@ -121,6 +127,9 @@ class TPEngine(Engine):
         self.fast_path.update_weights(state_dict)
         self._digest = state_dict_digest(state_dict)
         return self._digest
+
+    def capabilities(self) -> EngineCapabilities:
+        return self.CAPABILITIES
 
     def weights_digest(self) -> str:
         return self._digest

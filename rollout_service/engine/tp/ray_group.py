@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from rollout_service.engine.tp.comm import free_port, init_tp_group
+from rollout_service.ray_placement import on_bundle, release, reserve
+from rollout_service.engine.protocol import EngineCapabilities
 from rollout_service.engine.tp.engine import ENGINE_METHODS, TPEngine, TPFollower
 
 
@@ -82,7 +84,6 @@ class TPGroup:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         import ray
 
-        from rollout_service.service.ray_cluster import release
         try:
             ray.get(self.leader.shutdown.remote(), timeout=timeout_s)
             ray.get(self._serving, timeout=timeout_s)
@@ -97,6 +98,9 @@ class TPGroup:
 class _EngineProxy:
     def __init__(self, group: TPGroup):
         self._group = group
+
+    def capabilities(self) -> EngineCapabilities:
+        return TPEngine.CAPABILITIES  # fixed for the class; no round trip to rank 0
 
     def __getattr__(self, name):
         if name not in ENGINE_METHODS:
@@ -113,8 +117,6 @@ def create_tp_group(model, tp_size: int, engine_kwargs: dict | None = None, *, u
     CPU, NCCL on GPU) and build the engine on rank 0. `placement_group` + `bundle_indices` place the
     ranks in an existing group instead (e.g. a RolloutWorker's own)."""
     import ray
-
-    from rollout_service.service.ray_cluster import on_bundle, release, reserve
 
     owns = placement_group is None
     if owns:

@@ -12,7 +12,7 @@ log-prob output. Rows without params are vLLM's own.
 On this runner vLLM has no admission hook for sampling extensions: malformed zerokl params are not
 refused at submission (the V1 processor's `validate_params` answers 400 there), so such a request is
 sampled by vLLM and a warning is logged. Our engines build params through
-vllm.instance.canonical_vllm_params, which cannot be malformed; `vllm serve` runs the V1 processor.
+vllm.requests.canonical_vllm_params, which cannot be malformed; `vllm serve` runs the V1 processor.
 """
 from __future__ import annotations
 
