@@ -210,10 +210,10 @@ def _merge_splits_kernel(pos_ptr, out_ptr, ps_ptr, qstart_ptr, qlen_ptr, T, G, H
 
 
 def _tile_config(rows: int, block_d: int):
-    """(BLOCK_M, warps, stages) by the number of query rows per (sequence, KV head). Prefill: three
-    stages took 0.83x (Llama-3.1-8B heads) and 0.92x (Qwen2.5-1.5B) two stages' time on an H100 at 32
-    prompts of 512 tokens, the best of 18 tiles for both (bench/kernels.py --sweep); heads wider than
-    128 keep two (three would not fit in shared memory)."""
+    """(BLOCK_M, warps, stages) by the number of query rows per (sequence, KV head). Prefill tiles take
+    three pipeline stages, the fastest of the swept tiles at both Llama-3.1-8B's and Qwen2.5-1.5B's heads
+    (`python -m bench.kernels --sweep`; bench/results/2026-11-27-h100-prefill-attention); heads wider
+    than 128 keep two, because three would not fit in shared memory."""
     if rows <= 16:
         return 16, 4, 4
     if rows <= 64:
@@ -226,13 +226,9 @@ def _decode_schedule(pairs: int):
     head) pairs: shapes only, so a captured step keeps its choice. Both schedules give the same bits.
     One program per pair walking its splits saves the split states and the merge kernel; with two
     stages (the next block's K and V loaded while this one is reduced) it is the faster one from 1.5
-    pairs per SM. Below that, a program per split keeps the SMs busy. Measured on H100
-    (bench/kernels.py, 32-bit key offsets), best tile of each schedule: walking took 0.89-0.98x the time
-    of a program per split from 256 pairs (Llama-3.1-8B heads, 32-256 sequences, 560-8,192 keys;
-    Qwen2.5-1.5B heads, 160 and 256 sequences), 0.97-1.24x at 136-192 pairs and 1.07-2.1x at 64-128.
-    Two stages beat one at 2 warps in 33 of 34 cases (0.71-1.01x the time). Under 1.5 pairs per SM, a
-    program per split on 4 warps came within 3.4% of the best tile in every case, where 2 warps took
-    up to 1.09x and 8 warps up to 1.21x."""
+    pairs per SM. Below that, a program per split keeps the SMs busy, on 4 warps, the tile closest to
+    the best in every swept case. The switch point and the tiles are what `python -m bench.kernels
+    --only decode` measured on both sides of it (bench/results/2026-11-27-h100-decode-offsets)."""
     if 2 * pairs >= 3 * current_sms():
         return False, (16, 2, 2)
     return True, (16, 4, 2)

@@ -350,7 +350,8 @@ def _combine_kernel(p_ptr, bias_ptr, out_ptr, M, N, stride_g, stride_pm, stride_
 # Launch tables. Rule: each row is (max_M, config per N column: <= 4096, <= 8192, wider); the first
 # row with M <= max_M wins. Tile shapes only change speed, never bits (K is reduced in BLOCK_K order
 # whatever the tile), so every row is a measured choice (bench/kernels.py --sweep against cuBLAS; the
-# measurements behind each row are in docs/performance.md, "The matmul launch tables"). Small M
+# measurements behind each row are in bench/results/README.md, "The matmul launch tables", and the run
+# folders it names). Small M
 # streams the weight (narrow tiles, deep pipelines, many programs); from M = 128 on Hopper the Gluon
 # kernel (matmul_sm90.py) takes most shapes; just above a power of two, row-chunked tiles cover the
 # batch without computing a second tile of padding; where output tiles fill the SMs' last wave badly,
@@ -422,8 +423,8 @@ _TREE = [
     (144, (C(64, 128, 4, 6, gluon=True, seg_per_prog=2),) * 3),
     (None, (C(128, 128, 8, 5, gluon=True, tma_store=True),) * 3),
 ]
-# Without Gluon (and for 2-segment trees, where it measured 0.59-0.66 against 0.80-0.86 for the pairs
-# kernel at M >= 512, or short segments at small M: Qwen2.5-1.5B's o, K = 1536).
+# Without Gluon (and for 2-segment trees, where the pairs kernel is the faster one at M >= 512, or short
+# segments at small M: Qwen2.5-1.5B's o, K = 1536).
 _TREE_NO_GLUON = [
     (256, (C(64, 128, 4, 4, seg_per_prog=2),) * 3),
     (None, (C(128, 128, 8, 3, pairs=True, hold=False),) * 3),
@@ -451,8 +452,8 @@ def pick_config(M: int, N: int, K: int, segments: int = 1, out_dtype: torch.dtyp
     """Launch configuration for an [M, K] x [K, N] product (a function of the shape only)."""
     cfg = _lookup(_TREE if segments > 1 else _PLAIN, M, N)
     if segments > 1 and cfg.block_m == 128 and _tiles(M, N, cfg) < current_sms() // 4:
-        # too few 128-row tiles: 64-row ones (Qwen2.5-1.5B's o, N = 1536, at M = 256: 0.69 of cuBLAS
-        # for 64 x 128, 0.58 for 128 x 128)
+        # too few 128-row tiles to fill a quarter of the SMs: 64-row ones, which keep more SMs busy
+        # (Qwen2.5-1.5B's o, N = 1536, at M = 256)
         cfg = _TREE_G64
     if segments == 1 and M > 64 and _wave_fill(M, N, cfg) < 0.6:
         cfg = next((c for c, fill in _SMALLER_TILES if _wave_fill(M, N, c) >= fill), cfg)
