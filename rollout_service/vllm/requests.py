@@ -13,7 +13,7 @@ def canonical_vllm_params(params, num_preceding: int, max_tokens: int):
     request's tokens and log-probs at every step (LLM.generate asks the same). Flat log-probs: the
     default layout allocates a dict and a Logprob per token, which sets off Python's garbage
     collector every step or two and, as they pile up, full collections that stall the engine
-    loop for 0.1 s (`bench.vllm_step_profile --timeline` counts them)."""
+    loop (`bench.vllm_step_profile --timeline` counts them; bench/results/2026-11-27-h100-flat-logprobs)."""
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
     cfg = dict(seed=params.effective_seed, temperature=float(params.temperature), top_k=int(params.top_k),

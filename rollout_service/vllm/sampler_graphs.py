@@ -1,9 +1,10 @@
 """The sampling rule and the sampled token's log-prob, replayed from CUDA graphs.
 
 Launched from Python, a step's sampling is about a dozen small launches (the Gumbel pass and its
-per-row reduction, the two log-softmax passes, the temperature mapping, the parameter copies): about
-0.6 ms of host time per step, which vLLM's asynchronous scheduling cannot hide once the host is what
-limits a decode step. Replayed, it is one parameter copy, one logits copy and one graph launch.
+per-row reduction, the two log-softmax passes, the temperature mapping, the parameter copies): host
+time on every step, which vLLM's asynchronous scheduling cannot hide once the host is what limits a
+decode step (bench/results/2026-11-25). Replayed, it is one parameter copy, one logits copy and one
+graph launch.
 
 Rows are padded to a power-of-two bucket. The rule and the log-prob treat every row on its own, so a
 padding row (stale values) cannot change a real row's bits, and a replay runs the eager kernels on

@@ -31,8 +31,9 @@ GRAPH_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 512, 16), *range(
                        *range(1024, 4097, 256))
 # Full CUDA graphs; nothing is compiled (mode 0: the canonical ops are Triton kernels). Rule: on V2 at
 # one rank every step of up to max(GRAPH_CAPTURE_SIZES) tokens replays a graph ("all_steps"), prefill
-# included, because an eager step launches its Triton kernels from Python: a 2,048-token prefill at
-# Qwen2.5-1.5B shapes left the GPU idle 82% of the time (docs/performance.md). Larger steps run
+# included, because an eager step launches its Triton kernels from Python, and at Qwen2.5-1.5B shapes
+# a 2,048-token prefill then leaves the GPU idle most of its span
+# (bench/results/2026-11-29-h200x2-prefill-graphs). Larger steps run
 # eagerly, where the kernels' own time hides the launches. Elsewhere decode steps only: V1 (MoE
 # checkpoints, and `vllm serve`, whose logits processor keeps vLLM on V1) and tensor parallelism,
 # where graphs holding prefill steps are unmeasured.

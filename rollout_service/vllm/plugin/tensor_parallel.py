@@ -31,9 +31,8 @@ TP_REDUCES = ("tree", "tree_scatter", "tree_p2p", "bf16_all_reduce")
 
 
 def default_reduce() -> str:
-    """"tree_p2p" where GPUs can read each other's memory (measured at TP = 2 on H100s: per layer about
-    stock vLLM's all-reduce at decode sizes, 0.84x stock end to end against 0.78x for the all-gathered
-    tree, docs/performance.md), else "tree"."""
+    """"tree_p2p" where GPUs can read each other's memory (one kernel reads the peers' nodes: the
+    fastest of the trees end to end, bench/results/2026-11-26-h100x2), else "tree"."""
     from kernels.symm_tree import symmetric_memory_available
     return "tree_p2p" if torch.cuda.is_available() and symmetric_memory_available(torch.device("cuda")) else "tree"
 
