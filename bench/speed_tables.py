@@ -32,7 +32,7 @@ class Table:
     systems: tuple[str, ...] = ROLLOUT_SYSTEMS
     timed_runs: int = 3  # timed passes per system process; the report holds their median
     # round-robin rounds (a process per system each): Qwen2.5-1.5B's steps are short, so a process's
-    # host speed moves its figure by up to 30%; each round's ratio to stock is reported too
+    # host speed moves its figure (docs/performance.md); each round's ratio to stock is reported too
     repeats: int = 1
     tensor_parallel_size: int = 1
     # one process per round, the systems' passes taken in turn (bench.peer_vllm --interleave)
@@ -59,7 +59,7 @@ class Table:
 def _tables() -> dict[str, Table]:
     tables = {}
     for shape in ("qwen1.5b", "llama8b"):
-        rounds = 2 if shape == "qwen1.5b" else 1  # Llama-3.1-8B's passes are GPU-bound and agree within 2%
+        rounds = 2 if shape == "qwen1.5b" else 1  # Llama-3.1-8B's passes are GPU-bound: one round suffices
         tables[f"{shape}-64"] = Table(shape, 64, 512, 512, timed_runs=5, repeats=rounds,
                                       about="batch: 64 prompts x 512 in / 512 out")
         tables[f"{shape}-256"] = Table(shape, 256, 512, 512, repeats=rounds, about="batch: 256 prompts x 512 in / 512 out")

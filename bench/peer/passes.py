@@ -51,7 +51,7 @@ def run_interleaved(args, prompts, systems: list[str]) -> dict:
 
 def pass_times(times: list[float]) -> dict:
     """The timed passes of one process: the median pass's seconds and every pass's. Passes are kept to
-    0.1 ms: a tiny model's pass takes a few ms, where rounding to the ms would move a ratio by 10%."""
+    0.1 ms: a tiny model's pass takes a few ms, where rounding to the ms would move its ratios."""
     return dict(seconds=sorted(times)[len(times) // 2], timed_runs_s=[round(t, 4) for t in times])
 
 
