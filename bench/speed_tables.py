@@ -32,7 +32,7 @@ class Table:
     systems: tuple[str, ...] = ROLLOUT_SYSTEMS
     timed_runs: int = 3  # timed passes per system process; the report holds their median
     # round-robin rounds (a process per system each): Qwen2.5-1.5B's steps are short, so a process's
-    # host speed moves its figure (docs/performance.md); each round's ratio to stock is reported too
+    # host speed moves its figure; each round's ratio to stock is reported too
     repeats: int = 1
     tensor_parallel_size: int = 1
     # one process per round, the systems' passes taken in turn (bench.peer_vllm --interleave)
