@@ -7,7 +7,6 @@ import math
 from typing import TYPE_CHECKING
 
 from kernels import TREE_WIDTHS
-from rollout_service.params import DETERMINISM_MODES
 from rollout_service.service.switch_modes import SWITCH_MODES
 from rollout_service.tiny_models import ARCHITECTURES
 
@@ -118,7 +117,6 @@ def check_values(cfg: RecipeConfig) -> None:
     width = cfg.canonical.tree_segments
     if width is not None and (width not in TREE_WIDTHS or isinstance(width, bool)):
         raise ConfigError(f"canonical.tree_segments must be one of {TREE_WIDTHS} or null, got {width!r}")
-    one_of("rollout.determinism", r.determinism, DETERMINISM_MODES)
     one_of("rollout.length_distribution", r.length_distribution, LENGTH_DISTRIBUTIONS)
     if r.length_distribution == "lognormal" and (r.length_median is None
                                                  or not 1 <= r.length_median <= r.max_tokens):
@@ -133,9 +131,9 @@ def check_values(cfg: RecipeConfig) -> None:
         # stock rollouts' log-probs are not the trainer's: the ratio's denominator must be recomputed
         raise ConfigError("numerics: stock needs trainer.loss.old_logprobs=recompute (stock rollout log-probs "
                           "differ from the trainer's)")
-    if cfg.numerics == "stock" and r.determinism != "off":
+    if cfg.numerics == "stock" and r.determinism.runs_canonical:
         raise ConfigError("numerics: stock runs rollout.determinism=off (the stock engines); got "
-                          f"{r.determinism!r}")
+                          f"{r.determinism.value!r}")
     if cfg.placement == "colocated" and r.num_workers != tr.num_ranks:
         raise ConfigError(f"placement: colocated puts one rollout worker next to each trainer rank: "
                           f"rollout.num_workers ({r.num_workers}) must equal trainer.num_ranks ({tr.num_ranks})")

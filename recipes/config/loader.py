@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import re
 import typing
 from pathlib import Path
@@ -99,6 +100,8 @@ def _convert(value, hint, path: str):
             return None
         hint = next(a for a in args if a is not type(None))
     kind = typing.get_origin(hint) or hint
+    if isinstance(kind, type) and issubclass(kind, enum.Enum) and issubclass(kind, str):
+        kind = str  # a string enum is read as text; its section converts it (RolloutConfig.determinism)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)  # `lr: 1` means 1.0
     if isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,11 @@ from .rollout import RolloutConfig
 from .run import MetricsConfig, TrainLoopConfig
 from .task import TaskConfig
 from .trainer import TrainerConfig
+
+
+def _plain(items) -> dict:
+    """A section's fields as plain data: an enum (rollout.determinism) as its value."""
+    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in items}
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class RecipeConfig:
 
     def to_dict(self) -> dict:
         """Plain data (dicts, lists, scalars) that from_dict reads back to an equal config."""
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self, dict_factory=_plain)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollout_service.params import Determinism
+
+from .errors import ConfigError
+
 
 @dataclass(frozen=True)
 class RolloutConfig:
@@ -19,7 +23,7 @@ class RolloutConfig:
     start_timeout_s: float = 120.0
     """Seconds a worker may take to build its engine (> 0); a stock vLLM engine compiles its graphs (inductor)
     on first start, which on a fresh GPU machine takes minutes."""
-    determinism: str = "verified"
+    determinism: Determinism = Determinism.VERIFIED
     """Every request's determinism mode: verified | invariant | off (numerics stock: off)."""
     n: int = 8
     """Samples per prompt (the GRPO group), each with its own seed; at least 2."""
@@ -49,3 +53,8 @@ class RolloutConfig:
     """Record each token's MoE routing and log rollout_train/routing_agreement; null: on for MoE policies on
     native-engine workers without TP (recipes.rollouts.records_routing)."""
 
+    def __post_init__(self):
+        try:  # the YAML's string (or a caller's, also on dataclasses.replace) as its Determinism
+            object.__setattr__(self, "determinism", Determinism.parse(self.determinism))
+        except ValueError as e:
+            raise ConfigError(f"rollout.determinism {e}") from None

@@ -44,6 +44,14 @@ class EngineConfig:
     verified_decode: str = "auto"
     """How `verified` decodes: "auto" times DVR and canonical steps and keeps the cheaper, "dvr" always
     proposes and verifies (canonical steps on every request: determinism="invariant")."""
+    # Options every engine takes (VLLMEngine too), so that a caller asks for them without knowing which
+    # engine a worker runs; each engine does what they mean for it.
+    stock_only: bool = False
+    """Serve `off` requests only (a stock-numerics run's workers); other requests are refused. The
+    native engine's `off` is its fast path alone already."""
+    sleep_mode: bool = False
+    """Built for sleep() to release GPU memory, where the engine can (capabilities().sleep). The native
+    engine allocates its KV cache and graphs once and keeps them: nothing to build differently."""
 
     def __post_init__(self):
         for name in ("window", "group", "block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):
@@ -57,6 +65,9 @@ class EngineConfig:
                     if self.verified_decode == "canonical" else "")
             raise ValueError(f"EngineConfig.verified_decode must be one of {VERIFIED_DECODE}, "
                              f"got {self.verified_decode!r}{hint}")
+        for name in ("stock_only", "sleep_mode"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.fast_path_options, dict):
             raise TypeError(f"EngineConfig.fast_path_options must be a dict, got {type(self.fast_path_options).__name__}")
 

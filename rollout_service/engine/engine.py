@@ -49,15 +49,12 @@ class Engine:
     its fields as keywords (rollout_service.engine.config). runner_factory(model, cache, ops, device) ->
     runner replaces how a forward is executed (tensor parallelism)."""
 
-    # update_weights between two steps with requests running is exact (see the rule above
-    # update_weights): a pool may push to it in "switch-in-flight" mode (service/switch_modes.py)
-    switches_weights_in_flight = True
-
     def capabilities(self) -> EngineCapabilities:
-        """Weights switch in flight and arrive bucketed; MoE routing is recorded (by the canonical
-        forward and the native fast path); sleep releases nothing (see sleep)."""
-        return EngineCapabilities(switch_modes=self.switches_weights_in_flight, routing_records=True,
-                                  bucketed_push=True, sleep=False)
+        """update_weights between two steps with requests running is exact (see the rule above it), so
+        a pool may push in "switch-in-flight" mode (service/switch_modes.py); pushes arrive bucketed;
+        MoE routing is recorded (by the canonical forward and the native fast path); sleep releases
+        nothing (see sleep)."""
+        return EngineCapabilities(switch_modes=True, routing_records=True, bucketed_push=True, sleep=False)
 
     def __init__(self, model, config: EngineConfig | None = None, *, runner_factory=None, **options):
         self.config = cfg = EngineConfig.build(config, **options)
@@ -102,6 +99,9 @@ class Engine:
     def add_request(self, prompt_token_ids, params: SamplingParams) -> int:
         """Queue a request; raises InvalidRequestError if it can never be served."""
         prompt, params = check_request(prompt_token_ids, params, self.spec.vocab_size, self.max_model_len)
+        if self.config.stock_only and params.determinism.runs_canonical:
+            raise InvalidRequestError(f"determinism {params.determinism!r}: this engine serves only "
+                                      "determinism='off' (stock_only=True)")
         need = self.cache.blocks_for(len(prompt) + params.max_tokens)
         if need > self.cache.num_blocks:
             raise InvalidRequestError(f"request can never fit: prompt + max_tokens needs {need} KV blocks, "

@@ -85,12 +85,10 @@ class TPEngine(Engine):
     digest is the full model's, as the trainer computes it.
     """
 
-    # its update_weights keeps the running requests' KV: weights change only with none running
-    switches_weights_in_flight = False
-    # weights arrive whole (a bucketed push would load full tensors into shards); the TP runner
-    # records no MoE routing; sleep releases nothing, as the native Engine's
-    CAPABILITIES = EngineCapabilities(switch_modes=switches_weights_in_flight, routing_records=False,
-                                      bucketed_push=False, sleep=False)
+    # its update_weights keeps the running requests' KV, so weights change only with none running;
+    # they arrive whole (a bucketed push would load full tensors into shards); the TP runner records
+    # no MoE routing; sleep releases nothing, as the native Engine's
+    CAPABILITIES = EngineCapabilities(switch_modes=False, routing_records=False, bucketed_push=False, sleep=False)
 
     def __init__(self, model, ctx: TPContext | None = None, **engine_kwargs):
         ctx = ctx or TPContext()
