@@ -87,8 +87,7 @@ def _start_rollout_pool(cfg: RecipeConfig, model, pool_name: str, namespace: str
                       namespace=namespace, colocate_with=shared, start_timeout_s=rollout_cfg.start_timeout_s)
 
 
-def _sync(trainer, client: RolloutClient, pool_name: str, namespace: str, step: int, keep_versions: int,
-          overlap: bool = False) -> dict:
+def _sync(trainer, pool: RolloutClient, step: int, keep_versions: int, overlap: bool = False) -> dict:
     """Push the trainer's weights after `step` (0: the starting weights); the result carries the pool's
     weight version that now holds them and the run's version of those weights, `step`: a pool counts
     its own pushes, a run (resumed or not) counts steps. The trainer ranks keep the newest versions
@@ -96,18 +95,16 @@ def _sync(trainer, client: RolloutClient, pool_name: str, namespace: str, step: 
 
     overlap (asynchronous steps): a staged push returns once its checks have passed and the pool has
     drained, and sends behind the next train step; the next call (or _landed at the end) first waits for
-    it and checks that it landed. Its seconds ("seconds") are what the caller waited for: that wait,
+    it to land. Its seconds ("seconds") are what the caller waited for: that wait,
     then this push up to its send; "behind_send" / "behind_finish" in phases ran behind the last step.
     Otherwise a push queued behind the train step (TrainerGroup.train_step's push_to) may have started
     before this call: "seconds" is this call's wait, phases["push"] the push's own time on rank 0."""
     start = time.perf_counter()
     last = _landed(trainer)
-    result = trainer.push_weights(pool_name, namespace, overlap)
+    result = trainer.push_weights(pool, overlap)
     result["phases"]["push"] = result["seconds"]
-    if not result["sending"]:
-        _check_landed(result)
     if result["pool_version"] is None:
-        result["pool_version"] = client.stats()["weight_version"]
+        result["pool_version"] = pool.stats()["weight_version"]
     result["version"] = step
     if keep_versions:
         trainer.keep_version(step, keep_versions)
@@ -118,16 +115,9 @@ def _sync(trainer, client: RolloutClient, pool_name: str, namespace: str, step: 
 
 
 def _landed(trainer) -> dict | None:
-    """Wait for a push still sending (see _sync) and check that the pool holds it."""
-    last = trainer.finish_push()
-    if last is not None:
-        _check_landed(last)
-    return last
-
-
-def _check_landed(result: dict) -> None:
-    if result["pool_digest"] != result["digest"]:
-        raise WeightMismatchError(f"rollout pool holds {result['pool_digest']}, trainer has {result['digest']}")
+    """Wait for a push still sending (see _sync) to land (its verdict is the pool's, which adopts only the
+    digest the push checked)."""
+    return trainer.finish_push()
 
 
 def _to_run_versions(rollouts, pool_version: int, run_version: int) -> None:
@@ -213,9 +203,9 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             K.check_canonical({"rollout workers": pool.info["canonical"], "trainer ranks": trainer.canonical})
         if ckpt is not None:
             trainer.load(str(ckpt / "trainer"))
-        client = RolloutClient(pool_name, namespace=namespace)
+        client = pool  # rollouts and weight pushes alike go through the pool's own handle
         keep = loop_cfg.async_steps + 1 if loop_cfg.async_steps else 0  # versions a step's rollouts can be of
-        sync = _sync(trainer, client, pool_name, namespace, step0, keep)  # the pool starts from the trainer's
+        sync = _sync(trainer, pool, step0, keep)  # the pool starts from the trainer's
         if state.get("digest") not in (None, sync["digest"]):
             raise WeightMismatchError(f"checkpoint weights {sync['digest']} != recorded {state['digest']}")
         logger = MetricsLogger(run_dir, cfg, run_name)
@@ -255,9 +245,9 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
                 client.sleep()
             t_slept = time.perf_counter() if sleeps else t2
             overlap = loop_cfg.async_steps > 0
-            results = trainer.train_step(plans, tokens, stale, push_to=None if overlap else (pool_name, namespace))
+            results = trainer.train_step(plans, tokens, stale, push_to=None if overlap else pool)
             t3 = time.perf_counter()
-            sync = _sync(trainer, client, pool_name, namespace, step, keep, overlap=overlap)
+            sync = _sync(trainer, pool, step, keep, overlap=overlap)
             cursor += loop_cfg.prompts_per_step
 
             metrics = step_metrics(rollouts, rewards, results, sum(tokens),

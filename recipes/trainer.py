@@ -128,18 +128,18 @@ class TrainerRank:
         return part
 
     def train_step(self, minibatches: list[list[dict]], tokens_per_mini: list[int],
-                   stale_versions: tuple[int, ...] = (), arm: tuple[str, str] | None = None) -> dict:
+                   stale_versions: tuple[int, ...] = (), arm=None) -> dict:
         """One optimizer step per mini-batch. Log-prob and routing agreement are measured before any
         update, from the forward that gives the log-probs (no extra forward). Rows generated with an
         older weight version (stale_versions: every one in the step, the same list on every rank, each
         kept by keep_version) are measured against that version's weights, one extra forward per
         version: the agreement is always with the behaviour policy.
 
-        arm: (pool name, namespace) of the push that follows this step; rank 0 arms it first
+        arm: the pool (its RolloutClient) of the push that follows this step; rank 0 arms it first
         (RankWeightPush.arm)."""
         self._train_failed = True
         if arm is not None:
-            self.weight_push.arm(*arm)
+            self.weight_push.arm(arm)
         try:
             result = self._step_or_out_of_memory(minibatches, tokens_per_mini, stale_versions)
         except BaseException as e:
@@ -313,11 +313,10 @@ class TrainerRank:
             return None
         return {k: v.to(torch.bfloat16) for k, v in sd.items()}
 
-    def push_weights(self, pool_name: str, namespace: str, overlap: bool = False,
-                     after_train_step: bool = False) -> dict | None:
-        """Load the weights into the rollout pool (rank 0 sends; every rank takes part in the gathers);
+    def push_weights(self, pool, overlap: bool = False, after_train_step: bool = False) -> dict | None:
+        """Load the weights into the rollout pool `pool` (its RolloutClient; rank 0 sends; every rank takes part in the gathers);
         returns, on rank 0, both digests, the transport, the seconds it took and those of its phases
-        (connect: the pool found and the transport chosen; bucketed pushes: check, begin, send, finish).
+        (connect: the transport chosen; bucketed pushes: check, begin, send, finish).
 
         object_store: the full bf16 state dict on rank 0's host, through ray.put. broadcast / ipc
         (rollout_service.service.weight_sync): one parameter gathered at a time on the device, into a
@@ -334,7 +333,7 @@ class TrainerRank:
         and is refused if that step failed. A push armed by the step is sent here."""
         if after_train_step and self._train_failed:
             raise RuntimeError("no weights pushed: the train step before this push failed")
-        return self.weight_push.push(pool_name, namespace, overlap)
+        return self.weight_push.push(pool, overlap)
 
     def finish_push(self) -> dict | None:
         """The verdict of a push still sending (push_weights overlap), once it has landed: both digests and
@@ -401,7 +400,7 @@ class TrainerGroup:
 
         self.world = cfg.num_ranks
         self._left_sending = False  # the last push returned while rank 0 sends it (push_weights overlap)
-        self._queued_push = None  # ((pool name, namespace), every rank's push call) queued by train_step
+        self._queued_push = None  # (the pool, every rank's push call) queued by train_step
         opts = {"num_cpus": 1, **cfg.resources_per_rank}
         self.placement = None
         per_rank = [dict(opts) for _ in range(self.world)]
@@ -436,8 +435,8 @@ class TrainerGroup:
         return ray.get([getattr(a, method).remote(*args) for a in self.ranks])
 
     def train_step(self, plans: list[list[list[dict]]], tokens_per_mini: list[int],
-                   stale_versions: tuple[int, ...] = (), push_to: tuple[str, str] | None = None) -> list[dict]:
-        """Every rank's train step. push_to: (pool name, namespace) of the push that follows (a push not
+                   stale_versions: tuple[int, ...] = (), push_to=None) -> list[dict]:
+        """Every rank's train step. push_to: the pool (its RolloutClient) of the push that follows (a push not
         left sending): each rank's push call is queued behind its step now, so it starts as the step
         ends, and rank 0 arms it as the step starts (TrainerRank.train_step); push_weights with the same
         pool collects it."""
@@ -446,7 +445,7 @@ class TrainerGroup:
         refs = [a.train_step.remote(plan, tokens_per_mini, stale_versions, armed)
                 for a, plan, armed in zip(self.ranks, plans, arm)]
         if push_to is not None:
-            self._queued_push = (tuple(push_to), [a.push_weights.remote(*push_to, False, True) for a in self.ranks])
+            self._queued_push = (push_to, [a.push_weights.remote(push_to, False, True) for a in self.ranks])
         try:
             return ray.get(refs)
         except BaseException:
@@ -466,15 +465,15 @@ class TrainerGroup:
     def full_state_dict(self) -> dict:
         return self._all("full_state_dict")[0]
 
-    def push_weights(self, pool_name: str, namespace: str, overlap: bool = False) -> dict:
+    def push_weights(self, pool, overlap: bool = False) -> dict:
         import ray
         queued, self._queued_push = self._queued_push, None
-        if queued is not None and queued[0] == (pool_name, namespace) and not overlap:
+        if queued is not None and queued[0] == pool and not overlap:
             result = ray.get(queued[1])[0]
         else:
             if queued is not None:  # a push to another pool, or left sending: the queued one lands first
                 ray.get(queued[1])
-            result = self._all("push_weights", pool_name, namespace, overlap)[0]
+            result = self._all("push_weights", pool, overlap)[0]
         self._left_sending = result["sending"]
         return result
 

@@ -1,6 +1,6 @@
-"""Weight pushes to a rollout pool (rollout_service.service.weight_sync) on CPU: the digest, bucket plans, the
-object-store and broadcast (gloo) transports, and what a refused, corrupted or abandoned push leaves
-behind: every worker serving the weights it had, and a later correct push landing.
+"""Weight pushes to a rollout pool (rollout_service.service.weight_sync: one WeightPush a push) on CPU: the
+digest, bucket plans, the object-store and broadcast (gloo) transports, and what a refused, corrupted or
+abandoned push leaves behind: every worker serving the weights it had, and a later correct push landing.
 
 The GPU forms (NCCL broadcast, CUDA IPC between processes on one GPU) are in tests/gpu/test_weight_sync_gpu.py.
 """
@@ -17,11 +17,12 @@ ray = pytest.importorskip("ray")
 import service_shared as shared  # noqa: E402
 from service_shared import ENGINE_KWARGS, assert_same  # noqa: E402
 
+from recipes.fsdp_weights import iter_full_tensors  # noqa: E402
 from rollout_service import Engine, SamplingParams, start_pool  # noqa: E402
+from rollout_service.service.weight_sync import (WHOLE, SyncPlan, WeightPush, choose_transport,  # noqa: E402
+                                                 fingerprint_entries, plan_buckets, stage_tensors, stages_whole)
+from rollout_service.service.weight_sync.receiver import WeightReceiver  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.service.weight_sync import (WHOLE, SyncPlan, WeightReceiver, WeightSender,  # noqa: E402
-                                                 choose_transport, fingerprint_entries, iter_full_tensors,
-                                                 plan_buckets, stages_whole)
 from rollout_service.weights import (WeightMismatchError, model_digest, state_dict_digest,  # noqa: E402
                                      tensor_fingerprint)
 
@@ -140,31 +141,29 @@ def test_sender_check_packs_buckets_and_names_what_is_not_finite():
 
 
 def test_staged_pass_checks_what_the_check_pass_checks():
-    """stage() (one pass into a buffer of the whole push) gives the check pass's rows and refusals."""
+    """The staged pass (one pass into a buffer of the whole push) gives the check pass's rows and refusals."""
     sd = tiny_model("qwen2").state_dict()
     named = list(sd.items())
     numel = sum(t.numel() for t in sd.values())
-    sender = WeightSender(None, "broadcast")
-    assert sender.stage(named, numel) == fingerprint_entries(named)
-    assert sender._stage.numel() == numel
+    stage, entries = stage_tensors(named, numel, None)
+    assert entries == fingerprint_entries(named) and stage.numel() == numel
     # float32 master weights cast by the stage's copy: the bits of a bf16 copy made first (.to)
     master = list(tiny_model("qwen2", dtype=torch.float32).state_dict().items())
-    cast, rounded = WeightSender(None, "broadcast"), WeightSender(None, "broadcast")
-    cast.stage(master, numel)
-    rounded.stage([(n, t.to(torch.bfloat16)) for n, t in master], numel)
-    assert torch.equal(cast._stage.view(torch.int16), rounded._stage.view(torch.int16))
-    assert not torch.equal(cast._stage.float(), torch.cat([t.reshape(-1) for _, t in master]))  # it rounds
+    cast, _ = stage_tensors(master, numel, None)
+    rounded, _ = stage_tensors([(n, t.to(torch.bfloat16)) for n, t in master], numel, None)
+    assert torch.equal(cast.view(torch.int16), rounded.view(torch.int16))
+    assert not torch.equal(cast.float(), torch.cat([t.reshape(-1) for _, t in master]))  # it rounds
     name = "model.layers.0.mlp.up_proj.weight"
     broken = {**sd, name: sd[name].clone()}
     broken[name][1, 2] = float("nan")
     with pytest.raises(WeightMismatchError, match="finite") as e:
-        WeightSender(None, "broadcast").stage(broken.items(), numel)
+        stage_tensors(broken.items(), numel, None)
     assert name in str(e.value) and "down_proj" not in str(e.value)
     with pytest.raises(WeightMismatchError, match="step"):
-        WeightSender(None, "broadcast").stage([*named, ("step", torch.tensor([3]))], numel)
+        stage_tensors([*named, ("step", torch.tensor([3]))], numel, None)
     for wrong in (numel - 1, numel + 1):
         with pytest.raises(ValueError, match="announced"):
-            WeightSender(None, "broadcast").stage(named, wrong)
+            stage_tensors(named, wrong, None)
     assert stages_whole(numel, 2 * numel) and not stages_whole(numel, 2 * numel - 1)
 
 
@@ -325,21 +324,17 @@ def _corrupted_push(pool, named, staged: bool = False):
     bucket: every worker loads the buckets before it, then refuses, and the pool restarts them.
     Staged, the stage is altered after its fingerprints were taken."""
     restarts = [w["restarts"] for w in pool.stats()["workers"]]
-    sender = WeightSender(pool, "broadcast", bucket_bytes=64 << 10)  # several buckets
+    push = WeightPush(pool, "broadcast", bucket_bytes=64 << 10)  # several buckets
     if staged:
-        sender.begin(sender.stage(named, sum(t.numel() for _, t in named)))
-        last_bucket = sum(b[-1].offset + b[-1].numel for b in sender.plan.buckets[:-1])
-        sender._stage[last_bucket] += 1
+        push.check(named, sum(t.numel() for _, t in named))
+        last_bucket = sum(b[-1].offset + b[-1].numel for b in push.plan.buckets[:-1])
+        push._stage[last_bucket] += 1
     else:
-        sender.begin(fingerprint_entries(named))
-    assert len(sender.plan.buckets) > 2
-    if staged:
-        sender.send()
-    else:
-        last = sender.plan.buckets[-1][0].name
-        sender.send([(n, t + 1 if n == last else t) for n, t in named])
+        push.check(named)
+    assert len(push.plan.buckets) > 2
+    last = push.plan.buckets[-1][0].name
     with pytest.raises(RuntimeError, match="no worker loaded"):
-        sender.finish()
+        push.send(None if staged else [(n, t + 1 if n == last else t) for n, t in named])
     shared_wait(lambda: [w["restarts"] for w in pool.stats()["workers"]] == [r + 1 for r in restarts]
                 and all(w["state"] in ("ready", "stale") for w in pool.stats()["workers"]), "the restarts",
                 pool=pool)
@@ -368,9 +363,9 @@ def test_a_push_abandoned_after_begin_leaves_the_pool_serving_its_weights(pool, 
     pool.update_weights(old.state_dict(), transport="object_store")
     restarts = [w["restarts"] for w in pool.stats()["workers"]]
     named = list(new.state_dict().items())
-    sender = WeightSender(pool, "broadcast")
-    sender.begin(sender.stage(named, sum(t.numel() for _, t in named)))
-    sender.abort("the trainer stopped before sending")
+    push = WeightPush(pool, "broadcast")
+    push.check(named, sum(t.numel() for _, t in named))
+    push.cancel("the trainer stopped before sending")
     shared_wait(lambda: [w["restarts"] for w in pool.stats()["workers"]] == [r + 1 for r in restarts]
                 and all(w["state"] == "ready" for w in pool.stats()["workers"]), "the restarts", pool=pool)
     assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
@@ -381,7 +376,7 @@ def test_a_push_abandoned_after_begin_leaves_the_pool_serving_its_weights(pool, 
 
 def _ipc_begin(pool, model, timeout_s: float = 300.0) -> tuple[SyncPlan, list, list]:
     """The pool's begin of a staged ipc push of `model` (its plan, the workers, the go's fingerprints),
-    asked as WeightSender asks it: ipc has no CPU form, so no sender makes one here, but the pool and
+    asked as WeightPush asks it: ipc has no CPU form, so no sender makes one here, but the pool and
     its workers run the push's protocol up to the first bucket, which a CPU worker refuses."""
     named = list(model.state_dict().items())
     plan = SyncPlan("ipc", None, {n: tuple(t.shape) for n, t in named}, None, WHOLE, "cpu",
@@ -444,10 +439,10 @@ def test_corrupted_transfer_after_a_worker_to_worker_push_waits_for_the_next_pus
 def _broadcast(pool, model) -> bool:
     """Push by broadcast; returns whether the push set up a new process group."""
     named = list(model.state_dict().items())
-    sender = WeightSender(pool, "broadcast")
-    sender.begin(fingerprint_entries(named))
-    assert sender.complete(named) == model_digest(model)
-    return sender.plan.new_group
+    push = WeightPush(pool, "broadcast")
+    push.check(named)
+    assert push.send(named) == model_digest(model)
+    return push.plan.new_group
 
 
 def test_broadcast_group_is_kept_until_its_members_change_and_a_restart_copies_a_peer(pool, reqs):
@@ -516,18 +511,17 @@ def test_copy_group_casts_as_copy_does_and_a_destination_written_twice_ends_with
     assert torch.equal(tied, torch.full((8,), 2.0))
 
 
-def test_a_trainer_rank_keeps_its_pool_client_and_transport_until_a_push_is_refused(pool):
-    """A trainer rank (a Ray actor, as TrainerGroup starts it) keeps the pool's client and the transport
-    it chose between pushes, drops both when a push is refused before sending (here: a non-finite
-    weight), and finds the pool again for the next push, which lands."""
-    from recipes.config import TrainerConfig
+def test_a_trainer_rank_keeps_its_transport_until_a_push_is_refused(pool):
+    """A trainer rank (a Ray actor, as TrainerGroup starts it) is handed the pool (its client, not its
+    name), keeps the transport it chose between pushes, drops it when a push is refused before sending
+    (here: a non-finite weight), and chooses again for the next push, which lands."""
     from recipes.trainer import TrainerRank
 
     @ray.remote(num_cpus=0)
     class Rank(TrainerRank):
-        def link(self):  # which client object it holds (None: dropped), and whether it holds a transport
-            push = self.weight_push
-            return None if push._pool_client is None else id(push._pool_client[1]), push._pool_link is not None
+        def transport(self):  # the transport it holds for a pool (None: dropped)
+            kept = self.weight_push._transport
+            return None if kept is None else kept[1]
 
         def set_first_weight(self, value: float | None) -> None:  # None: as it was, then halved
             param = next(self.model.parameters())
@@ -538,29 +532,34 @@ def test_a_trainer_rank_keeps_its_pool_client_and_transport_until_a_push_is_refu
                     self._kept = param.detach().clone()
                     param.fill_(value)
 
-    rank = Rank.remote(0, 1, TrainerConfig(num_ranks=1, weight_sync="broadcast"), 1.0)
+    rank = Rank.remote(0, 1, _rank_config(), 1.0)
     try:
         ray.get(rank.setup.remote(*ray.get(rank.address.remote()), tiny_model("qwen2", seed=2)))
-        first = ray.get(rank.push_weights.remote(pool.name, pool.namespace))
+        first = ray.get(rank.push_weights.remote(pool))
         assert first["pool_digest"] == first["digest"] and first["transport"] == "broadcast"
-        client, kept = ray.get(rank.link.remote())
-        assert client is not None and kept
-        assert ray.get(rank.push_weights.remote(pool.name, pool.namespace))["pool_digest"] == first["digest"]
-        assert ray.get(rank.link.remote()) == (client, True)  # kept: no lookup of the pool, no transport choice
+        assert ray.get(rank.transport.remote()) == "broadcast"
+        assert ray.get(rank.push_weights.remote(pool))["pool_digest"] == first["digest"]
+        assert ray.get(rank.transport.remote()) == "broadcast"  # kept: no transport choice
 
         ray.get(rank.set_first_weight.remote(float("nan")))
         with pytest.raises(WeightMismatchError, match="finite"):
-            ray.get(rank.push_weights.remote(pool.name, pool.namespace))
-        assert ray.get(rank.link.remote()) == (None, False)
+            ray.get(rank.push_weights.remote(pool))
+        assert ray.get(rank.transport.remote()) is None
         assert pool.weights_digest() == first["digest"]  # refused before sending: nothing changed
 
         ray.get(rank.set_first_weight.remote(None))  # finite again, and new weights
-        again = ray.get(rank.push_weights.remote(pool.name, pool.namespace))
+        again = ray.get(rank.push_weights.remote(pool))
         assert again["pool_digest"] == again["digest"] != first["digest"]
-        assert ray.get(rank.link.remote())[1] and pool.weights_digest() == again["digest"]
+        assert ray.get(rank.transport.remote()) == "broadcast" and pool.weights_digest() == again["digest"]
     finally:
         ray.get(rank.close.remote())
         ray.kill(rank)
+
+
+def _rank_config(**push):
+    """One trainer rank, pushing by broadcast."""
+    from recipes.config import TrainerConfig, WeightPushConfig
+    return TrainerConfig(num_ranks=1, weight_push=WeightPushConfig(transport="broadcast", **push))
 
 
 def _restarts(pool):
@@ -573,18 +572,17 @@ def test_a_trainer_closed_with_an_armed_push_releases_its_workers(pool, reqs):
     import concurrent.futures
 
     from bench.grpo_train_step import batch
-    from recipes.config import TrainerConfig
     from recipes.trainer import TrainerRank
 
     old = shared.model()
     before = _engine_rollouts(old, reqs)
-    rank = ray.remote(num_cpus=0)(TrainerRank).remote(0, 1, TrainerConfig(num_ranks=1, weight_sync="broadcast"), 1.0)
+    rank = ray.remote(num_cpus=0)(TrainerRank).remote(0, 1, _rank_config(), 1.0)
     try:
         ray.get(rank.setup.remote(*ray.get(rank.address.remote()), old))
-        assert ray.get(rank.push_weights.remote(pool.name, pool.namespace))["pool_digest"] == model_digest(old)
+        assert ray.get(rank.push_weights.remote(pool))["pool_digest"] == model_digest(old)
         restarts = _restarts(pool)
         plans, tokens = batch(old.config.vocab_size, 2, 2)
-        ray.get(rank.train_step.remote(plans[0], tokens, (), (pool.name, pool.namespace)))  # armed, not sent
+        ray.get(rank.train_step.remote(plans[0], tokens, (), pool))  # armed, not sent
         ray.get(rank.close.remote())
         # served at once: with the push still armed the pool would hold every request until its timeout
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
@@ -607,7 +605,6 @@ def test_a_train_step_longer_than_the_push_timeout_declines_its_armed_push(pool,
     from torch.distributed import DistStoreError
 
     from bench.grpo_train_step import batch
-    from recipes.config import TrainerConfig
     from recipes.trainer import TrainerRank
 
     old, new = shared.model(), tiny_model("qwen2", seed=2)
@@ -615,12 +612,12 @@ def test_a_train_step_longer_than_the_push_timeout_declines_its_armed_push(pool,
     assert pool.update_weights(old.state_dict()) == model_digest(old)
     named = list(new.state_dict().items())
     restarts = _restarts(pool)
-    sender = WeightSender(pool, "broadcast", timeout_s=4.0)
-    sender.arm({n: tuple(t.shape) for n, t in named}, torch.device("cpu"), staged=True)
+    push = WeightPush(pool, "broadcast", timeout_s=4.0)
+    push.announce({n: tuple(t.shape) for n, t in named}, torch.device("cpu"), staged=True)
     time.sleep(16.0)  # four times the timeout: the workers have given up, however slowly they began
     with pytest.raises(RuntimeError, match="gave the push up after its 4 s timeout") as refused:
-        sender.begin(sender.stage(named, sum(t.numel() for _, t in named)))
-        sender.complete()
+        push.check(named, sum(t.numel() for _, t in named))
+        push.send()
     assert isinstance(refused.value.__cause__, DistStoreError)  # the sender's store waited for them in vain
     shared_wait(lambda: _restarts(pool) == [r + 1 for r in restarts]
                 and all(w["state"] == "ready" for w in pool.stats()["workers"]), "the restarts", pool=pool)
@@ -638,17 +635,17 @@ def test_a_train_step_longer_than_the_push_timeout_declines_its_armed_push(pool,
             time.sleep(self.delay_s)
             return super()._train_step(*args)
 
-    cfg = TrainerConfig(num_ranks=1, weight_sync="broadcast", weight_push_timeout_s=4.0)
+    cfg = _rank_config(timeout_s=4.0)
     rank = Rank.remote(0, 1, cfg, 1.0)
     try:
         ray.get(rank.setup.remote(*ray.get(rank.address.remote()), new))
-        assert ray.get(rank.push_weights.remote(pool.name, pool.namespace))["transport"] == "broadcast"
+        assert ray.get(rank.push_weights.remote(pool))["transport"] == "broadcast"
         restarts = _restarts(pool)
         plans, tokens = batch(new.config.vocab_size, 2, 2)
         for delay_s, armed in ((8.0, False), (0.0, True)):
             ray.get(rank.set_delay.remote(delay_s))
-            step = rank.train_step.remote(plans[0], tokens, (), (pool.name, pool.namespace))
-            pushed = rank.push_weights.remote(pool.name, pool.namespace, False, True)
+            step = rank.train_step.remote(plans[0], tokens, (), pool)
+            pushed = rank.push_weights.remote(pool, False, True)
             ray.get(step)
             result = ray.get(pushed)
             assert ("armed_ahead" in result["phases"]) == armed, (delay_s, result["phases"])
@@ -661,7 +658,7 @@ def test_a_train_step_longer_than_the_push_timeout_declines_its_armed_push(pool,
 
 
 def test_an_armed_push_lands_and_one_its_sender_then_refuses_loads_nothing(pool, reqs):
-    """A broadcast push armed before its tensors exist (WeightSender.arm: the pool drains and its
+    """A broadcast push armed before its tensors exist (WeightPush.announce: the pool drains and its
     workers wait in the group) lands bitwise. When the sender's checks then refuse the push (the
     expected digest; tensors other than those armed for), the header's no-go sends every worker back
     to serving with nothing loaded: no restart, the group kept, and the next armed push lands in it."""
@@ -674,29 +671,28 @@ def test_an_armed_push_lands_and_one_its_sender_then_refuses_loads_nothing(pool,
     numel = sum(t.numel() for _, t in named)
 
     def armed():
-        sender = WeightSender(pool, "broadcast")
-        sender.arm(shapes, torch.device("cpu"), staged=True)
-        assert sender.armed
-        return sender
+        push = WeightPush(pool, "broadcast")
+        push.announce(shapes, torch.device("cpu"), staged=True)
+        assert push.armed
+        return push
 
     missing = named[:-1]
     refusals = [(named, {"expected_digest": "0" * 32}, WeightMismatchError, "expected 0000"),
                 (missing, {}, ValueError, "not the ones it was armed for")]
     for tensors, kwargs, error, words in refusals:
-        sender = armed()
-        entries = sender.stage(tensors, sum(t.numel() for _, t in tensors))
+        push = armed()
         with pytest.raises(error, match=words):
-            sender.begin(entries, **kwargs)
-        assert not sender.armed
+            push.check(tensors, sum(t.numel() for _, t in tensors), **kwargs)
+        assert not push.armed
         assert pool.weights_digest() == model_digest(old) and _worker_digests(pool) == [model_digest(old)] * 2
         assert _restarts(pool) == restarts and all(w["state"] == "ready" for w in pool.stats()["workers"])
         assert_same(pool.generate(*reqs), before, f"after an armed push refused ({words})")
 
-    sender = armed()
-    sender.begin(sender.stage(named, numel))
-    assert not sender.plan.new_group  # the refusals kept the group: every member took their no-go
-    assert sender.seconds["armed_ahead"] > 0.0
-    assert sender.complete() == model_digest(new) and _worker_digests(pool) == [model_digest(new)] * 2
+    push = armed()
+    push.check(named, numel)
+    assert not push.plan.new_group  # the refusals kept the group: every member took their no-go
+    assert push.seconds["armed_ahead"] > 0.0
+    assert push.send() == model_digest(new) and _worker_digests(pool) == [model_digest(new)] * 2
     assert_same(pool.generate(*reqs), after, "after an armed push")
     assert _restarts(pool) == restarts
     assert pool.update_weights(old.state_dict()) == model_digest(old)
@@ -706,24 +702,23 @@ def test_a_push_queued_behind_a_failed_train_step_is_declined_and_not_sent(pool)
     """A trainer rank arms the push that follows its train step (train_step's arm); when the step
     fails, the armed push is declined (the workers go back to serving, none restarted) and the push
     queued behind the step refuses to send. The next push lands."""
-    from recipes.config import TrainerConfig
     from recipes.trainer import TrainerRank
 
-    rank = ray.remote(num_cpus=0)(TrainerRank).remote(0, 1, TrainerConfig(num_ranks=1, weight_sync="broadcast"), 1.0)
+    rank = ray.remote(num_cpus=0)(TrainerRank).remote(0, 1, _rank_config(), 1.0)
     try:
         ray.get(rank.setup.remote(*ray.get(rank.address.remote()), tiny_model("qwen2", seed=2)))
-        first = ray.get(rank.push_weights.remote(pool.name, pool.namespace))  # the transport, kept
+        first = ray.get(rank.push_weights.remote(pool))  # the transport, kept
         assert first["pool_digest"] == first["digest"] and first["transport"] == "broadcast"
         restarts = _restarts(pool)
-        step = rank.train_step.remote([[{}]], [1], (), (pool.name, pool.namespace))  # no batch: it fails
-        queued = rank.push_weights.remote(pool.name, pool.namespace, False, True)
+        step = rank.train_step.remote([[{}]], [1], (), pool)  # no batch: it fails
+        queued = rank.push_weights.remote(pool, False, True)
         with pytest.raises(ray.exceptions.RayTaskError, match="KeyError"):
             ray.get(step)
         with pytest.raises(RuntimeError, match="train step before this push failed"):
             ray.get(queued)
         assert pool.weights_digest() == first["digest"] and _worker_digests(pool) == [first["digest"]] * 2
         assert _restarts(pool) == restarts and all(w["state"] == "ready" for w in pool.stats()["workers"])
-        again = ray.get(rank.push_weights.remote(pool.name, pool.namespace))
+        again = ray.get(rank.push_weights.remote(pool))
         assert again["pool_digest"] == again["digest"] == first["digest"]
     finally:
         ray.get(rank.close.remote())

@@ -5,15 +5,11 @@ import asyncio
 import uuid
 
 import ray
-import torch
 from ray.exceptions import RayTaskError
 
 from rollout_service.params import Rollout, SamplingParams, check_batch
 from rollout_service.service.ray_cluster import init_ray, original_error
-from rollout_service.service.switch_modes import check_switch_mode
-from rollout_service.service.weight_sync import (DEFAULT_BUCKET_BYTES, DEFAULT_STAGE_BYTES, TRANSPORTS, choose_transport,
-                                                 push_state_dict)
-from rollout_service.weights import WeightMismatchError, check_state_dict_types, state_dict_digest
+from rollout_service.service.weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_STAGE_BYTES, WeightPush
 
 # Named actors are per namespace; a fixed one lets every job in the cluster find the pool.
 DEFAULT_NAMESPACE = "rollout_service"
@@ -39,6 +35,17 @@ class RolloutClient:
                 raise ValueError(f"no rollout pool named {name!r} in namespace {namespace!r}") from e
         self._pool = _handle
         self.info = _info  # what start_pool saw at start (digest, canonical config, workers); else None
+
+    def __reduce__(self):
+        # a client carried to another process (a trainer rank) reaches the same pool, and never owns it
+        return (_client_of, (self.name, self.namespace, self._pool))
+
+    def __eq__(self, other) -> bool:
+        """Clients of the same pool actor are equal."""
+        return isinstance(other, RolloutClient) and other._pool._actor_id == self._pool._actor_id
+
+    def __hash__(self) -> int:
+        return hash(self._pool._actor_id)
 
     def __enter__(self):
         return self
@@ -98,35 +105,26 @@ class RolloutClient:
                        stage_bytes: int = DEFAULT_STAGE_BYTES) -> str:
         """Load `state_dict` (name -> tensor) into every worker and return their common digest.
 
-        transport: "auto" (weight_sync.choose_transport), "object_store" (the tensors enter Ray's object store once; every worker reads the
-        same object), "broadcast" (a NCCL/gloo group from this process to the workers, in buckets of
-        `bucket_bytes`) or "ipc" (workers on this process's GPU read the sender's buffer in place); see
-        rollout_service.service.weight_sync. Those two stage the whole push in one buffer on this process's
-        device when it fits in `stage_bytes` (0: bucket by bucket, holding one bucket). Every check (names, shapes, finite values, `expected_digest`)
-        passes before any worker loads anything: a refused push raises WeightMismatchError and every
-        worker keeps serving the weights it had.
+        transport: "auto" (weight_sync.choose_transport), "object_store" (the tensors enter Ray's object
+        store once; every worker reads the same object), "broadcast" (a NCCL/gloo group from this process
+        to the workers, in buckets of `bucket_bytes`) or "ipc" (workers on this process's GPU read the
+        sender's buffer in place); see rollout_service.service.weight_sync. Those two stage the whole
+        push in one buffer on this process's device when it fits in `stage_bytes` (0: bucket by bucket,
+        holding one bucket). Every check (names, shapes, finite values, `expected_digest`) passes before
+        any worker loads anything: a refused push raises WeightMismatchError and every worker keeps
+        serving the weights it had. One push, as a WeightPush (weight_sync.session) does it.
 
         mode: when the push takes effect for running requests (rollout_service.service.switch_modes):
         "drain" (the default), "finish-then-switch" or "switch-in-flight" (native engines only);
         bucketed transports switch in "drain" mode. Rollout.weight_versions stamps every token.
         """
-        check_switch_mode(mode)
-        if mode != "drain" and transport != "object_store":
-            raise ValueError(f"transport {transport!r} pushes in buckets, which switch in 'drain' mode only; "
-                             f"use transport='object_store' for mode={mode!r}")
-        check_state_dict_types(state_dict)
-        if transport == "auto":
-            device = next((t.device for t in state_dict.values()), torch.device("cpu"))
-            transport = choose_transport("auto", device, [w["gpu"] for w in self.stats()["workers"]])
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {transport!r}")
-        if transport != "object_store":
-            return push_state_dict(self, state_dict, transport, expected_digest, bucket_bytes, stage_bytes)
-        digest = state_dict_digest(state_dict)
-        if expected_digest is not None and digest != expected_digest:
-            raise WeightMismatchError(f"the weights' digest is {digest}, expected {expected_digest}")
-        # One object for all workers. This driver owns it; the pool keeps the ref for restarts.
-        ref = ray.put(state_dict)
+        device = next((t.device for t in state_dict.values()), None) if transport == "auto" else None
+        push = WeightPush(self, transport, device, bucket_bytes=bucket_bytes, stage_bytes=stage_bytes, mode=mode)
+        return push.load(state_dict, expected_digest)
+
+    # the pool's calls of a WeightPush (rollout_service.service.weight_sync.session)
+    def _switch_weights(self, ref, digest: str, mode: str) -> str:
+        """An object-store push: every worker to the weights of `ref`, whose digest is `digest`."""
         return _unwrapped(self._pool.update_weights.remote([ref], digest, mode))
 
     def _begin_weight_sync(self, plan, wait: bool = True):
@@ -177,6 +175,10 @@ class RolloutClient:
     def workers(self) -> list:
         """The current RolloutWorker actor handles, in slot order."""
         return ray.get(self._pool.worker_handles.remote())
+
+
+def _client_of(name: str, namespace: str, handle) -> RolloutClient:
+    return RolloutClient(name, namespace=namespace, _handle=handle)
 
 
 def _unwrapped(ref):

@@ -27,6 +27,5 @@ def check_switch_mode(mode) -> str:
 
 def engine_switch_modes(engine) -> tuple[str, ...]:
     """The modes a worker's engine can serve: switch-in-flight needs one that recomputes the running
-    requests' KV under new weights (the class attribute switches_weights_in_flight)."""
-    in_flight = getattr(type(engine), "switches_weights_in_flight", False) is True
-    return SWITCH_MODES if in_flight else (DRAIN, FINISH_THEN_SWITCH)
+    requests' KV under new weights (EngineCapabilities.switch_modes)."""
+    return SWITCH_MODES if engine.capabilities().switch_modes else (DRAIN, FINISH_THEN_SWITCH)
