@@ -96,15 +96,14 @@ def worker_backend(rollout: RolloutConfig) -> str:
 
 
 def engine_options(cfg) -> dict:
-    """rollout.engine, plus what the run's numerics and placement ask of a vLLM worker: the stock
-    engine alone for numerics stock, sleep mode where the engines sleep (engines_sleep). The native engine needs
-    neither: its `off` mode is already its fast path alone, and it has no memory to release."""
+    """rollout.engine, plus what the run's numerics and placement ask of every engine (options each
+    engine takes, rollout_service.engine.config): `off` requests only for numerics stock (stock_only),
+    built to release memory where the engines sleep (sleep_mode, engines_sleep)."""
     options = dict(cfg.rollout.engine)
-    if worker_backend(cfg.rollout) == "vllm":
-        if cfg.numerics == "stock":
-            options.setdefault("stock_only", True)
-        if engines_sleep(cfg):
-            options.setdefault("sleep_mode", True)
+    if cfg.numerics == "stock":
+        options.setdefault("stock_only", True)
+    if engines_sleep(cfg):
+        options.setdefault("sleep_mode", True)
     return options
 
 

@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from rollout_service import Engine, InvalidRequestError, SamplingParams  # noqa: E402
+from rollout_service.engine.protocol import BucketedPushEngine, EngineCapabilities  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.vllm.engine import VLLMEngine  # noqa: E402
 from rollout_service.vllm.plugin import compat  # noqa: E402
@@ -85,6 +86,14 @@ def test_off_runs_on_stock_vllm_which_differs_from_the_trainer(engine, checkpoin
     assert diffs > 0, "stock vLLM matched the trainer bit for bit: the negative control cannot fail"
     for prompt, p, r in zip(prompts, _params(6, seed0=800), verified):
         assert r.logprobs == trainer_logprobs(policy, prompt, r.token_ids, p.temperature)
+
+
+def test_capabilities_are_what_it_does(engine):
+    """The engine contract (rollout_service.engine.protocol): bucketed pushes (tested below), no routing
+    records (refused below), weights switched with nothing running, and no sleep on vLLM's CPU build."""
+    assert isinstance(engine, BucketedPushEngine)
+    assert engine.capabilities() == EngineCapabilities(switch_modes=False, routing_records=False,
+                                                       bucketed_push=True, sleep=False)
 
 
 def test_routed_experts_are_refused(engine):

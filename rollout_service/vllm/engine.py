@@ -51,6 +51,8 @@ class VLLMEngine:
     worker calls right after each sleep, maps the weights' memory again then, while the trainer steps,
     so that the wake before the next push maps the KV cache alone."""
 
+    _sleeps = False  # sleep() releases GPU memory: set by __init__ (sleep_mode on CUDA)
+
     def __init__(self, model, *, device: str = "cuda", max_model_len: int | None = None, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
                  copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None,
