@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from conftest import rollout_bits  # noqa: E402
 from rollout_service import Engine, SamplingParams, start_pool  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.service.weight_sync import SenderStage, WeightSender, fingerprint_entries  # noqa: E402
+from rollout_service.service.weight_sync import SenderStage, WeightPush, fingerprint_entries  # noqa: E402
 from rollout_service.weights import (WeightMismatchError, model_digest, state_dict_digest,  # noqa: E402
                                      tensor_fingerprint)
 
@@ -94,36 +94,31 @@ def test_push_on_gpus(cluster, separate):
         # same memory must land its own bits, not the first's
         shapes, numel = {n: tuple(t.shape) for n, t in named}, sum(t.numel() for _, t in named)
         kept = SenderStage()
-        refused = WeightSender(pool, transport, stage=kept)
-        refused.arm(shapes, device, staged=True)
-        abandoned, abort = [], refused.abort
-        refused.abort = lambda reason: (abandoned.append(reason), abort(reason))  # must not be reached
+        refused = WeightPush(pool, transport, stage=kept)
+        refused.announce(shapes, device, staged=True)
+        abandoned, abort = [], refused._abort
+        refused._abort = lambda reason: (abandoned.append(reason), abort(reason))  # must not be reached
         with pytest.raises(WeightMismatchError, match="expected 0000"):
-            refused.begin(refused.stage(named, numel), "0" * 32)
+            refused.check(named, numel, "0" * 32)
         assert not abandoned, abandoned
         assert [(w["state"], w["restarts"]) for w in pool.stats()["workers"]] == [("ready", 0)]
         assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_old]
         for model, want in ((new, want_new), (old, want_old), (new, want_new)):
             tensors = [(n, t.to(device)) for n, t in model.state_dict().items()]
-            armed = WeightSender(pool, transport, stage=kept)
-            armed.arm(shapes, device, staged=True)
-            armed.begin(armed.stage(tensors, numel))
-            assert armed.complete() == model_digest(model)
+            armed = WeightPush(pool, transport, stage=kept)
+            armed.announce(shapes, device, staged=True)
+            armed.check(tensors, numel)
+            assert armed.send() == model_digest(model)
             assert not separate or not armed.plan.new_group  # broadcast: the no-go kept the group
             assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want]
         # back to the old weights through the object store, which a restart below reloads from
         assert pool.update_weights(old.state_dict(), transport="object_store") == model_digest(old)
         # a corrupted transfer: caught by the worker, which comes back with the old weights
-        sender = WeightSender(pool, transport, bucket_bytes=1 << 20)
-        sender.begin(fingerprint_entries(named))
-        last = sender.plan.buckets[-1][0].name
-        try:
-            sender.send([(n, t + 1 if n == last else t) for n, t in named])
-        except Exception:  # ipc: the worker's refusal reaches the sender at that bucket
-            sender.abort("refused")
-        else:
-            with pytest.raises(RuntimeError):
-                sender.finish()
+        push = WeightPush(pool, transport, bucket_bytes=1 << 20)
+        push.check(named)
+        last = push.plan.buckets[-1][0].name
+        with pytest.raises(Exception):  # ipc: the worker's refusal at that bucket; broadcast: the verdict
+            push.send([(n, t + 1 if n == last else t) for n, t in named])
         _wait(lambda: pool.stats()["workers"][0]["state"] == "ready")
         assert pool.weights_digest() == model_digest(old)
         assert [rollout_bits(r) for r in pool.generate(*_reqs())] == [rollout_bits(r) for r in want_old]
