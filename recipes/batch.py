@@ -135,8 +135,9 @@ def budget_groups(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
     (longest first, each into the first group with room), deterministic, each group in sample order."""
     too_long = [_length(s) for s in samples if _length(s) > max_tokens]
     if too_long:
-        raise ValueError(f"a sequence of {max(too_long)} tokens does not fit trainer.max_tokens_per_micro_batch="
-                         f"{max_tokens}: raise it to at least the longest prompt + rollout.max_tokens")
+        raise ValueError(f"a sequence of {max(too_long)} tokens does not fit "
+                         f"trainer.batching.max_tokens_per_micro_batch={max_tokens}: raise it to at least the longest "
+                         f"prompt + rollout.max_tokens")
     order = sorted(range(len(samples)), key=lambda i: (-_length(samples[i]), i))
     groups: list[list[int]] = []
     room: list[int] = []

@@ -45,7 +45,7 @@ from .models import initial_model, policy_config
 from .rollout_queue import RolloutQueue
 from .rollouts import engine_options, engines_sleep, group_requests, prompt_indices, records_routing, rollouts_digest
 from .task import build_task
-from .trainer import TrainerGroup
+from .trainer_group import TrainerGroup
 from .warmup import answer_examples, supervised_warmup
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
@@ -193,8 +193,9 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             shared = owned = reserve_placement(cfg)
         pool = _start_rollout_pool(cfg, model, pool_name, namespace, shared)
         t_pool = time.perf_counter()
-        ranks = dataclasses.replace(trainer_cfg,
-                                    resources_per_rank=with_tree_width(trainer_cfg.resources_per_rank, width))
+        rank_placement = trainer_cfg.placement
+        ranks = dataclasses.replace(trainer_cfg, placement=dataclasses.replace(
+            rank_placement, resources_per_rank=with_tree_width(rank_placement.resources_per_rank, width)))
         trainer = TrainerGroup(ranks, model, rollout_cfg.temperature, cfg.numerics, colocate_with=shared,
                                first_bundle=ranks_first_bundle(cfg), memory_plan=memory_plan)
         job.gpus = {"rollout": [g for w in pool.stats()["workers"] for g in w["gpu_ids"]],
@@ -234,10 +235,11 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             failed = [ro for ro in rollouts if not ro.ok]
             if failed:
                 raise RuntimeError(f"{len(failed)} rollouts failed, e.g. {failed[0].finish_reason}: {failed[0].error}")
-            rewards, samples = _score(task, rows, prompts, rollouts, rollout_cfg.n, trainer_cfg.scale_advantages)
-            plans, tokens = split_for_ranks(samples, trainer_cfg.num_ranks, trainer_cfg.mini_batches,
-                                            trainer_cfg.micro_batch_size, pad_id,
-                                            trainer_cfg.max_tokens_per_micro_batch, trainer_cfg.packing)
+            rewards, samples = _score(task, rows, prompts, rollouts, rollout_cfg.n, trainer_cfg.loss.scale_advantages)
+            batching = trainer_cfg.batching
+            plans, tokens = split_for_ranks(samples, trainer_cfg.num_ranks, batching.mini_batches,
+                                            batching.micro_batch_size, pad_id,
+                                            batching.max_tokens_per_micro_batch, batching.packing)
             trainer_version = sync["version"]
             stale = tuple(sorted({v for s in samples for v in s.weight_versions or ()} - {trainer_version}))
             t2 = time.perf_counter()
@@ -316,7 +318,7 @@ def placement_bundles(cfg: RecipeConfig) -> list[dict]:
     worker i and rank i: both actors' CPUs and the GPU (on GPU runs) that they share. Split: one per
     rollout worker, then one per rank, each holding its actor's resources, so that a worker's GPU is
     never a rank's (Ray packs fractional GPU shares onto one GPU when no bundle keeps them apart)."""
-    w, t = cfg.rollout.resources_per_worker, cfg.trainer.resources_per_rank
+    w, t = cfg.rollout.resources_per_worker, cfg.trainer.placement.resources_per_rank
 
     def bundle(cpus: float, gpus: float) -> dict:
         return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
@@ -326,8 +328,8 @@ def placement_bundles(cfg: RecipeConfig) -> list[dict]:
                 + [bundle(t.get("num_cpus", 1), rank_gpus)] * cfg.trainer.num_ranks)
     gpus = w.get("num_gpus", 0) + t.get("num_gpus", 0)
     if cfg.trainer.device == "cuda" and not 0 < t.get("num_gpus", 0) < 1:
-        raise ValueError("placement: colocated on GPUs needs trainer.resources_per_rank.num_gpus, a share below 1 "
-                         "(the rollout worker takes the rest)")
+        raise ValueError("placement: colocated on GPUs needs trainer.placement.resources_per_rank.num_gpus, a share "
+                         "below 1 (the rollout worker takes the rest)")
     if gpus > 1:
         raise ValueError(f"placement: colocated shares one GPU per bundle: the worker's and the rank's num_gpus "
                          f"add up to {gpus} > 1")
@@ -335,8 +337,8 @@ def placement_bundles(cfg: RecipeConfig) -> list[dict]:
 
 
 def reserve_placement(cfg: RecipeConfig):
-    """A placement group of placement_bundles(cfg) (cfg.trainer.placement_strategy), once it is ready."""
-    group = reserve(placement_bundles(cfg), cfg.trainer.placement_strategy)
+    """A placement group of placement_bundles(cfg) (cfg.trainer.placement.strategy), once it is ready."""
+    group = reserve(placement_bundles(cfg), cfg.trainer.placement.strategy)
     ray.get(group.ready())
     return group
 

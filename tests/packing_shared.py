@@ -57,8 +57,9 @@ def train_step_in_process(cfg, model, samples: list[Sample]) -> dict:
     rank = TrainerRank(0, 1, cfg, temperature=1.0)
     try:
         rank.setup("127.0.0.1", free_port(), model)
-        plans, tokens = split_for_ranks(samples, 1, 1, cfg.micro_batch_size, 0, cfg.max_tokens_per_micro_batch,
-                                        cfg.packing)
+        batching = cfg.batching
+        plans, tokens = split_for_ranks(samples, 1, 1, batching.micro_batch_size, 0,
+                                        batching.max_tokens_per_micro_batch, batching.packing)
         return rank.train_step(plans[0], tokens)
     finally:
         rank.close()

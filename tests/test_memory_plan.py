@@ -15,16 +15,18 @@ import transformers
 from packing_shared import free_port
 from recipes.batch import Sample, split_for_ranks
 from recipes.config import ConfigError, TrainerConfig, load_config
-from recipes.memory_plan import (BF16, ROTARY_BYTES_PER_HEAD_DIM, SAVED_HIDDEN_AFTER_LAYERS, GiB, GpuMemory,
-                                 MemoryPlanRefused, ModelShape, TrainerOutOfMemory, plan_memory)
+from recipes.config import BatchingConfig, OptimizerConfig
+from recipes.memory_plan import GpuMemory, MemoryPlanRefused, TrainerOutOfMemory, plan_memory
+from recipes.memory_terms import GiB
+from recipes.model_shape import BF16, ROTARY_BYTES_PER_HEAD_DIM, SAVED_HIDDEN_AFTER_LAYERS, ModelShape
 from rollout_service.tiny_models import tiny_model
 from trainer_patch import patch_model, token_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = GpuMemory(141 * GiB, "a stated 141 GiB GPU")
 # the knobs a refusal or an out-of-memory error names (the engine's only where one shares the GPU)
-TRAINER_KNOBS = ("trainer.max_tokens_per_micro_batch", "trainer.activation_checkpointing", "trainer.num_ranks",
-                 "rollout.max_tokens")
+TRAINER_KNOBS = ("trainer.batching.max_tokens_per_micro_batch", "trainer.batching.activation_checkpointing",
+                 "trainer.num_ranks", "rollout.max_tokens")
 ENGINE_KNOBS = ("rollout.engine.gpu_memory_utilization", "kv_cache_memory_bytes", "rollout.sleep_while_training")
 
 
@@ -46,8 +48,8 @@ def run_config(*overrides: str):
 
 
 def budget(tokens: int, checkpointing: bool = False, *more: str):
-    return run_config(f"trainer.max_tokens_per_micro_batch={tokens}",
-                      f"trainer.activation_checkpointing={str(checkpointing).lower()}", *more)
+    return run_config(f"trainer.batching.max_tokens_per_micro_batch={tokens}",
+                      f"trainer.batching.activation_checkpointing={str(checkpointing).lower()}", *more)
 
 
 # -- the numbers ---------------------------------------------------------------------------------------
@@ -113,7 +115,7 @@ def test_checkpointing_and_a_smaller_budget_shrink_the_activation_term():
     assert checkpointed.activations < base.activations / 10 and checkpointed.total < base.total
     assert halved.activations == base.activations // 2 and halved.total < base.total
     # without a budget: micro_batch_size rows (else all of a rank's rows) of the longest sequence
-    rows = plan_memory(run_config("trainer.micro_batch_size=4"), qwen3_4b(), 128, H200)
+    rows = plan_memory(run_config("trainer.batching.micro_batch_size=4"), qwen3_4b(), 128, H200)
     assert rows.tokens == 4 * (128 + 512)
     whole = plan_memory(run_config(), qwen3_4b(), 128, H200)  # 32 prompts x 8 samples on one rank
     assert whole.tokens == 32 * 8 * (128 + 512) and whole.activations > rows.activations
@@ -133,11 +135,11 @@ def test_a_run_that_cannot_fit_is_refused_with_its_numbers_and_the_knobs_that_wo
     for name, value in plan.training_terms().items():
         assert f"{value / GiB:.1f} GiB  {name}" in message
     # the fixes it names do fit: the budget it computes, and checkpointing
-    fitting = int(re.search(r"trainer\.max_tokens_per_micro_batch=(\d+)", message).group(1))
+    fitting = int(re.search(r"trainer\.batching\.max_tokens_per_micro_batch=(\d+)", message).group(1))
     assert 640 <= fitting < 32768
     assert plan_memory(budget(fitting), qwen3_4b(), 128, H200).fits
     assert not plan_memory(budget(fitting + 128), qwen3_4b(), 128, H200).fits
-    assert "trainer.activation_checkpointing=true" in message and "(fits)" in message
+    assert "trainer.batching.activation_checkpointing=true" in message and "(fits)" in message
     # more ranks shard the states, not a rank's 32,768 tokens of activations: none makes this fit
     assert "trainer.num_ranks (now 1): up to 64 ranks alone do not make it fit" in message
     assert not plan_memory(budget(32768, False, "trainer.num_ranks=64"), qwen3_4b(), 128, H200).fits
@@ -162,7 +164,7 @@ def test_a_colocated_engine_counts_and_its_knobs_are_named():
     rank trains and its share at the wake, which fits; awake through the step (sleep off) it does not, and
     the refusal names the engine's knobs. A KV cache too large for the wake is refused at the wake."""
     colocated = ["placement=colocated", "rollout.resources_per_worker.num_gpus=0.5",
-                 "trainer.resources_per_rank.num_gpus=0.5", "rollout.engine.backend=vllm",
+                 "trainer.placement.resources_per_rank.num_gpus=0.5", "rollout.engine.backend=vllm",
                  "rollout.engine.gpu_memory_utilization=0.6"]
     asleep = plan_memory(budget(16384, False, *colocated), qwen25_1p5b(), 128, H200)
     awake = plan_memory(budget(16384, False, *colocated, "rollout.sleep_while_training=false"), qwen25_1p5b(),
@@ -191,11 +193,11 @@ def test_the_recipe_exits_2_with_the_refusal_and_no_traceback(tmp_path):
     or rank starts. The GPU's size is stated by this test (the recipe measures it on a GPU)."""
     stated = ("import runpy, sys\n"
               "import recipes.memory_plan as plans\n"
-              "plans.measure_rank_gpu = lambda *args, **kwargs: plans.GpuMemory(141 * plans.GiB, 'a stated GPU')\n"
+              "plans.measure_rank_gpu = lambda *args, **kwargs: plans.GpuMemory(141 << 30, 'a stated GPU')\n"
               "sys.argv = ['recipes.grpo', *sys.argv[1:]]\n"
               "runpy.run_module('recipes.grpo', run_name='__main__')\n")
     argv = ["--config", str(REPO / "recipes" / "configs" / "gpu_split.yaml"), "--run-dir", str(tmp_path / "run"),
-            "trainer.max_tokens_per_micro_batch=65536", "rollout.max_tokens=512"]
+            "trainer.batching.max_tokens_per_micro_batch=65536", "rollout.max_tokens=512"]
     done = subprocess.run([sys.executable, "-c", stated, *argv], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
@@ -217,7 +219,8 @@ def _samples() -> list[Sample]:
 
 def _rank(plan=None):
     from recipes.trainer import TrainerRank
-    cfg = TrainerConfig(num_ranks=1, lr=1e-2, max_tokens_per_micro_batch=24)
+    cfg = TrainerConfig(num_ranks=1, optimizer=OptimizerConfig(lr=1e-2),
+                        batching=BatchingConfig(max_tokens_per_micro_batch=24))
     rank = TrainerRank(0, 1, cfg, temperature=1.0, memory_plan=plan)
     rank.setup("127.0.0.1", free_port(), tiny_model("qwen2", seed=5))
     return rank
@@ -339,6 +342,6 @@ def test_the_shipped_gpu_configs_fit_an_h200(name):
     assert plan.total < H200.total_bytes
     if name == "gpu_colocated_4b.yaml":
         assert policy_config(cfg, task.tokenizer).tie_word_embeddings
-        without = load_config(REPO / "recipes" / "configs" / name, ["trainer.activation_checkpointing=false"])
+        without = load_config(REPO / "recipes" / "configs" / name, ["trainer.batching.activation_checkpointing=false"])
         with pytest.raises(MemoryPlanRefused):
             plan_memory(without, policy_config(without, task.tokenizer), longest).on_gpu(H200).check()

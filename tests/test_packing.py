@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from packing_shared import per_sample, rollout_samples, score, train_step_in_process
 from recipes.batch import budget_groups, pack, pack_flat, split_for_ranks
-from recipes.config import ConfigError, TrainerConfig, load_config
+from recipes.config import BatchingConfig, ConfigError, OptimizerConfig, TrainerConfig, load_config
 from rollout_service.tiny_models import tiny_model
 from trainer_patch import checkpoint_activations, patch_model, token_logprobs
 
@@ -144,11 +144,13 @@ def test_checkpointed_moe_records_its_routing_once():
 
 
 def test_config_fields_for_packing_and_budgets():
-    cfg = load_config(None, ["trainer.max_tokens_per_micro_batch=4096", "trainer.activation_checkpointing=true"])
-    assert cfg.trainer.max_tokens_per_micro_batch == 4096 and cfg.trainer.activation_checkpointing
-    assert TrainerConfig().packing is True
-    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
-        load_config(None, ["trainer.max_tokens_per_micro_batch=-1"])
+    cfg = load_config(None, ["trainer.batching.max_tokens_per_micro_batch=4096",
+                             "trainer.batching.activation_checkpointing=true"])
+    batching = cfg.trainer.batching
+    assert batching.max_tokens_per_micro_batch == 4096 and batching.activation_checkpointing
+    assert TrainerConfig().batching.packing is True
+    with pytest.raises(ConfigError, match="trainer.batching.max_tokens_per_micro_batch"):
+        load_config(None, ["trainer.batching.max_tokens_per_micro_batch=-1"])
 
 
 @pytest.mark.parametrize("layout", [dict(packing=True, max_tokens_per_micro_batch=290),
@@ -158,7 +160,7 @@ def test_config_fields_for_packing_and_budgets():
 def test_fsdp2_trainer_rank_agrees_with_the_rollouts_in_every_layout(checkpoint, samples, layout):
     """A TrainerRank (FSDP2 fully_shard, gloo, one rank) trains on the packed, budgeted micro-batches: its
     forward reports the rollouts' log-probs bit for bit (KL 0, no mismatched token) before the update."""
-    cfg = TrainerConfig(num_ranks=1, lr=1e-3, **layout)
+    cfg = TrainerConfig(num_ranks=1, optimizer=OptimizerConfig(lr=1e-3), batching=BatchingConfig(**layout))
     result = train_step_in_process(cfg, _policy(checkpoint), samples)
     parts = result["agreement"]
     assert sum(p["tokens"] for p in parts) == sum(LENGTHS)

@@ -41,7 +41,7 @@ def test_shipped_configs_load_with_every_value(name):
     assert len(leaves) > 20
     for key, value in leaves.items():
         assert _get(cfg, key) == value, key
-    assert isinstance(cfg.trainer.lr, float)  # "1.0e-6" is a string to YAML 1.1
+    assert isinstance(cfg.trainer.optimizer.lr, float)  # "1.0e-6" is a string to YAML 1.1
 
 
 def test_unknown_key_in_a_file_is_named(tmp_path):
@@ -64,11 +64,11 @@ def test_unknown_key_in_an_override_is_named():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("trainer.lr=abc", "trainer.lr must be a float, got 'abc'"),
+    ("trainer.optimizer.lr=abc", "trainer.optimizer.lr must be a float, got 'abc'"),
     ("train.steps=2.5", "train.steps must be an int, got 2.5"),
     ("rollout.n=true", "rollout.n must be an int, got True"),  # a bool is not an int
     ("metrics.wandb=1", "metrics.wandb must be true or false, got 1"),
-    ("trainer.betas=[0.9, x]", "trainer.betas[1] must be a float, got 'x'"),
+    ("trainer.optimizer.betas=[0.9, x]", "trainer.optimizer.betas[1] must be a float, got 'x'"),
     ("rollout.engine=4", "rollout.engine must be a mapping, got 4"),
     ("task.path=[a]", "task.path must be a string or null, got ['a']"),
     ("warmup=3", "warmup must be a mapping, got 3"),
@@ -80,20 +80,21 @@ def test_wrong_type_is_named(override, message):
 
 
 def test_ints_are_floats_where_floats_are_meant_and_bare_off_is_off(tmp_path):
-    cfg = load_config(TINY, ["trainer.lr=1", "trainer.betas=[0, 0]"])  # AdamW: each beta in [0, 1)
-    assert cfg.trainer.lr == 1.0 and type(cfg.trainer.lr) is float
-    assert [type(b) for b in cfg.trainer.betas] == [float, float]
+    cfg = load_config(TINY, ["trainer.optimizer.lr=1", "trainer.optimizer.betas=[0, 0]"])  # AdamW: betas in [0, 1)
+    assert cfg.trainer.optimizer.lr == 1.0 and type(cfg.trainer.optimizer.lr) is float
+    assert [type(b) for b in cfg.trainer.optimizer.betas] == [float, float]
     path = tmp_path / "off.yaml"
     path.write_text("rollout:\n  determinism: off\n")  # YAML 1.1: false
     assert load_config(path).rollout.determinism == "off"
 
 
 def test_defaults_and_override_round_trip(tmp_path):
-    cfg = load_config(None, ["trainer.lr=3e-5", "rollout.engine.window=4", "model.hidden_size=32"])
-    assert cfg.trainer.lr == 3e-5 and cfg.rollout.engine == {"window": 4} and cfg.model.hidden_size == 32
+    cfg = load_config(None, ["trainer.optimizer.lr=3e-5", "rollout.engine.window=4", "model.hidden_size=32"])
+    assert cfg.trainer.optimizer.lr == 3e-5 and cfg.rollout.engine == {"window": 4}
+    assert cfg.model.hidden_size == 32
     assert cfg.rollout == RolloutConfig(engine={"window": 4})  # the rest: defaults
     data = cfg.to_dict()
-    assert data["trainer"]["lr"] == 3e-5 and data["rollout"]["engine"] == {"window": 4}
+    assert data["trainer"]["optimizer"]["lr"] == 3e-5 and data["rollout"]["engine"] == {"window": 4}
     assert RecipeConfig.from_dict(data) == cfg
     path = tmp_path / "config.yaml"
     path.write_text(cfg.to_yaml())
@@ -128,15 +129,15 @@ def test_cli_config_flags_and_resume_read_the_checkpoint_config(tmp_path):
 
 
 def test_malformed_override_is_named():
-    with pytest.raises(ConfigError, match=r"^trainer\.betas: the value '\[0\.9' is not YAML"):
-        load_config(TINY, ["trainer.betas=[0.9"])
+    with pytest.raises(ConfigError, match=r"^trainer\.optimizer\.betas: the value '\[0\.9' is not YAML"):
+        load_config(TINY, ["trainer.optimizer.betas=[0.9"])
     with pytest.raises(ConfigError, match="not key=value"):
-        load_config(TINY, ["trainer.lr"])
+        load_config(TINY, ["trainer.optimizer.lr"])
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["numerics=stock"], r"numerics: stock needs trainer.old_logprobs=recompute"),
-    (["numerics=stock", "trainer.old_logprobs=recompute"], r"numerics: stock runs rollout.determinism=off"),
+    (["numerics=stock"], r"numerics: stock needs trainer.loss.old_logprobs=recompute"),
+    (["numerics=stock", "trainer.loss.old_logprobs=recompute"], r"numerics: stock runs rollout.determinism=off"),
     (["placement=colocated", "rollout.num_workers=1"], r"rollout.num_workers \(1\) must equal trainer.num_ranks \(2\)"),
     (["placement=together"], r"placement must be one of split, colocated"),
 ])
@@ -168,23 +169,25 @@ def test_placement_bundles_keep_a_split_runs_workers_off_its_ranks_gpus():
     assert placement_bundles(cpu_split) == [{"CPU": 0.5}] * 4
     colocated = load_config(CONFIGS / "gpu_colocated.yaml", [])
     assert placement_bundles(colocated) == [{"CPU": 4, "GPU": 1.0}]
-    too_much = load_config(CONFIGS / "gpu_colocated.yaml", ["trainer.resources_per_rank.num_gpus=0.9"])
+    too_much = load_config(CONFIGS / "gpu_colocated.yaml", ["trainer.placement.resources_per_rank.num_gpus=0.9"])
     with pytest.raises(ValueError, match="add up to 1.4 > 1"):
         placement_bundles(too_much)
 
 
 @pytest.mark.parametrize("override", [
-    "trainer.lr=0", "trainer.lr=-1e-4", "trainer.lr=.nan", "trainer.lr=.inf", "warmup.lr=0", "warmup.lr=-3e-3",
-    "trainer.betas=[1.0, 0.999]", "trainer.betas=[0.9, -0.1]", "trainer.betas=[0.9]", "trainer.betas=[0.9, 0.99, 0.9]",
-    "trainer.weight_decay=-0.01", "trainer.max_grad_norm=-1", "trainer.max_grad_norm=.nan",
-    "trainer.clip_low=-0.2", "trainer.clip_high=-0.1",
+    "trainer.optimizer.lr=0", "trainer.optimizer.lr=-1e-4", "trainer.optimizer.lr=.nan", "trainer.optimizer.lr=.inf",
+    "warmup.lr=0", "warmup.lr=-3e-3", "trainer.optimizer.betas=[1.0, 0.999]", "trainer.optimizer.betas=[0.9, -0.1]",
+    "trainer.optimizer.betas=[0.9]", "trainer.optimizer.betas=[0.9, 0.99, 0.9]",
+    "trainer.optimizer.weight_decay=-0.01", "trainer.optimizer.max_grad_norm=-1", "trainer.optimizer.max_grad_norm=.nan",
+    "trainer.loss.clip_low=-0.2", "trainer.loss.clip_high=-0.1",
     "rollout.temperature=-0.7", "rollout.temperature=.nan", "rollout.top_p=0", "rollout.top_p=1.5",
     "rollout.top_k=-2", "rollout.max_tokens=0", "rollout.num_workers=0", "rollout.n=1",
     "rollout.start_timeout_s=0", "rollout.length_sigma=-0.5",
     "train.steps=0", "train.prompts_per_step=0", "train.save_every=-1", "train.async_steps=-1",
-    "trainer.num_ranks=0", "trainer.mini_batches=0", "trainer.micro_batch_size=-1",
-    "trainer.max_tokens_per_micro_batch=-1", "trainer.torch_threads=-1", "trainer.weight_bucket_mb=0",
-    "trainer.weight_stage_mb=-1", "trainer.weight_push_timeout_s=0", "trainer.weight_push_timeout_s=-5",
+    "trainer.num_ranks=0", "trainer.batching.mini_batches=0", "trainer.batching.micro_batch_size=-1",
+    "trainer.batching.max_tokens_per_micro_batch=-1", "trainer.placement.torch_threads=-1",
+    "trainer.weight_push.bucket_mb=0",
+    "trainer.weight_push.stage_mb=-1", "trainer.weight_push.timeout_s=0", "trainer.weight_push.timeout_s=-5",
     "warmup.steps=-1", "warmup.batch_size=0",
     "task.max_operand=-1", "task.max_prompt_tokens=-1", "task.stop_token_ids=[2, -1]",
     "model.hidden_size=0", "model.num_layers=0", "model.num_heads=-4", "model.num_kv_heads=0",
@@ -204,9 +207,10 @@ def test_head_dim_out_of_range_is_named():
 
 
 @pytest.mark.parametrize("override", [
-    "trainer.max_grad_norm=null", "trainer.max_grad_norm=0", "rollout.temperature=0", "rollout.top_k=-1",
-    "rollout.top_k=0", "rollout.top_p=1", "trainer.betas=[0, 0]", "trainer.weight_decay=0", "train.save_every=0",
-    "trainer.clip_low=0", "warmup.steps=0", "task.max_prompt_tokens=0", "trainer.torch_threads=0", "seed=0",
+    "trainer.optimizer.max_grad_norm=null", "trainer.optimizer.max_grad_norm=0", "rollout.temperature=0",
+    "rollout.top_k=-1", "rollout.top_k=0", "rollout.top_p=1", "trainer.optimizer.betas=[0, 0]",
+    "trainer.optimizer.weight_decay=0", "train.save_every=0",
+    "trainer.loss.clip_low=0", "warmup.steps=0", "task.max_prompt_tokens=0", "trainer.placement.torch_threads=0", "seed=0",
 ])
 def test_boundary_values_that_mean_off_are_accepted(override):
     load_config(TINY, [override])
@@ -228,10 +232,11 @@ def test_config_file_that_is_not_yaml_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--config", str(TINY), "trainer.lr=abc"], "trainer.lr must be a float, got 'abc'"),
-    (["--config", str(TINY), "trainer.lr=-1"], "trainer.lr must be > 0"),
-    (["--config", str(TINY), "trainer.lr"], "override 'trainer.lr' is not key=value"),
-    (["--config", str(TINY), "trainer.betas=[0.9"], "trainer.betas: the value '[0.9' is not YAML"),
+    (["--config", str(TINY), "trainer.optimizer.lr=abc"], "trainer.optimizer.lr must be a float, got 'abc'"),
+    (["--config", str(TINY), "trainer.optimizer.lr=-1"], "trainer.optimizer.lr must be > 0"),
+    (["--config", str(TINY), "trainer.optimizer.lr"], "override 'trainer.optimizer.lr' is not key=value"),
+    (["--config", str(TINY), "trainer.optimizer.betas=[0.9"],
+     "trainer.optimizer.betas: the value '[0.9' is not YAML"),
     (["--config", "nope.yaml"], "nope.yaml: no such config file"),
     (["--resume", "no-such-run"], "--resume no-such-run: no complete checkpoint"),
 ])

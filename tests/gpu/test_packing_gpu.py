@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from packing_shared import per_sample, rollout_samples, score, train_step_in_process  # noqa: E402
 from recipes.batch import budget_groups, pack, pack_flat  # noqa: E402
-from recipes.config import TrainerConfig  # noqa: E402
+from recipes.config import BatchingConfig, OptimizerConfig, TrainerConfig  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 from trainer_patch import checkpoint_activations, patch_model  # noqa: E402
 
@@ -88,7 +88,8 @@ def test_activation_checkpointing_keeps_logprobs_and_gradients(checkpoint, sampl
 @pytest.mark.parametrize("layout", [dict(max_tokens_per_micro_batch=2000),
                                     dict(max_tokens_per_micro_batch=6000, activation_checkpointing=True)])
 def test_fsdp2_rank_on_cuda_agrees_with_the_rollouts(checkpoint, samples, layout):
-    cfg = TrainerConfig(num_ranks=1, device="cuda", lr=1e-5, **layout)
+    cfg = TrainerConfig(num_ranks=1, device="cuda", optimizer=OptimizerConfig(lr=1e-5),
+                        batching=BatchingConfig(**layout))
     result = train_step_in_process(cfg, _policy(checkpoint).cpu(), samples)
     parts = result["agreement"]
     assert sum(p["tokens"] for p in parts) == sum(LENGTHS)
