@@ -24,7 +24,7 @@ Layouts (`--layouts`, recipes.batch.split_for_ranks): packed, each micro-batch's
 in one row (the recipe's default, trainer.packing), and padded, the same micro-batches (the same
 sequences per forward: those that `--max-tokens-per-micro-batch` groups, or all of them) as rows
 right-padded to the longest; with `--padded-rows N`, micro-batches of N sequences in batch order, padded,
-as the trainer formed them before token budgets (trainer.micro_batch_size). One arm's process takes its layouts in turns, step by step, their order
+as the trainer formed them before token budgets (trainer.batching.micro_batch_size). One arm's process takes its layouts in turns, step by step, their order
 alternating from step to step and from round to round, so that a machine that slows slows both.
 
 Per arm, round and layout: the median seconds of a step after warm-up (the device waited for), train
@@ -86,7 +86,7 @@ def layout_plans(batch_samples: list, layouts: list[str], max_tokens_per_micro_b
                  padded_rows: int = 0) -> dict:
     """{layout: split_for_ranks(...) of one rank and one mini-batch}. The same samples in every layout and,
     unless padded_rows > 0, the same micro-batches: only their layout differs. padded_rows > 0: the padded
-    layout's micro-batches are that many sequences in batch order (trainer.micro_batch_size)."""
+    layout's micro-batches are that many sequences in batch order (trainer.batching.micro_batch_size)."""
     from recipes.batch import split_for_ranks
     plans = {}
     for layout in layouts:
@@ -122,14 +122,14 @@ def run_arm(args) -> dict:
     """This process: one arm's trainer rank, its layouts' warm-up steps, timed steps in turns and
     optional profiles."""
     from bench.rollout import build_model
-    from recipes.config import TrainerConfig
+    from recipes.config import BatchingConfig, LossConfig, OptimizerConfig, TrainerConfig
     from recipes.trainer import TrainerRank
     device = torch.device(args.device)
     layouts = args.layouts.split(",")
-    cfg = TrainerConfig(num_ranks=1, device=args.device, lr=1e-5,
-                        old_logprobs="rollout" if args.arm == "canonical" else "recompute",
-                        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-                        activation_checkpointing=args.activation_checkpointing)
+    cfg = TrainerConfig(num_ranks=1, device=args.device, optimizer=OptimizerConfig(lr=1e-5),
+                        loss=LossConfig(old_logprobs="rollout" if args.arm == "canonical" else "recompute"),
+                        batching=BatchingConfig(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                                                activation_checkpointing=args.activation_checkpointing))
     model = build_model(args.model, args.device)
     num_params = sum(p.numel() for p in model.parameters())
     batch_samples = samples(model.config.vocab_size, args.prompts, args.group, args.lengths, args.median, args.sigma,
@@ -232,13 +232,15 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=0.7, help="lognormal: the std of the length's logarithm")
     ap.add_argument("--cap", type=int, default=4096, help="fixed and lognormal: the longest completion")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=0,
-                    help="token budget of one forward (trainer.max_tokens_per_micro_batch); 0: one micro-batch")
+                    help="token budget of one forward (trainer.batching.max_tokens_per_micro_batch); 0: one "
+                         "micro-batch")
     ap.add_argument("--padded-rows", type=int, default=0,
-                    help="padded layout: micro-batches of this many sequences in batch order (trainer.micro_batch_size, "
-                         "the trainer before token budgets); 0: the packed layout's micro-batches, padded")
+                    help="padded layout: micro-batches of this many sequences in batch order "
+                         "(trainer.batching.micro_batch_size, the trainer before token budgets); 0: the packed "
+                         "layout's micro-batches, padded")
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each decoder layer's activations in the backward "
-                         "(trainer.activation_checkpointing)")
+                         "(trainer.batching.activation_checkpointing)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS),
                     help=f"micro-batch layouts, taken in turns; of {', '.join(LAYOUTS)}")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"the arms, in this order; of {', '.join(ARMS)}")
