@@ -26,18 +26,13 @@ images, PEFT, min_p, repetition_penalty != 1, generation_kwargs.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from rollout_service.vllm.plugin.sampling import EXTRA_ARGS_KEY
-
 # Verified against TRL 1.16.0: trl/trainer/grpo_trainer.py (GRPOTrainer.__init__ builds VLLMGeneration,
 # _get_per_token_logps_and_entropies scores through add_fused_lm_head) and trl/generation/vllm_generation.py.
 SUPPORTED_TRL = ((1, 16), (1, 17))  # [lower, upper)
-_MAX_SEED = 2 ** 63
 
 
 def check_trl_version() -> str:
@@ -53,12 +48,6 @@ def check_trl_version() -> str:
                           f"< {'.'.join(map(str, hi))} (it relies on TRL internals checked for those versions); "
                           f"found trl {installed}: pip install 'trl==1.16.*'")
     return installed
-
-
-def sample_seed(base_seed: int, mode: str, step: int, call: int, group: int, prompt_ids, index: int) -> int:
-    """A seed in [0, 2**63) from everything that identifies one sample of one generation."""
-    key = repr((int(base_seed), mode, int(step), int(call), int(group), [int(t) for t in prompt_ids], int(index)))
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % _MAX_SEED
 
 
 def left_to_right_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -104,89 +93,9 @@ def _patch(model: torch.nn.Module) -> None:
 
 def _build(trl_module):
     """Classes built on first use, so that importing this module needs neither TRL nor vLLM."""
-    from trl.generation.vllm_generation import VLLMGeneration, extract_logprobs
+    from .trl_generation import generation_class
 
-    class ZeroKLVLLMGeneration(VLLMGeneration):
-        """TRL's colocate vLLM with the canonical model, our processor and one seeded request per sample."""
-
-        llm_options: dict = {}  # set per trainer (extra vllm.LLM options, e.g. kv_cache_memory_bytes on CPU)
-        trainer = None
-        base_seed = 0
-
-        def _init_vllm(self):
-            if self.mode != "colocate":
-                raise NotImplementedError("zerokl's TRL integration supports vllm_mode='colocate' only")
-            if self.tensor_parallel_size != 1:
-                raise NotImplementedError("zerokl's TRL integration supports vllm_tensor_parallel_size=1 only")
-            if self.min_p or self.repetition_penalty != 1.0 or self.generation_kwargs:
-                raise NotImplementedError("zerokl's sampling rule supports temperature, top_k and top_p only "
-                                          "(no min_p, repetition_penalty or generation_kwargs)")
-            if not self.temperature > 0:
-                raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
-            from trl.trainer.utils import ensure_master_addr_port
-            from vllm import LLM
-
-            from rollout_service.vllm.plugin import llm_options, register
-
-            register()  # also done by vLLM's plugin entry point; harmless twice
-            acc = self.accelerator
-            os.environ["RANK"] = str(acc.process_index)
-            os.environ["LOCAL_RANK"] = str(acc.local_process_index)
-            os.environ["WORLD_SIZE"] = str(acc.num_processes)
-            ensure_master_addr_port()
-            options = dict(
-                model=self.model.name_or_path, tensor_parallel_size=1, max_model_len=self.max_model_length,
-                max_num_seqs=self.max_num_seqs, enable_sleep_mode=self.enable_sleep_mode,
-                distributed_executor_backend="external_launcher", seed=acc.process_index,
-                max_num_batched_tokens=4096, trust_remote_code=self.trust_remote_code, dtype="bfloat16",
-                **llm_options(self.model.name_or_path, cuda_graphs=torch.cuda.is_available()))
-            if torch.cuda.is_available():
-                options["gpu_memory_utilization"] = self.gpu_memory_utilization
-            else:  # CPU's default block of 128 tokens makes prefix reuse rare
-                options["block_size"] = 32
-            options.update(self.llm_options)
-            self.llm = LLM(**options)
-            if self.enable_sleep_mode:
-                self.llm.sleep(level=2)
-            self._llm_weights_sleeping = self.enable_sleep_mode
-            acc.wait_for_everyone()
-
-        def generate(self, prompts, images, num_generations, profiler=None):
-            from vllm import SamplingParams
-
-            if images is not None and any(i is not None for i in images):
-                raise NotImplementedError("zerokl's TRL integration does not support images")
-            if self.enable_sleep_mode and self._llm_weights_sleeping:
-                self.sync_weights()
-            trainer = self.trainer
-            mode = "train" if trainer is None or trainer.model.training else "eval"
-            step = 0 if trainer is None else trainer.state.global_step
-            calls = self.__dict__.setdefault("_zerokl_calls", {})
-            call = calls[(mode, step)] = calls.get((mode, step), -1) + 1
-            group = self.accelerator.process_index
-            seen: dict[tuple, int] = {}
-            params = []
-            for ids in prompts:
-                index = seen[tuple(ids)] = seen.get(tuple(ids), -1) + 1  # the k-th copy of this prompt
-                cfg = dict(seed=sample_seed(self.base_seed, mode, step, call, group, ids, index),
-                           temperature=float(self.temperature), top_k=max(int(self.top_k or 0), 0),
-                           top_p=float(1.0 if self.top_p is None else self.top_p), position=len(ids))
-                # flat log-probs: no dict per token for the collector (TRL's extract_logprobs reads both)
-                params.append(SamplingParams(n=1, temperature=0.0, max_tokens=self.max_completion_length,
-                                             logprobs=self.logprobs, flat_logprobs=True,
-                                             extra_args={EXTRA_ARGS_KEY: cfg}))
-            if self.enable_sleep_mode:
-                self.llm.wake_up(tags=["kv_cache"])
-            with profiler or contextlib.nullcontext():
-                outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params,
-                                            use_tqdm=False)
-            if self.enable_sleep_mode:
-                self.llm.sleep(level=2)
-                self._llm_weights_sleeping = True
-            prompt_ids = [o.prompt_token_ids for o in outputs]
-            completion_ids = [c.token_ids for o in outputs for c in o.outputs]
-            logprobs, logprob_token_ids = extract_logprobs(outputs)
-            return prompt_ids, completion_ids, logprobs, logprob_token_ids
+    ZeroKLVLLMGeneration = generation_class()
 
     class GRPOTrainer(trl_module.GRPOTrainer):
         """trl.GRPOTrainer whose vLLM rollouts and trainer log-probs are zerokl's canonical ones.

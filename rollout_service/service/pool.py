@@ -19,9 +19,10 @@ from rollout_service.engine.engine import check_model_source
 from rollout_service.service.client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
 from rollout_service.service.ray_cluster import original_error
 from rollout_service.service.request_outcomes import EarlyCancels, abort_rollout, error_rollout
-from rollout_service.service.supervisor import MAX_CONCURRENCY, WorkerSlot, WorkerSupervisor
+from rollout_service.service.supervisor import MAX_CONCURRENCY, WorkerSupervisor
 from rollout_service.service.switch_modes import DRAIN
 from rollout_service.service.weight_sync.coordinator import PushCoordinator
+from rollout_service.service.worker_slot import WorkerSlot
 
 
 class _PoolActor:

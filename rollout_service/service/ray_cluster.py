@@ -54,6 +54,20 @@ def actor_gpu_ids() -> list[str]:
     return [str(g) for g in ray.get_gpu_ids()]
 
 
+def placement_report(pending: int, total: int, bundles: list[dict] | None, resources: dict, timeout_s: float) -> str:
+    """Why `pending` of `total` rollout workers, each asking for its placement group's `bundles` or else
+    for `resources` (Ray actor options), were not ready in time: what the cluster has free."""
+    import ray
+    ask = bundles or [{"CPU": resources.get("num_cpus", 1), "GPU": resources.get("num_gpus", 0),
+                       **resources.get("resources", {})}]
+    free = {k: round(v, 2) for k, v in ray.available_resources().items() if "memory" not in k and "node" not in k}
+    whole = {k: round(v, 2) for k, v in ray.cluster_resources().items() if "memory" not in k and "node" not in k}
+    return (f"{pending} of {total} rollout workers were not ready within {timeout_s:.0f} s "
+            f"(start_pool's start_timeout_s). Each asks for {ask}; the cluster has {free} free of {whole}. "
+            f"Free resources, add nodes, or ask for less; a worker that is placed but slow to load "
+            f"needs a longer start_timeout_s.")
+
+
 def release(placement) -> None:
     from ray.util.placement_group import remove_placement_group
     remove_placement_group(placement)

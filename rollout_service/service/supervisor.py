@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 import kernels as K
-from rollout_service.service.ray_cluster import on_bundle, original_error, release, reserve
+from rollout_service.service.ray_cluster import on_bundle, original_error, placement_report, release, reserve
 from rollout_service.service.worker import RolloutWorker
+from rollout_service.service.worker_slot import WorkerSlot
 from rollout_service.weights import WeightMismatchError
 
 log = logging.getLogger(__name__)
@@ -37,21 +37,6 @@ FROM_PEER = "from a ready peer"
 
 class NoCurrentWeights(RuntimeError):
     """No live worker holds the weights last pushed worker to worker."""
-
-
-@dataclass
-class WorkerSlot:
-    index: int
-    actor: object = None
-    state: str = "starting"  # starting | ready | restarting | stale | failed | stopped
-    placement: object = None
-    in_flight: int = 0
-    completed: int = 0
-    restarts: int = 0
-    failed_restarts: int = 0  # replacements that failed since this slot last served
-    weight_version: int = 0  # the version of the weights this worker verifiably holds
-    error: str | None = None
-    info: dict = field(default_factory=dict)
 
 
 class WorkerSupervisor:
@@ -93,7 +78,8 @@ class WorkerSupervisor:
             infos = await asyncio.wait_for(asyncio.gather(*(start_one(s) for s in self.slots),
                                                           return_exceptions=True), timeout_s)
         except asyncio.TimeoutError:
-            report = self._placement_report(timeout_s)
+            pending = sum(1 for s in self.slots if not s.info)
+            report = placement_report(pending, len(self.slots), self._bundles, self._resources, timeout_s)
             await self.shutdown()
             raise TimeoutError(report) from None
         for slot, info in zip(self.slots, infos):
@@ -120,17 +106,6 @@ class WorkerSupervisor:
             await self._set_state(slot, "ready")
             self._watch(slot)
         return {"digest": self.digest, "canonical": self.canonical, "workers": [s.info for s in self.slots]}
-
-    def _placement_report(self, timeout_s: float) -> str:
-        pending = sum(1 for s in self.slots if not s.info)
-        ask = self._bundles or [{"CPU": self._resources.get("num_cpus", 1), "GPU": self._resources.get("num_gpus", 0),
-                                 **self._resources.get("resources", {})}]
-        free = {k: round(v, 2) for k, v in ray.available_resources().items() if "memory" not in k and "node" not in k}
-        total = {k: round(v, 2) for k, v in ray.cluster_resources().items() if "memory" not in k and "node" not in k}
-        return (f"{pending} of {len(self.slots)} rollout workers were not ready within {timeout_s:.0f} s "
-                f"(start_pool's start_timeout_s). Each asks for {ask}; the cluster has {free} free of {total}. "
-                f"Free resources, add nodes, or ask for less; a worker that is placed but slow to load "
-                f"needs a longer start_timeout_s.")
 
     # -- which workers can take work ---------------------------------------------------------------
 

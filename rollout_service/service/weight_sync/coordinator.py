@@ -15,8 +15,9 @@ from collections.abc import Callable
 from ray.exceptions import RayActorError, RayTaskError
 
 from rollout_service.service.ray_cluster import original_error
-from rollout_service.service.supervisor import FROM_PEER, WorkerSlot, WorkerSupervisor
+from rollout_service.service.supervisor import FROM_PEER, WorkerSupervisor
 from rollout_service.service.switch_modes import DRAIN, check_switch_mode
+from rollout_service.service.worker_slot import WorkerSlot
 from rollout_service.weights import WeightMismatchError
 
 from .groups import BroadcastGroups
