@@ -4,7 +4,7 @@ or more versions behind the trainer's. Every step logs staleness, the importance
 rollout/train KL of exactly 0.0 against the behaviour version. Each saved token's log-prob equals the
 canonical forward's under the weights of the version it is stamped with, rebuilt by this test from the
 run's checkpoints; scoring the stale tokens with the run's final weights instead (the control) differs.
-With trainer.weight_switch=switch-in-flight a push lands while the next step's rollouts run: they continue
+With trainer.weight_push.switch=switch-in-flight a push lands while the next step's rollouts run: they continue
 on the new weights, so a rollout may span two versions, and each of its tokens is checked at its own."""
 from __future__ import annotations
 
@@ -37,12 +37,13 @@ ASYNC = ["train.steps=5", "train.prompts_per_step=8", "train.save_every=1", "tra
 # machine sometimes found none, and so did twelve steps at four requests a worker once the trainer's
 # packed step got faster; two requests a worker double the generation's waves (10 of 768 rollouts
 # spanned two versions in a run on two loaded cores).
-IN_FLIGHT = ["trainer.weight_switch=switch-in-flight", "trainer.weight_sync=object_store", "train.steps=12",
-             "rollout.determinism=invariant", "rollout.engine={window: 4, group: 8, kv_cache_tokens: 8192, max_num_seqs: 2}"]
+IN_FLIGHT = ["trainer.weight_push.switch=switch-in-flight", "trainer.weight_push.transport=object_store",
+             "train.steps=12", "rollout.determinism=invariant",
+             "rollout.engine={window: 4, group: 8, kv_cache_tokens: 8192, max_num_seqs: 2}"]
 
 
 # a staged push over a gloo group from the FSDP2 ranks, sending behind the next train step
-OVERLAPPED = ["trainer.weight_sync=broadcast"]
+OVERLAPPED = ["trainer.weight_push.transport=broadcast"]
 
 
 @pytest.fixture(scope="module", params=[(1, []), (2, []), (1, IN_FLIGHT), (1, OVERLAPPED)],
@@ -118,7 +119,7 @@ def test_each_token_is_the_trainers_under_its_own_version_and_not_the_latest(asy
                     stale_differ += latest_scores[i] != line["logprobs"][i]
     assert checked > 0 and stale_tokens > 0
     assert stale_differ > 0.5 * stale_tokens, (stale_differ, stale_tokens)
-    if cfg.trainer.weight_switch == "switch-in-flight":
+    if cfg.trainer.weight_push.switch == "switch-in-flight":
         assert spanning > 0, "no rollout was running when a push switched the workers in flight"
     else:
         assert spanning == 0, "drain pushes never let a rollout span two versions"
@@ -131,7 +132,7 @@ def test_staged_pushes_send_behind_the_next_train_step(async_run):
     checked against its version's checkpoint in the test above, so the weights sent are the version's
     own, not the next step's.) Object-store pushes land before they return."""
     _, cfg, _, records = async_run
-    if cfg.trainer.weight_sync != "broadcast":
+    if cfg.trainer.weight_push.transport != "broadcast":
         assert all(r["weights/transport"] == "object_store" and "perf/sync_wait_s" not in r for r in records)
         return
     assert all(r["weights/transport"] == "broadcast" and r["weights/staged"] for r in records)
@@ -143,10 +144,10 @@ def test_staged_pushes_send_behind_the_next_train_step(async_run):
 
 def test_async_steps_need_the_split_placement_and_rollout_logprobs():
     from recipes.config import ConfigError
-    for extra in (["placement=colocated"], ["trainer.old_logprobs=recompute"], ["train.async_steps=-1"]):
+    for extra in (["placement=colocated"], ["trainer.loss.old_logprobs=recompute"], ["train.async_steps=-1"]):
         with pytest.raises(ConfigError, match="async_steps"):
             load_config(TINY, ["train.async_steps=1"] + extra)
     with pytest.raises(ConfigError, match="weight_sync=object_store"):  # bucketed pushes drain
-        load_config(TINY, ["trainer.weight_switch=switch-in-flight", "trainer.weight_sync=broadcast"])
+        load_config(TINY, ["trainer.weight_push.switch=switch-in-flight", "trainer.weight_push.transport=broadcast"])
     with pytest.raises(ConfigError, match="weight_switch must be one of"):
-        load_config(TINY, ["trainer.weight_switch=later"])
+        load_config(TINY, ["trainer.weight_push.switch=later"])

@@ -11,7 +11,8 @@ import yaml
 
 from recipes.checkpoint import CONFIG_FILE, write_state
 from recipes.config import ConfigError, RecipeConfig, RolloutConfig, coerce_numbers, load_config
-from recipes.grpo import build_config, placement_bundles
+from recipes.grpo import build_config
+from recipes.placement import placement_bundles
 
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 TINY = CONFIGS / "tiny.yaml"

@@ -24,7 +24,7 @@ TINY_MOE = TINY.with_name("tiny_moe.yaml")
 SHORT = ["train.steps=3", "train.prompts_per_step=8", "train.save_every=2", "train.save_rollouts=true",
          "warmup.steps=30", "rollout.temperature=0.8"]
 # the stock pipeline: fast path alone, the unpatched model, old log-probs recomputed
-STOCK = ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"]
+STOCK = ["numerics=stock", "rollout.determinism=off", "trainer.loss.old_logprobs=recompute"]
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +75,12 @@ def test_resume_reproduces_next_step_bitwise(verified_run, tmp_path):
 
 @pytest.mark.parametrize("stage_mb", [8192, 0], ids=["staged", "streamed"])
 def test_broadcast_weight_sync_carries_the_same_weights(verified_run, tmp_path, stage_mb):
-    """trainer.weight_sync=broadcast (one parameter gathered at a time from the 2 FSDP2 ranks, into a
-    stage of the whole push or bucket by bucket, then buckets over a gloo group) lands the bits the
+    """trainer.weight_push.transport=broadcast (one parameter gathered at a time from the 2 FSDP2 ranks, into
+    a stage of the whole push or bucket by bucket, then buckets over a gloo group) lands the bits the
     object store does: the same weights and the same rollouts at every step."""
     _, records = verified_run
-    cfg = load_config(TINY, SHORT + [f"run_dir={tmp_path}", "metrics.wandb=false", "trainer.weight_sync=broadcast",
-                                     f"trainer.weight_stage_mb={stage_mb}"])
+    push = ["trainer.weight_push.transport=broadcast", f"trainer.weight_push.stage_mb={stage_mb}"]
+    cfg = load_config(TINY, SHORT + [f"run_dir={tmp_path}", "metrics.wandb=false", *push])
     again = run(cfg, progress=False)["records"]
     assert [r["weights/transport"] for r in again] == ["broadcast"] * 3
     assert [r["weights/staged"] for r in again] == [stage_mb > 0] * 3
@@ -107,8 +107,9 @@ def test_one_rank_staged_pushes_carry_each_steps_new_weights(local_ray, tmp_path
     push still carries that step's updated weights, the ones the object store carries."""
     one_rank = SHORT + ["metrics.wandb=false", "trainer.num_ranks=1", "train.save_every=0"]
     by_store = run(load_config(TINY, one_rank + [f"run_dir={tmp_path / 'store'}"]), progress=False)["records"]
-    staged = run(load_config(TINY, one_rank + [f"run_dir={tmp_path / 'staged'}", "trainer.weight_sync=broadcast"]),
-                 progress=False)["records"]
+    broadcast = "trainer.weight_push.transport=broadcast"
+    staged_cfg = load_config(TINY, one_rank + [f"run_dir={tmp_path / 'staged'}", broadcast])
+    staged = run(staged_cfg, progress=False)["records"]
     assert [r["weights/staged"] for r in staged] == [True] * 3
     digests = [r["weights/digest"] for r in staged]
     assert digests == [r["weights/digest"] for r in by_store] and len(set(digests)) == 3

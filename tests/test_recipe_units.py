@@ -25,9 +25,9 @@ TINY = REPO / "recipes" / "configs" / "tiny.yaml"
 
 
 def test_config_overrides_and_scientific_numbers():
-    cfg = load_config(TINY, ["trainer.lr=2e-3", "rollout.determinism=off", "train.steps=3",
+    cfg = load_config(TINY, ["trainer.optimizer.lr=2e-3", "rollout.determinism=off", "train.steps=3",
                              "rollout.engine.window=2"])
-    assert cfg.trainer.lr == 2e-3 and isinstance(cfg.trainer.lr, float)
+    assert cfg.trainer.optimizer.lr == 2e-3 and isinstance(cfg.trainer.optimizer.lr, float)
     assert cfg.rollout.determinism == "off" and cfg.train.steps == 3
     assert cfg.rollout.engine["window"] == 2 and cfg.rollout.engine["group"] == 8  # merged into the file's
     assert cfg.trainer.num_ranks == 2 and cfg.rollout.num_workers == 2
@@ -35,10 +35,10 @@ def test_config_overrides_and_scientific_numbers():
         load_config(TINY, ["rollout.determinism=sometimes"])
     with pytest.raises(ValueError, match="rollout.n"):
         load_config(TINY, ["rollout.n=1"])
-    with pytest.raises(ValueError, match="trainer.old_logprobs"):
-        load_config(TINY, ["trainer.old_logprobs=fresh"])
+    with pytest.raises(ValueError, match="trainer.loss.old_logprobs"):
+        load_config(TINY, ["trainer.loss.old_logprobs=fresh"])
     with pytest.raises(ValueError, match="prompts_per_step"):
-        load_config(TINY, ["train.prompts_per_step=3", "trainer.mini_batches=2"])
+        load_config(TINY, ["train.prompts_per_step=3", "trainer.batching.mini_batches=2"])
     assert cfg.canonical.tree_segments is None  # the process's width (ZEROKL_TREE_SEGMENTS or 8)
     assert load_config(TINY, ["canonical.tree_segments=4"]).canonical.tree_segments == 4
     for bad in ("3", "true", "eight"):
@@ -49,7 +49,7 @@ def test_config_overrides_and_scientific_numbers():
 def test_gsm8k_config_parses():
     cfg = load_config(REPO / "recipes" / "configs" / "gsm8k_qwen.yaml")
     assert cfg.task.kind == "gsm8k" and cfg.trainer.device == "cuda"
-    assert isinstance(cfg.trainer.lr, float)
+    assert isinstance(cfg.trainer.optimizer.lr, float)
 
 
 def test_tiny_tokenizer_is_a_real_fast_tokenizer(tmp_path):

@@ -24,8 +24,8 @@ ONE_EACH = ["train.steps=3", "train.prompts_per_step=8", "warmup.steps=20", "rol
             "trainer.num_ranks=1", "trainer.device=cuda", "metrics.wandb=false",
             "rollout.engine={device: cuda, backend: vllm, gpu_memory_utilization: 0.25}"]
 COLOCATED = ["placement=colocated", "rollout.resources_per_worker.num_gpus=0.5",
-             "trainer.resources_per_rank.num_gpus=0.5"]
-STOCK = ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute"]
+             "trainer.placement.resources_per_rank.num_gpus=0.5"]
+STOCK = ["numerics=stock", "rollout.determinism=off", "trainer.loss.old_logprobs=recompute"]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,8 @@ def test_colocated_stock_arm_has_nonzero_kl(cluster, tmp_path):
 def test_split_vllm_run_has_zero_kl(cluster, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    records = _run(tmp_path, ["rollout.resources_per_worker.num_gpus=1", "trainer.resources_per_rank.num_gpus=1"])
+    records = _run(tmp_path, ["rollout.resources_per_worker.num_gpus=1",
+                              "trainer.placement.resources_per_rank.num_gpus=1"])
     for rec in records:
         assert rec["rollout_train/kl"] == 0.0 and rec["rollout_train/max_abs_logprob_diff"] == 0.0, rec
         assert rec["weights/transport"] == "broadcast" and rec["perf/sync_armed_ahead_s"] > 0.0
