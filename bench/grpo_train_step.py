@@ -21,7 +21,7 @@ A batch is `--prompts` groups of `--group` rollouts with prompts of 7-11 tokens.
 the recipe's random models never stop sooner), the shape of reasoning RL; `--lengths fixed`: `--cap`.
 
 Layouts (`--layouts`, recipes.batch.split_for_ranks): packed, each micro-batch's sequences back to back
-in one row (the recipe's default, trainer.packing), and padded, the same micro-batches (the same
+in one row (the recipe's default, trainer.batching.packing), and padded, the same micro-batches (the same
 sequences per forward: those that `--max-tokens-per-micro-batch` groups, or all of them) as rows
 right-padded to the longest; with `--padded-rows N`, micro-batches of N sequences in batch order, padded,
 as the trainer formed them before token budgets (trainer.batching.micro_batch_size). One arm's process takes its layouts in turns, step by step, their order

@@ -102,7 +102,7 @@ def test_bench_lengths_are_the_recipes_draws_and_layouts_share_micro_batches():
 
 def test_bench_padded_rows_are_the_trainer_before_token_budgets():
     """--padded-rows N: the padded layout forms micro-batches of N sequences in batch order, padded to their
-    longest, as trainer.micro_batch_size did; the packed layout keeps its token budget."""
+    longest, as trainer.batching.micro_batch_size did; the packed layout keeps its token budget."""
     from bench.grpo_train_step import layout_plans, layout_shape, samples
 
     batch = samples(96, prompts=4, group=4, lengths="lognormal", median=40, sigma=0.7, cap=160)
