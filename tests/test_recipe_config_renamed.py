@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from recipes.config import NUMERIC_RANGES, RENAMED_KEYS, ConfigError, ConfigKeyDeprecated, RecipeConfig, load_config
+from recipes.config import (
+    NUMERIC_RANGES,
+    RENAMED_KEYS,
+    ConfigError,
+    ConfigKeyDeprecated,
+    RecipeConfig,
+    load_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "configs" / "tiny.yaml"
@@ -113,7 +120,19 @@ def test_numeric_ranges_name_the_new_key_whichever_key_set_it():
 def test_a_user_sees_the_message_on_stderr_and_an_unknown_key_still_exits_2():
     """As a user runs the recipe: the old key's message once on stderr, then the refusal, status 2."""
     proc = subprocess.run([sys.executable, "-m", "recipes.grpo", "--config", str(TINY), "trainer.lr=0.001",
-                           "trainer.lrr=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           "trainer.lrr=1"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("trainer.lr is deprecated") == 1 and "use trainer.optimizer.lr" in proc.stderr
     assert "python -m recipes.grpo: trainer.lrr: unknown key" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_old_attribute_of_the_trainer_section_reads_its_new_place():
+    from recipes.config import TrainerConfig
+    trainer = load_config(None, ["trainer.weight_push.transport=broadcast", "trainer.optimizer.lr=0.004"]).trainer
+    with pytest.warns(DeprecationWarning, match="weight_push.transport"):
+        assert trainer.weight_sync == "broadcast"
+    with pytest.warns(DeprecationWarning, match="optimizer.lr"):
+        assert trainer.lr == 0.004
+    with pytest.raises(AttributeError):
+        TrainerConfig().learning_rate  # noqa: B018
