@@ -41,20 +41,14 @@ from rollout_service.params import InvalidRequestError, Rollout, SamplingParams,
 from rollout_service.weight_digest import model_digest
 from rollout_service.weights import copy_into, load_weights, weight_spec
 
-# where these were defined before engine/model_loading.py and engine/generate.py
+# model_loading's and generate's functions are importable from here too, with the Engine they serve
 __all__ = ["Engine", "check_model_source", "generate_in_order", "load_model"]
+
 
 class Engine:
     """model: a model object, a checkpoint directory or "tiny:<arch>". Options: an EngineConfig and/or
     its fields as keywords (rollout_service.engine.config). runner_factory(model, cache, ops, device) ->
     runner replaces how a forward is executed (tensor parallelism)."""
-
-    def capabilities(self) -> EngineCapabilities:
-        """update_weights between two steps with requests running is exact (see the rule above it), so
-        a pool may push in "switch-in-flight" mode (service/switch_modes.py); pushes arrive bucketed;
-        MoE routing is recorded (by the canonical forward and the native fast path); sleep releases
-        nothing (see sleep)."""
-        return EngineCapabilities(switch_modes=True, routing_records=True, bucketed_push=True, sleep=False)
 
     def __init__(self, model, config: EngineConfig | None = None, *, runner_factory=None, **options):
         self.config = cfg = EngineConfig.build(config, **options)
@@ -96,11 +90,18 @@ class Engine:
         return fast_path
 
     # ---- public API -------------------------------------------------------------------------
+    def capabilities(self) -> EngineCapabilities:
+        """update_weights between two steps with requests running is exact (the rule above it), so a
+        pool may push in "switch-in-flight" mode (service/switch_modes.py); pushes arrive bucketed; MoE
+        routing is recorded (by the canonical forward and the native fast path); sleep releases nothing
+        (see sleep)."""
+        return EngineCapabilities(switch_modes=True, routing_records=True, bucketed_push=True, sleep=False)
+
     def add_request(self, prompt_token_ids, params: SamplingParams) -> int:
         """Queue a request; raises InvalidRequestError if it can never be served."""
         prompt, params = check_request(prompt_token_ids, params, self.spec.vocab_size, self.max_model_len)
         if self.config.stock_only and params.determinism.runs_canonical:
-            raise InvalidRequestError(f"determinism {params.determinism!r}: this engine serves only "
+            raise InvalidRequestError(f"determinism {params.determinism.value!r}: this engine serves only "
                                       "determinism='off' (stock_only=True)")
         need = self.cache.blocks_for(len(prompt) + params.max_tokens)
         if need > self.cache.num_blocks:

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rollout_service.engine.tp.comm import free_port, init_tp_group
-from rollout_service.ray_placement import on_bundle, release, reserve
 from rollout_service.engine.protocol import EngineCapabilities
+from rollout_service.engine.tp.comm import free_port, init_tp_group
 from rollout_service.engine.tp.engine import ENGINE_METHODS, TPEngine, TPFollower
+from rollout_service.ray_placement import on_bundle, release, reserve
 
 
 class _TPRank:
