@@ -147,7 +147,7 @@ def test_async_steps_need_the_split_placement_and_rollout_logprobs():
     for extra in (["placement=colocated"], ["trainer.loss.old_logprobs=recompute"], ["train.async_steps=-1"]):
         with pytest.raises(ConfigError, match="async_steps"):
             load_config(TINY, ["train.async_steps=1"] + extra)
-    with pytest.raises(ConfigError, match="weight_sync=object_store"):  # bucketed pushes drain
+    with pytest.raises(ConfigError, match="weight_push.transport=object_store"):  # bucketed pushes drain
         load_config(TINY, ["trainer.weight_push.switch=switch-in-flight", "trainer.weight_push.transport=broadcast"])
-    with pytest.raises(ConfigError, match="weight_switch must be one of"):
+    with pytest.raises(ConfigError, match="weight_push.switch must be one of"):
         load_config(TINY, ["trainer.weight_push.switch=later"])
