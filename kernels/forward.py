@@ -106,7 +106,7 @@ class ForwardContext:
         self.cos, self.sin = cos, sin  # float32 rotary rows per token
         self.kv = kv  # None: contiguous KV of this call (training / full sequences)
         self.routing = routing  # a list: each MoE layer appends its expert ids [B, T, k]
-        self.sequence_lengths = sequence_lengths  # a packed row [1, N]: its sequences' lengths (packed_lengths)
+        self.sequence_lengths = sequence_lengths  # a packed row [1, N]: its sequences' lengths (kernels.packed_attention.packed_lengths)
         self.packed_row = None if sequence_lengths is None else PackedRow.of(sequence_lengths, positions)
         # an op set without the one-launch packed attention attends per sequence: each sequence's
         # positions, one tensor for every layer, known to run 0..L-1 (packed_lengths checked them), so
@@ -194,29 +194,6 @@ def _contiguous_attention(ops: OpSet, q, k, v, ctx: ForwardContext, scale: float
         parts.append(ops.attention(q[:, rows], k[:, rows], v[:, rows], positions, None, scale))
         start += length
     return torch.cat(parts, dim=1)
-
-
-def packed_lengths(positions: torch.Tensor) -> tuple[int, ...] | None:
-    """The sequence lengths of a packed row, or None for ordinary rows.
-
-    The layout is Hugging Face's padding-free one: sequences back to back in one row [1, N] whose
-    positions restart at 0 for each (0..L1-1, 0..L2-1, ...). Any other restart of the positions is
-    refused: contiguous attention reads key j at position j of its row."""
-    if positions.dim() != 2 or positions.shape[1] < 2:
-        return None
-    starts = (positions[:, 1:] == 0).nonzero()
-    if starts.numel() == 0:
-        return None
-    if positions.shape[0] != 1:
-        raise ValueError(f"packed sequences (positions restarting at 0) go in one row [1, N]; got "
-                         f"positions of shape {tuple(positions.shape)}")
-    row = positions[0]
-    bounds = [0, *(starts[:, 1] + 1).tolist(), row.shape[0]]
-    lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-    expected = torch.cat([torch.arange(n, device=row.device) for n in lengths])
-    if not torch.equal(row, expected):
-        raise ValueError("a packed row's positions must run 0..L-1 for each of its sequences")
-    return lengths
 
 
 def _dense_mlp(ops: OpSet, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

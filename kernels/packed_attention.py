@@ -18,6 +18,29 @@ import torch
 from .backward import _flash_backward_ok, attention_ref
 
 
+def packed_lengths(positions: torch.Tensor) -> tuple[int, ...] | None:
+    """The sequence lengths of a packed row, or None for ordinary rows.
+
+    The layout is Hugging Face's padding-free one: sequences back to back in one row [1, N] whose
+    positions restart at 0 for each (0..L1-1, 0..L2-1, ...). Any other restart of the positions is
+    refused: contiguous attention reads key j at position j of its row."""
+    if positions.dim() != 2 or positions.shape[1] < 2:
+        return None
+    starts = (positions[:, 1:] == 0).nonzero()
+    if starts.numel() == 0:
+        return None
+    if positions.shape[0] != 1:
+        raise ValueError(f"packed sequences (positions restarting at 0) go in one row [1, N]; got "
+                         f"positions of shape {tuple(positions.shape)}")
+    row = positions[0]
+    bounds = [0, *(starts[:, 1] + 1).tolist(), row.shape[0]]
+    lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    expected = torch.cat([torch.arange(n, device=row.device) for n in lengths])
+    if not torch.equal(row, expected):
+        raise ValueError("a packed row's positions must run 0..L-1 for each of its sequences")
+    return lengths
+
+
 @dataclass(frozen=True)
 class PackedRow:
     """Where each sequence of a packed row lies; built once a forward and shared by its layers."""

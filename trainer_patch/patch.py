@@ -10,7 +10,8 @@ from transformers.utils import ModelOutput
 
 import kernels as K
 from kernels.forward import (SUPPORTED_ARCHITECTURES, CANONICAL_OPS, compute_logits, decoder_layer_forward,
-                             forward_hidden, lm_head_weight, model_spec, packed_lengths)
+                             forward_hidden, lm_head_weight, model_spec)
+from kernels.packed_attention import packed_lengths
 
 _CHECKPOINT = "_zerokl_checkpoint"  # layer.__dict__ flag set by checkpoint_activations
 
@@ -93,7 +94,7 @@ def _lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, la
     Sequences are right-padded; `attention_mask` is accepted for API compatibility (padding never
     changes the values at real positions, because every row only sees its own earlier tokens). Packed
     sequences come as Hugging Face's padding-free layout: one row [1, N] with `position_ids` restarting
-    at 0 for each sequence; each is scored as if alone (kernels.forward.packed_lengths).
+    at 0 for each sequence; each is scored as if alone (kernels.packed_attention.packed_lengths).
     zerokl_routing: a RoutingSink whose list receives each MoE layer's expert ids [B, T, k].
     """
     unsupported = {k for k, v in kwargs.items() if v is not None and k not in ("use_cache", "return_dict")}
