@@ -9,7 +9,7 @@
     python -m bench.grpo_step --config recipes/configs/gpu_colocated.yaml --steps 6 --interleave \
         --plot-lengths lengths.png warmup.steps=0 train.prompts_per_step=64 model.max_positions=8192 \
         rollout.length_distribution=lognormal rollout.length_median=1024 rollout.max_tokens=4096 \
-        trainer.max_tokens_per_micro_batch=16384 trainer.activation_checkpointing=true
+        trainer.batching.max_tokens_per_micro_batch=16384 trainer.batching.activation_checkpointing=true
 
 Each round runs the recipe once per arm, taking turns (these machines are noisy), in the order given
 in even rounds and in the reverse order in odd ones (`order` in each round): on GPUs the arm that

@@ -29,7 +29,7 @@ def _bench(args: list[str], env: dict, tmp_path: Path, out: str) -> dict:
 @pytest.mark.slow
 def test_bench_grpo_step_cpu_smoke(tmp_path):
     env = {**os.environ, "RAY_ADDRESS": "local", "HOME": str(tmp_path)}  # runs land in tmp_path/zerokl-runs
-    common = ["--device", "cpu", "--steps", "2", "--rounds", "1", "trainer.weight_sync=broadcast", *LOGNORMAL]
+    common = ["--device", "cpu", "--steps", "2", "--rounds", "1", "trainer.weight_push.transport=broadcast", *LOGNORMAL]
     parts = [_bench([*common, "--arms", arm, *(["--plot-lengths", str(tmp_path / "lengths.png")] * (arm == "stock"))],
                     env, tmp_path, f"{arm}.json") for arm in ("canonical", "stock")]
     assert all("stock_over_canonical_step_median" not in p for p in parts)  # one arm: no ratio
@@ -79,9 +79,9 @@ TWO_RAY_GPUS = ("import sys, ray; ray.init(address='local', num_cpus=4, num_gpus
                 "log_to_driver=False); from bench.grpo_step import main; main()")
 ON_TWO_GPUS = {  # placement: (overrides, whether rank i shares worker i's GPU)
     "split": (["rollout.num_workers=1", "trainer.num_ranks=1", "rollout.engine.device=cpu",
-               "rollout.resources_per_worker.num_gpus=1", "trainer.resources_per_rank.num_gpus=1"], False),
+               "rollout.resources_per_worker.num_gpus=1", "trainer.placement.resources_per_rank.num_gpus=1"], False),
     "colocated": (["placement=colocated", "rollout.engine.device=cpu", "rollout.resources_per_worker.num_gpus=0.5",
-                   "trainer.resources_per_rank.num_gpus=0.5"], True)}
+                   "trainer.placement.resources_per_rank.num_gpus=0.5"], True)}
 
 
 @pytest.mark.slow
@@ -94,7 +94,7 @@ def test_bench_grpo_step_interleaved_cpu(tmp_path, placement):
     overrides, shared = ON_TWO_GPUS[placement]
     env = {**os.environ, "HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", TWO_RAY_GPUS, "--device", "cpu", "--steps", "3", "--interleave",
-                           "--plot", str(tmp_path / "turns.png"), "trainer.weight_sync=broadcast", *overrides],
+                           "--plot", str(tmp_path / "turns.png"), "trainer.weight_push.transport=broadcast", *overrides],
                           check=False, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)  # the jobs' own lines went to stderr

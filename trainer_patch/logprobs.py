@@ -94,4 +94,4 @@ def _check_stock_packing() -> None:
     import transformers.masking_utils as masking
     if not hasattr(masking, "find_packed_sequence_indices"):
         raise RuntimeError(f"transformers {transformers.__version__} cannot score packed rows with the stock "
-                           "forward: set trainer.packing=false, or upgrade transformers")
+                           "forward: set trainer.batching.packing=false, or upgrade transformers")

@@ -13,11 +13,11 @@ from recipes.metrics import read_metrics
 # The stock arm pads its rows within the same token budget: transformers' padding-free path over SDPA builds a
 # dense block-diagonal mask per packed row, which makes it the slower of its two paths where flash-attn's varlen
 # kernels (its fast padding-free path) are not installed (bench/results/2026-12-02-h200-long-completions).
-ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.old_logprobs=recompute",
-                                   "trainer.packing=false"],
+ARMS = {"canonical": [], "stock": ["numerics=stock", "rollout.determinism=off", "trainer.loss.old_logprobs=recompute",
+                                   "trainer.batching.packing=false"],
         "async": ["train.async_steps=1"],
-        "async-in-flight": ["train.async_steps=1", "trainer.weight_switch=switch-in-flight",
-                            "trainer.weight_sync=object_store"]}
+        "async-in-flight": ["train.async_steps=1", "trainer.weight_push.switch=switch-in-flight",
+                            "trainer.weight_push.transport=object_store"]}
 CPU_SMOKE = ["warmup.steps=10", "train.prompts_per_step=8", "metrics.wandb=false"]
 
 
@@ -41,7 +41,7 @@ def half_shares(config: str, overrides: list[str]) -> list[str]:
     cfg = load_config(config, overrides)
     out = []
     for key, options in (("rollout.resources_per_worker", cfg.rollout.resources_per_worker),
-                         ("trainer.resources_per_rank", cfg.trainer.resources_per_rank)):
+                         ("trainer.placement.resources_per_rank", cfg.trainer.placement.resources_per_rank)):
         for resource in ("num_cpus", "num_gpus"):
             if options.get(resource):
                 out.append(f"{key}.{resource}={options[resource] / 2}")

@@ -185,7 +185,7 @@ def test_recipe_pushes_by_ipc_with_zero_kl(cluster, tmp_path, async_steps):
                              "train.prompts_per_step=8", "warmup.steps=20",
                              "rollout.num_workers=1", "rollout.engine.device=cuda", "rollout.engine.backend=native",
                              "rollout.resources_per_worker.num_gpus=0.45", "trainer.num_ranks=1",
-                             "trainer.device=cuda", "trainer.resources_per_rank.num_gpus=0.45",
+                             "trainer.device=cuda", "trainer.placement.resources_per_rank.num_gpus=0.45",
                              f"run_dir={tmp_path}", "metrics.wandb=false"])
     records = run(cfg, progress=False)["records"]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
