@@ -10,8 +10,8 @@ runs in this process unless `stock_in_process=False` gives it its own (vLLM's de
 reach it through files). How fast `off` runs against stock vLLM, with either placement, is measured
 by `bench.speed_tables` (docs/performance.md, "Latest figures by component").
 
-It has the interface RolloutWorker drives (add_request / abort / step / has_unfinished, weights and
-the canonical contract), like the native Engine. Steps go through `LLM.llm_engine` (vLLM's
+It is a rollout engine as the native Engine is (engine/protocol.py: add_request / abort / step /
+has_unfinished, weights, the canonical contract, capabilities). Steps go through `LLM.llm_engine` (vLLM's
 LLMEngine: add_request, step, abort_request), so vLLM's scheduler, chunked prefill, prefix caching,
 preemption and CUDA graphs apply. Decode-verify-rollback stays with the native engine: inside vLLM
 every step runs the canonical forward (docs/vllm_plugin.md says why and what it costs).
