@@ -80,11 +80,11 @@ class WeightPushConfig:
     """When a push takes effect for rollouts in flight (rollout_service/service/switch_modes.py): drain |
     finish-then-switch | switch-in-flight (native engines); other than drain needs transport object_store."""
     timeout_s: float = 300.0
-    """How long a broadcast or ipc push's workers wait on its sender (WeightSender timeout_s); past it
+    """How long a broadcast or ipc push's workers wait on its sender (WeightPush timeout_s); past it
     they give the push up and restart, keeping the weights they had."""
     arm: bool = True
     """A broadcast or ipc push that follows a train step (synchronous steps) is armed as the step starts:
-    the pool drains and its workers wait for it while the ranks train (weight_sync.WeightSender.arm), so
+    the pool drains and its workers wait for it while the ranks train (weight_sync.WeightPush.announce), so
     the pool's begin is off the step's path; a sleeping engine still wakes only once the step's last
     backward has run (asked by rank 0, by ipc). Meanwhile the pool serves no request (the recipe sends
     none then). A step that outlasts half of timeout_s has its armed push declined (the workers go back
