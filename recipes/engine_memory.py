@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from .config import RecipeConfig
 from .memory_terms import GiB
 from .model_shape import BF16, ModelShape
+from .rollouts import engines_sleep
 
 # A vLLM engine asleep (level 2) keeps its CUDA context, its CUDA graphs' memory pool and untagged buffers.
 ENGINE_ASLEEP_BYTES = 2 * GiB
@@ -63,15 +64,18 @@ def engine_memory(cfg: RecipeConfig, model: ModelShape, gpu_bytes: int | None) -
 
 def engine_sleeps(cfg: RecipeConfig) -> bool:
     """The rollout engines release their memory while the rank trains: recipes.rollouts.engines_sleep, on
-    vLLM workers (the native engine has no sleep). Imported where used: recipes.rollouts imports Ray."""
-    from .rollouts import engines_sleep
+    vLLM workers (the native engine has no sleep)."""
     return engines_sleep(cfg) and worker_backend_of(cfg) == "vllm"
 
 
 def worker_backend_of(cfg: RecipeConfig) -> str:
-    """recipes.rollouts.worker_backend of the run's rollout workers, imported where used (it imports Ray)."""
-    from .rollouts import worker_backend
-    return worker_backend(cfg.rollout)
+    """The engine the run's rollout workers will run ("vllm" on GPUs where vLLM is installed, else
+    "native"): the memory plan runs before the pool exists, so it asks the rule the workers follow
+    (rollout_service.service.worker.engine_backend, imported where used: it imports Ray)."""
+    from rollout_service.service.worker import engine_backend
+    engine = cfg.rollout.engine
+    device = engine.get("device") or ("cuda" if cfg.rollout.resources_per_worker.get("num_gpus", 0) else "cpu")
+    return engine_backend(engine.get("backend", "auto"), device, engine.get("tensor_parallel_size", 1))
 
 
 def _native_engine_memory(engine: dict, model: ModelShape, weights: int, tp: int, gpu_bytes: int | None):

@@ -13,7 +13,8 @@ import torch
 import kernels as K
 from rollout_service.service.client import DEFAULT_NAMESPACE
 from rollout_service.service.pool import start_pool
-from rollout_service.service.ray_cluster import release, with_tree_width
+from rollout_service.ray_placement import release
+from rollout_service.service.ray_cluster import with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
@@ -114,7 +115,6 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
     task = build_task(cfg)
     memory_plan = check_memory_plan(job, task)
     model = starting_model(cfg, task, resumed=ckpt is not None)
-    routed = records_routing(rollout_cfg, model)  # MoE: rollouts record routing, the trainer compares its own
     t_model = time.perf_counter()
     pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
     pool_name, namespace = rollout_cfg.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
@@ -126,6 +126,8 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
         if shared is None and colocated:
             shared = owned = reserve_placement(cfg)
         pool = _start_rollout_pool(cfg, model, pool_name, namespace, shared)
+        # MoE: rollouts record routing where the workers can, the trainer compares its own
+        routed = records_routing(rollout_cfg, model, pool.capabilities())
         t_pool = time.perf_counter()
         rank_placement = trainer_cfg.placement
         ranks = dataclasses.replace(trainer_cfg, placement=dataclasses.replace(

@@ -94,7 +94,7 @@ def measure_rank_gpu(trainer: TrainerConfig, placement_group=None, bundle: int =
     import ray
     from ray.exceptions import GetTimeoutError
 
-    from rollout_service.service.ray_cluster import on_bundle
+    from rollout_service.ray_placement import on_bundle
 
     options = {"num_cpus": 0, "num_gpus": trainer.placement.resources_per_rank.get("num_gpus", 1)}
     if placement_group is not None:

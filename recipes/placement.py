@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from rollout_service.service.ray_cluster import reserve
+from rollout_service.ray_placement import reserve
 
 from .config import RecipeConfig
 

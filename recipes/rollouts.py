@@ -14,7 +14,7 @@ import struct
 
 from kernels.moe import moe_spec
 from rollout_service.params import Rollout, SamplingParams
-from rollout_service.service.worker import engine_backend
+from rollout_service.engine.protocol import EngineCapabilities
 
 from .config import RolloutConfig
 
@@ -87,14 +87,6 @@ def group_requests(prompts: list[list[int]], indices: list[int], step: int, roll
     return all_prompts, all_params
 
 
-def worker_backend(rollout: RolloutConfig) -> str:
-    """The engine the rollout workers will run ("vllm" on GPUs where vLLM is installed, else "native")."""
-    engine = rollout.engine
-    device = engine.get("device") or ("cuda" if rollout.resources_per_worker.get("num_gpus", 0) else "cpu")
-    tp = engine.get("tensor_parallel_size", 1)
-    return engine_backend(engine.get("backend", "auto"), device, tp)
-
-
 def engine_options(cfg) -> dict:
     """rollout.engine, plus what the run's numerics and placement ask of every engine (options each
     engine takes, rollout_service.engine.config): `off` requests only for numerics stock (stock_only),
@@ -113,14 +105,13 @@ def engines_sleep(cfg) -> bool:
     return cfg.placement == "colocated" and cfg.rollout.sleep_while_training
 
 
-def records_routing(rollout: RolloutConfig, model) -> bool:
+def records_routing(rollout: RolloutConfig, model, capabilities: EngineCapabilities) -> bool:
     """Whether rollouts record their MoE routing: rollout.return_routed_experts, or when that is null,
-    for an MoE policy on workers that can: the native engine without tensor parallelism (the vLLM
-    backend refuses the flag; TP does not record routing yet)."""
+    for an MoE policy on a pool whose every engine can (`capabilities`, RolloutClient.capabilities: the
+    native engine without tensor parallelism; vLLM refuses the flag, TP does not record routing yet)."""
     if rollout.return_routed_experts is not None:
         return rollout.return_routed_experts
-    tp = rollout.engine.get("tensor_parallel_size", 1)
-    return moe_spec(model.config) is not None and tp == 1 and worker_backend(rollout) == "native"
+    return moe_spec(model.config) is not None and capabilities.routing_records
 
 
 def rollouts_digest(rollouts: list[Rollout]) -> str:

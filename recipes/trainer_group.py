@@ -30,7 +30,7 @@ class TrainerGroup:
         opts = {"num_cpus": 1, **cfg.placement.resources_per_rank}
         self.placement = None
         per_rank = [dict(opts) for _ in range(self.world)]
-        from rollout_service.service.ray_cluster import on_bundle, reserve
+        from rollout_service.ray_placement import on_bundle, reserve
         if colocate_with is not None:
             per_rank = [dict(opts, scheduling_strategy=on_bundle(colocate_with, first_bundle + r))
                         for r in range(self.world)]
@@ -125,7 +125,7 @@ class TrainerGroup:
             except Exception:  # already gone
                 pass
         if self.placement is not None:
-            from rollout_service.service.ray_cluster import release
+            from rollout_service.ray_placement import release
             release(self.placement)
             self.placement = None
 

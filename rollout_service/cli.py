@@ -9,7 +9,8 @@ from rich.console import Console
 
 from rollout_service.audit import format_table, run_audit
 from rollout_service.engine.decode_policy import VERIFIED_DECODE
-from rollout_service.engine.engine import Engine, load_model
+from rollout_service.engine.engine import Engine
+from rollout_service.engine.model_loading import load_model
 
 
 def audit(args) -> int:

@@ -3,6 +3,7 @@ plots, and the cluster-launcher config."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -164,18 +165,21 @@ def test_length_spread_of_a_step():
 
 
 def test_group_requests_ask_for_routing_of_moe_policies():
+    from rollout_service.engine.protocol import EngineCapabilities
     from rollout_service.tiny_models import tiny_model
 
+    records = EngineCapabilities(switch_modes=True, routing_records=True, bucketed_push=True, sleep=False)
+    cannot = dataclasses.replace(records, routing_records=False)  # vLLM, TP groups
     rollout = load_config(TINY).rollout
-    assert records_routing(rollout, tiny_model("qwen3_moe")) and not records_routing(rollout, tiny_model("qwen2"))
+    assert records_routing(rollout, tiny_model("qwen3_moe"), records)
+    assert not records_routing(rollout, tiny_model("qwen2"), records)
+    assert not records_routing(rollout, tiny_model("qwen3_moe"), cannot)  # null: where every worker can
     off = load_config(TINY, ["rollout.return_routed_experts=false"]).rollout
-    assert not records_routing(off, tiny_model("qwen3_moe"))
-    gpu_native = ["rollout.resources_per_worker.num_gpus=1", "rollout.engine.backend=native"]
-    assert records_routing(load_config(TINY, gpu_native).rollout, tiny_model("qwen3_moe"))
-    for where in ("rollout.engine.backend=vllm", "rollout.engine.tensor_parallel_size=2"):  # null: where workers can
-        assert not records_routing(load_config(TINY, [where]).rollout, tiny_model("qwen3_moe")), where
-        assert records_routing(load_config(TINY, [where, "rollout.return_routed_experts=true"]).rollout,
-                               tiny_model("qwen3_moe")), where
+    assert not records_routing(off, tiny_model("qwen3_moe"), records)
+    asked = load_config(TINY, ["rollout.return_routed_experts=true"]).rollout
+    assert records_routing(asked, tiny_model("qwen3_moe"), cannot)  # asked: the workers refuse it themselves
+    assert not EngineCapabilities.common([records, cannot]).routing_records
+    assert EngineCapabilities.common([records, records]) == records
     _, params = group_requests([[3, 4]], [7], step=1, rollout=rollout, run_seed=0, stop_token_ids=(1,),
                                routed_experts=True)
     assert all(p.return_routed_experts for p in params)

@@ -13,7 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from conftest import assert_bitwise_equal
 from kernels.forward import rope_table
 from kernels.rope import RopeSpec, RopeTable, to_float32
-from rollout_service.engine.engine import load_model
+from rollout_service.engine.model_loading import load_model
 from rollout_service.tiny_models import tiny_model
 
 # Only float32 rounding separates transformers' torch math from ours: a few ulps (an ulp is 2^-23 ~ 1.2e-7).

@@ -59,7 +59,8 @@ def run_interleaved(config: str, arms: list[str], steps: int, extra: list[str], 
     rank's GPU (Ray packs two half shares onto one GPU when no bundle keeps them apart, which would
     make a split arm a colocated one whose weights go by CUDA IPC)."""
     from recipes.grpo import GRPOJob, reserve_placement
-    from rollout_service.service.ray_cluster import init_ray, release
+    from rollout_service.ray_placement import release
+    from rollout_service.service.ray_cluster import init_ray
     started = init_ray()
     jobs, steppers, records = {}, {}, {arm: [] for arm in arms}
     group = None

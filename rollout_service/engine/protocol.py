@@ -25,6 +25,15 @@ class EngineCapabilities:
     # wake and wake_weights are no-ops
     sleep: bool
 
+    @staticmethod
+    def common(each: list[EngineCapabilities]) -> EngineCapabilities:
+        """What every one of several engines (a pool's workers) can do: each field true only if it is
+        true for all of them."""
+        if not each:
+            raise ValueError("no engines to ask")
+        return EngineCapabilities(*(all(getattr(c, f) for c in each) for f in
+                                    ("switch_modes", "routing_records", "bucketed_push", "sleep")))
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):

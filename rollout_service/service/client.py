@@ -157,6 +157,10 @@ class RolloutClient:
     def wake(self) -> None:
         _unwrapped(self._pool.wake.remote())
 
+    def capabilities(self):
+        """What every worker's engine can do: rollout_service.engine.protocol.EngineCapabilities."""
+        return ray.get(self._pool.capabilities.remote())
+
     def stats(self) -> dict:
         """Request counts, requests in flight, the weights digest, and each worker's state."""
         return ray.get(self._pool.stats.remote())

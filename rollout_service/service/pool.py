@@ -15,7 +15,8 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from rollout_service.engine.config import split_worker_options
-from rollout_service.engine.engine import check_model_source
+from rollout_service.engine.model_loading import check_model_source
+from rollout_service.engine.protocol import EngineCapabilities
 from rollout_service.service.client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
 from rollout_service.service.ray_cluster import original_error
 from rollout_service.service.request_outcomes import EarlyCancels, abort_rollout, error_rollout
@@ -180,6 +181,11 @@ class _PoolActor:
 
     async def wake(self) -> None:
         await asyncio.gather(*(s.actor.wake.remote() for s in self.workers.receivers()))
+
+    async def capabilities(self) -> EngineCapabilities:
+        """What every worker's engine can do (EngineCapabilities.common over the workers)."""
+        return EngineCapabilities.common([s.info["capabilities"] for s in self.workers.slots
+                                          if "capabilities" in s.info])
 
     async def worker_handles(self) -> list:
         return [s.actor for s in self.workers.slots]

@@ -1,6 +1,6 @@
-"""The one place the service and the recipes meet Ray's cluster APIs: joining (or starting) Ray,
-reserving placement groups for the pool's workers, a TP group's ranks and the trainer's ranks, and
-taking an actor's own exception out of Ray's wrapper.
+"""Where the service and the recipes meet Ray's cluster: joining (or starting) Ray, the actor options
+that carry the tree width, an actor's GPU ids, why a placement group is still pending, and an actor's
+own exception taken out of Ray's wrapper. Placement groups themselves: rollout_service.ray_placement.
 
 Ray is imported inside the functions: `import rollout_service` works without it.
 """
@@ -20,19 +20,6 @@ def init_ray(address: str | None = None) -> bool:
     else:
         ray.init()
     return True
-
-
-def reserve(bundles: list[dict], strategy: str = "PACK"):
-    """A placement group of `bundles` (not waited for: `ray.get(pg.ready())` or `await pg.ready()`)."""
-    from ray.util.placement_group import placement_group
-    return placement_group(bundles, strategy=strategy)
-
-
-def on_bundle(placement, index: int, capture_child_tasks: bool = False):
-    """The scheduling strategy that puts an actor on bundle `index` of `placement`."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    return PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=index,
-                                            placement_group_capture_child_tasks=capture_child_tasks)
 
 
 def with_tree_width(options: dict | None, segments: int) -> dict:
@@ -66,11 +53,6 @@ def placement_report(pending: int, total: int, bundles: list[dict] | None, resou
             f"(start_pool's start_timeout_s). Each asks for {ask}; the cluster has {free} free of {whole}. "
             f"Free resources, add nodes, or ask for less; a worker that is placed but slow to load "
             f"needs a longer start_timeout_s.")
-
-
-def release(placement) -> None:
-    from ray.util.placement_group import remove_placement_group
-    remove_placement_group(placement)
 
 
 def original_error(e: BaseException) -> BaseException:

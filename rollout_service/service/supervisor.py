@@ -11,7 +11,8 @@ import ray
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 import kernels as K
-from rollout_service.service.ray_cluster import on_bundle, original_error, placement_report, release, reserve
+from rollout_service.ray_placement import on_bundle, release, reserve
+from rollout_service.service.ray_cluster import original_error, placement_report
 from rollout_service.service.worker import RolloutWorker
 from rollout_service.service.worker_slot import WorkerSlot
 from rollout_service.weights import WeightMismatchError

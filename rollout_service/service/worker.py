@@ -13,7 +13,8 @@ import ray
 import torch
 
 from rollout_service.engine.config import ParallelConfig, split_worker_options
-from rollout_service.engine.engine import Engine, load_model
+from rollout_service.engine.engine import Engine
+from rollout_service.engine.model_loading import load_model
 from rollout_service.engine.tp import create_tp_group
 from rollout_service.service.engine_server import EngineServer
 from rollout_service.service.ray_cluster import actor_gpu_ids
@@ -99,7 +100,8 @@ class RolloutWorker(EngineServer):
                 "digest": await self._call(self._engine.weights_digest),
                 "canonical": await self._call(self._engine.canonical_config),
                 "spec": await self._call(self._engine.weight_spec) if bucketed else None, "gpu": self._gpu_uuid(),
-                "gpu_ids": actor_gpu_ids(), "switch_modes": list(self._switch_modes)}
+                "gpu_ids": actor_gpu_ids(), "switch_modes": list(self._switch_modes),
+                "capabilities": self._engine.capabilities()}
 
     def _gpu_uuid(self) -> str | None:
         """The GPU that bucketed pushes reach this worker's engine on (None: not on a GPU, or no such pushes)."""
