@@ -395,3 +395,19 @@ def test_ray_cluster_yaml_passes_ray_validation():
     broken["available_node_types"]["gpu_worker"]["not_a_field"] = 1
     with pytest.raises(jsonschema.ValidationError):
         validate_config(prepare_config(broken))
+
+
+def test_a_rank_outside_ray_reports_no_gpus_and_needs_no_ray(monkeypatch):
+    """A trainer rank run in-process (tests, notebooks, the GPU image without Ray) sets up without Ray:
+    with Ray missing, or present but not started, it has no placement to report."""
+    import sys
+
+    from rollout_service.service.ray_cluster import actor_gpu_ids
+
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError inside this block
+        assert actor_gpu_ids() == []
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+    assert actor_gpu_ids() == []

@@ -36,8 +36,14 @@ def with_tree_width(options: dict | None, segments: int) -> dict:
 
 def actor_gpu_ids() -> list[str]:
     """The GPUs Ray gave the calling actor (ray.get_gpu_ids(), as strings): who shares a GPU with whom,
-    as Ray placed them; empty for an actor that asked for none."""
-    import ray
+    as Ray placed them; empty for an actor that asked for none, and outside Ray (a rank run in-process
+    has no placement to report, and the trainer must not need Ray for that)."""
+    try:
+        import ray
+    except ImportError:
+        return []
+    if not ray.is_initialized():
+        return []
     return [str(g) for g in ray.get_gpu_ids()]
 
 
