@@ -12,6 +12,7 @@ import torch
 
 import kernels as K
 from kernels.backward import mark_whole_sequences
+from kernels.lora import LoraRows, with_lora
 from kernels.moe import MoESpec, is_moe_block, moe_forward, moe_spec
 from kernels.opset import CANONICAL_OPS, OpSet
 from kernels.packed_attention import PackedRow
@@ -96,12 +97,15 @@ class ForwardContext:
     in a layer's arguments (inside dataclasses, dicts, tuples) to bf16, and the float32 rotary rows
     must reach the layers as they are."""
     __slots__ = ("ops", "spec", "positions", "cos", "sin", "kv", "routing", "sequence_lengths",
-                 "packed_row", "sequence_positions", "defer_residual", "pending")
+                 "packed_row", "sequence_positions", "defer_residual", "pending", "lora",
+                 "layer_idx")
 
     def __init__(self, ops: OpSet, spec: ModelSpec, positions: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, kv: PagedKV | None = None, routing: list | None = None,
-                 sequence_lengths: tuple[int, ...] | None = None):
+                 sequence_lengths: tuple[int, ...] | None = None, lora: LoraRows | None = None):
         self.ops, self.spec = ops, spec
+        self.lora = lora  # adapters held apart from the model, by token (kernels.lora); None: the modules' own
+        self.layer_idx = 0  # the layer running now (LoRA terms are keyed by it)
         self.positions = positions  # [B, T]; negative = padding token
         self.cos, self.sin = cos, sin  # float32 rotary rows per token
         self.kv = kv  # None: contiguous KV of this call (training / full sequences)
@@ -118,6 +122,9 @@ class ForwardContext:
         # the tensors that layer returns.
         self.defer_residual = not torch.is_grad_enabled()
         self.pending: torch.Tensor | None = None  # the previous layer's deferred residual term
+
+    def lora_rows(self) -> LoraRows | None:
+        return self.lora
 
     def add_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden + the deferred term, if any; rms_norm of that)."""
@@ -149,9 +156,10 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     """One decoder layer; installed as the layer's forward so FSDP2's hooks still wrap it."""
     ops, spec = ctx.ops, ctx.spec
     attn, mlp = layer.self_attn, layer.mlp
+    ctx.layer_idx = attn.layer_idx
     b, t, _ = hidden.shape
     hidden, x = ctx.add_norm(hidden, _bf16(layer.input_layernorm.weight))
-    q, k, v = (p.view(b, t, -1, spec.head_dim) for p in _projections(ops, x, attn, QKV))
+    q, k, v = (p.view(b, t, -1, spec.head_dim) for p in _projections(ops, x, attn, QKV, ctx))
     del x
     if spec.qk_norm:
         q = ops.rms_norm(q, _bf16(attn.q_norm.weight), spec.rms_norm_eps)
@@ -165,18 +173,22 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     # Each intermediate is dropped once used: a prefill step's peak memory is what vLLM leaves out of
     # its KV cache (autograd keeps what backward needs either way).
     del q, k, v
-    o = ops.linear(o.reshape(b, t, -1), _bf16(attn.o_proj.weight), _bf16(attn.o_proj.bias), row_parallel=True)
+    o = o.reshape(b, t, -1)
+    o = _lora(ctx, attn, "o_proj", o, ops.linear(o, _bf16(attn.o_proj.weight), _bf16(attn.o_proj.bias),
+                                                 row_parallel=True))
     hidden, x = ops.add_rms_norm(hidden, o, _bf16(layer.post_attention_layernorm.weight), spec.rms_norm_eps)
     del o
     if spec.moe is not None and is_moe_block(mlp):
         return ctx.residual(hidden, moe_forward(mlp, x, spec.moe, ops, _bf16, ctx.routing))
     if torch.is_grad_enabled() or b * t <= MLP_CHUNK_ROWS:  # autograd keeps every chunk's tensors anyway
-        return ctx.residual(hidden, _dense_mlp(ops, mlp, x))
+        return ctx.residual(hidden, _dense_mlp(ops, mlp, x, ctx))
     rows = x.reshape(b * t, -1)
     del x
     down = torch.empty_like(rows)
+    chunk_ctx = _RowChunkLora(ctx)
     for lo in range(0, b * t, MLP_CHUNK_ROWS):
-        down[lo:lo + MLP_CHUNK_ROWS] = _dense_mlp(ops, mlp, rows[lo:lo + MLP_CHUNK_ROWS])
+        chunk_ctx.rows = slice(lo, lo + MLP_CHUNK_ROWS)
+        down[lo:lo + MLP_CHUNK_ROWS] = _dense_mlp(ops, mlp, rows[lo:lo + MLP_CHUNK_ROWS], chunk_ctx)
     return ctx.residual(hidden, down.view(b, t, -1))
 
 
@@ -196,12 +208,41 @@ def _contiguous_attention(ops: OpSet, q, k, v, ctx: ForwardContext, scale: float
     return torch.cat(parts, dim=1)
 
 
-def _dense_mlp(ops: OpSet, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _dense_mlp(ops: OpSet, mlp: torch.nn.Module, x: torch.Tensor, ctx) -> torch.Tensor:
     """down_proj(silu(gate_proj(x)) * up_proj(x)), each intermediate dropped once used."""
-    gate, up = _projections(ops, x, mlp, GATE_UP)
+    gate, up = _projections(ops, x, mlp, GATE_UP, ctx)
     act = ops.silu_mul(gate, up)
     del gate, up
-    return ops.linear(act, _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias), row_parallel=True)
+    return _lora(ctx, mlp, "down_proj", act, ops.linear(act, _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias),
+                                                         row_parallel=True))
+
+
+def _lora(ctx, module: torch.nn.Module, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` = the base projection `name` of x, plus its LoRA terms (kernels.lora.with_lora)."""
+    return with_lora(ctx.ops, ctx.lora_rows(), ctx.layer_idx, module, name, x, out)
+
+
+class _RowChunkLora:
+    """The MLP's view of a forward's context while it runs row chunks of [B * T] tokens: the LoRA token
+    masks cut to the chunk's rows."""
+
+    def __init__(self, ctx: ForwardContext):
+        self.ctx, self.rows = ctx, slice(None)
+
+    @property
+    def ops(self):
+        return self.ctx.ops
+
+    @property
+    def layer_idx(self):
+        return self.ctx.layer_idx
+
+    def lora_rows(self) -> LoraRows | None:
+        lora = self.ctx.lora
+        if lora is None:
+            return None
+        return LoraRows(tuple((w, None if m is None else m.reshape(-1)[self.rows])
+                              for w, m in lora.adapters))
 
 
 # Projections that read the same input, run as one canonical matmul where fuse_projections has put
@@ -212,12 +253,15 @@ GATE_UP = ("gate_proj", "up_proj")
 _FUSED = "_zerokl_fused"  # module.__dict__ entry: (weight, bias or None, rows per projection)
 
 
-def _projections(ops: OpSet, x: torch.Tensor, module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
+def _projections(ops: OpSet, x: torch.Tensor, module: torch.nn.Module, names: tuple[str, ...],
+                 ctx) -> list[torch.Tensor]:
     fused = module.__dict__.get(_FUSED)
     if fused is not None:
         weight, bias, rows = fused
-        return list(ops.linear(x, weight, bias).split(rows, dim=-1))
-    return [ops.linear(x, _bf16(getattr(module, n).weight), _bf16(getattr(module, n).bias)) for n in names]
+        outs = ops.linear(x, weight, bias).split(rows, dim=-1)
+    else:
+        outs = [ops.linear(x, _bf16(getattr(module, n).weight), _bf16(getattr(module, n).bias)) for n in names]
+    return [_lora(ctx, module, n, x, out) for n, out in zip(names, outs)]
 
 
 def fuse_projections(model: torch.nn.Module) -> None:
@@ -249,8 +293,9 @@ def _row_blocks(parts: list[torch.nn.Module], name: str) -> torch.Tensor:
 
 def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, *,
                    ops: OpSet = CANONICAL_OPS, kv: PagedKV | None = None, routing: list | None = None,
-                   sequence_lengths: tuple[int, ...] | None = None) -> torch.Tensor:
+                   sequence_lengths: tuple[int, ...] | None = None, lora: LoraRows | None = None) -> torch.Tensor:
     """Final-norm hidden states [B, T, H] (bf16) for token ids [B, T] at absolute positions [B, T].
+    lora: adapters by token (kernels.lora.LoraRows); None: whatever LoRA layers the modules carry (PEFT).
     routing: a list that receives each MoE layer's expert ids [B, T, k] (MoE models).
     sequence_lengths: a packed row [1, N] of sequences of these lengths (packed_lengths(positions)),
     each scored as if alone; contiguous KV only."""
@@ -260,7 +305,7 @@ def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
         raise ValueError(f"sequence_lengths {sequence_lengths} must split one contiguous row [1, N]; got "
                          f"input_ids {tuple(input_ids.shape)}{' with a paged cache' if kv is not None else ''}")
     cos, sin = rope_table(model).lookup(positions)
-    ctx = ForwardContext(ops, spec, positions, cos, sin, kv, routing, sequence_lengths)
+    ctx = ForwardContext(ops, spec, positions, cos, sin, kv, routing, sequence_lengths, lora)
     hidden = model.model.embed_tokens(input_ids).to(torch.bfloat16)
     for layer in model.model.layers:
         hidden = layer(hidden, ctx) if _is_patched(layer) else decoder_layer_forward(layer, hidden, ctx)

@@ -155,6 +155,8 @@ class SamplingParams:
     determinism: Determinism | str = Determinism.VERIFIED
     # record each generated token's MoE expert ids (Rollout.routed_experts); the name is vLLM's
     return_routed_experts: bool = False
+    # the LoRA adapter this request runs with, by the name the engine loaded it under; None: the base model
+    adapter: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -185,6 +187,8 @@ class SamplingParams:
             bad(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         if not isinstance(self.return_routed_experts, bool):
             bad(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            bad(f"adapter must be a non-empty adapter name or None, got {self.adapter!r}")
 
     @property
     def effective_seed(self) -> int:

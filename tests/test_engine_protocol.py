@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from rollout_service import InvalidRequestError, SamplingParams
 from rollout_service.engine.engine import Engine
-from rollout_service.engine.protocol import BucketedPushEngine, EngineCapabilities, RolloutEngine
+from rollout_service.engine.protocol import BucketedPushEngine, EngineCapabilities, LoraEngine, RolloutEngine
 from rollout_service.engine.tp import TPEngine, free_port, init_tp_group
 from rollout_service.engine.tp.engine import ENGINE_METHODS
 from rollout_service.engine.tp.ray_group import _EngineProxy
@@ -64,8 +64,9 @@ def engine():
 
 def test_native_engine_capabilities(engine):
     assert isinstance(engine, RolloutEngine) and isinstance(engine, BucketedPushEngine)
+    assert isinstance(engine, LoraEngine)
     assert engine.capabilities() == EngineCapabilities(switch_modes=True, routing_records=True,
-                                                       bucketed_push=True, sleep=False)
+                                                       bucketed_push=True, sleep=False, lora_adapters=True)
 
 
 def test_native_engine_records_routing(engine):

@@ -44,6 +44,8 @@ class EngineConfig:
     verified_decode: str = "auto"
     """How `verified` decodes: "auto" times DVR and canonical steps and keeps the cheaper, "dvr" always
     proposes and verifies (canonical steps on every request: determinism="invariant")."""
+    max_lora_rank: int = 64
+    """The largest LoRA rank load_adapter accepts (vLLM's option of the same name)."""
     # Options every engine takes (VLLMEngine too), so that a caller asks for them without knowing which
     # engine a worker runs; each engine does what they mean for it.
     stock_only: bool = False
@@ -54,7 +56,8 @@ class EngineConfig:
     engine allocates its KV cache and graphs once and keeps them: nothing to build differently."""
 
     def __post_init__(self):
-        for name in ("window", "group", "block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):
+        for name in ("window", "group", "block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens",
+                     "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")

@@ -19,8 +19,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 38
 class GraphedModelRunner(ModelRunner):
     """A ModelRunner that replays CUDA graphs for forwards of up to max_batch[T] chunks of <= T tokens."""
 
-    def __init__(self, model, cache, ops, device, *, max_batch: dict[int, int], max_model_len: int):
-        super().__init__(model, cache, ops, device)
+    def __init__(self, model, cache, ops, device, *, max_batch: dict[int, int], max_model_len: int,
+                 adapters=None):
+        super().__init__(model, cache, ops, device, adapters)
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         self.max_batch = dict(sorted(max_batch.items()))  # tokens per chunk -> largest batch
@@ -49,8 +50,9 @@ class GraphedModelRunner(ModelRunner):
     def forward(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None,
                 routing: list | None = None) -> list[torch.Tensor]:
         shape = self.shape_for(chunks)
-        # recording MoE routing runs eagerly (captured graphs have no routing outputs): same bits
-        if routing is not None or shape is None or max(len(c.block_ids) for c in chunks) > self.width or (
+        # recording MoE routing runs eagerly (captured graphs have no routing outputs), and so do LoRA
+        # requests (their token masks change each step): same bits
+        if routing is not None or shape is None or any(c.adapter for c in chunks) or max(len(c.block_ids) for c in chunks) > self.width or (
                 token_ids is not None and shape[1] != 1):
             return super().forward(chunks, token_ids, routing)
         graph, static, logits = self._graphs.get(shape) or self._capture(*shape)

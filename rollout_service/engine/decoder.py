@@ -38,7 +38,8 @@ class WindowedDecoder:
         steps = []  # (live request indices, sampled tokens, their log-probs, expert ids) per step
         for step in range(max(r.num_tokens for r in batch)):
             live = [i for i, r in enumerate(batch) if r.num_tokens > step]
-            chunks = [Chunk([0], lengths[i] + step - 1, batch[i].block_ids, 1) for i in live]  # ids: `feed`
+            chunks = [Chunk([0], lengths[i] + step - 1, batch[i].block_ids, 1, batch[i].params.adapter)
+                      for i in live]  # ids: `feed`
             index = None if len(live) == len(batch) else torch.tensor(live).to(dev, non_blocking=True)
             feed = last if index is None else last[index]
             routing = [] if record else None

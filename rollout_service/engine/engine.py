@@ -22,6 +22,7 @@ import torch
 import kernels as K
 from kernels.forward import CANONICAL_OPS, model_spec
 from kernels.moe import capturable
+from rollout_service.engine.adapters import AdapterTable
 from rollout_service.engine.config import EngineConfig
 from rollout_service.engine.cuda_graphs import GraphedModelRunner
 from rollout_service.engine.decode_policy import DecodePolicy
@@ -59,6 +60,7 @@ class Engine:
         self.max_num_seqs = cfg.max_num_seqs
         self.max_model_len = cfg.max_model_len or self.spec.max_positions
         self.cache = KVCache(self.spec, -(-cfg.kv_cache_tokens // cfg.block_size), cfg.block_size, self.device)
+        self.lora = AdapterTable(self.model, self.device, cfg.max_lora_rank)  # shared by every runner
         self._runner_factory = runner_factory
         self._cuda_graphs = cfg.cuda_graphs and runner_factory is None and self.device.type == "cuda"
         # canonical graphs: one-token steps of every running request, verify windows G at a time
@@ -75,12 +77,14 @@ class Engine:
     def _make_runner(self, ops, graph_shapes: dict[int, int]):
         """A runner for `ops`; on CUDA it replays graphs (graph_shapes: tokens per chunk -> max batch)."""
         if self._runner_factory is not None:
-            return self._runner_factory(self.model, self.cache, ops, self.device)
+            runner = self._runner_factory(self.model, self.cache, ops, self.device)
+            runner.adapters = self.lora.weights
+            return runner
         # MoE layers whose experts are sized on the host (kernels/moe.py's loop) cannot be captured
         if self._cuda_graphs and (self.spec.moe is None or capturable(ops, self.device)):
             return GraphedModelRunner(self.model, self.cache, ops, self.device, max_batch=graph_shapes,
-                                      max_model_len=self.max_model_len)
-        return ModelRunner(self.model, self.cache, ops, self.device)
+                                      max_model_len=self.max_model_len, adapters=self.lora.weights)
+        return ModelRunner(self.model, self.cache, ops, self.device, self.lora.weights)
 
     def _make_fast_path(self, fast_path, options) -> FastPath:
         if fast_path == "native":
@@ -95,11 +99,13 @@ class Engine:
         pool may push in "switch-in-flight" mode (service/switch_modes.py); pushes arrive bucketed; MoE
         routing is recorded (by the canonical forward and the native fast path); sleep releases nothing
         (see sleep)."""
-        return EngineCapabilities(switch_modes=True, routing_records=True, bucketed_push=True, sleep=False)
+        return EngineCapabilities(switch_modes=True, routing_records=True, bucketed_push=True, sleep=False,
+                                  lora_adapters=True)
 
     def add_request(self, prompt_token_ids, params: SamplingParams) -> int:
         """Queue a request; raises InvalidRequestError if it can never be served."""
         prompt, params = check_request(prompt_token_ids, params, self.spec.vocab_size, self.max_model_len)
+        self.lora.check_request(params.adapter)
         if self.config.stock_only and params.determinism.runs_canonical:
             raise InvalidRequestError(f"determinism {params.determinism.value!r}: this engine serves only "
                                       "determinism='off' (stock_only=True)")
@@ -170,6 +176,25 @@ class Engine:
         self.fast_path.update_weights(state_dict)
         self._new_version(version)
         return digest
+
+    # LoRA adapters (engine/adapters.py). A replaced adapter is a new weight version, as a full push is:
+    # running requests are prefilled again under it, so each token's log-prob is the trainer's.
+    def load_adapter(self, name: str, adapter, expected_digest: str | None = None, version: int | None = None):
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise TypeError(f"version must be an int, got {version!r}")
+        info = self.lora.load(name, adapter, expected_digest, self.weights_digest)
+        self._new_version(version)
+        return info
+
+    def remove_adapter(self, name: str) -> None:
+        running = [r.request_id for q in (self.scheduler.waiting, self.scheduler.running) for r in q
+                   if r.params.adapter == name]
+        if running:
+            raise InvalidRequestError(f"adapter {name!r} is in use by requests {running[:5]}; abort them first")
+        self.lora.remove(name)
+
+    def adapters(self) -> dict:
+        return dict(self.lora.info)
 
     # bucketed pushes (rollout_service.service.weight_sync): tensors already checked against the sender's
     def weight_spec(self) -> dict[str, tuple[int, ...]]:

@@ -24,6 +24,8 @@ class EngineCapabilities:
     # sleep() releases its GPU memory for another process (wake() maps it again); otherwise sleep,
     # wake and wake_weights are no-ops
     sleep: bool
+    # a LoraEngine: serves LoRA adapters on its base, each request naming its own (SamplingParams.adapter)
+    lora_adapters: bool = False
 
     @staticmethod
     def common(each: list[EngineCapabilities]) -> EngineCapabilities:
@@ -32,7 +34,8 @@ class EngineCapabilities:
         if not each:
             raise ValueError("no engines to ask")
         return EngineCapabilities(*(all(getattr(c, f) for c in each) for f in
-                                    ("switch_modes", "routing_records", "bucketed_push", "sleep")))
+                                    ("switch_modes", "routing_records", "bucketed_push", "sleep",
+                                     "lora_adapters")))
 
 
 @runtime_checkable
@@ -105,4 +108,24 @@ class BucketedPushEngine(RolloutEngine, Protocol):
 
     def finish_weight_load(self) -> None:
         """The push is complete and checked: later tokens run on it."""
+        ...
+
+
+@runtime_checkable
+class LoraEngine(RolloutEngine, Protocol):
+    """An engine with capabilities().lora_adapters: LoRA adapters on its one base model, by name. Loading
+    an adapter under a name already served replaces it (an adapter-only push) and, like update_weights,
+    starts a new weight version; a refused adapter changes nothing."""
+
+    def load_adapter(self, name: str, adapter, expected_digest: str | None = None,
+                     version: int | None = None):
+        """Check and serve `adapter` (a rollout_service.lora.LoraAdapter or a PEFT checkpoint directory);
+        expected_digest: rollout_service.engine.adapters.push_digest(adapter's, base's). Returns its AdapterInfo."""
+        ...
+
+    def remove_adapter(self, name: str) -> None:
+        ...
+
+    def adapters(self) -> dict:
+        """name -> AdapterInfo of every adapter served."""
         ...

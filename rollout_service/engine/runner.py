@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from kernels.forward import OpSet, PagedKV, compute_logits, forward_hidden
+from kernels.lora import LoraRows, LoraWeights
 from rollout_service.engine.kv_cache import KVCache
 
 
@@ -16,11 +17,26 @@ class Chunk:
     start_pos: int  # absolute position of token_ids[0]
     block_ids: list[int]
     num_logits: int  # logits wanted for the last num_logits tokens
+    adapter: str | None = None  # the LoRA adapter its request runs with (the runner's `adapters`)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, ops: OpSet, device: torch.device):
+    def __init__(self, model: torch.nn.Module, cache: KVCache, ops: OpSet, device: torch.device,
+                 adapters: dict[str, LoraWeights] | None = None):
         self.model, self.cache, self.ops, self.device = model, cache, ops, torch.device(device)
+        self.adapters = {} if adapters is None else adapters  # the engine's loaded LoRA adapters, by name
+
+    def lora_rows(self, chunks: list[Chunk], t_max: int) -> LoraRows | None:
+        """Each named adapter with the rows [B, T] of the chunks that run with it; None when none does."""
+        names = {c.adapter for c in chunks} - {None}
+        if not names:
+            return None
+        adapters = []
+        for name in sorted(names):
+            rows = torch.tensor([c.adapter == name for c in chunks])
+            mask = rows.unsqueeze(1).expand(len(chunks), t_max).to(self.device, non_blocking=True)
+            adapters.append((self.adapters[name], mask))
+        return LoraRows(tuple(adapters))
 
     def host_inputs(self, chunks: list[Chunk], bsz: int, t_max: int, width: int):
         """CPU ids, positions, block table and slot mapping for chunks padded to [bsz, t_max]
@@ -70,7 +86,8 @@ class ModelRunner:
         self._feed(ids, token_ids)
         kv = PagedKV(self.cache.k, self.cache.v, table, slots)
         layers = None if routing is None else []
-        hidden = forward_hidden(self.model, ids, pos, ops=self.ops, kv=kv, routing=layers)
+        hidden = forward_hidden(self.model, ids, pos, ops=self.ops, kv=kv, routing=layers,
+                                lora=self.lora_rows(chunks, t_max))
         if routing is not None:  # per layer [B, T, k] -> [B * T, layers, k]
             experts = (torch.stack(layers, dim=2) if layers else ids.new_zeros(bsz, t_max, 0, 0)).flatten(0, 1)
         sizes = [c.num_logits for c in chunks]

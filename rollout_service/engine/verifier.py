@@ -45,7 +45,7 @@ class Verifier:
             end = len(req.tokens) if it.num_tokens is None else req.num_cached + it.num_tokens
             fed = req.tokens[req.num_cached:end]
             chunks.append(Chunk(fed + it.proposals, req.num_cached, req.block_ids,
-                                len(it.proposals) + 1 if it.samples else 0))
+                                len(it.proposals) + 1 if it.samples else 0, req.params.adapter))
         record = self.moe and any(it.req.params.return_routed_experts for it in items)
         routing = [] if record else None
         logits = self.runner.forward(chunks, routing=routing)

@@ -1,0 +1,84 @@
+"""LoRA in the canonical forward: y = base(x) + scale · B(A(x)), with canonical ops on both sides.
+
+The rule, the same for the trainer and every rollout engine, so an adapter's log-probs match bit for bit:
+
+    h = linear(x, A)          # [tokens, r], bf16 (A's K order: the base layer's, row-parallel or not)
+    d = linear(h, B) · scale  # bf16 product, one rounding
+    y = add(base(x), d)       # bf16
+
+Every op treats a token row on its own, so a token's numbers do not depend on which other tokens share
+the batch or which adapters they use. Adapters come from one of two places:
+
+- the module itself: a PEFT LoRA layer (`peft.inject_adapter_in_model`), its active adapters applied
+  to every token (the trainer; any PEFT-wrapped model run through the canonical forward);
+- the forward's `LoraRows` (the rollout engines): adapters held apart from the base model, each
+  applied to the tokens whose requests named it, so one batch serves several adapters at once.
+
+No PEFT import here: a PEFT layer is recognised by its `lora_A` / `lora_B` / `scaling` attributes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# (layer index, projection name) -> (A [r, in], B [out, r], scale); projection names are the Hugging Face
+# module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)
+LoraKey = tuple[int, str]
+ROW_PARALLEL = ("o_proj", "down_proj")  # their A reads the base layer's K in its row-parallel order
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One adapter's tensors in the forward's terms (bf16, on the model's device)."""
+    name: str
+    terms: dict[LoraKey, tuple[torch.Tensor, torch.Tensor, float]]
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """Which tokens of a forward use which adapter: (adapter, mask [B, T] bool or None = every token).
+    Tokens no adapter claims run the base model."""
+    adapters: tuple[tuple[LoraWeights, torch.Tensor | None], ...]
+
+
+def lora_terms(rows: LoraRows | None, layer_idx: int, module: torch.nn.Module, name: str) -> list:
+    """[(A, B, scale, mask or None)] for projection `name` of `module` in layer `layer_idx`."""
+    if rows is not None:
+        found = []
+        for weights, mask in rows.adapters:
+            term = weights.terms.get((layer_idx, name))
+            if term is not None:
+                found.append((*term, mask))
+        return found
+    return _peft_terms(getattr(module, name))
+
+
+def _peft_terms(layer: torch.nn.Module) -> list:
+    lora_a = getattr(layer, "lora_A", None)
+    if lora_a is None:
+        return []
+    terms = []
+    for adapter in layer.active_adapters:
+        if adapter not in lora_a:
+            continue
+        if not isinstance(layer.lora_dropout[adapter], torch.nn.Identity):
+            raise ValueError(f"LoRA adapter {adapter!r} has lora_dropout > 0: dropout makes the trainer's "
+                             f"forward differ from the rollout's; use lora_dropout=0")
+        if getattr(layer, "use_dora", {}).get(adapter, False):
+            raise ValueError(f"LoRA adapter {adapter!r} uses DoRA, which the canonical forward does not run")
+        terms.append((lora_a[adapter].weight.to(torch.bfloat16), layer.lora_B[adapter].weight.to(torch.bfloat16),
+                      float(layer.scaling[adapter]), None))
+    return terms
+
+
+def with_lora(ops, rows: LoraRows | None, layer_idx: int, module: torch.nn.Module, name: str,
+              x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` (the base projection of `x`) plus each adapter's term on the tokens that use it."""
+    for a, b, scale, mask in lora_terms(rows, layer_idx, module, name):
+        h = ops.linear(x, a, None, row_parallel=name in ROW_PARALLEL)
+        delta = torch.mul(ops.linear(h, b, None), scale)
+        added = ops.add(out, delta)
+        # selecting, not adding a masked zero: -0.0 + 0.0 would flip a sign bit of the base output
+        out = added if mask is None else torch.where(mask.unsqueeze(-1), added, out)
+    return out

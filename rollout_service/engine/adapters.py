@@ -1,0 +1,77 @@
+"""The LoRA adapters an engine serves on its one base model, by name.
+
+An adapter is checked whole against the base (rollout_service.lora.check_adapter) and, where the caller
+expects one, against the digest of the adapter and the base it was trained on (`push_digest`); only then
+does it replace the adapter of that name. A refused adapter leaves every adapter, and the base, as they were.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from kernels.lora import LoraWeights
+from rollout_service.lora import AdapterError, LoraAdapter, check_adapter, load_adapter, projection_shapes
+from rollout_service.params import InvalidRequestError
+
+
+def push_digest(adapter_digest: str, base_digest: str) -> str:
+    """The digest an adapter push is checked by: its own tensors' and its base's, so an adapter trained on
+    other base weights (of the same shapes) is refused too."""
+    return hashlib.sha256(f"lora:{adapter_digest}|base:{base_digest}".encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What a loaded adapter is: its rank, size on the wire and digest (of its tensors alone)."""
+    name: str
+    r: int
+    target_modules: tuple[str, ...]
+    nbytes: int
+    digest: str
+
+
+class AdapterTable:
+    """name -> the forward's LoraWeights, shared with the engine's runners (ModelRunner.adapters)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_rank: int | None = None):
+        self.model, self.device, self.max_rank = model, device, max_rank
+        self.weights: dict[str, LoraWeights] = {}
+        self.info: dict[str, AdapterInfo] = {}
+
+    def load(self, name: str, adapter, expected_digest: str | None = None,
+             base_digest=None) -> AdapterInfo:
+        """Check `adapter` (a LoraAdapter or a PEFT checkpoint directory) and serve it as `name`.
+        expected_digest: push_digest(adapter digest, base digest); base_digest() gives the base's."""
+        if not isinstance(name, str) or not name:
+            raise AdapterError(f"an adapter name must be a non-empty string, got {name!r}")
+        if not isinstance(adapter, LoraAdapter):
+            adapter = load_adapter(adapter)
+        check_adapter(adapter, projection_shapes(self.model), max_rank=self.max_rank)
+        digest = adapter.digest()
+        if expected_digest is not None:
+            got = push_digest(digest, base_digest())
+            if got != expected_digest:
+                raise AdapterError(f"adapter {name!r}: digest of adapter + base is {got}, expected {expected_digest} "
+                                   f"(an adapter trained on other base weights, or changed on the way)")
+        self.weights[name] = adapter.weights(name, self.device)
+        self.info[name] = AdapterInfo(name, adapter.r, adapter.target_modules, adapter.nbytes, digest)
+        return self.info[name]
+
+    def remove(self, name: str) -> None:
+        self._known(name)
+        del self.weights[name], self.info[name]
+
+    def check_request(self, adapter: str | None) -> None:
+        """InvalidRequestError for a request naming an adapter this engine does not serve."""
+        if adapter is not None:
+            try:
+                self._known(adapter)
+            except AdapterError as e:
+                raise InvalidRequestError(str(e)) from None
+
+    def _known(self, name: str) -> None:
+        if name not in self.weights:
+            raise AdapterError(f"unknown adapter {name!r}: this engine serves "
+                               f"{sorted(self.weights) or 'no adapters'} (load one with load_adapter)")
