@@ -133,7 +133,7 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
         ranks = dataclasses.replace(trainer_cfg, placement=dataclasses.replace(
             rank_placement, resources_per_rank=with_tree_width(rank_placement.resources_per_rank, width)))
         trainer = TrainerGroup(ranks, model, rollout_cfg.temperature, cfg.numerics, colocate_with=shared,
-                               first_bundle=ranks_first_bundle(cfg), memory_plan=memory_plan)
+                               first_bundle=ranks_first_bundle(cfg), memory_plan=memory_plan, lora=cfg.model.lora)
         job.gpus = {"rollout": [g for w in pool.stats()["workers"] for g in w["gpu_ids"]],
                     "trainer": trainer.gpu_ids}
         if canonical:
@@ -153,9 +153,10 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             indices = prompt_indices(first, loop_cfg.prompts_per_step, len(task.dataset), cfg.seed)
             rows = [task.dataset[i] for i in indices]
             prompts, params = group_requests([r["prompt_ids"] for r in rows], indices, step, rollout_cfg, cfg.seed,
-                                             task.stop_token_ids, routed)
+                                             task.stop_token_ids, routed, adapter)
             return rows, prompts, client.generate(prompts, params)
 
+        adapter = None if cfg.model.lora is None else cfg.model.lora.name  # every request names the trained adapter
         cursor0 = cursor
         queue = RolloutQueue(generate, loop_cfg.steps, ahead=loop_cfg.async_steps)
         bar = StepProgress(loop_cfg.steps, initial=step0, desc=run_name, enabled=progress)

@@ -70,10 +70,11 @@ def prompt_indices(cursor: int, count: int, size: int, run_seed: int) -> list[in
 
 
 def group_requests(prompts: list[list[int]], indices: list[int], step: int, rollout: RolloutConfig, run_seed: int,
-                   stop_token_ids: tuple[int, ...], routed_experts: bool = False
+                   stop_token_ids: tuple[int, ...], routed_experts: bool = False, adapter: str | None = None
                    ) -> tuple[list[list[int]], list[SamplingParams]]:
     """rollout.n requests per prompt (prompt-major order), each with its own derived seed and max_tokens
-    (rollout_budget). routed_experts: ask for each token's MoE routing (`records_routing`)."""
+    (rollout_budget). routed_experts: ask for each token's MoE routing (`records_routing`). adapter: the
+    LoRA adapter every request runs with (model.lora.name), or None: the base."""
     r = rollout
     all_prompts, all_params = [], []
     for prompt, index in zip(prompts, indices):
@@ -83,7 +84,7 @@ def group_requests(prompts: list[list[int]], indices: list[int], step: int, roll
                 max_tokens=rollout_budget(r, run_seed, step, index, j), temperature=r.temperature, top_k=r.top_k,
                 top_p=r.top_p,
                 seed=sample_seed(run_seed, step, index, j), stop_token_ids=tuple(stop_token_ids),
-                determinism=r.determinism, return_routed_experts=routed_experts))
+                determinism=r.determinism, return_routed_experts=routed_experts, adapter=adapter))
     return all_prompts, all_params
 
 

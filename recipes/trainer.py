@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import kernels as K
+from rollout_service.lora import LoraAdapter, save_adapter
 from rollout_service.service.ray_cluster import actor_gpu_ids
 from trainer_patch import (
     checkpoint_activations,
@@ -37,6 +38,7 @@ from trainer_patch import (
 from .batch import real_tokens
 from .config import TrainerConfig
 from .grpo_loss import clipped_pg_loss
+from .lora import adapter_key, add_lora
 from .memory_plan import (
     MemoryPlan,
     TrainerOutOfMemory,
@@ -53,11 +55,14 @@ class TrainerRank:
     """One rank. Created by TrainerGroup as a Ray actor; every method except `address` is collective."""
 
     def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, temperature: float,
-                 numerics: str = "canonical", memory_plan: MemoryPlan | None = None):
+                 numerics: str = "canonical", memory_plan: MemoryPlan | None = None, lora=None):
         """memory_plan: the run's (recipes.memory_plan), or None. A CUDA rank checks it against its GPU
         before taking any memory, names it when a step runs out of memory, and gives its cached memory
-        back before an engine sleeping on its GPU wakes (MemoryPlan.engine_wakes_after_step)."""
+        back before an engine sleeping on its GPU wakes (MemoryPlan.engine_wakes_after_step).
+        lora: a recipes.config.model.LoraSection: train a PEFT LoRA adapter on the frozen bf16 base (see
+        setup); None: the whole model, in float32 master weights."""
         self.rank, self.world, self.cfg, self.numerics = rank, world_size, cfg, numerics
+        self.lora = lora
         self.memory_plan = memory_plan
         self.temperature = float(temperature) if temperature > 0 else 1.0
         torch.set_num_threads(cfg.placement.torch_threads or 1)
@@ -89,10 +94,14 @@ class TrainerRank:
         dist.init_process_group(backend, rank=self.rank, world_size=self.world)
         mesh = init_device_mesh(self.device.type, (self.world,))
         model = model.to(self.device)
-        for p in model.parameters():  # float32 master weights (the canonical forward reads no buffers)
-            p.data = p.data.float()
+        # float32 master weights (the canonical forward reads no buffers); with LoRA only the adapter's,
+        # the frozen base stays bf16 (what the forward reads: the same bits, half the memory)
+        for p in model.parameters():
+            p.data = p.data.float() if self.lora is None else p.data.to(torch.bfloat16)
         if self.numerics == "canonical":
             patch_model(model)
+        if self.lora is not None:
+            add_lora(model, self.lora.peft_config())
         else:  # the stock arm: the model's own forward with its best stock attention
             model.config._attn_implementation = "sdpa"
         if self.cfg.batching.activation_checkpointing:
@@ -104,9 +113,11 @@ class TrainerRank:
         model.train()
         self.model = model
         optimizer = self.cfg.optimizer
-        self.opt = torch.optim.AdamW(model.parameters(), lr=optimizer.lr, betas=tuple(optimizer.betas),
+        trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter's alone
+        self.opt = torch.optim.AdamW(trained, lr=optimizer.lr, betas=tuple(optimizer.betas),
                                      weight_decay=optimizer.weight_decay)
-        self.weight_push = RankWeightPush(self.rank, self.world, self.cfg, self.device, model, self.full_state_dict)
+        self.weight_push = RankWeightPush(self.rank, self.world, self.cfg, self.device, model, self.full_state_dict,
+                                          adapter=None if self.lora is None else (self.lora.name, self._adapter_settings()))
         canonical = K.canonical_config(self.device) if self.numerics == "canonical" else None
         self.num_params = sum(p.numel() for p in model.parameters())
         return {"num_params": self.num_params, "canonical": canonical,
@@ -232,11 +243,20 @@ class TrainerRank:
     # -- weights and checkpoints -----------------------------------------------------------------
 
     def full_state_dict(self) -> dict | None:
-        """bf16 full weights on rank 0 (None elsewhere): what the rollout workers load."""
+        """bf16 full weights on rank 0 (None elsewhere): what the rollout workers load; with LoRA the
+        adapter's tensors alone, by PEFT's names."""
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
+        if self.lora is not None:
+            return {adapter_key(k): v.to(torch.bfloat16) for k, v in sd.items() if adapter_key(k) is not None}
         return {k: v.to(torch.bfloat16) for k, v in sd.items()}
+
+    def _adapter_settings(self) -> dict:
+        """The trained adapter's settings (rollout_service.lora.LoraAdapter.settings)."""
+        peft = self.lora.peft_config()
+        return {"r": peft.r, "alpha": float(peft.lora_alpha), "target_modules": tuple(sorted(peft.target_modules)),
+                "use_rslora": False}
 
     def push_weights(self, pool, overlap: bool = False, after_train_step: bool = False) -> dict | None:
         """Load the weights into the rollout pool `pool` (its RolloutClient; rank 0 sends; every rank takes part in the gathers);
@@ -266,9 +286,15 @@ class TrainerRank:
         return self.weight_push.finish()
 
     def save(self, path: str) -> None:
-        """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`."""
+        """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`; with LoRA also
+        the adapter as a PEFT checkpoint in `path`/adapter (adapter_config.json + adapter_model.safetensors,
+        what PeftModel.from_pretrained and RolloutClient.load_adapter read)."""
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        if self.lora is not None:
+            adapter = self.full_state_dict()  # collective
+            if adapter is not None:
+                save_adapter(LoraAdapter.from_settings(self._adapter_settings(), adapter), os.path.join(path, "adapter"))
 
     def load(self, path: str) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.opt)

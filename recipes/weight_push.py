@@ -19,6 +19,7 @@ from rollout_service.service.weight_sync import SenderStage, WeightPush, stages_
 
 from .config import TrainerConfig
 from .fsdp_weights import iter_full_tensors
+from .lora import adapter_key
 
 
 class RankWeightPush:
@@ -26,9 +27,12 @@ class RankWeightPush:
     ranks), for the object-store transport."""
 
     def __init__(self, rank: int, world: int, cfg: TrainerConfig, device: torch.device, model: torch.nn.Module,
-                 full_state_dict):
+                 full_state_dict, adapter: tuple[str, dict] | None = None):
         self.rank, self.world, self.cfg, self.device, self.model = rank, world, cfg, device, model
         self._full_state_dict = full_state_dict
+        # a LoRA run: (the adapter's name on the pool, its settings); a push sends the adapter alone
+        self.adapter = adapter
+        self._rename = None if adapter is None else adapter_key
         self._sending = None  # rank 0: (thread, push, outcome) of a push still sending (push overlap)
         self._whole_tensors = None  # one rank: the state dict's entries, kept between pushes (_stage_sources)
         self._transport = None  # (the pool, the transport chosen for it), kept between pushes: see _push_for
@@ -149,7 +153,7 @@ class RankWeightPush:
     def _new_push(self, pool, transport: str) -> WeightPush:
         return WeightPush(pool, transport, self.device, bucket_bytes=self.cfg.weight_push.bucket_mb << 20,
                           stage_bytes=self._stage_bytes, timeout_s=self.cfg.weight_push.timeout_s,
-                          stage=self._stage, mode=self.cfg.weight_push.switch)
+                          stage=self._stage, mode=self.cfg.weight_push.switch, adapter=self.adapter)
 
     def _armed_push(self, pool, transport: str | None, overlap: bool) -> WeightPush | None:
         """Rank 0's armed push, when it fits this one (its pool and transport, a push not left sending);
@@ -169,14 +173,18 @@ class RankWeightPush:
 
     @functools.cached_property
     def _state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every state-dict entry's global shape, in the order a push sends them (iter_full_tensors)."""
-        return {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        """Every pushed entry's global shape, in the order a push sends them (iter_full_tensors)."""
+        return {self._name(name): tuple(t.shape) for name, t in self.model.state_dict().items()
+                if self._name(name) is not None}
+
+    def _name(self, name: str) -> str | None:
+        return name if self._rename is None else self._rename(name)
 
     @functools.cached_property
     def _state_numel(self) -> int:
         """Elements in the model's state dict, by global shapes (every rank agrees). Shapes never change,
         and an FSDP2 state_dict() walks every module and wraps every shard (milliseconds a push)."""
-        return sum(t.numel() for t in self.model.state_dict().values())
+        return sum(t.numel() for name, t in self.model.state_dict().items() if self._name(name) is not None)
 
     def _stage_sources(self):
         """What a staged push copies: iter_full_tensors as stored (the stage casts). On one rank every
@@ -185,9 +193,9 @@ class RankWeightPush:
         valid because parameters are only ever updated in place (optimizer steps,
         TrainerRank._weights_of, checkpoint loads); a load drops it all the same."""
         if self.world > 1:
-            return iter_full_tensors(self.model, None)
+            return iter_full_tensors(self.model, None, self._rename)
         if self._whole_tensors is None:
-            self._whole_tensors = list(iter_full_tensors(self.model, None))
+            self._whole_tensors = list(iter_full_tensors(self.model, None, self._rename))
         return iter(self._whole_tensors)
 
     def _push_bucketed(self, push: WeightPush | None, overlap: bool = False):
@@ -200,7 +208,7 @@ class RankWeightPush:
         start = time.perf_counter()
         try:
             # staged: the stage casts the float32 master weights as it copies them
-            tensors = self._stage_sources() if staged else iter_full_tensors(self.model)
+            tensors = self._stage_sources() if staged else iter_full_tensors(self.model, rename=self._rename)
             if push is None:
                 for _ in tensors:
                     pass
@@ -214,7 +222,7 @@ class RankWeightPush:
         if verdict[0] is not None:
             self._transport = None  # every rank drops it here (see _push_for)
             raise verdict[0]
-        tensors = None if staged else iter_full_tensors(self.model)
+        tensors = None if staged else iter_full_tensors(self.model, rename=self._rename)
         if push is None:
             for _ in tensors or ():  # the gathers rank 0 sends from
                 pass

@@ -11,6 +11,7 @@ on. A refused adapter changes nothing.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,9 +27,9 @@ _KEY = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
-class AdapterError(ValueError):
+class AdapterError(WeightMismatchError):
     """An adapter that cannot serve on this base: a wrong base, rank, target module or digest, a bad
-    config or name."""
+    config or name. A WeightMismatchError: a pool treats a refused adapter as it treats refused weights."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,15 @@ class LoraAdapter:
         """The digest of the adapter's tensors (rollout_service.weights.state_dict_digest)."""
         return state_dict_digest(self.tensors)
 
+    def settings(self) -> dict:
+        """Everything but the tensors (what a bucketed push's plan carries): LoraAdapter(**settings, tensors=...)."""
+        return {"r": self.r, "alpha": self.alpha, "target_modules": self.target_modules, "use_rslora": self.use_rslora}
+
+    @classmethod
+    def from_settings(cls, settings: Mapping, tensors: Mapping[str, torch.Tensor]) -> LoraAdapter:
+        """An adapter from settings() (other keys ignored) and its tensors."""
+        return cls(**{k: settings[k] for k in ("r", "alpha", "target_modules", "use_rslora")}, tensors=tensors)
+
     def peft_config(self):
         """This adapter's settings as PEFT's own LoraConfig."""
         from peft import LoraConfig
@@ -66,6 +76,12 @@ class LoraAdapter:
             layer, proj, which = parse_key(key)
             pairs.setdefault((layer, proj), {})[which] = t.to(device=device, dtype=torch.bfloat16)
         return LoraWeights(name, {k: (p["A"], p["B"], self.scale) for k, p in pairs.items()})
+
+
+def push_digest(adapter_digest: str, base_digest: str) -> str:
+    """The digest an adapter push is checked by: its tensors' and its base's, so that an adapter trained on
+    other base weights (of the same shapes) is refused too."""
+    return hashlib.sha256(f"lora:{adapter_digest}|base:{base_digest}".encode()).hexdigest()[:32]
 
 
 def parse_key(key: str) -> tuple[int, str, str]:
@@ -133,6 +149,16 @@ def save_adapter(adapter: LoraAdapter, path: str | Path) -> Path:
     return path
 
 
+def projection_shapes_of_spec(spec: Mapping[str, tuple]) -> dict[LoraKey, tuple[int, int]]:
+    """(layer, projection) -> (out, in) from a weight spec (name -> shape, rollout_service.weights.weight_spec)."""
+    shapes = {}
+    for name, shape in spec.items():
+        m = re.match(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$", name)
+        if m and m.group(3) in PROJECTIONS[m.group(2)] and len(shape) == 2:
+            shapes[(int(m.group(1)), m.group(3))] = tuple(shape)
+    return shapes
+
+
 def projection_shapes(model: torch.nn.Module) -> dict[LoraKey, tuple[int, int]]:
     """(layer, projection) -> (out, in) of every dense decoder projection of a base model."""
     shapes = {}
@@ -148,10 +174,23 @@ def projection_shapes(model: torch.nn.Module) -> dict[LoraKey, tuple[int, int]]:
 
 def check_adapter(adapter: LoraAdapter, shapes: Mapping[LoraKey, tuple[int, int]], *,
                   max_rank: int | None = None, expected_digest: str | None = None) -> None:
-    """Raise AdapterError unless `adapter` fits a base with these projection shapes: every target
-    module exists, every tensor names a projection of the base with A [r, in] and B [out, r], each
-    projection has both, the values are finite, the rank is within `max_rank`, and its digest is the
-    expected one."""
+    """Raise AdapterError unless `adapter` fits a base with these projection shapes (check_layout), its
+    values are finite and its digest is the expected one."""
+    check_layout(adapter, {k: tuple(t.shape) for k, t in adapter.tensors.items()}, shapes, max_rank=max_rank)
+    try:
+        check_finite(adapter.tensors.items())
+    except WeightMismatchError as e:
+        raise AdapterError(str(e)) from None
+    if expected_digest is not None and adapter.digest() != expected_digest:
+        raise AdapterError(f"adapter digest {adapter.digest()} is not the expected {expected_digest}")
+
+
+def check_layout(adapter: LoraAdapter, tensor_shapes: Mapping[str, tuple], shapes: Mapping[LoraKey, tuple[int, int]],
+                 *, max_rank: int | None = None) -> None:
+    """AdapterError unless an adapter of these settings and tensor shapes fits a base with these projection
+    shapes: every target module exists, every tensor names a projection of the base with A [r, in] and
+    B [out, r], each projection has both, and the rank is within `max_rank`. (The pool checks a bucketed
+    adapter push so, by names and shapes alone, before any worker is touched.)"""
     if adapter.r < 1 or (max_rank is not None and adapter.r > max_rank):
         raise AdapterError(f"adapter rank {adapter.r} is outside 1..{max_rank} (the engine's max_lora_rank)")
     known = {name for names in PROJECTIONS.values() for name in names}
@@ -161,7 +200,7 @@ def check_adapter(adapter: LoraAdapter, shapes: Mapping[LoraKey, tuple[int, int]
         raise AdapterError(f"target modules {absent} are not projections of this base model "
                            f"(it has {sorted(present)}; supported: {sorted(known)})")
     pairs: dict[LoraKey, set[str]] = {}
-    for key, t in adapter.tensors.items():
+    for key, shape in tensor_shapes.items():
         layer, proj, which = parse_key(key)
         if (layer, proj) not in shapes:
             raise AdapterError(f"{key!r}: the base model has no {proj} in layer {layer}")
@@ -169,16 +208,10 @@ def check_adapter(adapter: LoraAdapter, shapes: Mapping[LoraKey, tuple[int, int]
             raise AdapterError(f"{key!r}: {proj} is not among the adapter's target_modules {list(adapter.target_modules)}")
         out, inp = shapes[(layer, proj)]
         want = (adapter.r, inp) if which == "A" else (out, adapter.r)
-        if tuple(t.shape) != want:
-            raise AdapterError(f"{key!r} has shape {tuple(t.shape)}, expected {want} for rank {adapter.r} on this "
+        if tuple(shape) != want:
+            raise AdapterError(f"{key!r} has shape {tuple(shape)}, expected {want} for rank {adapter.r} on this "
                                f"base ({proj} is {out} x {inp}): a different base model or rank")
         pairs.setdefault((layer, proj), set()).add(which)
     half = sorted(k for k, v in pairs.items() if v != {"A", "B"})
     if half or not pairs:
         raise AdapterError(f"adapter tensors incomplete: {half or 'none given'} (each projection needs lora_A and lora_B)")
-    try:
-        check_finite(adapter.tensors.items())
-    except WeightMismatchError as e:
-        raise AdapterError(str(e)) from None
-    if expected_digest is not None and adapter.digest() != expected_digest:
-        raise AdapterError(f"adapter digest {adapter.digest()} is not the expected {expected_digest}")

@@ -9,10 +9,9 @@ import torch
 pytest.importorskip("peft")
 
 from lora_shared import ALL_LINEAR, ATTENTION, base_model, logprob_bits, rollout_scores, trained_adapter_model  # noqa: E402
-from rollout_service.engine.adapters import push_digest  # noqa: E402
 from rollout_service.engine.engine import Engine  # noqa: E402
 from rollout_service.lora import (AdapterError, LoraAdapter, adapter_from_model, load_adapter,  # noqa: E402
-                                  save_adapter)
+                                  push_digest, save_adapter)
 from rollout_service.params import InvalidRequestError, SamplingParams  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 

@@ -260,3 +260,19 @@ def test_cli_config_error_is_one_message_not_a_traceback(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().startswith("python -m recipes.grpo: nope.yaml: no such config file;")
     assert "recipes/configs/tiny.yaml" in proc.stderr
+
+
+def test_the_lora_section_is_optional_typed_and_checked():
+    from recipes.config import RecipeConfig
+    assert RecipeConfig().model.lora is None
+    cfg = RecipeConfig.from_dict({"model": {"lora": {"r": 8, "target_modules": ["all-linear"]}}})
+    assert cfg.model.lora.r == 8 and cfg.model.lora.alpha == 32.0 and len(cfg.model.lora.targets()) == 7
+    assert cfg.model.lora.peft_config().lora_dropout == 0.0
+    for bad, words in ((({"r": 0}), r"model\.lora\.r must be >= 1"),
+                       ({"target_modules": ["w1"]}, r"model\.lora\.target_modules must name"),
+                       ({"rank": 8}, r"model\.lora\.rank: unknown key")):
+        with pytest.raises(ConfigError, match=words):
+            RecipeConfig.from_dict({"model": {"lora": bad}})
+    with pytest.raises(ConfigError, match="numerics: canonical"):
+        RecipeConfig.from_dict({"numerics": "stock", "rollout": {"determinism": "off"},
+                                "trainer": {"loss": {"old_logprobs": "recompute"}}, "model": {"lora": {}}})

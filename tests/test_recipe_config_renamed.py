@@ -105,7 +105,7 @@ def test_unknown_keys_are_still_refused_by_name():
 
 
 def test_numeric_ranges_name_the_new_key_whichever_key_set_it():
-    defaults = RecipeConfig()
+    defaults = RecipeConfig.from_dict({"model": {"lora": {}}})  # optional sections on, with their defaults
     for key in NUMERIC_RANGES:  # every range is of a field that exists
         value = defaults
         for part in key.removesuffix("[]").split("."):

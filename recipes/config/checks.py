@@ -38,6 +38,8 @@ NUMERIC_RANGES = {
     "task.stop_token_ids[]": NON_NEGATIVE,
     **{f"model.{k}": AT_LEAST_1 for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
                                           "intermediate_size", "max_positions", "head_dim", "vocab_size")},
+    "model.lora.r": AT_LEAST_1,
+    "model.lora.alpha": POSITIVE,
     "warmup.steps": NON_NEGATIVE,
     "warmup.lr": POSITIVE,
     "warmup.batch_size": AT_LEAST_1,
@@ -76,7 +78,9 @@ def _values_at(cfg: RecipeConfig, key: str) -> list[tuple[str, object]]:
     name = key.removesuffix("[]")
     value = cfg
     for part in name.split("."):
-        value = getattr(value, part)
+        value = None if value is None else getattr(value, part)  # an optional section that is off
+    if value is None:
+        return [(name, None)]
     if key.endswith("[]"):
         return [(f"{name}[{i}]", v) for i, v in enumerate(value)]
     return [(name, value)]
@@ -94,6 +98,23 @@ def _check_ranges(cfg: RecipeConfig) -> None:
                 raise ConfigError(f"{path} must be finite, got {value!r}")
             if not in_range(value):
                 raise ConfigError(f"{path} must be {allowed}, got {value!r}")
+
+
+def _check_lora(cfg: RecipeConfig) -> None:
+    from rollout_service.lora import PROJECTIONS
+
+    from .model import ALL_LINEAR
+    lora, known = cfg.model.lora, [n for names in PROJECTIONS.values() for n in names]
+    bad = [t for t in lora.target_modules if t not in known] if lora.target_modules != [ALL_LINEAR] else []
+    if not lora.target_modules or bad:
+        raise ConfigError(f"model.lora.target_modules must name projections of {known}, or be [{ALL_LINEAR}]; "
+                          f"got {lora.target_modules!r}")
+    if not lora.name:
+        raise ConfigError("model.lora.name must be a non-empty adapter name")
+    if cfg.numerics != "canonical":
+        raise ConfigError("model.lora trains with numerics: canonical (the stock arm has no LoRA yet)")
+    if cfg.model.arch == "qwen3_moe":
+        raise ConfigError("model.lora adapts dense projections; qwen3_moe's experts are not adapted")
 
 
 def check_values(cfg: RecipeConfig) -> None:
@@ -114,6 +135,8 @@ def check_values(cfg: RecipeConfig) -> None:
     if m.head_dim is not None and m.arch not in ("qwen3", "qwen3_moe"):
         raise ConfigError(f"model.head_dim is a qwen3 / qwen3_moe option (llama and qwen2 take hidden_size / "
                           f"num_heads); got model.arch {m.arch!r}")
+    if m.lora is not None:
+        _check_lora(cfg)
     width = cfg.canonical.tree_segments
     if width is not None and (width not in TREE_WIDTHS or isinstance(width, bool)):
         raise ConfigError(f"canonical.tree_segments must be one of {TREE_WIDTHS} or null, got {width!r}")

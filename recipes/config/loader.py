@@ -91,14 +91,14 @@ def build_section(cls, data, path: str = ""):
 
 
 def _convert(value, hint, path: str):
-    if dataclasses.is_dataclass(hint):
-        return build_section(hint, value, path)
     args = typing.get_args(hint)
     optional = type(None) in args
     if optional:
         if value is None:
             return None
         hint = next(a for a in args if a is not type(None))
+    if dataclasses.is_dataclass(hint):  # a section, or an optional one (null: off)
+        return build_section(hint, value, path)
     kind = typing.get_origin(hint) or hint
     if isinstance(kind, type) and issubclass(kind, enum.Enum) and issubclass(kind, str):
         kind = str  # a string enum is read as text; its section converts it (RolloutConfig.determinism)

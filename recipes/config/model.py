@@ -2,7 +2,37 @@
 segment tree) and `warmup` (supervised steps before GRPO)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+ALL_LINEAR = "all-linear"  # model.lora.target_modules: every projection of the decoder (PEFT's name)
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """The `model.lora` section: the trainer trains a LoRA adapter (PEFT's LoraConfig with these r,
+    lora_alpha and target_modules, lora_dropout 0) on the base, which stays frozen in bf16; only the
+    adapter has optimizer state. The rollout workers serve it under `name`, every request names it, and
+    each push sends the adapter alone (RolloutClient.load_adapter). Checkpoints add it as a PEFT adapter."""
+    r: int = 16
+    """The adapter's rank."""
+    alpha: float = 32.0
+    """PEFT's lora_alpha: the adapter's output is scaled by alpha / r."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """The projections it adapts (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), or [all-linear]."""
+    name: str = "policy"
+    """The adapter's name on the rollout pool (SamplingParams.adapter)."""
+
+    def targets(self) -> list[str]:
+        """target_modules with all-linear spelled out."""
+        from rollout_service.lora import PROJECTIONS
+        if self.target_modules == [ALL_LINEAR]:
+            return [name for names in PROJECTIONS.values() for name in names]
+        return list(self.target_modules)
+
+    def peft_config(self):
+        """PEFT's own LoraConfig of this section."""
+        from peft import LoraConfig
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, target_modules=self.targets(), lora_dropout=0.0)
 
 
 @dataclass(frozen=True)
@@ -35,6 +65,8 @@ class ModelConfig:
     """tiny: the lm head shares the embedding's weight (Qwen3-4B and smaller Qwen models do)."""
     vocab_size: int | None = None
     """tiny: logits width, >= the tokenizer's; null: the tokenizer's; more: a real model's (benchmarks)."""
+    lora: LoraSection | None = None
+    """The `model.lora` section: train a LoRA adapter on the frozen base; null: train the whole model."""
 
     def tiny_options(self) -> dict:
         """The tiny model's keyword options that are set."""

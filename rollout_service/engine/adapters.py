@@ -6,20 +6,14 @@ does it replace the adapter of that name. A refused adapter leaves every adapter
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from kernels.lora import LoraWeights
-from rollout_service.lora import AdapterError, LoraAdapter, check_adapter, load_adapter, projection_shapes
+from rollout_service.lora import (AdapterError, LoraAdapter, check_adapter, load_adapter, projection_shapes,
+                                  push_digest)
 from rollout_service.params import InvalidRequestError
-
-
-def push_digest(adapter_digest: str, base_digest: str) -> str:
-    """The digest an adapter push is checked by: its own tensors' and its base's, so an adapter trained on
-    other base weights (of the same shapes) is refused too."""
-    return hashlib.sha256(f"lora:{adapter_digest}|base:{base_digest}".encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -39,6 +33,7 @@ class AdapterTable:
         self.model, self.device, self.max_rank = model, device, max_rank
         self.weights: dict[str, LoraWeights] = {}
         self.info: dict[str, AdapterInfo] = {}
+        self.adapters: dict[str, LoraAdapter] = {}  # as loaded (a restarted peer copies them from here)
 
     def load(self, name: str, adapter, expected_digest: str | None = None,
              base_digest=None) -> AdapterInfo:
@@ -57,11 +52,12 @@ class AdapterTable:
                                    f"(an adapter trained on other base weights, or changed on the way)")
         self.weights[name] = adapter.weights(name, self.device)
         self.info[name] = AdapterInfo(name, adapter.r, adapter.target_modules, adapter.nbytes, digest)
+        self.adapters[name] = adapter
         return self.info[name]
 
     def remove(self, name: str) -> None:
         self._known(name)
-        del self.weights[name], self.info[name]
+        del self.weights[name], self.info[name], self.adapters[name]
 
     def check_request(self, adapter: str | None) -> None:
         """InvalidRequestError for a request naming an adapter this engine does not serve."""

@@ -122,7 +122,34 @@ class RolloutClient:
         push = WeightPush(self, transport, device, bucket_bytes=bucket_bytes, stage_bytes=stage_bytes, mode=mode)
         return push.load(state_dict, expected_digest)
 
+    def load_adapter(self, name: str, adapter, expected_digest: str | None = None, transport: str = "object_store",
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, stage_bytes: int = DEFAULT_STAGE_BYTES) -> str:
+        """Serve a LoRA adapter on every worker as `name` (a request names it: SamplingParams.adapter); the
+        adapter of that name, if any, is replaced (a new weight version). Only the adapter travels.
+
+        adapter: a rollout_service.lora.LoraAdapter (its tensors on this process's device choose the
+        transport as update_weights does) or a PEFT checkpoint directory (read here). Every worker checks
+        it before serving it: names, shapes and rank against the base, finite values and, where given,
+        `expected_digest` = rollout_service.lora.push_digest(the adapter's digest, its base's), so an
+        adapter for other base weights is refused too. A refused adapter raises AdapterError and every
+        worker keeps serving what it had. Returns push_digest(the adapter's digest, the pool's base)."""
+        from rollout_service.lora import LoraAdapter, load_adapter
+        if not isinstance(adapter, LoraAdapter):
+            adapter = load_adapter(adapter)
+        device = next((t.device for t in adapter.tensors.values()), None) if transport == "auto" else None
+        push = WeightPush(self, transport, device, bucket_bytes=bucket_bytes, stage_bytes=stage_bytes,
+                          adapter=(name, adapter.settings()))
+        return push.load(dict(adapter.tensors), expected_digest)
+
+    def adapters(self) -> dict:
+        """name -> digest of every LoRA adapter the pool serves."""
+        return ray.get(self._pool.adapters.remote())
+
     # the pool's calls of a WeightPush (rollout_service.service.weight_sync.session)
+    def _switch_adapter(self, name: str, ref, expected: str | None, adapter_digest: str) -> str:
+        """An object-store adapter push: every worker to the LoraAdapter of `ref` as `name`."""
+        return _unwrapped(self._pool.load_adapter.remote(name, [ref], expected, adapter_digest))
+
     def _switch_weights(self, ref, digest: str, mode: str) -> str:
         """An object-store push: every worker to the weights of `ref`, whose digest is `digest`."""
         return _unwrapped(self._pool.update_weights.remote([ref], digest, mode))

@@ -146,6 +146,15 @@ class _PoolActor:
         them once every worker has answered, so a refused push leaves every worker on the weights it had."""
         return await self._pushes.switch(weights_box[0], expected, mode)
 
+    async def load_adapter(self, name: str, adapter_box: list, expected: str | None, adapter_digest: str) -> str:
+        """Every worker to serve the LoRA adapter in `adapter_box[0]` (an ObjectRef of a LoraAdapter) as
+        `name`; each checks it before serving it, so a refused adapter changes nothing (coordinator)."""
+        return await self._pushes.switch_adapter(name, adapter_box[0], expected, adapter_digest)
+
+    async def adapters(self) -> dict:
+        """name -> the digest of every adapter the workers serve."""
+        return {name: held[1] for name, held in self.workers.adapters.items()}
+
     # bucketed pushes (weight_sync.WeightPush): begin, the sender's buckets, end (weight_sync.coordinator)
     async def begin_weight_sync(self, wire: bytes) -> dict:
         return await self._pushes.begin(wire)

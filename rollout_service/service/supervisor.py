@@ -11,6 +11,7 @@ import ray
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 import kernels as K
+from rollout_service.lora import push_digest
 from rollout_service.ray_placement import on_bundle, release, reserve
 from rollout_service.service.ray_cluster import original_error, placement_report
 from rollout_service.service.worker import RolloutWorker
@@ -57,6 +58,9 @@ class WorkerSupervisor:
         self.slots = [WorkerSlot(i) for i in range(num_workers)]
         self._model = None  # model path, or an ObjectRef of the model
         self._weights_ref = None  # last weights pushed (an ObjectRef, or FROM_PEER), which restarts load
+        # LoRA adapters every worker serves: name -> [source (an ObjectRef of the LoraAdapter, or
+        # FROM_PEER), the adapter's own digest]; restarts load them after the weights
+        self.adapters: dict[str, list] = {}
         self.digest = None
         self.spec = None  # name -> shape of the weights every push must carry (None: TP workers)
         self.canonical = None  # kernels.CanonicalConfig of every worker
@@ -159,6 +163,12 @@ class WorkerSupervisor:
         self._weights_ref, self.digest = weights_ref, digest
         self._version += 1
 
+    def adopt_adapter(self, name: str, source, adapter_digest: str) -> None:
+        """Adapter `name` every worker serves from now on (restarts load it): an ObjectRef of the
+        LoraAdapter, or FROM_PEER. A new weight version, as a push of the weights is."""
+        self.adapters[name] = [source, adapter_digest]
+        self._version += 1
+
     @property
     def weight_version(self) -> int:
         """How many pushes the pool has adopted: 0 for the weights it started with, +1 per adopted push."""
@@ -250,6 +260,25 @@ class WorkerSupervisor:
                 delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
 
     async def _load_current(self, actor, slot: WorkerSlot, version: int) -> str:
+        digest = await self._load_weights(actor, slot, version)
+        for name, held in list(self.adapters.items()):
+            want = push_digest(held[1], digest)
+            if held[0] is FROM_PEER:
+                held[0] = self._from_peer(slot, "adapters").adapter.remote(name)
+            got = await actor.load_adapter.remote(name, held[0], None, version)
+            if got != want:
+                raise WeightMismatchError(f"restarted worker {slot.index} serves adapter {name!r} with digest "
+                                          f"{got}, expected {want}")
+        return digest
+
+    def _from_peer(self, slot: WorkerSlot, what: str):
+        """A ready worker other than `slot`'s, to copy `what` from."""
+        peers = [s for s in self.slots if s.state == "ready" and s is not slot]
+        if not peers:
+            raise NoCurrentWeights(f"no live worker holds the current {what} (and their sender's copy is gone)")
+        return peers[0].actor
+
+    async def _load_weights(self, actor, slot: WorkerSlot, version: int) -> str:
         if self._weights_ref is None:
             return await actor.weights_digest.remote()
         if self._weights_ref is not FROM_PEER:
@@ -260,10 +289,7 @@ class WorkerSupervisor:
                     raise
         # Pushed worker to worker, or their sender (the object's owner) is gone: copy them from a
         # ready worker, into an object this actor owns.
-        peers = [s for s in self.slots if s.state == "ready" and s is not slot]
-        if not peers:
-            raise NoCurrentWeights("no live worker holds the current weights (and their sender's copy is gone)")
-        self._weights_ref = peers[0].actor.state_dict.remote()
+        self._weights_ref = self._from_peer(slot, "weights").state_dict.remote()
         return await actor.update_weights.remote(self._weights_ref, self.digest, version)
 
     # -- status and shutdown -----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from rollout_service.engine.config import ParallelConfig, split_worker_options
 from rollout_service.engine.engine import Engine
 from rollout_service.engine.model_loading import load_model
 from rollout_service.engine.tp import create_tp_group
+from rollout_service.lora import push_digest
 from rollout_service.service.engine_server import EngineServer
 from rollout_service.service.ray_cluster import actor_gpu_ids
 from rollout_service.service.switch_modes import SWITCH_IN_FLIGHT, check_switch_mode
@@ -157,6 +158,38 @@ class RolloutWorker(EngineServer):
 
     async def weights_digest(self) -> str:
         return await self._call(self._engine.weights_digest)
+
+    # -- LoRA adapters (an engine with capabilities().lora_adapters: engine/protocol.py LoraEngine) -------
+
+    async def load_adapter(self, name: str, adapter, expected_digest: str | None = None,
+                           version: int | None = None) -> str:
+        """Serve `adapter` (a rollout_service.lora.LoraAdapter, or a PEFT checkpoint directory this worker
+        can read) as `name`, drained like a whole-weights push, later tokens stamped with `version`.
+        Returns push_digest(the adapter's digest, the base's). A refused adapter (AdapterError: wrong
+        base, rank, target module, values or `expected_digest`) changes nothing."""
+        self._start()
+        if not self._engine.capabilities().lora_adapters:
+            raise ValueError(f"this worker's engine ({type(self._engine).__name__}) serves no LoRA adapters")
+        async with self._update_lock:
+            await self._drain()
+            try:
+                return await self._call(self._load_adapter, name, adapter, expected_digest, version)
+            finally:
+                self._resume()
+
+    def _load_adapter(self, name: str, adapter, expected_digest: str | None, version: int | None) -> str:
+        self._wake_engine()
+        info = self._engine.load_adapter(name, adapter, expected_digest, version)
+        self._set_version(version)
+        return push_digest(info.digest, self._engine.weights_digest())
+
+    async def adapter(self, name: str):
+        """A host copy of adapter `name` as served (a restarted peer loads it from here)."""
+        def snapshot():
+            held = self._engine.lora.adapters[name]
+            return type(held)(**held.settings(), tensors={k: t.detach().to("cpu", copy=True)
+                                                          for k, t in held.tensors.items()})
+        return await self._call(snapshot)
 
     # -- sleep (colocated placement) ---------------------------------------------------------------
     # Rule: sleeping is the engine's memory released for another process on the GPU (a trainer

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from rollout_service.lora import push_digest
 from rollout_service.service.ray_cluster import original_error
 from rollout_service.service.supervisor import FROM_PEER, WorkerSupervisor
 from rollout_service.service.switch_modes import DRAIN, check_switch_mode
@@ -60,17 +61,46 @@ class PushCoordinator:
             version = self.workers.weight_version + 1
             self.min_version = version  # new requests wait for a worker on the new weights
             try:
-                causes = await asyncio.gather(*(self._switch_one(s, ref, expected, version, mode) for s in slots))
+                causes = await asyncio.gather(*(self._switch_one(
+                    s, s.actor.update_weights.remote(ref, expected, version, mode), expected, version) for s in slots))
                 return await self._settle(slots, causes, expected, ref)
             finally:
-                async with self.workers.cond:
-                    self.min_version = self.workers.weight_version
-                    self.workers.cond.notify_all()
+                await self._settled_version()
 
-    async def _switch_one(self, slot: WorkerSlot, ref, expected: str, version: int, mode: str):
-        """One worker's switch; it takes new requests as soon as it holds the new weights."""
+    async def switch_adapter(self, name: str, ref, expected: str | None, adapter_digest: str) -> str:
+        """Every worker to serve the LoRA adapter of `ref` (a LoraAdapter each worker fetches) as `name`,
+        drained. Each worker checks it (against its base, and `expected`: push_digest of adapter and
+        base) before serving it; returns push_digest(adapter_digest, the pool's base digest)."""
+        async with self._exclusive():
+            slots = self._lora_receivers()
+            version = self.workers.weight_version + 1
+            self.min_version = version
+            want = push_digest(adapter_digest, self.workers.digest)
+            try:
+                causes = await asyncio.gather(*(self._switch_one(
+                    s, s.actor.load_adapter.remote(name, ref, expected, version), want, version) for s in slots))
+                return await self._settle(slots, causes, want, ref,
+                                          adopt=lambda source, _: self.workers.adopt_adapter(name, source, adapter_digest))
+            finally:
+                await self._settled_version()
+
+    def _lora_receivers(self) -> list[WorkerSlot]:
+        slots = self._receivers()
+        cannot = [s.index for s in slots if not getattr(s.info.get("capabilities"), "lora_adapters", False)]
+        if cannot:
+            raise ValueError(f"rollout workers {cannot} serve no LoRA adapters (their engine cannot)")
+        return slots
+
+    async def _settled_version(self) -> None:
+        async with self.workers.cond:
+            self.min_version = self.workers.weight_version
+            self.workers.cond.notify_all()
+
+    async def _switch_one(self, slot: WorkerSlot, call, expected: str, version: int):
+        """One worker's switch (`call`: its pending remote call); it takes new requests as soon as it
+        holds the new weights."""
         try:
-            result = await slot.actor.update_weights.remote(ref, expected, version, mode)
+            result = await call
         except RayTaskError as e:
             return e.cause
         except Exception as e:  # RayActorError: the worker died
@@ -81,9 +111,10 @@ class PushCoordinator:
                 self.workers.cond.notify_all()
         return result
 
-    async def _settle(self, slots: list[WorkerSlot], results: list, expected: str, source) -> str:
-        """Adopt a push that at least one worker verifiably loaded; restart the workers that failed it
-        (they come back with the adopted weights). A push no worker loaded changes nothing."""
+    async def _settle(self, slots: list[WorkerSlot], results: list, expected: str, source, adopt=None) -> str:
+        """Adopt a push that at least one worker verifiably loaded (adopt(source, expected); default: the
+        pool's weights); restart the workers that failed it (they come back with what was adopted). A
+        push no worker loaded changes nothing."""
         loaded = [s for s, r in zip(slots, results) if r == expected]
         refused = [(s, r) for s, r in zip(slots, results) if isinstance(r, WeightMismatchError)]
         if not loaded:
@@ -96,7 +127,7 @@ class PushCoordinator:
             if isinstance(first, WeightMismatchError):
                 raise first
             raise RuntimeError(f"no worker loaded the weights: {results!r}")
-        self.workers.adopt_weights(source, expected)
+        (adopt or self.workers.adopt_weights)(source, expected)
         self.min_version = self.workers.weight_version
         await self.workers.now_current(loaded)
         bad = []
@@ -150,7 +181,7 @@ class PushCoordinator:
     async def _begin_workers(self, plan: SyncPlan):
         """The pool's checks, then every worker's begin: (the workers, when the checks ended, their answers)."""
         plan.check(self.workers.spec)
-        slots = self._receivers()
+        slots = self._lora_receivers() if plan.adapter is not None else self._receivers()
         if plan.transport == "ipc":  # by the workers' reports, before any is touched (each checks its
             # own device again when it opens the buffer: WeightReceiver.receive_ipc)
             elsewhere = [s.index for s in slots if s.info.get("gpu") != plan.gpu_uuid]
@@ -224,7 +255,13 @@ class PushCoordinator:
                     if r is not None:
                         self.workers.restart_later(slot, f"an abandoned push left part of it loaded ({r!r})")
                 raise RuntimeError(f"weight push abandoned: {error}")
-            digest = await self._settle(slots, results, plan.digest, FROM_PEER)
+            if plan.adapter is None:
+                digest = await self._settle(slots, results, plan.digest, FROM_PEER)
+            else:  # an adapter push: adopted as the adapter of its name; its digest with the base's
+                name = plan.adapter["name"]
+                await self._settle(slots, results, plan.digest, FROM_PEER,
+                                   adopt=lambda source, d: self.workers.adopt_adapter(name, source, d))
+                digest = push_digest(plan.digest, self.workers.digest)
             return {"digest": digest, "worker_seconds": seconds, "seconds": time.perf_counter() - start}
         finally:
             await exclusive.__aexit__(None, None, None)

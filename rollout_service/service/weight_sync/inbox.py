@@ -15,6 +15,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from rollout_service.lora import LoraAdapter
+
 from .plan import SyncPlan
 from .receiver import WeightReceiver
 
@@ -37,6 +39,7 @@ class PushInbox:
         self._abandoned: str | None = None  # why the ipc push in progress was abandoned
         self._groups: dict[str, tuple] = {}  # broadcast groups kept between pushes (groups.py)
         self._ipc_buffers: dict = {}  # the sender's kept stage, opened by ipc, kept between pushes
+        self._adapter_tensors: dict = {}  # an adapter push's tensors as they arrive
 
     async def begin(self, wire: bytes, rank: int, world_size: int) -> dict:
         """Drain, then wait for the sender's buckets (the plan: SyncPlan's wire form). Returns
@@ -53,7 +56,14 @@ class PushInbox:
             if plan.new_group:  # a worker serves one pool: a new group replaces any it held
                 self._groups.clear()
             engine = self._engine
-            self._receiver = WeightReceiver(plan, engine.device, engine.load_named_weights, rank, world_size,
+            if plan.adapter is not None and not engine.capabilities().lora_adapters:
+                raise ValueError("this worker's engine serves no LoRA adapters")
+            # an adapter's tensors are kept apart (copied: the buffer is the sender's, or reused) and
+            # served as the adapter once all have arrived and been checked (_adopt)
+            self._adapter_tensors = {}
+            load = engine.load_named_weights if plan.adapter is None else (
+                lambda named: self._adapter_tensors.update({n: t.clone() for n, t in named}))
+            self._receiver = WeightReceiver(plan, engine.device, load, rank, world_size,
                                             self._groups, engine.wait_host_copies, self._ipc_buffers, wake=self._wake)
             self._receiving = self._on_engine_thread(self._receiver.receive_all) \
                 if plan.transport == "broadcast" else asyncio.get_running_loop().create_future()
@@ -117,22 +127,33 @@ class PushInbox:
                 if error is None and not receiver.declined:
                     return await self._on_engine_thread(self._adopt, receiver)
             except Exception as e:
-                if receiver.loaded_any:  # the engine holds part of the push: only a restart mends that
+                if self._holds_part(receiver):  # the engine holds part of the push: only a restart mends that
                     raise RuntimeError(f"this worker loaded part of the push, then: {e!r}") from e
                 raise
-            if receiver.loaded_any:
+            if self._holds_part(receiver):
                 raise RuntimeError(f"the push was abandoned after part of it was loaded: {error}")
             return {"digest": None, "seconds": receiver.seconds}
         finally:
             self._receiver = self._receiving = self._abandoned = None
+            self._adapter_tensors = {}
             self._release()
+
+    @staticmethod
+    def _holds_part(receiver: WeightReceiver) -> bool:
+        """Whether the engine holds part of the push: an adapter's tensors reach it only whole (_adopt)."""
+        return receiver.loaded_any and receiver.plan.adapter is None
 
     def _adopt(self, receiver: WeightReceiver) -> dict:
         """On the engine thread, in one call: the push checked complete, the engine's load finished and
         the version taken (end's result)."""
         digest = receiver.finish()
         start = time.perf_counter()
-        self._engine.finish_weight_load()
+        adapter = receiver.plan.adapter
+        if adapter is None:
+            self._engine.finish_weight_load()
+        else:
+            self._engine.load_adapter(adapter["name"], LoraAdapter.from_settings(adapter, self._adapter_tensors),
+                                      adapter["expected"], receiver.plan.version)
         self._set_version(receiver.plan.version)
         return {"digest": digest, "seconds": {**receiver.seconds, "engine": time.perf_counter() - start}}
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout_service.lora import LoraAdapter, check_layout, projection_shapes_of_spec
 from rollout_service.weights import WeightMismatchError, check_fit, digest_of_fingerprints
 
 TRANSPORTS = ("object_store", "broadcast", "ipc")
@@ -60,6 +61,9 @@ class SyncPlan:
     # the buckets lie one after another in the sender's stage: a receiver keeps them so too, in one
     # buffer of the whole push, so no bucket is written where another was
     staged: bool = False
+    # a LoRA adapter push: {"name", LoraAdapter.settings()..., "expected": push_digest or None}; the
+    # workers serve the tensors as that adapter (None: the model's weights)
+    adapter: dict | None = None
     _buckets: list | None = field(default=None, init=False, repr=False, compare=False)
 
     # Rule: the buckets are derived, not shipped. Every side computes them from the shapes with the
@@ -117,7 +121,10 @@ class SyncPlan:
         if spec is None:
             raise ValueError(f"these workers cannot receive weights by {self.transport} (tensor-parallel "
                              f"workers take transport='object_store')")
-        check_fit(spec, self.shapes)
+        if self.adapter is None:
+            check_fit(spec, self.shapes)
+        else:
+            check_layout(LoraAdapter.from_settings(self.adapter, {}), self.shapes, projection_shapes_of_spec(spec))
         if self.fingerprints is not None:
             raise ValueError("a push's fingerprints come with its go, not in its plan")
 

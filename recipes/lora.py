@@ -1,0 +1,34 @@
+"""The trainer's LoRA adapter: PEFT's layers put into the (patched) model, and the adapter's tensors out
+of it by PEFT's names, for pushes and checkpoints.
+
+The canonical forward runs PEFT's LoRA layers itself (kernels/lora.py), so the adapter the ranks train is
+the one the rollout workers serve, bit for bit.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+# a trainer state-dict name of an adapter tensor: PEFT's, with the adapter's name ("default") inside
+_TRAINER_KEY = re.compile(r"^(.*\.lora_[AB])\.default\.weight$")
+
+
+def add_lora(model: torch.nn.Module, peft_config) -> torch.nn.Module:
+    """PEFT's LoRA layers (adapter "default") into `model` in place, before fully_shard: the base's
+    parameters frozen as they are, the adapter's trainable in float32 (its master weights)."""
+    from peft import inject_adapter_in_model
+    inject_adapter_in_model(peft_config, model)
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            p.data = p.data.float()
+        elif p.requires_grad:
+            raise RuntimeError(f"{name} is trainable beside the LoRA adapter")
+    return model
+
+
+def adapter_key(name: str) -> str | None:
+    """PEFT's saved name of a trainer state-dict entry of the adapter (model.layers.0.self_attn.q_proj.
+    lora_A.weight), or None for the base's entries."""
+    m = _TRAINER_KEY.match(name)
+    return None if m is None else f"{m.group(1)}.weight"
