@@ -133,7 +133,8 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
         ranks = dataclasses.replace(trainer_cfg, placement=dataclasses.replace(
             rank_placement, resources_per_rank=with_tree_width(rank_placement.resources_per_rank, width)))
         trainer = TrainerGroup(ranks, model, rollout_cfg.temperature, cfg.numerics, colocate_with=shared,
-                               first_bundle=ranks_first_bundle(cfg), memory_plan=memory_plan, lora=cfg.model.lora)
+                               first_bundle=ranks_first_bundle(cfg), memory_plan=memory_plan, lora=cfg.model.lora,
+                               seed=cfg.seed)
         job.gpus = {"rollout": [g for w in pool.stats()["workers"] for g in w["gpu_ids"]],
                     "trainer": trainer.gpu_ids}
         if canonical:

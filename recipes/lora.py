@@ -14,11 +14,16 @@ import torch
 _TRAINER_KEY = re.compile(r"^(.*\.lora_[AB])\.default\.weight$")
 
 
-def add_lora(model: torch.nn.Module, peft_config) -> torch.nn.Module:
+def add_lora(model: torch.nn.Module, peft_config, seed: int) -> torch.nn.Module:
     """PEFT's LoRA layers (adapter "default") into `model` in place, before fully_shard: the base's
-    parameters frozen as they are, the adapter's trainable in float32 (its master weights)."""
+    parameters frozen as they are, the adapter's trainable in float32 (its master weights). Rule: PEFT
+    draws lora_A from torch's global generator, so it draws here from one seeded by `seed` (the run's):
+    every rank makes the same whole adapter before fully_shard keeps its shard, and a run made again
+    starts from the same adapter."""
     from peft import inject_adapter_in_model
-    inject_adapter_in_model(peft_config, model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(peft_config, model)
     for name, p in model.named_parameters():
         if ".lora_" in name:
             p.data = p.data.float()

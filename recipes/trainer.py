@@ -55,14 +55,14 @@ class TrainerRank:
     """One rank. Created by TrainerGroup as a Ray actor; every method except `address` is collective."""
 
     def __init__(self, rank: int, world_size: int, cfg: TrainerConfig, temperature: float,
-                 numerics: str = "canonical", memory_plan: MemoryPlan | None = None, lora=None):
+                 numerics: str = "canonical", memory_plan: MemoryPlan | None = None, lora=None, seed: int = 0):
         """memory_plan: the run's (recipes.memory_plan), or None. A CUDA rank checks it against its GPU
         before taking any memory, names it when a step runs out of memory, and gives its cached memory
         back before an engine sleeping on its GPU wakes (MemoryPlan.engine_wakes_after_step).
         lora: a recipes.config.model.LoraSection: train a PEFT LoRA adapter on the frozen bf16 base (see
-        setup); None: the whole model, in float32 master weights."""
+        setup); None: the whole model, in float32 master weights. seed: the run's (the adapter's start)."""
         self.rank, self.world, self.cfg, self.numerics = rank, world_size, cfg, numerics
-        self.lora = lora
+        self.lora, self.seed = lora, seed
         self.memory_plan = memory_plan
         self.temperature = float(temperature) if temperature > 0 else 1.0
         torch.set_num_threads(cfg.placement.torch_threads or 1)
@@ -101,7 +101,7 @@ class TrainerRank:
         if self.numerics == "canonical":
             patch_model(model)
         if self.lora is not None:
-            add_lora(model, self.lora.peft_config())
+            add_lora(model, self.lora.peft_config(), self.seed)
         else:  # the stock arm: the model's own forward with its best stock attention
             model.config._attn_implementation = "sdpa"
         if self.cfg.batching.activation_checkpointing:

@@ -15,14 +15,16 @@ class TrainerGroup:
     """Driver-side handle: starts the ranks, forms the process group, fans calls out to all ranks."""
 
     def __init__(self, cfg: TrainerConfig, model: torch.nn.Module, temperature: float, numerics: str = "canonical",
-                 colocate_with=None, first_bundle: int = 0, memory_plan: MemoryPlan | None = None, lora=None):
+                 colocate_with=None, first_bundle: int = 0, memory_plan: MemoryPlan | None = None, lora=None,
+                 seed: int = 0):
         """colocate_with: a placement group of the caller's whose bundles other actors share: rank r takes
         a share of bundle first_bundle + r. The colocated placement shares bundle r with rollout worker
         r; two jobs taking steps in turns on the same GPUs share each bundle (bench.grpo_step
         --interleave; a split job's ranks come after its workers' bundles). Without it, GPU ranks
         reserve a group of their own. `gpu_ids`: the GPUs Ray gave each rank, in rank order.
         memory_plan: the run's (recipes.memory_plan), given to every rank (TrainerRank). lora: the run's
-        model.lora section (recipes.config.model.LoraSection), or None: the ranks train the whole model."""
+        model.lora section (recipes.config.model.LoraSection), or None: the ranks train the whole model;
+        seed: the run's (where the adapter starts)."""
         import ray
 
         self.world = cfg.num_ranks
@@ -44,7 +46,7 @@ class TrainerGroup:
             per_rank = [dict(opts, scheduling_strategy=on_bundle(self.placement, r)) for r in range(self.world)]
         actor = ray.remote(TrainerRank)
         self.ranks = [actor.options(**per_rank[r]).remote(r, self.world, cfg, temperature, numerics, memory_plan,
-                                                             lora)
+                                                             lora, seed)
                       for r in range(self.world)]
         try:
             addr, port = ray.get(self.ranks[0].address.remote())
