@@ -37,3 +37,15 @@ def adapter_key(name: str) -> str | None:
     lora_A.weight), or None for the base's entries."""
     m = _TRAINER_KEY.match(name)
     return None if m is None else f"{m.group(1)}.weight"
+
+
+def adapter_settings(section) -> dict:
+    """A model.lora section's adapter settings as the pool takes them (rollout_service.lora.LoraAdapter.settings)."""
+    peft = section.peft_config()
+    return {"r": peft.r, "alpha": float(peft.lora_alpha), "target_modules": tuple(sorted(peft.target_modules)),
+            "use_rslora": False}
+
+
+def adapter_state(state_dict: dict) -> dict:
+    """The adapter's entries of a trainer's full state dict, by PEFT's names, in bf16 (what a push carries)."""
+    return {adapter_key(k): v.to(torch.bfloat16) for k, v in state_dict.items() if adapter_key(k) is not None}

@@ -38,7 +38,7 @@ from trainer_patch import (
 from .batch import real_tokens
 from .config import TrainerConfig
 from .grpo_loss import clipped_pg_loss
-from .lora import adapter_key, add_lora
+from .lora import adapter_settings, adapter_state, add_lora
 from .memory_plan import (
     MemoryPlan,
     TrainerOutOfMemory,
@@ -117,7 +117,7 @@ class TrainerRank:
         self.opt = torch.optim.AdamW(trained, lr=optimizer.lr, betas=tuple(optimizer.betas),
                                      weight_decay=optimizer.weight_decay)
         self.weight_push = RankWeightPush(self.rank, self.world, self.cfg, self.device, model, self.full_state_dict,
-                                          adapter=None if self.lora is None else (self.lora.name, self._adapter_settings()))
+                                          adapter=None if self.lora is None else (self.lora.name, adapter_settings(self.lora), None))
         canonical = K.canonical_config(self.device) if self.numerics == "canonical" else None
         self.num_params = sum(p.numel() for p in model.parameters())
         return {"num_params": self.num_params, "canonical": canonical,
@@ -249,14 +249,8 @@ class TrainerRank:
         if self.rank != 0:
             return None
         if self.lora is not None:
-            return {adapter_key(k): v.to(torch.bfloat16) for k, v in sd.items() if adapter_key(k) is not None}
+            return adapter_state(sd)
         return {k: v.to(torch.bfloat16) for k, v in sd.items()}
-
-    def _adapter_settings(self) -> dict:
-        """The trained adapter's settings (rollout_service.lora.LoraAdapter.settings)."""
-        peft = self.lora.peft_config()
-        return {"r": peft.r, "alpha": float(peft.lora_alpha), "target_modules": tuple(sorted(peft.target_modules)),
-                "use_rslora": False}
 
     def push_weights(self, pool, overlap: bool = False, after_train_step: bool = False) -> dict | None:
         """Load the weights into the rollout pool `pool` (its RolloutClient; rank 0 sends; every rank takes part in the gathers);
@@ -286,15 +280,14 @@ class TrainerRank:
         return self.weight_push.finish()
 
     def save(self, path: str) -> None:
-        """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`; with LoRA also
-        the adapter as a PEFT checkpoint in `path`/adapter (adapter_config.json + adapter_model.safetensors,
-        what PeftModel.from_pretrained and RolloutClient.load_adapter read)."""
+        """Sharded model + optimizer checkpoint (torch.distributed.checkpoint) under `path`; with LoRA also the
+        adapter as a PEFT checkpoint in `path`/adapter (PeftModel.from_pretrained and load_adapter read it)."""
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         if self.lora is not None:
             adapter = self.full_state_dict()  # collective
             if adapter is not None:
-                save_adapter(LoraAdapter.from_settings(self._adapter_settings(), adapter), os.path.join(path, "adapter"))
+                save_adapter(LoraAdapter.from_settings(adapter_settings(self.lora), adapter), os.path.join(path, "adapter"))
 
     def load(self, path: str) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.opt)

@@ -27,10 +27,10 @@ class RankWeightPush:
     ranks), for the object-store transport."""
 
     def __init__(self, rank: int, world: int, cfg: TrainerConfig, device: torch.device, model: torch.nn.Module,
-                 full_state_dict, adapter: tuple[str, dict] | None = None):
+                 full_state_dict, adapter: tuple[str, dict, None] | None = None):
         self.rank, self.world, self.cfg, self.device, self.model = rank, world, cfg, device, model
         self._full_state_dict = full_state_dict
-        # a LoRA run: (the adapter's name on the pool, its settings); a push sends the adapter alone
+        # a LoRA run: (the adapter's name on the pool, its settings, None); a push sends the adapter alone
         self.adapter = adapter
         self._rename = None if adapter is None else adapter_key
         self._sending = None  # rank 0: (thread, push, outcome) of a push still sending (push overlap)

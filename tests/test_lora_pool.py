@@ -17,7 +17,7 @@ from test_weight_sync import shared_wait  # noqa: E402
 from rollout_service import SamplingParams, start_pool  # noqa: E402
 from rollout_service.lora import AdapterError, LoraAdapter, adapter_from_model, push_digest, save_adapter  # noqa: E402
 from rollout_service.service.weight_sync import WeightPush  # noqa: E402
-from rollout_service.weights import WeightMismatchError, model_digest  # noqa: E402
+from rollout_service.weights import WeightMismatchError  # noqa: E402
 
 PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10], [11]]
 TRANSPORTS = [("object_store", 0), ("broadcast", 1 << 30), ("broadcast", 0)]
@@ -82,7 +82,7 @@ def test_adapter_push_serves_each_request_its_adapters_logprobs(pool, checkpoint
 
 def test_only_the_adapter_travels(pool, adapters):
     _, adapter = adapters["a"]
-    push = WeightPush(pool, "broadcast", adapter=("a", adapter.settings()))
+    push = WeightPush(pool, "broadcast", adapter=("a", adapter.settings(), None))
     push.load(dict(adapter.tensors))
     assert set(push.plan.shapes) == set(adapter.tensors)
     sent = sum(torch.Size(s).numel() * 2 for s in push.plan.shapes.values())  # bf16 on the wire
@@ -131,7 +131,7 @@ def test_a_restarted_worker_serves_the_adapters_again(pool, adapters, transport)
     restarts = pool.stats()["workers"][0]["restarts"]
     ray.kill(pool.workers()[0])
     shared_wait(lambda: pool.stats()["workers"][0]["restarts"] == restarts + 1
-                and pool.stats()["workers"][0]["state"] == "ready", "the restart")
+                and pool.stats()["workers"][0]["state"] == "ready", "the restart", pool=pool)
     assert ray.get(pool.workers()[0].adapter.remote(name)).digest() == adapter.digest()
     assert logprob_bits(_served(pool, [name] * 4)) == want
 

@@ -59,6 +59,11 @@ class AdapterTable:
         self._known(name)
         del self.weights[name], self.info[name], self.adapters[name]
 
+    def adapter(self, name: str) -> LoraAdapter:
+        """Adapter `name` as it was loaded."""
+        self._known(name)
+        return self.adapters[name]
+
     def check_request(self, adapter: str | None) -> None:
         """InvalidRequestError for a request naming an adapter this engine does not serve."""
         if adapter is not None:

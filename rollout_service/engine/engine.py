@@ -196,6 +196,9 @@ class Engine:
     def adapters(self) -> dict:
         return dict(self.lora.info)
 
+    def adapter(self, name: str):
+        return self.lora.adapter(name)
+
     # bucketed pushes (rollout_service.service.weight_sync): tensors already checked against the sender's
     def weight_spec(self) -> dict[str, tuple[int, ...]]:
         return weight_spec(self.model)

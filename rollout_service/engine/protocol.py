@@ -120,7 +120,7 @@ class LoraEngine(RolloutEngine, Protocol):
     def load_adapter(self, name: str, adapter, expected_digest: str | None = None,
                      version: int | None = None):
         """Check and serve `adapter` (a rollout_service.lora.LoraAdapter or a PEFT checkpoint directory);
-        expected_digest: rollout_service.engine.adapters.push_digest(adapter's, base's). Returns its AdapterInfo."""
+        expected_digest: rollout_service.lora.push_digest(adapter's, base's). Returns its AdapterInfo."""
         ...
 
     def remove_adapter(self, name: str) -> None:
@@ -128,4 +128,8 @@ class LoraEngine(RolloutEngine, Protocol):
 
     def adapters(self) -> dict:
         """name -> AdapterInfo of every adapter served."""
+        ...
+
+    def adapter(self, name: str):
+        """The LoraAdapter served as `name`, as it was loaded."""
         ...

@@ -138,20 +138,19 @@ class RolloutClient:
             adapter = load_adapter(adapter)
         device = next((t.device for t in adapter.tensors.values()), None) if transport == "auto" else None
         push = WeightPush(self, transport, device, bucket_bytes=bucket_bytes, stage_bytes=stage_bytes,
-                          adapter=(name, adapter.settings()))
-        return push.load(dict(adapter.tensors), expected_digest)
+                          adapter=(name, adapter.settings(), expected_digest))
+        return push.load(dict(adapter.tensors))
 
     def adapters(self) -> dict:
         """name -> digest of every LoRA adapter the pool serves."""
         return ray.get(self._pool.adapters.remote())
 
     # the pool's calls of a WeightPush (rollout_service.service.weight_sync.session)
-    def _switch_adapter(self, name: str, ref, expected: str | None, adapter_digest: str) -> str:
-        """An object-store adapter push: every worker to the LoraAdapter of `ref` as `name`."""
-        return _unwrapped(self._pool.load_adapter.remote(name, [ref], expected, adapter_digest))
-
-    def _switch_weights(self, ref, digest: str, mode: str) -> str:
-        """An object-store push: every worker to the weights of `ref`, whose digest is `digest`."""
+    def _switch_weights(self, ref, digest: str, mode: str, adapter: dict | None = None) -> str:
+        """An object-store push: every worker to the weights of `ref`, whose digest is `digest`; with
+        `adapter` (WeightPush.adapter), to serve the LoraAdapter of `ref` as that adapter."""
+        if adapter is not None:
+            return _unwrapped(self._pool.load_adapter.remote(adapter["name"], [ref], adapter["expected"], digest))
         return _unwrapped(self._pool.update_weights.remote([ref], digest, mode))
 
     def _begin_weight_sync(self, plan, wait: bool = True):

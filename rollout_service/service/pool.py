@@ -153,7 +153,7 @@ class _PoolActor:
 
     async def adapters(self) -> dict:
         """name -> the digest of every adapter the workers serve."""
-        return {name: held[1] for name, held in self.workers.adapters.items()}
+        return self.workers.current.adapter_digests()
 
     # bucketed pushes (weight_sync.WeightPush): begin, the sender's buckets, end (weight_sync.coordinator)
     async def begin_weight_sync(self, wire: bytes) -> dict:

@@ -8,12 +8,12 @@ import asyncio
 import logging
 
 import ray
-from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
 import kernels as K
-from rollout_service.lora import push_digest
 from rollout_service.ray_placement import on_bundle, release, reserve
 from rollout_service.service.ray_cluster import original_error, placement_report
+from rollout_service.service.current_weights import CurrentWeights, NoCurrentWeights
 from rollout_service.service.worker import RolloutWorker
 from rollout_service.service.worker_slot import WorkerSlot
 from rollout_service.weights import WeightMismatchError
@@ -31,14 +31,6 @@ MAX_CONCURRENCY = 100_000
 RESTART_BACKOFF_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
 
-# The restart source after a push that went worker to worker (weight_sync): the pool keeps no copy
-# of such weights (a host copy of every push would cost what those pushes save), so a restarted
-# worker copies a ready peer's, or, when no worker holds them, waits "stale" for the next push.
-FROM_PEER = "from a ready peer"
-
-
-class NoCurrentWeights(RuntimeError):
-    """No live worker holds the weights last pushed worker to worker."""
 
 
 class WorkerSupervisor:
@@ -57,10 +49,7 @@ class WorkerSupervisor:
         self._strategy = placement_strategy
         self.slots = [WorkerSlot(i) for i in range(num_workers)]
         self._model = None  # model path, or an ObjectRef of the model
-        self._weights_ref = None  # last weights pushed (an ObjectRef, or FROM_PEER), which restarts load
-        # LoRA adapters every worker serves: name -> [source (an ObjectRef of the LoraAdapter, or
-        # FROM_PEER), the adapter's own digest]; restarts load them after the weights
-        self.adapters: dict[str, list] = {}
+        self.current = CurrentWeights()  # what restarts load: the weights last adopted, the LoRA adapters
         self.digest = None
         self.spec = None  # name -> shape of the weights every push must carry (None: TP workers)
         self.canonical = None  # kernels.CanonicalConfig of every worker
@@ -160,13 +149,13 @@ class WorkerSupervisor:
     def adopt_weights(self, weights_ref, digest: str) -> None:
         """The weights every worker must hold from now on (restarts load them): an ObjectRef, or
         FROM_PEER after a push that reached the workers directly. Called only once they are verified."""
-        self._weights_ref, self.digest = weights_ref, digest
+        self.current.weights, self.digest = weights_ref, digest
         self._version += 1
 
     def adopt_adapter(self, name: str, source, adapter_digest: str) -> None:
         """Adapter `name` every worker serves from now on (restarts load it): an ObjectRef of the
         LoraAdapter, or FROM_PEER. A new weight version, as a push of the weights is."""
-        self.adapters[name] = [source, adapter_digest]
+        self.current.adopt_adapter(name, source, adapter_digest)
         self._version += 1
 
     @property
@@ -260,37 +249,8 @@ class WorkerSupervisor:
                 delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
 
     async def _load_current(self, actor, slot: WorkerSlot, version: int) -> str:
-        digest = await self._load_weights(actor, slot, version)
-        for name, held in list(self.adapters.items()):
-            want = push_digest(held[1], digest)
-            if held[0] is FROM_PEER:
-                held[0] = self._from_peer(slot, "adapters").adapter.remote(name)
-            got = await actor.load_adapter.remote(name, held[0], None, version)
-            if got != want:
-                raise WeightMismatchError(f"restarted worker {slot.index} serves adapter {name!r} with digest "
-                                          f"{got}, expected {want}")
-        return digest
-
-    def _from_peer(self, slot: WorkerSlot, what: str):
-        """A ready worker other than `slot`'s, to copy `what` from."""
-        peers = [s for s in self.slots if s.state == "ready" and s is not slot]
-        if not peers:
-            raise NoCurrentWeights(f"no live worker holds the current {what} (and their sender's copy is gone)")
-        return peers[0].actor
-
-    async def _load_weights(self, actor, slot: WorkerSlot, version: int) -> str:
-        if self._weights_ref is None:
-            return await actor.weights_digest.remote()
-        if self._weights_ref is not FROM_PEER:
-            try:
-                return await actor.update_weights.remote(self._weights_ref, self.digest, version)
-            except (ObjectLostError, RayTaskError) as e:
-                if not isinstance(getattr(e, "cause", e), ObjectLostError):
-                    raise
-        # Pushed worker to worker, or their sender (the object's owner) is gone: copy them from a
-        # ready worker, into an object this actor owns.
-        self._weights_ref = self._from_peer(slot, "weights").state_dict.remote()
-        return await actor.update_weights.remote(self._weights_ref, self.digest, version)
+        peers = [s.actor for s in self.slots if s.state == "ready" and s is not slot]
+        return await self.current.load_into(actor, slot.index, self.digest, version, peers)
 
     # -- status and shutdown -----------------------------------------------------------------------
 

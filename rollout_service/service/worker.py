@@ -16,7 +16,7 @@ from rollout_service.engine.config import ParallelConfig, split_worker_options
 from rollout_service.engine.engine import Engine
 from rollout_service.engine.model_loading import load_model
 from rollout_service.engine.tp import create_tp_group
-from rollout_service.lora import push_digest
+from rollout_service.lora import LoraAdapter, push_digest
 from rollout_service.service.engine_server import EngineServer
 from rollout_service.service.ray_cluster import actor_gpu_ids
 from rollout_service.service.switch_modes import SWITCH_IN_FLIGHT, check_switch_mode
@@ -186,9 +186,9 @@ class RolloutWorker(EngineServer):
     async def adapter(self, name: str):
         """A host copy of adapter `name` as served (a restarted peer loads it from here)."""
         def snapshot():
-            held = self._engine.lora.adapters[name]
-            return type(held)(**held.settings(), tensors={k: t.detach().to("cpu", copy=True)
-                                                          for k, t in held.tensors.items()})
+            held = self._engine.adapter(name)
+            return LoraAdapter.from_settings(held.settings(), {k: t.detach().to("cpu", copy=True)
+                                                               for k, t in held.tensors.items()})
         return await self._call(snapshot)
 
     # -- sleep (colocated placement) ---------------------------------------------------------------

@@ -16,7 +16,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rollout_service.lora import push_digest
 from rollout_service.service.ray_cluster import original_error
-from rollout_service.service.supervisor import FROM_PEER, WorkerSupervisor
+from rollout_service.service.current_weights import FROM_PEER
+from rollout_service.service.supervisor import WorkerSupervisor
 from rollout_service.service.switch_modes import DRAIN, check_switch_mode
 from rollout_service.service.worker_slot import WorkerSlot
 from rollout_service.weights import WeightMismatchError

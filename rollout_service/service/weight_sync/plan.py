@@ -88,7 +88,7 @@ class SyncPlan:
 
     @staticmethod
     def for_push(transport: str, shapes: dict[str, tuple[int, ...]], device: torch.device, staged: bool,
-                 bucket_bytes: int, timeout_s: float) -> SyncPlan:
+                 bucket_bytes: int, timeout_s: float, adapter: dict | None = None) -> SyncPlan:
         """A sender's plan of a push of these tensors from `device`. A staged push by ipc is one bucket:
         the workers read the whole stage in place in one call and check it in one launch. By broadcast
         it goes in buckets, slices of the stage sent back to back, so that a worker checks and loads each
@@ -98,7 +98,7 @@ class SyncPlan:
             raise ValueError("transport='ipc' shares GPU memory; on CPU the object store is the shared-memory "
                              "path (transport='object_store')")
         plan = SyncPlan(transport, None, shapes, None, WHOLE if staged and transport == "ipc" else bucket_bytes,
-                        device.type, timeout_s=timeout_s, staged=staged)
+                        device.type, timeout_s=timeout_s, staged=staged, adapter=adapter)
         if transport == "ipc":
             plan.gpu_uuid = gpu_uuid(device)
         return plan

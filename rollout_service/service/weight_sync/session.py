@@ -45,7 +45,7 @@ class WeightPush:
     def __init__(self, pool, transport: str = "auto", device: torch.device | None = None, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, stage_bytes: int = DEFAULT_STAGE_BYTES,
                  timeout_s: float = 300.0, stage: SenderStage | None = None, mode: str = DRAIN,
-                 adapter: tuple[str, dict] | None = None):
+                 adapter: tuple[str, dict, str | None] | None = None):
         check_switch_mode(mode)
         if mode != DRAIN and transport != "object_store":
             raise ValueError(f"transport {transport!r} pushes in buckets, which switch in 'drain' mode only; "
@@ -56,10 +56,9 @@ class WeightPush:
         self.bucket_bytes, self.stage_bytes, self.timeout_s = int(bucket_bytes), int(stage_bytes), float(timeout_s)
         self.plan: SyncPlan | None = None
         self.digest: str | None = None  # the weights' digest, once checked
-        # a LoRA adapter push (name, LoraAdapter.settings()): its tensors travel as weights do, and the
-        # workers serve them as that adapter; its expected digest (push_digest, of the adapter and the
-        # base) is checked by the workers, which know their base
-        self.adapter = None if adapter is None else {"name": adapter[0], **adapter[1], "expected": None}
+        # a LoRA adapter push, (name, LoraAdapter.settings(), the expected push_digest of adapter and base,
+        # which the workers check: they know their base): SyncPlan.adapter
+        self.adapter = None if adapter is None else {"name": adapter[0], **adapter[1], "expected": adapter[2]}
         self._armed = None  # the pool's begin, asked by announce() and not yet awaited
         self._plan_device = torch.device("cpu")
         self._stage: torch.Tensor | None = None  # the whole push, after a staged check
@@ -80,18 +79,13 @@ class WeightPush:
         """A whole state dict (name -> tensor, on this process's device) checked and sent: staged when it
         fits in stage_bytes (stages_whole), else streamed. Returns the digest every worker holds."""
         check_state_dict_types(state_dict)
-        if self.adapter is not None:
-            self.adapter["expected"], expected_digest = expected_digest, None
         if self.transport == "object_store":
             import ray
             self.digest = state_dict_digest(state_dict)
-            if self.adapter is not None:
-                adapter = LoraAdapter.from_settings(self.adapter, state_dict)
-                return self.pool._switch_adapter(self.adapter["name"], ray.put(adapter), self.adapter["expected"],
-                                                 self.digest)
             check_digest(self.digest, expected_digest)
             # One object for all workers. This process owns it; the pool keeps the ref for restarts.
-            return self.pool._switch_weights(ray.put(state_dict), self.digest, self.mode)
+            sent = state_dict if self.adapter is None else LoraAdapter.from_settings(self.adapter, state_dict)
+            return self.pool._switch_weights(ray.put(sent), self.digest, self.mode, self.adapter)
         named = list(state_dict.items())
         numel = sum(t.numel() for _, t in named)
         staged = stages_whole(numel, self.stage_bytes)
@@ -106,8 +100,7 @@ class WeightPush:
             raise RuntimeError("this push has already begun")
         self._plan_device = device = torch.device(device)
         self.plan = SyncPlan.for_push(self.transport, {n: tuple(s) for n, s in shapes.items()}, device, staged,
-                                      self.bucket_bytes, self.timeout_s)
-        self.plan.adapter = self.adapter
+                                      self.bucket_bytes, self.timeout_s, self.adapter)
         self._armed = self._ask_begin()
 
     def wake(self) -> None:
@@ -196,8 +189,7 @@ class WeightPush:
         else:
             self._plan_device = entries[0][3] if entries else torch.device("cpu")
             self.plan = SyncPlan.for_push(self.transport, shapes, self._plan_device, staged, self.bucket_bytes,
-                                          self.timeout_s)
-            self.plan.adapter = self.adapter
+                                          self.timeout_s, self.adapter)
         self.plan.take_fingerprints([fp for _, _, fp, _ in entries])
         self.digest = self.plan.digest
         check_digest(self.digest, expected_digest)
