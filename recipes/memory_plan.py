@@ -137,12 +137,20 @@ class MemoryPlan:
         return engine_memory(self.cfg, self.model, self.gpu and self.gpu.total_bytes) if self.colocated else None
 
     @property
+    def trained_params(self) -> int:
+        """Parameters with gradients and optimizer state: the whole model's, or a LoRA adapter's."""
+        lora = self.cfg.model.lora
+        return self.model.params if lora is None else self.model.lora_params(lora.r, lora.targets())
+
+    @property
     def sharded_states(self) -> dict[str, int]:
-        m, ranks = self.model, self.cfg.trainer.num_ranks
-        share = f"1/{ranks} of {m.params / 1e9:.2f}B parameters"
-        return {f"master weights (fp32, {share})": MASTER_WEIGHT_BYTES * m.params // ranks,
-                f"gradients (fp32, {share})": GRADIENT_BYTES * m.params // ranks,
-                f"AdamW states (2 x fp32, {share})": ADAM_STATE_BYTES * m.params // ranks}
+        m, ranks, trained = self.model, self.cfg.trainer.num_ranks, self.trained_params
+        share = f"1/{ranks} of {trained / 1e9:.3f}B parameters"
+        terms = {} if self.cfg.model.lora is None else {  # the frozen base: bf16, no gradient, no state
+            f"frozen base weights (bf16, 1/{ranks} of {m.params / 1e9:.2f}B)": BF16 * m.params // ranks}
+        return {**terms, f"master weights (fp32, {share})": MASTER_WEIGHT_BYTES * trained // ranks,
+                f"gradients (fp32, {share})": GRADIENT_BYTES * trained // ranks,
+                f"AdamW states (2 x fp32, {share})": ADAM_STATE_BYTES * trained // ranks}
 
     @property
     def activations(self) -> int:
@@ -165,13 +173,14 @@ class MemoryPlan:
             f"gathered bf16 weights ({GATHERED_LAYERS} layers + embedding and head)":
                 BF16 * (GATHERED_LAYERS * m.largest_layer_params + m.root_params),
             f"unsharded gradients ({GATHERED_LAYERS} layers, bf16 + fp32)":
-                UNSHARDED_GRADIENT_BYTES * GATHERED_LAYERS * m.largest_layer_params,
+                UNSHARDED_GRADIENT_BYTES * GATHERED_LAYERS * min(m.largest_layer_params,
+                                                                 self.trained_params // m.layers + 1),
             f"activations ({tokens} tokens{checkpointed})": self.activations,
             "backward working set (one layer's gradients)":
                 BACKWARD_WORKSPACE_LAYERS * tokens * m.largest_layer_saved_bytes_per_token,
             f"lm head logits (a chunk of {min(tokens, HEAD_CHUNK_ROWS)} rows, fp32)":
                 LOGITS_CHUNK_BYTES * min(tokens, HEAD_CHUNK_ROWS) * m.vocab,
-            "lm head weight gradient": HEAD_GRADIENT_BYTES * m.vocab * m.hidden,
+            "lm head weight gradient": HEAD_GRADIENT_BYTES * m.vocab * m.hidden if self.cfg.model.lora is None else 0,
             "weight push stage (bf16, rank 0, kept between pushes)": push_stage_bytes(self.cfg, m),
         })
         engine = self.engine
@@ -187,7 +196,7 @@ class MemoryPlan:
         m, ranks = self.model, self.cfg.trainer.num_ranks
         terms = dict(self.sharded_states)
         terms.update({
-            "AdamW step temporaries (fp32)": OPTIMIZER_STEP_BYTES * m.params // ranks,
+            "AdamW step temporaries (fp32)": OPTIMIZER_STEP_BYTES * self.trained_params // ranks,
             "weight push stage or bucket (bf16, rank 0)":
                 push_stage_bytes(self.cfg, m) + push_bucket_bytes(self.cfg, m),
             f"rollout engine awake ({self.engine.sizing})": self.engine.awake,

@@ -67,7 +67,8 @@ def push_stage_bytes(cfg: RecipeConfig, model: ModelShape) -> int:
     weights fit trainer.weight_push.stage_mb; 0 for object-store pushes, whose state dict goes to the host."""
     if cfg.trainer.weight_push.transport == "object_store":
         return 0
-    numel = model.state_dict_numel
+    lora = cfg.model.lora  # a LoRA push carries the adapter alone
+    numel = model.state_dict_numel if lora is None else model.lora_params(lora.r, lora.targets())
     return BF16 * numel if stages_whole(numel, cfg.trainer.weight_push.stage_mb << 20) else 0
 
 

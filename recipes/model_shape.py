@@ -131,6 +131,16 @@ class ModelShape:
         sparse = self.saved_bytes_per_token(True) * self.sparse_layers if self.sparse_layers else 0
         return dense * self.saved_bytes_per_token(False) + sparse
 
+    def projection_in_out(self, name: str) -> tuple[int, int]:
+        """(in, out) features of a dense decoder projection by its Hugging Face name."""
+        h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[name]
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        """A LoRA adapter's parameters: A [r, in] and B [out, r] per target projection of every layer."""
+        return self.layers * sum(r * sum(self.projection_in_out(t)) for t in targets)
+
     @property
     def state_dict_numel(self) -> int:
         """Elements of the state dict a push sends: a tied lm head is an entry of its own there."""

@@ -345,3 +345,36 @@ def test_the_shipped_gpu_configs_fit_an_h200(name):
         without = load_config(REPO / "recipes" / "configs" / name, ["trainer.batching.activation_checkpointing=false"])
         with pytest.raises(MemoryPlanRefused):
             plan_memory(without, policy_config(without, task.tokenizer), longest).on_gpu(H200).check()
+
+
+def test_a_lora_plan_counts_the_adapters_parameters_and_a_frozen_bf16_base():
+    """The adapter's parameter count is PEFT's own; the base costs 2 bytes a parameter, the adapter 16."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from recipes.model_shape import ModelShape
+    from rollout_service.tiny_models import tiny_model
+    model = tiny_model("qwen3", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=24, intermediate_size=96)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    inject_adapter_in_model(LoraConfig(r=8, target_modules=targets, lora_dropout=0.0), model)
+    peft_count = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    assert ModelShape.of(model.config).lora_params(8, targets) == peft_count
+    plan = plan_memory(run_config("model.lora.r=16", "model.lora.target_modules=[all-linear]"), qwen3_4b(), 128, H200)
+    states = plan.sharded_states
+    assert states[next(k for k in states if k.startswith("frozen base"))] == 2 * plan.model.params
+    assert sum(v for k, v in states.items() if not k.startswith("frozen base")) == 16 * plan.trained_params
+
+
+def test_lora_at_8b_fits_one_h200_where_the_full_fine_tune_is_refused():
+    from recipes.models import policy_config
+    from recipes.task import build_task
+
+    path = REPO / "recipes" / "configs" / "gpu_colocated_8b_lora.yaml"
+    cfg = load_config(path)
+    task = build_task(cfg)
+    longest = max(len(ids) for ids in task.dataset["prompt_ids"])
+    model_config = policy_config(cfg, task.tokenizer)
+    plan_memory(cfg, model_config, longest).on_gpu(H200).check()
+    full = load_config(path, ["model.lora=null"])
+    with pytest.raises(MemoryPlanRefused, match="master weights"):
+        plan_memory(full, policy_config(full, task.tokenizer), longest).on_gpu(H200).check()
