@@ -56,7 +56,9 @@ def lora_terms(rows: LoraRows | None, layer_idx: int, module: torch.nn.Module, n
 
 def _peft_terms(layer: torch.nn.Module) -> list:
     lora_a = getattr(layer, "lora_A", None)
-    if lora_a is None:
+    # PEFT's own switches: adapters disabled (disable_adapter(), e.g. a reference model's forward), or merged
+    # into the base weights (merge_adapter()): the base alone then, as PEFT's forward does
+    if lora_a is None or getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
         return []
     terms = []
     for adapter in layer.active_adapters:

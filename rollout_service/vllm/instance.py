@@ -65,6 +65,14 @@ class VLLMWorkerExtension:
         model.load_weights(iter(named_tensors))
         return len(named_tensors)
 
+    def zerokl_load_adapter(self, settings: dict, tensors: dict) -> int:
+        """A LoRA adapter (rollout_service.lora.LoraAdapter's settings and tensors) applied to every token from
+        the next step on (vllm/plugin/lora.py); returns its bytes. Then reset_prefix_cache(), as after any
+        weight load: cached KV was computed with the old adapter."""
+        from rollout_service.lora import LoraAdapter
+        model = self.get_model() if hasattr(self, "get_model") else self.model_runner.model
+        return model.load_adapter(LoraAdapter.from_settings(settings, tensors))
+
     def zerokl_commit_weights(self) -> int:
         """Loads the staged (checkpoint-format) weights with vLLM's in-place reload."""
         staged = self.__dict__.pop("_zerokl_staged", [])

@@ -24,6 +24,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from kernels.forward import compute_logits, forward_hidden, fuse_projections, model_spec, rope_table
 from kernels.moe import is_moe_block
 from rollout_service.vllm.plugin.attention import PagedKVAdapter, ZeroKLAttentionBackend
+from rollout_service.vllm.plugin.lora import HINT_KEY, PolicyAdapter
 from rollout_service.vllm.plugin.runner_v2 import model_state_class
 from rollout_service.vllm.plugin.tensor_parallel import PluginTP
 from rollout_service.weights import CopyGroup
@@ -85,6 +86,15 @@ class ZeroKLForCausalLM(nn.Module):
         # again) and the buffers (saved and restored in place)
         self.register_buffer("rope_cos", rope.cos, persistent=False)
         self.register_buffer("rope_sin", rope.sin, persistent=False)
+        # a LoRA adapter applied to every token (plugin/lora.py); sized now when hf_overrides hint at one
+        graphs = torch.device(device).type == "cuda" and not model_config.enforce_eager
+        self.__dict__["adapter"] = PolicyAdapter(hf, torch.device(device), graphs, getattr(full_config, HINT_KEY, None))
+
+    def load_adapter(self, adapter) -> int:
+        """Apply a rollout_service.lora.LoraAdapter to every token from the next forward on (checked first)."""
+        if self.tp.world_size > 1:
+            raise ValueError("a LoRA adapter in the canonical vLLM model runs at tensor_parallel_size=1 only")
+        return self.adapter.load(adapter)
 
     @classmethod
     def get_model_state_cls(cls):
@@ -104,12 +114,13 @@ class ZeroKLForCausalLM(nn.Module):
         num_tokens = input_ids.shape[0]
         if metadata is None:  # profiling / warm-up: no cache; each token alone at position 0
             ids = input_ids.reshape(-1, 1)
-            return forward_hidden(self.hf, ids, torch.zeros_like(ids), ops=self.ops).reshape(num_tokens, -1)
+            return forward_hidden(self.hf, ids, torch.zeros_like(ids), ops=self.ops,
+                                  lora=self.adapter.rows).reshape(num_tokens, -1)
         md = metadata[self.attn_layers[0].layer_name]  # one metadata object serves every layer
         # every token vLLM hands over, padding included: a replayed CUDA graph has the padded shape
         kv = PagedKVAdapter([a.kv_cache for a in self.attn_layers], md, self.spec.head_dim, num_tokens)
         ids, pos = input_ids.reshape(num_tokens, 1), positions.reshape(num_tokens, 1)
-        return forward_hidden(self.hf, ids, pos, ops=self.ops, kv=kv).reshape(num_tokens, -1)
+        return forward_hidden(self.hf, ids, pos, ops=self.ops, kv=kv, lora=self.adapter.rows).reshape(num_tokens, -1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 canonical logits over the full vocabulary (on every rank); from the sampler's graphs
