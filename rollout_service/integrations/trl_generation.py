@@ -62,12 +62,36 @@ def generation_class():
                 options["gpu_memory_utilization"] = self.gpu_memory_utilization
             else:  # CPU's default block of 128 tokens makes prefix reuse rare
                 options["block_size"] = 32
+            hint = _adapter_hint(self.model)
+            if hint:  # the adapter's tensors exist before vLLM captures graphs (vllm/plugin/lora.py), and our
+                # worker extension takes each sync's adapter (sync_weights)
+                from rollout_service.vllm.instance import WORKER_EXTENSION
+                options["hf_overrides"] = {**options["hf_overrides"], **hint}
+                options["worker_extension_cls"] = WORKER_EXTENSION
             options.update(self.llm_options)
             self.llm = LLM(**options)
             if self.enable_sleep_mode:
                 self.llm.sleep(level=2)
             self._llm_weights_sleeping = self.enable_sleep_mode
             acc.wait_for_everyone()
+
+        def sync_weights(self):
+            """A PEFT model: its LoRA adapter alone into the canonical vLLM model (the base never changes there:
+            TRL's own sync would merge the adapter into the weights, which is not the trainer's forward)."""
+            from accelerate.utils import is_peft_model
+
+            model = self.accelerator.unwrap_model(self.model)
+            if not is_peft_model(model):
+                return super().sync_weights()
+            if self._dist.is_fsdp or self._dist.is_zero3:
+                raise NotImplementedError("zerokl's TRL integration syncs PEFT adapters of unsharded models only")
+            from rollout_service.lora import adapter_from_model
+            if self.enable_sleep_mode:
+                self.llm.wake_up(tags=["weights"])
+                self._llm_weights_sleeping = False
+            adapter = adapter_from_model(model)
+            self.llm.collective_rpc("zerokl_load_adapter", args=(adapter.settings(), dict(adapter.tensors)))
+            self.llm.reset_prefix_cache()  # its KV was computed with the last adapter
 
         def generate(self, prompts, images, num_generations, profiler=None):
             from vllm import SamplingParams
@@ -107,3 +131,12 @@ def generation_class():
             return prompt_ids, completion_ids, logprobs, logprob_token_ids
 
     return ZeroKLVLLMGeneration
+
+
+def _adapter_hint(model) -> dict:
+    """hf_overrides that size a PEFT model's LoRA adapter in the vLLM model at load time; {} otherwise."""
+    config = getattr(model, "peft_config", {}).get("default")
+    if config is None:
+        return {}
+    from rollout_service.vllm.plugin.lora import lora_hint
+    return lora_hint(config.r, config.lora_alpha, config.target_modules)
