@@ -12,7 +12,7 @@ import torch
 
 import kernels as K
 from kernels.backward import mark_whole_sequences
-from kernels.lora import LoraRows, with_lora
+from kernels.lora import LoraRows, RowChunkLora, lora_projection
 from kernels.moe import MoESpec, is_moe_block, moe_forward, moe_spec
 from kernels.opset import CANONICAL_OPS, OpSet
 from kernels.packed_attention import PackedRow
@@ -174,8 +174,9 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     # its KV cache (autograd keeps what backward needs either way).
     del q, k, v
     o = o.reshape(b, t, -1)
-    o = _lora(ctx, attn, "o_proj", o, ops.linear(o, _bf16(attn.o_proj.weight), _bf16(attn.o_proj.bias),
-                                                 row_parallel=True))
+    base = ops.linear(o, _bf16(attn.o_proj.weight), _bf16(attn.o_proj.bias), row_parallel=True)
+    o = lora_projection(ctx, attn, "o_proj", o, base)
+    del base
     hidden, x = ops.add_rms_norm(hidden, o, _bf16(layer.post_attention_layernorm.weight), spec.rms_norm_eps)
     del o
     if spec.moe is not None and is_moe_block(mlp):
@@ -185,7 +186,7 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     rows = x.reshape(b * t, -1)
     del x
     down = torch.empty_like(rows)
-    chunk_ctx = _RowChunkLora(ctx)
+    chunk_ctx = RowChunkLora(ctx)
     for lo in range(0, b * t, MLP_CHUNK_ROWS):
         chunk_ctx.rows = slice(lo, lo + MLP_CHUNK_ROWS)
         down[lo:lo + MLP_CHUNK_ROWS] = _dense_mlp(ops, mlp, rows[lo:lo + MLP_CHUNK_ROWS], chunk_ctx)
@@ -213,36 +214,8 @@ def _dense_mlp(ops: OpSet, mlp: torch.nn.Module, x: torch.Tensor, ctx) -> torch.
     gate, up = _projections(ops, x, mlp, GATE_UP, ctx)
     act = ops.silu_mul(gate, up)
     del gate, up
-    return _lora(ctx, mlp, "down_proj", act, ops.linear(act, _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias),
-                                                         row_parallel=True))
-
-
-def _lora(ctx, module: torch.nn.Module, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out` = the base projection `name` of x, plus its LoRA terms (kernels.lora.with_lora)."""
-    return with_lora(ctx.ops, ctx.lora_rows(), ctx.layer_idx, module, name, x, out)
-
-
-class _RowChunkLora:
-    """The MLP's view of a forward's context while it runs row chunks of [B * T] tokens: the LoRA token
-    masks cut to the chunk's rows."""
-
-    def __init__(self, ctx: ForwardContext):
-        self.ctx, self.rows = ctx, slice(None)
-
-    @property
-    def ops(self):
-        return self.ctx.ops
-
-    @property
-    def layer_idx(self):
-        return self.ctx.layer_idx
-
-    def lora_rows(self) -> LoraRows | None:
-        lora = self.ctx.lora
-        if lora is None:
-            return None
-        return LoraRows(tuple((w, None if m is None else m.reshape(-1)[self.rows])
-                              for w, m in lora.adapters))
+    down = ops.linear(act, _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias), row_parallel=True)
+    return lora_projection(ctx, mlp, "down_proj", act, down)
 
 
 # Projections that read the same input, run as one canonical matmul where fuse_projections has put
@@ -261,7 +234,7 @@ def _projections(ops: OpSet, x: torch.Tensor, module: torch.nn.Module, names: tu
         outs = ops.linear(x, weight, bias).split(rows, dim=-1)
     else:
         outs = [ops.linear(x, _bf16(getattr(module, n).weight), _bf16(getattr(module, n).bias)) for n in names]
-    return [_lora(ctx, module, n, x, out) for n, out in zip(names, outs)]
+    return [lora_projection(ctx, module, n, x, out) for n, out in zip(names, outs)]
 
 
 def fuse_projections(model: torch.nn.Module) -> None:

@@ -84,3 +84,31 @@ def with_lora(ops, rows: LoraRows | None, layer_idx: int, module: torch.nn.Modul
         # selecting, not adding a masked zero: -0.0 + 0.0 would flip a sign bit of the base output
         out = added if mask is None else torch.where(mask.unsqueeze(-1), added, out)
     return out
+
+
+def lora_projection(ctx, module: torch.nn.Module, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out`, the base projection `name` of x in a forward (kernels.forward.ForwardContext or RowChunkLora),
+    plus its LoRA terms."""
+    return with_lora(ctx.ops, ctx.lora_rows(), ctx.layer_idx, module, name, x, out)
+
+
+class RowChunkLora:
+    """A forward context's view for an MLP run in row chunks of its [B * T] tokens (kernels.forward,
+    MLP_CHUNK_ROWS): the same ops and layer, the LoRA token masks cut to the chunk's rows (`rows`)."""
+
+    def __init__(self, ctx):
+        self.ctx, self.rows = ctx, slice(None)
+
+    @property
+    def ops(self):
+        return self.ctx.ops
+
+    @property
+    def layer_idx(self) -> int:
+        return self.ctx.layer_idx
+
+    def lora_rows(self) -> LoraRows | None:
+        lora = self.ctx.lora
+        if lora is None:
+            return None
+        return LoraRows(tuple((w, None if m is None else m.reshape(-1)[self.rows]) for w, m in lora.adapters))
