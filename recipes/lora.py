@@ -10,17 +10,22 @@ import re
 
 import torch
 
+from rollout_service.lora import LoraAdapter, save_adapter
+
 # a trainer state-dict name of an adapter tensor: PEFT's, with the adapter's name ("default") inside
 _TRAINER_KEY = re.compile(r"^(.*\.lora_[AB])\.default\.weight$")
 
 
 def add_lora(model: torch.nn.Module, peft_config, seed: int) -> torch.nn.Module:
     """PEFT's LoRA layers (adapter "default") into `model` in place, before fully_shard: the base's
-    parameters frozen as they are, the adapter's trainable in float32 (its master weights). Rule: PEFT
+    parameters frozen in bf16 (what the forward reads: the same bits, half the memory), the adapter's
+    trainable in float32 (its master weights). Rule: PEFT
     draws lora_A from torch's global generator, so it draws here from one seeded by `seed` (the run's):
     every rank makes the same whole adapter before fully_shard keeps its shard, and a run made again
     starts from the same adapter."""
     from peft import inject_adapter_in_model
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_adapter_in_model(peft_config, model)
@@ -44,6 +49,16 @@ def adapter_settings(section) -> dict:
     peft = section.peft_config()
     return {"r": peft.r, "alpha": float(peft.lora_alpha), "target_modules": tuple(sorted(peft.target_modules)),
             "use_rslora": False}
+
+
+def adapter_push(section) -> tuple | None:
+    """RankWeightPush's adapter: (its name on the pool, its settings, no expected digest); None without LoRA."""
+    return None if section is None else (section.name, adapter_settings(section), None)
+
+
+def save_trained_adapter(section, state: dict, path: str) -> None:
+    """The adapter (adapter_state of the trainer's weights) as a PEFT checkpoint directory at `path`."""
+    save_adapter(LoraAdapter.from_settings(adapter_settings(section), state), path)
 
 
 def adapter_state(state_dict: dict) -> dict:

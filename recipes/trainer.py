@@ -26,7 +26,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import kernels as K
-from rollout_service.lora import LoraAdapter, save_adapter
 from rollout_service.service.ray_cluster import actor_gpu_ids
 from trainer_patch import (
     checkpoint_activations,
@@ -38,7 +37,7 @@ from trainer_patch import (
 from .batch import real_tokens
 from .config import TrainerConfig
 from .grpo_loss import clipped_pg_loss
-from .lora import adapter_settings, adapter_state, add_lora
+from .lora import adapter_push, adapter_state, add_lora, save_trained_adapter
 from .memory_plan import (
     MemoryPlan,
     TrainerOutOfMemory,
@@ -59,8 +58,8 @@ class TrainerRank:
         """memory_plan: the run's (recipes.memory_plan), or None. A CUDA rank checks it against its GPU
         before taking any memory, names it when a step runs out of memory, and gives its cached memory
         back before an engine sleeping on its GPU wakes (MemoryPlan.engine_wakes_after_step).
-        lora: a recipes.config.model.LoraSection: train a PEFT LoRA adapter on the frozen bf16 base (see
-        setup); None: the whole model, in float32 master weights. seed: the run's (the adapter's start)."""
+        lora: a LoraSection (recipes.config.model): train a PEFT adapter on the frozen base; None: the
+        whole model. seed: the run's (where the adapter starts)."""
         self.rank, self.world, self.cfg, self.numerics = rank, world_size, cfg, numerics
         self.lora, self.seed = lora, seed
         self.memory_plan = memory_plan
@@ -94,16 +93,15 @@ class TrainerRank:
         dist.init_process_group(backend, rank=self.rank, world_size=self.world)
         mesh = init_device_mesh(self.device.type, (self.world,))
         model = model.to(self.device)
-        # float32 master weights (the canonical forward reads no buffers); with LoRA only the adapter's,
-        # the frozen base stays bf16 (what the forward reads: the same bits, half the memory)
-        for p in model.parameters():
-            p.data = p.data.float() if self.lora is None else p.data.to(torch.bfloat16)
+        if self.lora is None:  # float32 master weights (the canonical forward reads no buffers)
+            for p in model.parameters():
+                p.data = p.data.float()
         if self.numerics == "canonical":
             patch_model(model)
-        if self.lora is not None:
-            add_lora(model, self.lora.peft_config(), self.seed)
         else:  # the stock arm: the model's own forward with its best stock attention
             model.config._attn_implementation = "sdpa"
+        if self.lora is not None:  # a frozen bf16 base, a float32 adapter (recipes/lora.py)
+            add_lora(model, self.lora.peft_config(), self.seed)
         if self.cfg.batching.activation_checkpointing:
             checkpoint_activations(model)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -117,7 +115,7 @@ class TrainerRank:
         self.opt = torch.optim.AdamW(trained, lr=optimizer.lr, betas=tuple(optimizer.betas),
                                      weight_decay=optimizer.weight_decay)
         self.weight_push = RankWeightPush(self.rank, self.world, self.cfg, self.device, model, self.full_state_dict,
-                                          adapter=None if self.lora is None else (self.lora.name, adapter_settings(self.lora), None))
+                                          adapter_push(self.lora))
         canonical = K.canonical_config(self.device) if self.numerics == "canonical" else None
         self.num_params = sum(p.numel() for p in model.parameters())
         return {"num_params": self.num_params, "canonical": canonical,
@@ -284,10 +282,9 @@ class TrainerRank:
         adapter as a PEFT checkpoint in `path`/adapter (PeftModel.from_pretrained and load_adapter read it)."""
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-        if self.lora is not None:
-            adapter = self.full_state_dict()  # collective
-            if adapter is not None:
-                save_adapter(LoraAdapter.from_settings(adapter_settings(self.lora), adapter), os.path.join(path, "adapter"))
+        adapter = self.full_state_dict() if self.lora is not None else None  # collective
+        if adapter is not None:  # rank 0
+            save_trained_adapter(self.lora, adapter, os.path.join(path, "adapter"))
 
     def load(self, path: str) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.opt)

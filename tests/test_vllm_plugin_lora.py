@@ -45,6 +45,9 @@ def test_an_adapter_in_vllm_reports_the_trainers_logprobs(llm, checkpoint):
     _load(llm, adapter_from_model(trained))  # same settings as the hint: copied in place
     served = vllm_generate(llm, prompts, params)
     assert_matches_trainer(trained, prompts, params, served)
+    # the adapter matters: the base model does not score what the engine served with it
+    with pytest.raises(AssertionError):
+        assert_matches_trainer(base_model(checkpoint), prompts, params, served)
     with pytest.raises(AdapterError, match="rank 4"):
         bad = adapter_from_model(trained)
         _load(llm, LoraAdapter.from_settings({**bad.settings(), "r": 4}, bad.tensors))
