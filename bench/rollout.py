@@ -50,7 +50,7 @@ def build_model(name: str, device: str, num_layers: int | None = None):
         shape["num_layers"] = num_layers
     cfg = tiny_config(arch, max_positions=32768, **shape)  # room for 1,024 in + 8,192 out
     cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3_moe": transformers.Qwen3MoeForCausalLM}[arch]
+           "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[arch]
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)

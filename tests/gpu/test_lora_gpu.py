@@ -15,7 +15,6 @@ if not torch.cuda.is_available():  # collected on CPU machines only when -m gpu 
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 pytest.importorskip("peft")
-ray = pytest.importorskip("ray")
 
 from lora_shared import ALL_LINEAR, ATTENTION  # noqa: E402
 from rollout_service import Engine, SamplingParams, start_pool  # noqa: E402
@@ -89,6 +88,7 @@ def test_native_engine_on_cuda_reports_the_trainers_logprobs(checkpoint, r, targ
 
 
 def test_adapter_push_by_ipc_lands_and_bad_ones_change_nothing(checkpoint):
+    ray = pytest.importorskip("ray")  # the native engine's tests above run without it
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         pool = start_pool(str(checkpoint), num_workers=1, name="lora-gpu", engine_kwargs={**ENGINE, "backend": "native"},
@@ -110,3 +110,33 @@ def test_adapter_push_by_ipc_lands_and_bad_ones_change_nothing(checkpoint):
         pool.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_vllm_plugin_adapter_replayed_from_cuda_graphs(tmp_path_factory):
+    """The adapter sized at load time (lora_hint) is captured in vLLM's CUDA graphs; a trained adapter copied
+    in place is then replayed from them and reports the PEFT trainer's log-probs bit for bit."""
+    pytest.importorskip("vllm")
+    from test_vllm_plugin_gpu import VOCAB, _checkpoint, _params, _run
+    from vllm_shared import assert_matches_trainer, count_trainer_mismatches, random_prompts, vllm_generate
+
+    from rollout_service.vllm.plugin import HF_OVERRIDES
+    from rollout_service.vllm.plugin.lora import lora_hint
+
+    path = _checkpoint(tmp_path_factory, "qwen2", seed=6)
+    trained = _trained(path, 16, ALL_LINEAR)
+    adapter = adapter_from_model(trained)
+    prompts = random_prompts(8, VOCAB, seed=4, lo=5, hi=100)
+    params = _params(len(prompts), 16, seed0=600)
+
+    def work(llm):
+        before = vllm_generate(llm, prompts, params)
+        llm.collective_rpc("zerokl_load_adapter", args=(adapter.settings(), dict(adapter.tensors)))
+        assert llm.reset_prefix_cache()
+        return before, vllm_generate(llm, prompts, params)
+
+    before, after = _run(path, work, hf_overrides={**HF_OVERRIDES, **lora_hint(16, 32, ALL_LINEAR)})
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    assert_matches_trainer(base, prompts, params, before)  # the hinted adapter starts at zero
+    assert_matches_trainer(trained, prompts, params, after)
+    assert count_trainer_mismatches(base, prompts, params, after) > 0  # the adapter is what changed them
