@@ -122,6 +122,14 @@ def register() -> None:
     from rollout_service.vllm.plugin.compat import install_request_rule
     from rollout_service.vllm.plugin.sampling import canonical_request
     install_request_rule(canonical_request, ARCHITECTURE)
+    # enable_lora: the canonical model's adapters are ours (vllm.plugin.request_adapters)
+    from rollout_service.vllm.plugin.compat import install_lora_manager
+    install_lora_manager(ARCHITECTURE, _request_adapters)
+
+
+def _request_adapters(model, vllm_config):
+    from rollout_service.vllm.plugin.request_adapters import RequestAdapters  # imported once LoRA is asked for
+    return RequestAdapters(model, vllm_config)
 
 
 __all__ = ["ARCHITECTURE", "CUDA_GRAPH_COMPILATION", "GRAPH_CAPTURE_SIZES", "HF_OVERRIDES", "RUNNERS", "graph_options",

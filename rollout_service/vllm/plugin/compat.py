@@ -1,7 +1,8 @@
 """vLLM internals we depend on beyond its public API: the parts of the KV-cache API that differ between
 the versions we run (0.25 on GPU, 0.32 on CPU), vLLM's process-wide graph-capture flag, how an
 engine's core is placed in or out of this process (and how that process is started), where a
-request's SamplingParams enter an engine (install_request_rule), and which stock models take weights
+request's SamplingParams enter an engine (install_request_rule), which LoRA manager a runner keeps
+(install_lora_manager), and which stock models take weights
 in place (stock_loads_in_place).
 
 0.25 allocates a layer's cache in the shape the backend's `get_kv_cache_shape` returns; we ask for
@@ -128,3 +129,27 @@ def install_request_rule(rule, architecture: str) -> None:
 
     process_inputs._zerokl_rule = True
     InputProcessor.process_inputs = process_inputs
+
+
+def install_lora_manager(architecture: str, make_manager) -> None:
+    """With enable_lora, a runner whose model's class is `architecture` keeps `make_manager(model, vllm_config)` as its
+    LoRA manager instead of vLLM's (vllm/plugin/request_adapters.py says why); other models keep vLLM's.
+    The runner builds its manager in LoRAModelRunnerMixin.load_lora_model(model, vllm_config, device), right
+    after loading the model, on vLLM's V1 and V2 GPU runners and its CPU runner, in 0.25 and 0.32 alike;
+    every later call reaches the manager as `runner.lora_manager`. Idempotent."""
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    original = LoRAModelRunnerMixin.load_lora_model
+    if getattr(original, "_zerokl_lora", False):
+        return
+
+    @functools.wraps(original)
+    def load_lora_model(self, model, vllm_config, device):
+        if type(model).__name__ != architecture:
+            return original(self, model, vllm_config, device)
+        self.lora_manager = make_manager(model, vllm_config)
+        model.use_request_adapters(self.lora_manager)
+        return model
+
+    load_lora_model._zerokl_lora = True
+    LoRAModelRunnerMixin.load_lora_model = load_lora_model

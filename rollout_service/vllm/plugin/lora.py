@@ -1,11 +1,7 @@
 """A LoRA adapter inside the canonical vLLM model, applied to every token (one policy adapter: TRL's PEFT
-training; kernels/lora.py's rule, so its log-probs are the trainer's bit for bit).
-
-Why not vLLM's own LoRA (enable_lora, LoRARequest): vLLM's LoRA manager adapts only its own layer classes
-(vllm.lora.utils.get_supported_lora_modules keeps LinearBase and MoE modules; the canonical model's
-projections are Hugging Face modules run by kernels.forward), and it computes the adapter's product with
-its punica kernels, whose K order is not the canonical matmul's. So the adapter is held here and applied by
-the canonical forward.
+training, loaded through the worker's zerokl_load_adapter; kernels/lora.py's rule, so its log-probs are the
+trainer's bit for bit), and the helpers it shares with per-request adapters (plugin/request_adapters.py:
+vLLM's enable_lora and LoRARequest, and why vLLM's own LoRA manager cannot drive the canonical layers).
 
 CUDA graphs: a graph replays what was captured, so the adapter's tensors must exist, at their final
 shapes, when vLLM captures: `lora_hint` (in hf_overrides) sizes a zero adapter at load time, and every
@@ -27,6 +23,30 @@ def lora_hint(r: int, alpha: float, target_modules) -> dict:
                        "use_rslora": False}}
 
 
+def zero_adapter(hf: torch.nn.Module, settings: dict) -> LoraAdapter:
+    """An adapter of these settings whose A and B are zero: the tensors a CUDA graph captures before any
+    real adapter is copied into them."""
+    tensors = {}
+    for (layer, name), (out, inp) in projection_shapes(hf).items():
+        if name in settings["target_modules"]:
+            block = next(b for b, names in PROJECTIONS.items() if name in names)
+            key = f"model.layers.{layer}.{block}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.zeros(settings["r"], inp, dtype=torch.bfloat16)
+            tensors[f"{key}.lora_B.weight"] = torch.zeros(out, settings["r"], dtype=torch.bfloat16)
+    return LoraAdapter.from_settings(settings, tensors)
+
+
+def copy_weights(into: LoraWeights, fresh: LoraWeights) -> None:
+    """`fresh`'s tensors into `into`'s, in place (captured graphs read `into`'s); the same keys and shapes."""
+    for key, (a, b, _) in fresh.terms.items():
+        into.terms[key][0].copy_(a)
+        into.terms[key][1].copy_(b)
+
+
+def same_settings(a: dict, b: dict) -> bool:
+    return {**a, "target_modules": sorted(a["target_modules"])} == {**b, "target_modules": sorted(b["target_modules"])}
+
+
 class PolicyAdapter:
     """The one adapter a canonical vLLM model applies to every token, or none."""
 
@@ -34,26 +54,15 @@ class PolicyAdapter:
         self.hf, self.device, self.graphs = hf, device, graphs
         self.rows: LoraRows | None = None
         self.settings: dict | None = None
+        self.hint = hint
         if hint:  # a zero adapter (B = 0: the base's numbers) at its final shapes, before any capture
-            shapes = projection_shapes(hf)
-            tensors = {}
-            for (layer, name), (out, inp) in shapes.items():
-                if name in hint["target_modules"]:
-                    block = next(b for b, names in PROJECTIONS.items() if name in names)
-                    key = f"model.layers.{layer}.{block}.{name}"
-                    tensors[f"{key}.lora_A.weight"] = torch.zeros(hint["r"], inp, dtype=torch.bfloat16)
-                    tensors[f"{key}.lora_B.weight"] = torch.zeros(out, hint["r"], dtype=torch.bfloat16)
-            self._install(LoraAdapter.from_settings(hint, tensors))
+            self._install(zero_adapter(hf, hint))
 
     def load(self, adapter: LoraAdapter) -> int:
         """Check `adapter` against the model, then apply it from the next forward on; returns its bytes."""
         check_adapter(adapter, projection_shapes(self.hf))
-        if self.settings is not None and _same_settings(self.settings, adapter.settings()) and self._same_tensors(adapter):
-            weights = self.rows.adapters[0][0]
-            fresh = adapter.weights("policy", self.device)
-            for key, (a, b, _) in fresh.terms.items():  # in place: captured graphs read these tensors
-                weights.terms[key][0].copy_(a)
-                weights.terms[key][1].copy_(b)
+        if self.settings is not None and same_settings(self.settings, adapter.settings()) and self._same_tensors(adapter):
+            copy_weights(self.rows.adapters[0][0], adapter.weights("policy", self.device))
             return adapter.nbytes
         if self.graphs:
             raise ValueError("this engine replays CUDA graphs captured without this adapter's tensors: build it "
@@ -71,6 +80,3 @@ class PolicyAdapter:
         weights: LoraWeights = adapter.weights("policy", self.device)
         self.rows, self.settings = LoraRows(((weights, None),)), adapter.settings()
 
-
-def _same_settings(a: dict, b: dict) -> bool:
-    return {**a, "target_modules": sorted(a["target_modules"])} == {**b, "target_modules": sorted(b["target_modules"])}

@@ -43,6 +43,12 @@ def build_hf_model(hf_config, device: torch.device) -> nn.Module:
 
 
 class ZeroKLForCausalLM(nn.Module):
+    # vLLM's SupportsLoRA declaration, so enable_lora builds: the adapters are then RequestAdapters', which
+    # compat.install_lora_manager makes this model's runner use (plugin/request_adapters.py says why)
+    supports_lora = True
+    packed_modules_mapping: dict[str, list[str]] = {}
+    embedding_modules: dict[str, str] = {}
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         tp = PluginTP.from_vllm(vllm_config)
@@ -94,7 +100,20 @@ class ZeroKLForCausalLM(nn.Module):
         """Apply a rollout_service.lora.LoraAdapter to every token from the next forward on (checked first)."""
         if self.tp.world_size > 1:
             raise ValueError("a LoRA adapter in the canonical vLLM model runs at tensor_parallel_size=1 only")
+        if self.__dict__.get("request_adapters") is not None:
+            raise ValueError("this engine serves per-request adapters (enable_lora): name one in each request "
+                             "with a LoRARequest instead of loading one for every token")
         return self.adapter.load(adapter)
+
+    def use_request_adapters(self, adapters) -> None:
+        """Per-request LoRA (plugin/request_adapters.RequestAdapters) from the next forward on."""
+        if self.tp.world_size > 1:
+            raise ValueError("enable_lora on the canonical vLLM model runs at tensor_parallel_size=1 only")
+        self.__dict__["request_adapters"] = adapters
+
+    def _lora_rows(self, num_tokens: int):
+        adapters = self.__dict__.get("request_adapters")
+        return self.adapter.rows if adapters is None else adapters.rows(num_tokens)
 
     @classmethod
     def get_model_state_cls(cls):
@@ -115,12 +134,13 @@ class ZeroKLForCausalLM(nn.Module):
         if metadata is None:  # profiling / warm-up: no cache; each token alone at position 0
             ids = input_ids.reshape(-1, 1)
             return forward_hidden(self.hf, ids, torch.zeros_like(ids), ops=self.ops,
-                                  lora=self.adapter.rows).reshape(num_tokens, -1)
+                                  lora=self._lora_rows(num_tokens)).reshape(num_tokens, -1)
         md = metadata[self.attn_layers[0].layer_name]  # one metadata object serves every layer
         # every token vLLM hands over, padding included: a replayed CUDA graph has the padded shape
         kv = PagedKVAdapter([a.kv_cache for a in self.attn_layers], md, self.spec.head_dim, num_tokens)
         ids, pos = input_ids.reshape(num_tokens, 1), positions.reshape(num_tokens, 1)
-        return forward_hidden(self.hf, ids, pos, ops=self.ops, kv=kv, lora=self.adapter.rows).reshape(num_tokens, -1)
+        return forward_hidden(self.hf, ids, pos, ops=self.ops, kv=kv,
+                              lora=self._lora_rows(num_tokens)).reshape(num_tokens, -1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 canonical logits over the full vocabulary (on every rank); from the sampler's graphs

@@ -1,0 +1,104 @@
+"""vLLM's per-request LoRA on the canonical model (rollout_service.vllm.plugin.request_adapters): `vllm.LLM` with
+enable_lora and a plain LoRARequest per request, adapters read from PEFT checkpoints on disk. Every token's
+log-prob is that of the PEFT model its request's adapter was trained in, bit for bit, with several adapters
+and the base in one batch, ranks 1, 8 and 64, more adapters than slots; bad adapters are refused with a clear
+error and change nothing; stock vLLM's LoRA serving the same adapter does not match (the control)."""
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("peft")
+
+from lora_shared import ALL_LINEAR, ATTENTION, base_model, trained_adapter_model  # noqa: E402
+from test_vllm_plugin import _checkpoint, _params, _prompts, close, make_llm  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm_shared import assert_matches_trainer, count_trainer_mismatches  # noqa: E402
+
+from rollout_service.lora import AdapterError, adapter_from_model, save_adapter  # noqa: E402
+from rollout_service.tiny_models import tiny_model  # noqa: E402
+from rollout_service.vllm.requests import canonical_vllm_params, completion_tokens  # noqa: E402
+
+# name -> (lora_int_id, rank, target modules, training seed)
+ADAPTERS = {"r8": (1, 8, ALL_LINEAR, 4), "r1": (2, 1, ATTENTION, 5), "r64": (3, 64, ALL_LINEAR, 6)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, "qwen2", seed=7)
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint, tmp_path_factory):
+    """name -> (PEFT-trained model, LoRARequest of its PEFT checkpoint on disk)."""
+    root = tmp_path_factory.mktemp("request-adapters")
+    out = {}
+    for name, (lora_id, r, targets, seed) in ADAPTERS.items():
+        model = trained_adapter_model(checkpoint, r, targets, seed=seed)
+        out[name] = (model, LoRARequest(name, lora_id, str(save_adapter(adapter_from_model(model), root / name))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    llm = make_llm(checkpoint, enable_lora=True, max_loras=2, max_lora_rank=64)  # 2 slots for 3 adapters
+    yield llm
+    close(llm)
+
+
+def _generate(llm, prompts, params, lora_requests):
+    vparams = [canonical_vllm_params(p, len(prompt), p.max_tokens) for prompt, p in zip(prompts, params)]
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, lora_request=lora_requests,
+                        use_tqdm=False)
+    return [(*completion_tokens(o.outputs[0]), 0) for o in outs]
+
+
+def _check_each(prompts, params, results, scorers):
+    """Each request's tokens scored by its own model (an adapter's PEFT model, or the base)."""
+    for i, model in enumerate(scorers):
+        assert_matches_trainer(model, [prompts[i]], [params[i]], [results[i]])
+
+
+def test_adapters_and_the_base_in_one_batch_report_their_trainers_logprobs(llm, checkpoint, adapters):
+    prompts = _prompts(6, seed=3, hi=30)
+    params = _params(len(prompts), "T=0.7", max_tokens=8, seed0=500)
+    names = ["r8", "r1", None, "r8", None, "r1"]
+    mixed = _generate(llm, prompts, params, [adapters[n][1] if n else None for n in names])
+    base = base_model(checkpoint)
+    _check_each(prompts, params, mixed, [adapters[n][0] if n else base for n in names])
+    # the adapter matters: the base does not score what r8 generated
+    assert count_trainer_mismatches(base, [prompts[0]], [params[0]], [mixed[0]]) > 0
+    # r64 in a later step takes a slot from one of the others (2 slots); r8 alone then gives the bits it gave
+    # beside r1 and the base
+    later = _generate(llm, prompts[:3], params[:3], [adapters["r64"][1]] * 2 + [adapters["r8"][1]])
+    _check_each(prompts[:3], params[:3], later[:2], [adapters["r64"][0]] * 2)
+    assert later[2][:2] == _generate(llm, [prompts[2]], [params[2]], [adapters["r8"][1]])[0][:2]
+    assert_matches_trainer(adapters["r8"][0], [prompts[2]], [params[2]], [later[2]])
+    again = _generate(llm, prompts, params, [adapters[n][1] if n else None for n in names])
+    assert [r[:2] for r in again] == [r[:2] for r in mixed]
+
+
+def test_bad_adapters_are_refused_and_change_nothing(llm, adapters, tmp_path):
+    prompts = _prompts(3, seed=9, hi=20)
+    params = _params(len(prompts), "T=1,top_k=5,top_p=0.9", max_tokens=6, seed0=700)
+    before = _generate(llm, prompts, params, adapters["r8"][1])
+    other = tmp_path / "other-base"  # narrower: an adapter trained on it does not fit this base
+    tiny_model("qwen2", seed=7, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128).save_pretrained(other)
+    wrong = save_adapter(adapter_from_model(trained_adapter_model(other, 8, ALL_LINEAR)), tmp_path / "wrong")
+    with pytest.raises(AdapterError, match="a different base model or rank"):
+        llm.llm_engine.add_lora(LoRARequest("wrong", 40, str(wrong)))
+    with pytest.raises(Exception, match="No adapter found"):
+        llm.llm_engine.add_lora(LoRARequest("missing", 41, str(tmp_path / "missing")))
+    assert not {40, 41} & set(llm.llm_engine.list_loras())
+    assert [r[:2] for r in _generate(llm, prompts, params, adapters["r8"][1])] == [r[:2] for r in before]
+
+
+def test_stock_vllm_lora_differs_from_the_peft_trainer(checkpoint, adapters):
+    """The control: vLLM's own model and LoRA layers (punica kernels, scale folded into B) serving the same
+    adapter give other log-probs than the PEFT model."""
+    prompts = _prompts(4, seed=3, hi=30)
+    params = _params(len(prompts), "T=0.7", max_tokens=8, seed0=500)
+    stock = make_llm(checkpoint, plugin=False, enable_lora=True, max_loras=2, max_lora_rank=64)
+    try:
+        served = _generate(stock, prompts, params, adapters["r8"][1])
+    finally:
+        close(stock)
+    assert count_trainer_mismatches(adapters["r8"][0], prompts, params, served) > 0
