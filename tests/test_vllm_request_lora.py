@@ -11,11 +11,10 @@ pytest.importorskip("peft")
 from lora_shared import ALL_LINEAR, ATTENTION, base_model, trained_adapter_model  # noqa: E402
 from test_vllm_plugin import _checkpoint, _params, _prompts, close, make_llm  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm_shared import assert_matches_trainer, count_trainer_mismatches  # noqa: E402
+from vllm_shared import assert_matches_trainer, count_trainer_mismatches, vllm_generate  # noqa: E402
 
 from rollout_service.lora import AdapterError, adapter_from_model, save_adapter  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
-from rollout_service.vllm.requests import canonical_vllm_params, completion_tokens  # noqa: E402
 
 # name -> (lora_int_id, rank, target modules, training seed)
 ADAPTERS = {"r8": (1, 8, ALL_LINEAR, 4), "r1": (2, 1, ATTENTION, 5), "r64": (3, 64, ALL_LINEAR, 6)}
@@ -44,13 +43,6 @@ def llm(checkpoint):
     close(llm)
 
 
-def _generate(llm, prompts, params, lora_requests):
-    vparams = [canonical_vllm_params(p, len(prompt), p.max_tokens) for prompt, p in zip(prompts, params)]
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, lora_request=lora_requests,
-                        use_tqdm=False)
-    return [(*completion_tokens(o.outputs[0]), 0) for o in outs]
-
-
 def _check_each(prompts, params, results, scorers):
     """Each request's tokens scored by its own model (an adapter's PEFT model, or the base)."""
     for i, model in enumerate(scorers):
@@ -61,25 +53,25 @@ def test_adapters_and_the_base_in_one_batch_report_their_trainers_logprobs(llm, 
     prompts = _prompts(6, seed=3, hi=30)
     params = _params(len(prompts), "T=0.7", max_tokens=8, seed0=500)
     names = ["r8", "r1", None, "r8", None, "r1"]
-    mixed = _generate(llm, prompts, params, [adapters[n][1] if n else None for n in names])
+    mixed = vllm_generate(llm, prompts, params, [adapters[n][1] if n else None for n in names])
     base = base_model(checkpoint)
     _check_each(prompts, params, mixed, [adapters[n][0] if n else base for n in names])
     # the adapter matters: the base does not score what r8 generated
     assert count_trainer_mismatches(base, [prompts[0]], [params[0]], [mixed[0]]) > 0
     # r64 in a later step takes a slot from one of the others (2 slots); r8 alone then gives the bits it gave
     # beside r1 and the base
-    later = _generate(llm, prompts[:3], params[:3], [adapters["r64"][1]] * 2 + [adapters["r8"][1]])
+    later = vllm_generate(llm, prompts[:3], params[:3], [adapters["r64"][1]] * 2 + [adapters["r8"][1]])
     _check_each(prompts[:3], params[:3], later[:2], [adapters["r64"][0]] * 2)
-    assert later[2][:2] == _generate(llm, [prompts[2]], [params[2]], [adapters["r8"][1]])[0][:2]
+    assert later[2][:2] == vllm_generate(llm, [prompts[2]], [params[2]], [adapters["r8"][1]])[0][:2]
     assert_matches_trainer(adapters["r8"][0], [prompts[2]], [params[2]], [later[2]])
-    again = _generate(llm, prompts, params, [adapters[n][1] if n else None for n in names])
+    again = vllm_generate(llm, prompts, params, [adapters[n][1] if n else None for n in names])
     assert [r[:2] for r in again] == [r[:2] for r in mixed]
 
 
 def test_bad_adapters_are_refused_and_change_nothing(llm, adapters, tmp_path):
     prompts = _prompts(3, seed=9, hi=20)
     params = _params(len(prompts), "T=1,top_k=5,top_p=0.9", max_tokens=6, seed0=700)
-    before = _generate(llm, prompts, params, adapters["r8"][1])
+    before = vllm_generate(llm, prompts, params, adapters["r8"][1])
     other = tmp_path / "other-base"  # narrower: an adapter trained on it does not fit this base
     tiny_model("qwen2", seed=7, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128).save_pretrained(other)
     wrong = save_adapter(adapter_from_model(trained_adapter_model(other, 8, ALL_LINEAR)), tmp_path / "wrong")
@@ -88,7 +80,7 @@ def test_bad_adapters_are_refused_and_change_nothing(llm, adapters, tmp_path):
     with pytest.raises(Exception, match="No adapter found"):
         llm.llm_engine.add_lora(LoRARequest("missing", 41, str(tmp_path / "missing")))
     assert not {40, 41} & set(llm.llm_engine.list_loras())
-    assert [r[:2] for r in _generate(llm, prompts, params, adapters["r8"][1])] == [r[:2] for r in before]
+    assert [r[:2] for r in vllm_generate(llm, prompts, params, adapters["r8"][1])] == [r[:2] for r in before]
 
 
 def test_stock_vllm_lora_differs_from_the_peft_trainer(checkpoint, adapters):
@@ -98,7 +90,7 @@ def test_stock_vllm_lora_differs_from_the_peft_trainer(checkpoint, adapters):
     params = _params(len(prompts), "T=0.7", max_tokens=8, seed0=500)
     stock = make_llm(checkpoint, plugin=False, enable_lora=True, max_loras=2, max_lora_rank=64)
     try:
-        served = _generate(stock, prompts, params, adapters["r8"][1])
+        served = vllm_generate(stock, prompts, params, adapters["r8"][1])
     finally:
         close(stock)
     assert count_trainer_mismatches(adapters["r8"][0], prompts, params, served) > 0

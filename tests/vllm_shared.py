@@ -13,10 +13,12 @@ def random_prompts(n, vocab, seed=0, lo=1, hi=40):
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def vllm_generate(llm, prompts, params):
-    """(tokens, log-probs, cached prompt tokens) per request; params are rollout_service.SamplingParams."""
+def vllm_generate(llm, prompts, params, lora_request=None):
+    """(tokens, log-probs, cached prompt tokens) per request; params are rollout_service.SamplingParams;
+    lora_request: vLLM's, one for all or one per request."""
     vparams = [canonical_vllm_params(p, len(prompt), p.max_tokens) for prompt, p in zip(prompts, params)]
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], vparams, lora_request=lora_request,
+                        use_tqdm=False)
     return [(*completion_tokens(out.outputs[0]), out.num_cached_tokens or 0) for out in outs]
 
 

@@ -140,3 +140,32 @@ def test_vllm_plugin_adapter_replayed_from_cuda_graphs(tmp_path_factory):
     assert_matches_trainer(base, prompts, params, before)  # the hinted adapter starts at zero
     assert_matches_trainer(trained, prompts, params, after)
     assert count_trainer_mismatches(base, prompts, params, after) > 0  # the adapter is what changed them
+
+
+def test_vllm_request_adapters_replayed_from_cuda_graphs(tmp_path_factory):
+    """enable_lora with a LoRARequest per request, CUDA graphs on: two adapters of the hinted settings and the
+    base in one batch, each request's log-probs its own PEFT model's bit for bit."""
+    pytest.importorskip("vllm")
+    from test_vllm_plugin_gpu import VOCAB, _checkpoint, _params, _run
+    from vllm.lora.request import LoRARequest
+    from vllm_shared import assert_matches_trainer, random_prompts, vllm_generate
+
+    from rollout_service.lora import save_adapter
+    from rollout_service.vllm.plugin import HF_OVERRIDES
+    from rollout_service.vllm.plugin.lora import lora_hint
+
+    path = _checkpoint(tmp_path_factory, "qwen2", seed=6)
+    root = tmp_path_factory.mktemp("gpu-request-adapters")
+    models = {name: _trained(path, 16, ALL_LINEAR, seed=seed) for name, seed in (("a", 1), ("b", 2))}
+    requests = {name: LoRARequest(name, i + 1, str(save_adapter(adapter_from_model(m), root / name)))
+                for i, (name, m) in enumerate(models.items())}
+    prompts = random_prompts(6, VOCAB, seed=5, lo=5, hi=100)
+    params = _params(len(prompts), 16, seed0=800)
+    names = ["a", "b", None, "b", "a", None]
+    served = _run(path, lambda llm: vllm_generate(llm, prompts, params, [requests[n] if n else None for n in names]),
+                  enable_lora=True, max_loras=2, max_lora_rank=16,
+                  hf_overrides={**HF_OVERRIDES, **lora_hint(16, 32, ALL_LINEAR)})
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    for i, name in enumerate(names):
+        assert_matches_trainer(models[name] if name else base, [prompts[i]], [params[i]], [served[i]])
