@@ -94,3 +94,54 @@ def test_stock_vllm_lora_differs_from_the_peft_trainer(checkpoint, adapters):
     finally:
         close(stock)
     assert count_trainer_mismatches(adapters["r8"][0], prompts, params, served) > 0
+
+
+def test_a_pool_of_vllm_workers_serves_pushed_adapters_exactly(checkpoint, adapters):
+    """A pool worker on vLLM (engine_kwargs backend="vllm", max_loras): adapter-only pushes become LoRARequests,
+    requests naming either adapter or none share steps and each is its trainer's bit for bit; a replaced adapter
+    is served at once; refused pushes and unknown names change nothing."""
+    import service_shared as shared
+    from lora_shared import logprob_bits, rollout_scores
+
+    from rollout_service import SamplingParams, start_pool
+    from rollout_service.lora import LoraAdapter, push_digest
+    from test_vllm_plugin import LLM_OPTIONS
+    shared.cluster()
+    pool = start_pool(checkpoint, num_workers=1, name="vllm-lora", engine_kwargs=dict(
+        backend="vllm", device="cpu", max_model_len=256, max_num_seqs=8, max_loras=2, max_lora_rank=64,
+        vllm_options=dict(block_size=16, kv_cache_memory_bytes=LLM_OPTIONS["kv_cache_memory_bytes"])))
+    prompts = _prompts(6, seed=13, hi=30)
+    names = ["r8", "r1", None, "r1", "r8", None]
+
+    def served(names):
+        rollouts = pool.generate(prompts[:len(names)], [SamplingParams(max_tokens=8, temperature=1.0, seed=i,
+                                                                       adapter=n) for i, n in enumerate(names)])
+        assert all(r.ok for r in rollouts), [r.error for r in rollouts]
+        return rollouts
+
+    try:
+        base_digest = pool.weights_digest()
+        for name in ("r8", "r1"):
+            adapter = adapter_from_model(adapters[name][0])
+            assert pool.load_adapter(name, adapter, expected_digest=push_digest(adapter.digest(), base_digest)) == \
+                push_digest(adapter.digest(), base_digest)
+        rollouts = served(names)
+        scorers = {n: adapters[n][0] for n in ("r8", "r1")} | {None: base_model(checkpoint)}
+        for name, rollout in zip(names, rollouts):
+            assert logprob_bits([rollout]) == rollout_scores(scorers[name], [rollout]), name
+        good = adapter_from_model(adapters["r8"][0])
+        with pytest.raises(AdapterError, match="rank 4"):
+            pool.load_adapter("r8", LoraAdapter.from_settings({**good.settings(), "r": 4}, good.tensors))
+        with pytest.raises(AdapterError, match="other base"):
+            pool.load_adapter("r8", good, expected_digest=push_digest(good.digest(), "other base"))
+        assert logprob_bits(served(names)) == logprob_bits(rollouts)
+        unknown = pool.generate([prompts[0]], [SamplingParams(max_tokens=4, seed=0, adapter="nope")])[0]
+        assert not unknown.ok and "unknown adapter 'nope'" in unknown.error
+        # r8's name now serves r64's tensors: its requests follow at once (no stale prefix cache)
+        pool.load_adapter("r8", adapter_from_model(adapters["r64"][0]))
+        replaced = served(["r8", "r8"])
+        for rollout in replaced:
+            assert logprob_bits([rollout]) == rollout_scores(adapters["r64"][0], [rollout])
+        assert all(w["restarts"] == 0 for w in pool.stats()["workers"])
+    finally:
+        pool.shutdown()

@@ -26,6 +26,30 @@ class AdapterInfo:
     digest: str
 
 
+def checked_adapter(name: str, adapter, shapes, max_rank: int | None, expected_digest: str | None,
+                    base_digest) -> tuple[LoraAdapter, AdapterInfo]:
+    """`adapter` (a LoraAdapter or a PEFT checkpoint directory) checked whole against a base with these
+    projection shapes and, where expected_digest is given, push_digest(its digest, base_digest());
+    AdapterError otherwise."""
+    if not isinstance(name, str) or not name:
+        raise AdapterError(f"an adapter name must be a non-empty string, got {name!r}")
+    if not isinstance(adapter, LoraAdapter):
+        adapter = load_adapter(adapter)
+    check_adapter(adapter, shapes, max_rank=max_rank)
+    digest = adapter.digest()
+    if expected_digest is not None:
+        got = push_digest(digest, base_digest())
+        if got != expected_digest:
+            raise AdapterError(f"adapter {name!r}: digest of adapter + base is {got}, expected {expected_digest} "
+                               f"(an adapter trained on other base weights, or changed on the way)")
+    return adapter, AdapterInfo(name, adapter.r, adapter.target_modules, adapter.nbytes, digest)
+
+
+def unknown_adapter(name: str, served) -> AdapterError:
+    return AdapterError(f"unknown adapter {name!r}: this engine serves {sorted(served) or 'no adapters'} "
+                        "(load one with load_adapter)")
+
+
 class AdapterTable:
     """name -> the forward's LoraWeights, shared with the engine's runners (ModelRunner.adapters)."""
 
@@ -39,21 +63,12 @@ class AdapterTable:
              base_digest=None) -> AdapterInfo:
         """Check `adapter` (a LoraAdapter or a PEFT checkpoint directory) and serve it as `name`.
         expected_digest: push_digest(adapter digest, base digest); base_digest() gives the base's."""
-        if not isinstance(name, str) or not name:
-            raise AdapterError(f"an adapter name must be a non-empty string, got {name!r}")
-        if not isinstance(adapter, LoraAdapter):
-            adapter = load_adapter(adapter)
-        check_adapter(adapter, projection_shapes(self.model), max_rank=self.max_rank)
-        digest = adapter.digest()
-        if expected_digest is not None:
-            got = push_digest(digest, base_digest())
-            if got != expected_digest:
-                raise AdapterError(f"adapter {name!r}: digest of adapter + base is {got}, expected {expected_digest} "
-                                   f"(an adapter trained on other base weights, or changed on the way)")
+        adapter, info = checked_adapter(name, adapter, projection_shapes(self.model), self.max_rank,
+                                        expected_digest, base_digest)
         self.weights[name] = adapter.weights(name, self.device)
-        self.info[name] = AdapterInfo(name, adapter.r, adapter.target_modules, adapter.nbytes, digest)
+        self.info[name] = info
         self.adapters[name] = adapter
-        return self.info[name]
+        return info
 
     def remove(self, name: str) -> None:
         self._known(name)
@@ -74,5 +89,4 @@ class AdapterTable:
 
     def _known(self, name: str) -> None:
         if name not in self.weights:
-            raise AdapterError(f"unknown adapter {name!r}: this engine serves "
-                               f"{sorted(self.weights) or 'no adapters'} (load one with load_adapter)")
+            raise unknown_adapter(name, self.weights)

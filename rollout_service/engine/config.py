@@ -54,6 +54,12 @@ class EngineConfig:
     sleep_mode: bool = False
     """Built for sleep() to release GPU memory, where the engine can (capabilities().sleep). The native
     engine allocates its KV cache and graphs once and keeps them: nothing to build differently."""
+    max_loras: int = 0
+    """LoRA adapters a vLLM engine runs in one step (vLLM's option); 0: it serves none. The native engine
+    serves any number, whatever this says."""
+    lora_settings: dict | None = None
+    """Where a vLLM engine replays CUDA graphs, the settings of the adapters it will serve (LoraAdapter.settings:
+    r, alpha, target_modules), sized before capture. The native engine needs none."""
 
     def __post_init__(self):
         for name in ("window", "group", "block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens",
@@ -61,6 +67,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"EngineConfig.max_loras must be an int >= 0, got {self.max_loras!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
         if self.verified_decode not in VERIFIED_DECODE:

@@ -19,6 +19,7 @@ every step runs the canonical forward (docs/vllm_plugin.md says why and what it 
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import tempfile
 
@@ -27,7 +28,9 @@ import torch
 import kernels as K
 from rollout_service.engine.generate import generate_in_order
 from rollout_service.engine.protocol import EngineCapabilities
+from rollout_service.lora import AdapterError, projection_shapes
 from rollout_service.params import InvalidRequestError, Rollout, SamplingParams, check_request
+from rollout_service.vllm.adapters import VLLMAdapters
 from rollout_service.vllm.host_copy import HostWeights
 from rollout_service.vllm.instance import VLLMInstance
 from rollout_service.vllm.requests import canonical_vllm_params, completion_tokens
@@ -57,8 +60,10 @@ class VLLMEngine:
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
                  copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None,
                  stock_in_process: bool = True, stock_memory_share: float = 0.5, stock_only: bool = False,
-                 sleep_mode: bool = False, sleep_level: int = 2, early_weights_wake: bool = False):
+                 sleep_mode: bool = False, sleep_level: int = 2, early_weights_wake: bool = False,
+                 max_loras: int = 0, max_lora_rank: int = 64, lora_settings: dict | None = None):
         from rollout_service.vllm.plugin import HF_OVERRIDES, graph_options, pick_runner, register
+        from rollout_service.vllm.plugin.lora import lora_hint
 
         if isinstance(stock_memory_share, bool) or not isinstance(stock_memory_share, (int, float)) \
                 or not 0.0 < stock_memory_share < 1.0:
@@ -86,15 +91,21 @@ class VLLMEngine:
         self._sleeps = sleep_mode and self.device.type == "cuda"  # vLLM's CPU build has no sleep mode
         if self._sleeps:
             common["enable_sleep_mode"] = True
+        overrides = dict(HF_OVERRIDES)
+        if max_loras:  # LoRA adapters by vLLM's LoRARequest (vllm/adapters.py), sized for graphs by lora_settings
+            common.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
+            overrides.update(lora_hint(**lora_settings) if lora_settings else {})
         stock_for_off = stock_for_off or stock_only
         stock_share = gpu_memory_utilization * (1.0 if stock_only else stock_memory_share) if stock_for_off else 0.0
         self.stock = VLLMInstance(self._tmpdir, stock_sampler=True, in_process=stock_in_process,
                                   **self._sized(common, stock_share)) if stock_for_off else None
         runner = None if stock_only else pick_runner(self._tmpdir)  # read from the checkpoint once
         self.canonical = None if stock_only else VLLMInstance(
-            self._tmpdir, hf_overrides=dict(HF_OVERRIDES), runner=runner,
+            self._tmpdir, hf_overrides=overrides, runner=runner,
             **graph_options(cuda_graphs and self.device.type == "cuda", runner, tensor_parallel_size),
             **self._sized(common, gpu_memory_utilization - stock_share))
+        self.lora = VLLMAdapters(os.path.join(self._tmpdir, "adapters"), self._targets, projection_shapes(self.model),
+                                 max_lora_rank) if max_loras else None
         self._ids = itertools.count()
         self._where: dict[int, VLLMInstance] = {}  # request id -> the engine serving it
         self._prompts: dict[int, list[int]] = {}
@@ -117,11 +128,17 @@ class VLLMEngine:
         if self.canonical is None and params.determinism.runs_canonical:
             raise InvalidRequestError(f"determinism {params.determinism!r}: this worker runs the stock engine "
                                       "alone (stock_only=True), which serves only determinism='off'")
+        lora_request = None
+        if params.adapter is not None:
+            if self.lora is None:
+                raise InvalidRequestError(f"adapter {params.adapter!r}: this engine serves no LoRA adapters "
+                                          "(build it with max_loras >= 1)")
+            lora_request = self.lora.request(params.adapter)
         rid = next(self._ids)
         stock = self.stock is not None and not params.determinism.runs_canonical
         target = self.stock if stock else self.canonical
         target.llm.llm_engine.add_request(str(rid), target.prompt(prompt), self._vllm_params(
-            prompt, params, stock))
+            prompt, params, stock), lora_request=lora_request)
         self._where[rid], self._prompts[rid] = target, prompt
         return rid
 
@@ -176,7 +193,8 @@ class VLLMEngine:
     def capabilities(self) -> EngineCapabilities:
         """Weights change with no request running (no weight versions are stamped); no MoE routing is
         recorded; pushes arrive bucketed; sleep releases GPU memory where sleep_mode was asked on CUDA."""
-        return EngineCapabilities(switch_modes=False, routing_records=False, bucketed_push=True, sleep=self._sleeps)
+        return EngineCapabilities(switch_modes=False, routing_records=False, bucketed_push=True, sleep=self._sleeps,
+                                  lora_adapters=self.lora is not None)
 
     def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
         """Check and keep the weights, push them into every vLLM engine in place (captured graphs stay
@@ -186,6 +204,26 @@ class VLLMEngine:
             target.update_weights(self.model.state_dict())
         self._weights_discarded = False
         return digest
+
+    # LoRA adapters (vllm/adapters.py), where the engine was built with max_loras >= 1; loaded with no request
+    # running, as weights are
+    def load_adapter(self, name: str, adapter, expected_digest: str | None = None, version: int | None = None):
+        self._restore_discarded_weights()
+        return self._lora().load(name, adapter, expected_digest, self.weights_digest)
+
+    def remove_adapter(self, name: str) -> None:
+        self._lora().remove(name)
+
+    def adapters(self) -> dict:
+        return {} if self.lora is None else dict(self.lora.info)
+
+    def adapter(self, name: str):
+        return self._lora().adapter(name)
+
+    def _lora(self) -> VLLMAdapters:
+        if self.lora is None:
+            raise AdapterError("this engine serves no LoRA adapters: build it with max_loras >= 1")
+        return self.lora
 
     def _targets(self) -> list[VLLMInstance]:
         return [t for t in (self.canonical, self.stock) if t is not None]

@@ -135,7 +135,7 @@ class VLLMInstance:
             self._tmpdir = tempfile.mkdtemp(prefix="zerokl-vllm-")
             model.save_pretrained(self._tmpdir)
             path = self._tmpdir
-        canonical = llm_options.get("hf_overrides") == HF_OVERRIDES
+        canonical = (llm_options.get("hf_overrides") or {}).get("architectures") == HF_OVERRIDES["architectures"]
         if canonical and (tensor_parallel_size != 1 or not in_process):
             require_entry_point()  # vLLM's own processes find the canonical model through it
         # k > 1: vLLM's worker processes (mp executor), the checkpoint checked for a k-way split first
@@ -200,6 +200,16 @@ class VLLMInstance:
         else:
             self._stage_through_files(named)
         self._staged = not self.loads_in_place
+
+    def add_adapter(self, request) -> None:
+        """Serve vLLM's LoRARequest `request` (its PEFT checkpoint read now; an error raises here, and then
+        nothing changed); later prompts get a new weights generation, since KV cached under the adapter's
+        name before may have been computed with other tensors (see prompt)."""
+        self.llm.llm_engine.add_lora(request)
+        self._weights_generation += 1
+
+    def remove_adapter(self, lora_int_id: int) -> None:
+        self.llm.llm_engine.remove_lora(lora_int_id)
 
     def finish_weight_load(self) -> None:
         """The push is complete: staged tensors are loaded now, and later prompts get the new weights' salt."""

@@ -17,10 +17,10 @@ from rollout_service.lora import PROJECTIONS, LoraAdapter, check_adapter, projec
 HINT_KEY = "zerokl_lora"  # hf_overrides key: the adapter's settings, so its tensors exist before graphs are captured
 
 
-def lora_hint(r: int, alpha: float, target_modules) -> dict:
-    """hf_overrides entries that size a policy adapter at load time (LoraAdapter.settings' fields)."""
+def lora_hint(r: int, alpha: float, target_modules, use_rslora: bool = False) -> dict:
+    """hf_overrides entries that size adapters at load time (LoraAdapter.settings' fields)."""
     return {HINT_KEY: {"r": int(r), "alpha": float(alpha), "target_modules": sorted(target_modules),
-                       "use_rslora": False}}
+                       "use_rslora": bool(use_rslora)}}
 
 
 def zero_adapter(hf: torch.nn.Module, settings: dict) -> LoraAdapter:
