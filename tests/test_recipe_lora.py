@@ -52,3 +52,18 @@ def test_broadcast_pushes_carry_the_object_stores_adapters(lora_run, tmp_path):
     assert [r["weights/digest"] for r in by_broadcast] == [r["weights/digest"] for r in by_store]
     assert [r["rollout/digest"] for r in by_broadcast] == [r["rollout/digest"] for r in by_store]
     assert all(r["rollout_train/kl"] == 0.0 and r["weights/transport"] == "broadcast" for r in by_broadcast)
+
+
+def test_vllm_workers_serve_the_runs_adapter_with_zero_kl(lora_run, tmp_path):
+    """The same run with vLLM rollout workers (rollout.engine.backend=vllm, CPU build): each push becomes a
+    LoRARequest in the workers' canonical vLLM model; KL and max |Δ| stay 0.0, and the rollouts and the adapters
+    pushed are the native workers' run's bit for bit."""
+    pytest.importorskip("vllm")
+    cfg = load_config(TINY_LORA, SHORT + [f"run_dir={tmp_path}", "train.save_every=0",
+                                          "rollout.engine={backend: vllm, device: cpu}"])
+    run(cfg, progress=False)
+    on_vllm, native = read_metrics(tmp_path), read_metrics(lora_run)
+    assert all(r["rollout_train/kl"] == 0.0 and r["rollout_train/max_abs_logprob_diff"] == 0.0
+               and r["rollout_train/tokens"] > 0 for r in on_vllm)
+    assert [r["rollout/digest"] for r in on_vllm] == [r["rollout/digest"] for r in native]
+    assert [r["weights/digest"] for r in on_vllm] == [r["weights/digest"] for r in native]
