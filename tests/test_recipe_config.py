@@ -273,6 +273,7 @@ def test_the_lora_section_is_optional_typed_and_checked():
                        ({"rank": 8}, r"model\.lora\.rank: unknown key")):
         with pytest.raises(ConfigError, match=words):
             RecipeConfig.from_dict({"model": {"lora": bad}})
-    with pytest.raises(ConfigError, match="numerics: canonical"):
-        RecipeConfig.from_dict({"numerics": "stock", "rollout": {"determinism": "off"},
-                                "trainer": {"loss": {"old_logprobs": "recompute"}}, "model": {"lora": {}}})
+    stock = {"numerics": "stock", "trainer": {"loss": {"old_logprobs": "recompute"}}, "model": {"lora": {}}}
+    with pytest.raises(ConfigError, match="rollouts are vLLM's own LoRA"):  # the stock LoRA pipeline is vLLM's
+        RecipeConfig.from_dict({**stock, "rollout": {"determinism": "off", "engine": {"backend": "native"}}})
+    RecipeConfig.from_dict({**stock, "rollout": {"determinism": "off", "engine": {"backend": "vllm"}}})

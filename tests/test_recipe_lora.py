@@ -67,3 +67,18 @@ def test_vllm_workers_serve_the_runs_adapter_with_zero_kl(lora_run, tmp_path):
                and r["rollout_train/tokens"] > 0 for r in on_vllm)
     assert [r["rollout/digest"] for r in on_vllm] == [r["rollout/digest"] for r in native]
     assert [r["weights/digest"] for r in on_vllm] == [r["weights/digest"] for r in native]
+
+
+def test_the_stock_lora_pipeline_has_a_nonzero_mismatch(local_ray, tmp_path):
+    """The control, bench.grpo_step's stock arm with LoRA: stock vLLM's LoRA serves the pushed adapter and PEFT
+    trains it on the unpatched model under FSDP2; rollout and trainer log-probs then differ. (head_dim 32: vLLM's
+    stock CPU attention takes no head_dim 16.)"""
+    pytest.importorskip("vllm")
+    from bench.grpo_arms.run import ARMS
+    cfg = load_config(TINY_LORA, SHORT + [f"run_dir={tmp_path}", "train.save_every=0", "model.hidden_size=128",
+                                          "rollout.engine={backend: vllm, device: cpu}", *ARMS["stock"]])
+    run(cfg, progress=False)
+    logged = read_metrics(tmp_path)
+    assert all(r["rollout_train/max_abs_logprob_diff"] > 0 and r["rollout_train/mismatched_tokens"] > 0
+               for r in logged), logged
+    assert len({r["weights/digest"] for r in logged}) == 3  # the adapter still trained and travelled

@@ -111,8 +111,9 @@ def _check_lora(cfg: RecipeConfig) -> None:
                           f"got {lora.target_modules!r}")
     if not lora.name:
         raise ConfigError("model.lora.name must be a non-empty adapter name")
-    if cfg.numerics != "canonical":
-        raise ConfigError("model.lora trains with numerics: canonical (the stock arm has no LoRA yet)")
+    if cfg.numerics != "canonical" and cfg.rollout.engine.get("backend", "auto") == "native":
+        raise ConfigError("model.lora with numerics: stock is the stock LoRA pipeline, whose rollouts are vLLM's own "
+                          "LoRA: set rollout.engine.backend to vllm (or auto on GPUs)")
     if cfg.model.arch == "qwen3_moe":
         raise ConfigError("model.lora adapts dense projections; qwen3_moe's experts are not adapted")
 
