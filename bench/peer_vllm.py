@@ -41,7 +41,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench import emit
-from bench.peer.engines import add_engine_args, on_cpu
+from bench.peer.engines import LORA_SYSTEMS, add_engine_args, on_cpu, save_random_adapter
 from bench.peer.passes import run_worker
 from bench.peer.processes import process_results
 from bench.peer.report import build_report
@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None):
                         "engine and memory share (--gpu-memory-utilization per engine), their timed passes taken in "
                         "turn: the process's host speed and the machine's drift then fall on each alike "
                         "(passes_x_vllm: each pass's ratio to stock's pass of the same turn)")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help=f"systems {', '.join(LORA_SYSTEMS)}: every request runs one random rank-R adapter on every "
+                        "projection (vLLM's enable_lora and LoRARequest; the plugin's sized before graph capture)")
+    p.add_argument("--lora-dir", help=argparse.SUPPRESS)  # the adapter's PEFT checkpoint, written once by the parent
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -112,10 +116,15 @@ def main(argv: list[str] | None = None):
             from rollout_service.tiny_models import tiny_model
             tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
         args.model = tmp.name
+    if args.lora:
+        lora_tmp = tempfile.TemporaryDirectory(prefix="peer-vllm-lora-")
+        args.lora_dir = save_random_adapter(args.model, args.lora, lora_tmp.name)
     args.passthrough = _strip(argv, ("--out", "--systems", "--model", "--timeout", "--shape", "--num-layers",
                                              "--repeats"), flags=("--interleave",))
-    args.passthrough += ["--model", args.model]
+    args.passthrough += ["--model", args.model] + (["--lora-dir", args.lora_dir] if args.lora else [])
     systems = [s for s in args.systems.split(",") if s]
+    if args.lora and set(systems) - set(LORA_SYSTEMS):
+        p.error(f"--lora runs the systems {LORA_SYSTEMS}; got {systems}")
     unknown = set(systems) - set(ALL_SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")

@@ -189,3 +189,22 @@ def test_error_lines_keep_the_last_distinct_errors_in_order():
                         'RESULT {"error": "RuntimeError"}'])
     assert error_lines(output) == ["RuntimeError: Engine core initialization failed", "ValueError: first"]
     assert error_lines(output, keep=1) == ["ValueError: first"]
+
+
+@pytest.mark.slow
+def test_lora_runs_every_request_with_one_adapter_in_both_systems(tmp_path):
+    out = tmp_path / "peer.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.peer_vllm", "--prompts", "3", "--prompt-len", "12",
+                           "--max-tokens", "6", "--systems", "vllm,vllm-plugin", "--lora", "8", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["workload"]["lora_rank"] == 8
+    for res in report["results"].values():
+        assert "error" not in res and res["generated_tokens"] == 3 * 6, res
+
+
+def test_lora_refuses_systems_without_vllms_lora():
+    proc = subprocess.run([sys.executable, "-m", "bench.peer_vllm", "--systems", "vllm,native-verified", "--lora", "8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--lora runs the systems" in proc.stderr, proc.stderr[-1000:]

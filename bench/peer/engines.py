@@ -6,6 +6,8 @@ import argparse
 import os
 import random
 
+import torch
+
 
 def workload(args, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
@@ -53,6 +55,41 @@ def add_engine_args(p: argparse.ArgumentParser, gpu_memory_utilization: float = 
                         "outputs combined by the segment tree, stock vLLM's by its all-reduce)")
 
 
+LORA_SYSTEMS = ("vllm", "vllm-plugin")  # the systems --lora runs: stock vLLM's LoRA and ours, CUDA graphs on
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def lora_settings(r: int) -> dict:
+    from rollout_service.lora import PROJECTIONS
+    return {"r": r, "alpha": 2.0 * r, "target_modules": sorted(n for names in PROJECTIONS.values() for n in names),
+            "use_rslora": False}
+
+
+def save_random_adapter(model_dir: str, r: int, path: str) -> str:
+    """An r-rank adapter on every projection of the checkpoint's model, saved as a PEFT checkpoint: random A and
+    B (B nonzero, so that the adapter's product changes the tokens, as a trained adapter's does)."""
+    import transformers
+
+    from rollout_service.lora import save_adapter
+    from rollout_service.vllm.plugin.lora import zero_adapter
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
+    adapter = zero_adapter(model, lora_settings(r))
+    gen = torch.Generator().manual_seed(0)
+    for name, t in adapter.tensors.items():
+        scale = t.shape[1] ** -0.5 if ".lora_A." in name else 0.01
+        t.copy_(torch.randn(t.shape, generator=gen) * scale)
+    return str(save_adapter(adapter, path))
+
+
+def lora_request(args):
+    """vLLM's LoRARequest of the --lora adapter (every request names it), or None."""
+    if not args.lora:
+        return None
+    from vllm.lora.request import LoRARequest
+    return LoRARequest("bench", 1, args.lora_dir)
+
+
 def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
     """The vllm.LLM of a `vllm*` system, its engine core in this process or its own (VLLM_BATCH_INVARIANT
     comes from the env). vllm-plugin*: the canonical model class and our seeded sampling rule."""
@@ -81,6 +118,12 @@ def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
     else:
         from rollout_service.vllm.plugin.tensor_parallel import tp_options
         options.update(tp_options(None, k))
+    if args.lora:  # one adapter for every request, by vLLM's LoRARequest; the plugin's sized before capture
+        options.update(enable_lora=True, max_loras=1,
+                       max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= args.lora))
+        if system.startswith("vllm-plugin"):
+            from rollout_service.vllm.plugin.lora import lora_hint
+            options["hf_overrides"] = {**options["hf_overrides"], **lora_hint(**lora_settings(args.lora))}
     if not own_process:
         options.setdefault("distributed_executor_backend", "uni" if k == 1 else "mp")
     from rollout_service.vllm.plugin.compat import engine_core_placement

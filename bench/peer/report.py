@@ -23,7 +23,7 @@ def build_report(args, model: str, runs: dict[str, list[dict]], partial_out: str
         tensor_parallel_size=args.tensor_parallel_size, engine_core=args.engine_core, interleaved=args.interleave,
         workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                       stock_logprobs=args.stock_logprobs, logprobs_layout=args.logprobs_layout,
-                      temperature=args.temperature, top_p=args.top_p, **kv_settings(args)),
+                      temperature=args.temperature, top_p=args.top_p, lora_rank=args.lora, **kv_settings(args)),
         ours=dict(window=args.window, group=args.group), results=results)
     if partial_out:
         report["complete"] = False

@@ -9,6 +9,7 @@ from bench.peer.engines import (
     build_llm,
     capped,
     engine_facts,
+    lora_request,
     on_cpu,
     request_params,
     vllm_options,
@@ -36,12 +37,13 @@ def warm_vllm(args, prompts, system: str) -> Warmed:
     llm = build_llm(args, system, len(prompts), own_process=args.engine_core == "own-process")
     params = request_params(args, system, prompts)
     inputs = [{"prompt_token_ids": p} for p in prompts]
+    adapter = lora_request(args)
 
     def generate(max_tokens: int | None = None):
         llm.reset_prefix_cache()
         run_params = params if max_tokens is None else [capped(p, max_tokens) for p in params]
         start = time.perf_counter()
-        outs = llm.generate(inputs, run_params, use_tqdm=False)
+        outs = llm.generate(inputs, run_params, lora_request=adapter, use_tqdm=False)
         return time.perf_counter() - start, outs
 
     generate(args.warmup_tokens)  # every prefill shape of the workload (Triton compiles per shape)
