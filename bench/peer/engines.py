@@ -84,7 +84,7 @@ def save_random_adapter(model_dir: str, r: int, path: str) -> str:
 
 def lora_request(args):
     """vLLM's LoRARequest of the --lora adapter (every request names it), or None."""
-    if not args.lora:
+    if not getattr(args, "lora", 0):  # tools without --lora (bench.vllm_step_profile) run no adapter
         return None
     from vllm.lora.request import LoRARequest
     return LoRARequest("bench", 1, args.lora_dir)
@@ -118,7 +118,7 @@ def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
     else:
         from rollout_service.vllm.plugin.tensor_parallel import tp_options
         options.update(tp_options(None, k))
-    if args.lora:  # one adapter for every request, by vLLM's LoRARequest; the plugin's sized before capture
+    if lora_request(args) is not None:  # one adapter for every request; the plugin's sized before capture
         options.update(enable_lora=True, max_loras=1,
                        max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= args.lora))
         if system.startswith("vllm-plugin"):
