@@ -45,6 +45,15 @@ def save_text_tokenizer(path, vocab: int) -> None:
     assert AutoTokenizer.from_pretrained(path)("t5 t6 ")["input_ids"] == [5, 6]
 
 
+def serve_checkpoint(tmp_path_factory, name: str, vocab: int, **model_kw) -> str:
+    """A tiny Qwen2 checkpoint with a word tokenizer over its ids, for a server's tests."""
+    from rollout_service.tiny_models import tiny_model
+    path = str(tmp_path_factory.mktemp(name))
+    tiny_model("qwen2", seed=7, **model_kw).save_pretrained(path)
+    save_word_tokenizer(path, vocab)
+    return path
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -108,7 +108,7 @@ def test_interleave_refuses_systems_that_need_a_process_of_their_own(systems):
 def test_partial_report_is_written_and_marked(tmp_path):
     args = argparse.Namespace(tensor_parallel_size=1, engine_core="in-process", interleave=False, prompts=2, prompt_len=4,
                               max_tokens=3, stock_logprobs=True, logprobs_layout="flat", temperature=1.0, top_p=1.0,
-                              window=8, group=8, kv_cache_mib=512, gpu_memory_utilization=0.4, num_gpu_blocks=None)
+                              window=8, group=8, kv_cache_mib=512, gpu_memory_utilization=0.4, num_gpu_blocks=None, lora=0)
     runs = {"vllm": [dict(generated_tokens=6, seconds=2.0, tokens_per_s=3.0)], "vllm-plugin": []}
     path = tmp_path / "partial.json"
     report = build_report(args, "tiny", runs, str(path))
@@ -123,7 +123,7 @@ def test_repeats_report_each_rounds_ratio_to_stock(tmp_path):
     (a round whose run failed has none)."""
     args = argparse.Namespace(tensor_parallel_size=1, engine_core="in-process", interleave=False, prompts=2, prompt_len=4,
                               max_tokens=3, stock_logprobs=True, logprobs_layout="flat", temperature=1.0, top_p=1.0,
-                              window=8, group=8, kv_cache_mib=512, gpu_memory_utilization=0.4, num_gpu_blocks=None)
+                              window=8, group=8, kv_cache_mib=512, gpu_memory_utilization=0.4, num_gpu_blocks=None, lora=0)
 
     def run(tps):
         return dict(generated_tokens=6, seconds=6 / tps, tokens_per_s=tps)

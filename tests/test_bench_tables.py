@@ -84,7 +84,8 @@ def test_a_table_runs_on_cpu_with_a_tiny_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["workload"] == dict(prompts=3, prompt_len=10, max_tokens=5, stock_logprobs=True,
-                                      logprobs_layout="flat", temperature=1.0, top_p=1.0, kv_cache_mib=512)
+                                      logprobs_layout="flat", temperature=1.0, top_p=1.0, lora_rank=0,
+                                      kv_cache_mib=512)
     results = report["results"]
     assert set(results) == {"vllm", "native-verified"}
     for res in results.values():

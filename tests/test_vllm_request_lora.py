@@ -96,6 +96,7 @@ def test_stock_vllm_lora_differs_from_the_peft_trainer(checkpoint, adapters):
     assert count_trainer_mismatches(adapters["r8"][0], prompts, params, served) > 0
 
 
+@pytest.mark.slow  # a Ray pool with a vLLM worker: about a minute on two cores
 def test_a_pool_of_vllm_workers_serves_pushed_adapters_exactly(checkpoint, adapters):
     """A pool worker on vLLM (engine_kwargs backend="vllm", max_loras): adapter-only pushes become LoRARequests,
     requests naming either adapter or none share steps and each is its trainer's bit for bit; a replaced adapter

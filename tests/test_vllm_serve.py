@@ -17,11 +17,10 @@ import torch
 pytest.importorskip("vllm")
 
 from rollout_service import Engine, SamplingParams  # noqa: E402
-from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.vllm.plugin.seed_echo import SEED_HEADER  # noqa: E402
 from rollout_service.vllm.plugin.serve import serve_argv  # noqa: E402
 from serve_shared import (call, complete, complete_all, running_server, save_text_tokenizer,  # noqa: E402
-                          save_word_tokenizer)
+                          serve_checkpoint)
 from vllm_shared import trainer_logprobs  # noqa: E402
 
 MODEL_KW = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)  # head_dim 32
@@ -37,10 +36,7 @@ def _prompts(n, seed=0, lo=1, hi=40):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("zerokl-serve"))
-    tiny_model("qwen2", seed=7, **MODEL_KW).save_pretrained(path)
-    save_word_tokenizer(path, VOCAB)
-    return path
+    return serve_checkpoint(tmp_path_factory, "zerokl-serve", VOCAB, **MODEL_KW)
 
 
 @pytest.fixture(scope="module")

@@ -12,22 +12,21 @@ pytest.importorskip("peft")
 pytest.importorskip("openai")
 
 from lora_shared import ALL_LINEAR, ATTENTION, base_model, trained_adapter_model  # noqa: E402
-from serve_shared import call, running_server, save_word_tokenizer  # noqa: E402
+from serve_shared import call, running_server, serve_checkpoint  # noqa: E402
 from test_vllm_serve import MAX_BATCHED, MODEL_KW, VOCAB, _openai, _prompts  # noqa: E402
 from vllm_shared import trainer_logprobs  # noqa: E402
 
 from rollout_service.lora import adapter_from_model, save_adapter  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a server of its own: about a minute on two cores
+
 RUNTIME_UPDATES = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for /v1/load_lora_adapter
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("zerokl-serve-lora"))
-    tiny_model("qwen2", seed=7, **MODEL_KW).save_pretrained(path)
-    save_word_tokenizer(path, VOCAB)
-    return path
+    return serve_checkpoint(tmp_path_factory, "zerokl-serve-lora", VOCAB, **MODEL_KW)
 
 
 @pytest.fixture(scope="module")
