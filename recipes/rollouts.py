@@ -88,9 +88,6 @@ def group_requests(prompts: list[list[int]], indices: list[int], step: int, roll
     return all_prompts, all_params
 
 
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
-
-
 def engine_options(cfg) -> dict:
     """rollout.engine, plus what the run's numerics and placement ask of every engine (options each
     engine takes, rollout_service.engine.config): `off` requests only for numerics stock (stock_only),
@@ -99,9 +96,10 @@ def engine_options(cfg) -> dict:
     options = dict(cfg.rollout.engine)
     if cfg.model.lora is not None:  # a vLLM engine serves adapters only where built for them
         from recipes.lora import adapter_settings
+        from rollout_service.vllm.adapters import vllm_lora_rank
         settings = adapter_settings(cfg.model.lora)
         options.setdefault("max_loras", 1)
-        options.setdefault("max_lora_rank", next((r for r in VLLM_LORA_RANKS if r >= settings["r"]), settings["r"]))
+        options.setdefault("max_lora_rank", vllm_lora_rank(settings["r"]))
         options.setdefault("lora_settings", settings)
     if cfg.numerics == "stock":
         options.setdefault("stock_only", True)

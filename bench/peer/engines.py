@@ -56,7 +56,6 @@ def add_engine_args(p: argparse.ArgumentParser, gpu_memory_utilization: float = 
 
 
 LORA_SYSTEMS = ("vllm", "vllm-plugin")  # the systems --lora runs: stock vLLM's LoRA and ours, CUDA graphs on
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
 def lora_settings(r: int) -> dict:
@@ -119,8 +118,9 @@ def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
         from rollout_service.vllm.plugin.tensor_parallel import tp_options
         options.update(tp_options(None, k))
     if lora_request(args) is not None:  # one adapter for every request; the plugin's sized before capture
+        from rollout_service.vllm.adapters import vllm_lora_rank
         options.update(enable_lora=True, max_loras=1,
-                       max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= args.lora))
+                       max_lora_rank=vllm_lora_rank(args.lora))
         if system.startswith("vllm-plugin"):
             from rollout_service.vllm.plugin.lora import lora_hint
             options["hf_overrides"] = {**options["hf_overrides"], **lora_hint(**lora_settings(args.lora))}

@@ -15,6 +15,14 @@ from rollout_service.lora import LoraAdapter, save_adapter
 from rollout_service.params import InvalidRequestError
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds rank `r` (r itself past vLLM's largest)."""
+    return next((v for v in VLLM_LORA_RANKS if v >= r), r)
+
+
 class VLLMAdapters:
     def __init__(self, root: str | Path, targets: Callable[[], list], shapes, max_rank: int):
         self.root, self.targets, self.shapes, self.max_rank = Path(root), targets, shapes, max_rank
