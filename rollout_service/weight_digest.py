@@ -61,16 +61,37 @@ def tensor_fingerprint(t: torch.Tensor) -> tuple[int, int]:
 
 
 def fingerprints(tensors) -> list[tuple[int, int]]:
-    """tensor_fingerprint of each tensor, with one wait for the device per device (not per tensor)."""
-    lanes = [fingerprint_lanes(t) for t in tensors]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, x in enumerate(lanes):
-        by_device.setdefault(x.device, []).append(i)
-    out: list[tuple[int, int]] = [(0, 0)] * len(lanes)
-    for idx in by_device.values():
-        for i, (a, b) in zip(idx, torch.stack([lanes[i] for i in idx]).tolist()):
-            out[i] = (int(a), int(b))
-    return out
+    """tensor_fingerprint of each tensor (packed_rows: one wait for the device, not one per tensor)."""
+    return [(a, b) for a, b, _ in packed_rows(tensors)]
+
+
+PACK_BYTES = 256 << 20  # packed_rows' bf16 buckets on a GPU
+
+
+def packed_rows(tensors: Iterable[torch.Tensor], bucket_bytes: int = PACK_BYTES) -> list[list[int]]:
+    """[lane a, lane b, count of non-finite values] of each tensor, in order (packed_fingerprints' rows).
+    On a GPU the tensors are copied into bf16 buckets of `bucket_bytes` and each bucket is fingerprinted in
+    one pass: a few launches per bucket, not per tensor (a push, or an adapter, has hundreds of tensors). On
+    the host each tensor is read where it is. A tensor may be freed once the next is asked for (FSDP gathers
+    them one at a time): it has been copied or read; the device is waited for once, at the end."""
+    cap = max(1, int(bucket_bytes) // 2)
+    results, buf, layout, used = [], None, [], 0
+    for t in tensors:
+        n = t.numel()
+        if layout and (used + n > cap or buf.device != t.device):  # the bucket is full: fingerprint it
+            results.append(packed_fingerprints(buf, layout))
+            layout, used = [], 0
+        if _triton_row_sums(t.device) is None or n > cap:  # the host, or a bucket of its own: where it is
+            results.append(packed_fingerprints(t, [(0, n)]))
+            continue
+        if buf is None or buf.device != t.device:
+            buf = torch.empty(cap, dtype=torch.bfloat16, device=t.device)
+        buf[used:used + n].copy_(t.detach().reshape(-1))  # rule: after the last bucket's pass on this stream
+        layout.append((used, n))
+        used += n
+    if layout:
+        results.append(packed_fingerprints(buf, layout))
+    return [[int(x) for x in row] for part in results for row in part.tolist()]
 
 
 def fingerprint_lanes(t: torch.Tensor) -> torch.Tensor:

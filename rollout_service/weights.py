@@ -9,12 +9,12 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from rollout_service.weight_digest import (digest_of_fingerprints, fingerprint_lanes, fingerprints, model_digest,
-                                           packed_fingerprints, state_dict_digest, tensor_fingerprint)
+                                           packed_fingerprints, packed_rows, state_dict_digest, tensor_fingerprint)
 
 __all__ = ["CopyGroup", "WeightMismatchError", "check_finite", "check_fit", "check_state_dict_types",
            "check_weights", "copy_into", "digest_of_fingerprints", "fingerprint_lanes", "fingerprints",
-           "load_weights", "model_digest", "packed_fingerprints", "state_dict_digest", "tensor_fingerprint",
-           "weight_spec"]
+           "load_weights", "model_digest", "packed_fingerprints", "packed_rows", "state_dict_digest",
+           "tensor_fingerprint", "weight_spec"]
 
 
 class WeightMismatchError(ValueError):

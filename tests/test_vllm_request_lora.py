@@ -146,3 +146,80 @@ def test_a_pool_of_vllm_workers_serves_pushed_adapters_exactly(checkpoint, adapt
         assert all(w["restarts"] == 0 for w in pool.stats()["workers"])
     finally:
         pool.shutdown()
+
+
+def _scribble_served_adapters(worker) -> int:
+    """In a vLLM worker: every adapter the canonical runner holds set to zero, as memory a sleep discarded
+    would be garbage (run through collective_rpc)."""
+    manager = worker.model_runner.lora_manager
+    scribbled = 0
+    for weights in manager.slot_weights:
+        for a, b, _ in (weights.terms.values() if weights is not None else ()):
+            a.zero_(), b.zero_()
+            scribbled += 1
+    return scribbled
+
+
+def test_a_vllm_engine_reloads_its_adapters_after_their_memory_went(checkpoint, adapters):
+    """VLLMEngine built for adapters sleeps at level 1 by default (a LoRA run pushes the adapter alone: level 2
+    would reload the frozen base at every push). Where a sleep discarded the adapters' memory (level 2), the
+    engine loads each adapter it serves again from its checkpoint (VLLMAdapters.reload): the same bits as
+    before; the control, served from the scribbled memory, differs."""
+    from rollout_service import SamplingParams
+    from rollout_service.vllm.engine import VLLMEngine
+    from test_vllm_plugin import LLM_OPTIONS
+
+    engine = VLLMEngine(checkpoint, device="cpu", max_model_len=256, max_num_seqs=8, max_loras=2, max_lora_rank=64,
+                        vllm_options=dict(block_size=16, kv_cache_memory_bytes=LLM_OPTIONS["kv_cache_memory_bytes"]))
+    try:
+        assert engine.sleep_level == 1
+        engine.load_adapter("r8", adapter_from_model(adapters["r8"][0]))
+        prompts = _prompts(3, seed=17, hi=30)
+        params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, adapter="r8") for i in range(3)]
+
+        def served():
+            return [(r.token_ids, r.logprobs) for r in engine.generate(prompts, params)]
+
+        before = served()
+        assert engine.canonical.llm.collective_rpc(_scribble_served_adapters)[0] > 0
+        assert served() != before  # the control: the scribbled memory is what was served
+        engine.lora.reload()
+        assert served() == before
+    finally:
+        engine.close()
+
+
+def _lifted_names(worker) -> dict:
+    """In a vLLM worker: the stock model's parameter names and storage with its LoRA wrappers, and inside
+    compat.lora_wrappers_lifted."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    from rollout_service.vllm.plugin.compat import lora_wrappers_lifted
+    model = worker.model_runner.model
+
+    def seen():
+        return {"wrappers": sum(isinstance(m, BaseLayerWithLoRA) for m in model.modules()),
+                "params": {n.replace(".base_layer.", "."): p.data_ptr() for n, p in model.named_parameters()
+                           if ".lora_" not in n},
+                "base_layer_names": sum(".base_layer." in n for n, _ in model.named_parameters())}
+    wrapped = seen()
+    with lora_wrappers_lifted(model):
+        lifted = seen()
+    return {"wrapped": wrapped, "lifted": lifted, "after": seen()}
+
+
+def test_stock_lora_models_take_base_weights_by_their_checkpoint_names(checkpoint):
+    """A stock vLLM model built with enable_lora holds each projection inside a LoRA wrapper (names
+    "...qkv_proj.base_layer.weight"), where 0.25's weight loading refuses the checkpoint's names (a stock LoRA
+    engine woken from a level-2 sleep could not be refilled). Inside compat.lora_wrappers_lifted the wrapped
+    layers stand in the tree: no wrapper, the checkpoint's names, the very same parameters; after it the
+    wrappers are back."""
+    stock = make_llm(checkpoint, plugin=False, enable_lora=True, max_loras=1, max_lora_rank=8)
+    try:
+        seen = stock.collective_rpc(_lifted_names)[0]
+    finally:
+        close(stock)
+    assert seen["wrapped"]["wrappers"] > 0 and seen["wrapped"]["base_layer_names"] > 0
+    assert seen["lifted"]["wrappers"] == 0 and seen["lifted"]["base_layer_names"] == 0
+    assert seen["lifted"]["params"] == seen["wrapped"]["params"]
+    assert seen["after"] == seen["wrapped"]

@@ -35,8 +35,7 @@ def checked_adapter(name: str, adapter, shapes, max_rank: int | None, expected_d
         raise AdapterError(f"an adapter name must be a non-empty string, got {name!r}")
     if not isinstance(adapter, LoraAdapter):
         adapter = load_adapter(adapter)
-    check_adapter(adapter, shapes, max_rank=max_rank)
-    digest = adapter.digest()
+    digest = check_adapter(adapter, shapes, max_rank=max_rank)
     if expected_digest is not None:
         got = push_digest(digest, base_digest())
         if got != expected_digest:

@@ -57,6 +57,14 @@ class VLLMAdapters:
         self._drop(self.requests.pop(name))
         del self.info[name], self.adapters[name]
 
+    def reload(self) -> None:
+        """Every adapter served loaded into the engines again (from its checkpoint), as after a sleep that
+        discarded their memory."""
+        for request in self.requests.values():
+            for target in self.targets():
+                target.remove_adapter(request.lora_int_id)
+                target.add_adapter(request)
+
     def request(self, name: str):
         """The LoRARequest of adapter `name`, for a request naming it; InvalidRequestError if none is served."""
         if name not in self.requests:

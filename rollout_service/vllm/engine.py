@@ -49,8 +49,8 @@ class VLLMEngine:
     its KV cache, and so how many `off` sequences run at once, follows). stock_only: the stock engine
     alone, with all of gpu_memory_utilization (the stock pipeline's workers; requests other than `off`
     are refused). sleep_mode: build the engines with vLLM's sleep mode on a GPU, so that sleep()
-    releases their memory (colocated placement); sleep_level: vLLM's level, 2 by default (the weights
-    are discarded, not offloaded: see sleep). early_weights_wake: wake_weights, which the rollout
+    releases their memory (colocated placement); sleep_level: vLLM's level, by default 2 (the weights
+    are discarded, not offloaded: see sleep), or 1 for an engine built for LoRA adapters (max_loras >= 1). early_weights_wake: wake_weights, which the rollout
     worker calls right after each sleep, maps the weights' memory again then, while the trainer steps,
     so that the wake before the next push maps the KV cache alone."""
 
@@ -60,7 +60,7 @@ class VLLMEngine:
                  cuda_graphs: bool = True, stock_for_off: bool = False, gpu_memory_utilization: float = 0.85,
                  copy_model: bool = True, tensor_parallel_size: int = 1, vllm_options: dict | None = None,
                  stock_in_process: bool = True, stock_memory_share: float = 0.5, stock_only: bool = False,
-                 sleep_mode: bool = False, sleep_level: int = 2, early_weights_wake: bool = False,
+                 sleep_mode: bool = False, sleep_level: int | None = None, early_weights_wake: bool = False,
                  max_loras: int = 0, max_lora_rank: int = 64, lora_settings: dict | None = None):
         from rollout_service.vllm.plugin import HF_OVERRIDES, graph_options, pick_runner, register
         from rollout_service.vllm.plugin.lora import lora_hint
@@ -68,6 +68,7 @@ class VLLMEngine:
         if isinstance(stock_memory_share, bool) or not isinstance(stock_memory_share, (int, float)) \
                 or not 0.0 < stock_memory_share < 1.0:
             raise ValueError(f"stock_memory_share must be a number strictly between 0 and 1, got {stock_memory_share!r}")
+        sleep_level = sleep_level or (1 if max_loras else 2)  # see sleep
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sleep_level == 2 and sleep_mode and tensor_parallel_size > 1:
@@ -202,7 +203,7 @@ class VLLMEngine:
         digest = load_weights(self.model, state_dict, expected_digest)
         for target in self._targets():
             target.update_weights(self.model.state_dict())
-        self._weights_discarded = False
+        self._weights_filled()
         return digest
 
     # LoRA adapters (vllm/adapters.py), where the engine was built with max_loras >= 1; loaded with no request
@@ -254,13 +255,17 @@ class VLLMEngine:
         lands behind it (HostWeights.finish_in_background)."""
         for target in self._targets():
             target.finish_weight_load()
-        self._weights_discarded = False
+        self._weights_filled()
         self._host.finish_in_background()
 
     # Rule: at sleep level 2 the engines' weights are discarded, not copied to the host, because in
     # the colocated loop the next push replaces them all anyway (level 1 copies them to pinned host
     # memory and back, for nothing). Until a complete push lands, the host copy (self.model, always the weights
-    # last accepted) is what the engines serve: the first request after a wake without a push loads it.
+    # last accepted) is what the engines serve: the first request or adapter load after a wake without a push
+    # loads it, and the adapters served, whose memory went too. An engine built for LoRA adapters sleeps at
+    # level 1 unless told otherwise: a LoRA run's pushes carry the adapter alone, so level 2 would reload the
+    # whole frozen base from the host copy at every push (0.46 s at 1.5B on an H200, in the push's path);
+    # level 1 copies it back by vLLM's own offload, which early_weights_wake runs behind the train step.
     def sleep(self) -> None:
         """Release each vLLM engine's GPU memory (vLLM's sleep mode, where it was enabled)."""
         for target in self._targets():
@@ -273,7 +278,13 @@ class VLLMEngine:
             for target in self._targets():
                 target.wake()
                 target.update_weights(self.model.state_dict())
-            self._weights_discarded = False
+            self._weights_filled()
+
+    def _weights_filled(self) -> None:
+        """Every engine holds the weights again: the adapters too, where a sleep discarded them."""
+        if self._weights_discarded and self.lora is not None:
+            self.lora.reload()
+        self._weights_discarded = False
 
     def wake_weights(self) -> None:
         """With early_weights_wake: map each sleeping engine's weights again, its KV cache left asleep.

@@ -61,8 +61,9 @@ class VLLMWorkerExtension:
 
     def zerokl_load_weights(self, named_tensors) -> int:
         """Tensors (by reference: in-process engines only) straight into the model, in place."""
-        model = self.get_model() if hasattr(self, "get_model") else self.model_runner.model
-        model.load_weights(iter(named_tensors))
+        model = _worker_model(self)
+        with compat.lora_wrappers_lifted(model):
+            model.load_weights(iter(named_tensors))
         return len(named_tensors)
 
     def zerokl_load_adapter(self, settings: dict, tensors: dict) -> int:
@@ -70,19 +71,25 @@ class VLLMWorkerExtension:
         the next step on (vllm/plugin/lora.py); returns its bytes. Then reset_prefix_cache(), as after any
         weight load: cached KV was computed with the old adapter."""
         from rollout_service.lora import LoraAdapter
-        model = self.get_model() if hasattr(self, "get_model") else self.model_runner.model
+        model = _worker_model(self)
         return model.load_adapter(LoraAdapter.from_settings(settings, tensors))
 
     def zerokl_commit_weights(self) -> int:
         """Loads the staged (checkpoint-format) weights with vLLM's in-place reload."""
         staged = self.__dict__.pop("_zerokl_staged", [])
-        self.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+        model = _worker_model(self)
+        with compat.lora_wrappers_lifted(model):
+            self.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
         return len(staged)
 
     def zerokl_capture(self, on: bool) -> list[dict]:
         records, CAPTURE["records"] = CAPTURE["records"], []
         CAPTURE["on"] = bool(on)
         return records
+
+
+def _worker_model(worker) -> torch.nn.Module:
+    return worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
 
 
 def _on_cpu() -> bool:

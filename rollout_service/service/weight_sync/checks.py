@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rollout_service.weights import WeightMismatchError, packed_fingerprints
+from rollout_service.weights import WeightMismatchError, packed_rows
 
 from .plan import DEFAULT_BUCKET_BYTES
 
@@ -16,34 +16,19 @@ from .plan import DEFAULT_BUCKET_BYTES
 def fingerprint_entries(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """(name, shape, fingerprint, device) per tensor, in order, after checking it is finite floating point.
 
-    The tensors are packed into bf16 buffers of `bucket_bytes` (fingerprints are per tensor, so this
-    packing need not match the send's), and each buffer is fingerprinted and checked in one pass
-    (weights.packed_fingerprints: a few launches per bucket, not per tensor; a push has hundreds of
-    tensors). Each tensor may be freed once the next is asked for (FSDP gathers one at a time): it has
-    been copied into the bucket, and the device is waited for once, at the end."""
-    cap = max(1, int(bucket_bytes) // 2)
-    meta, results, bad = [], [], []
-    buf, layout = None, []
-    for name, t in named:
-        if not torch.is_floating_point(t):
-            bad.append(name)
-            continue
-        meta.append((name, tuple(t.shape), t.device))
-        n = t.numel()
-        used = layout[-1][0] + layout[-1][1] if layout else 0
-        if layout and (used + n > cap or buf.device != t.device):  # a new buffer
-            results.append(packed_fingerprints(buf, layout))
-            layout, used = [], 0
-        if n > cap:  # a bucket of its own: fingerprinted where it is
-            results.append(packed_fingerprints(t, [(0, n)]))
-            continue
-        if buf is None or buf.device != t.device:
-            buf = torch.empty(cap, dtype=torch.bfloat16, device=t.device)
-        buf[used:used + n].copy_(t.detach().reshape(-1))
-        layout.append((used, n))
-    if layout:
-        results.append(packed_fingerprints(buf, layout))
-    rows = [row for part in results for row in part.tolist()]  # the one wait for the device
+    The tensors are fingerprinted and checked packed into bf16 buffers of `bucket_bytes` (packed_rows:
+    fingerprints are per tensor, so this packing need not match the send's). Each tensor may be freed once
+    the next is asked for (FSDP gathers one at a time)."""
+    meta, bad = [], []
+
+    def floating():
+        for name, t in named:
+            if not torch.is_floating_point(t):
+                bad.append(name)
+                continue
+            meta.append((name, tuple(t.shape), t.device))
+            yield t
+    rows = packed_rows(floating(), bucket_bytes)
     return checked_entries(meta, rows, bad)
 
 

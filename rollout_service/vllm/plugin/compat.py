@@ -2,8 +2,9 @@
 the versions we run (0.25 on GPU, 0.32 on CPU), vLLM's process-wide graph-capture flag, how an
 engine's core is placed in or out of this process (and how that process is started), where a
 request's SamplingParams enter an engine (install_request_rule), which LoRA manager a runner keeps
-(install_lora_manager), and which stock models take weights
-in place (stock_loads_in_place).
+(install_lora_manager), which stock models take weights
+in place (stock_loads_in_place), and how a stock model wrapped for LoRA takes its base weights
+(lora_wrappers_lifted).
 
 0.25 allocates a layer's cache in the shape the backend's `get_kv_cache_shape` returns; we ask for
 [num_blocks, 2, block_size, Hkv, D] (FlashAttention's blocks-first shape) and unbind K and V.
@@ -153,3 +154,29 @@ def install_lora_manager(architecture: str, make_manager) -> None:
 
     load_lora_model._zerokl_lora = True
     LoRAModelRunnerMixin.load_lora_model = load_lora_model
+
+
+@contextlib.contextmanager
+def lora_wrappers_lifted(model: torch.nn.Module):
+    """The model's tree with each of vLLM's LoRA wrappers (BaseLayerWithLoRA, which a stock model gets with
+    enable_lora) replaced by the layer it wraps, for as long as the block runs; then the wrappers are back.
+    Rule: every load of base weights into a vLLM model runs inside it. The wrappers hold their layer as
+    `base_layer`, so its parameters are named "...qkv_proj.base_layer.weight"; 0.25's load_weights and
+    in-place reload look up "...qkv_proj.weight" and refuse the load (0.32's see through the wrappers).
+    Lifted, the names are the checkpoint's and the same parameter objects are written in place, which
+    the wrappers (and CUDA graphs captured through them) read. The plugin's model has no wrappers
+    (install_lora_manager): nothing changes there."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    lifted = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseLayerWithLoRA) and name:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            parent._modules[child] = module.base_layer
+            lifted.append((parent, child, module))
+    try:
+        yield model
+    finally:
+        for parent, child, module in reversed(lifted):
+            parent._modules[child] = module

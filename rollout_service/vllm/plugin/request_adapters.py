@@ -164,7 +164,7 @@ class RequestAdapters:
         if not os.path.isdir(path):
             raise _not_found(request.lora_name, request.lora_path)
         adapter = load_adapter(path)
-        check_adapter(adapter, self.shapes, max_rank=self.max_rank)
+        check_adapter(adapter, self.shapes, max_rank=self.max_rank, digest=False)
         if self.graphs and not same_settings(adapter.settings(), self.hint):
             raise AdapterError(f"LoRA {request.lora_name!r} has settings {adapter.settings()}, but this engine's "
                                f"CUDA graphs were captured for {self.hint} (lora_hint); load adapters of those "
