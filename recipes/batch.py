@@ -24,6 +24,9 @@ class Sample:
     advantage: float
     routed_experts: list | None = None  # per generated token [moe_layers][k] expert ids (Rollout.routed_experts)
     weight_versions: list[int] | None = None  # per generated token, the weight version that produced it
+    # per token of token_ids, True where the model sampled it (a multi-turn episode's observations are False:
+    # out of the loss and the KL, their logprobs unused); None: every token is the model's
+    model_mask: list[bool] | None = None
 
 
 def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -47,7 +50,7 @@ def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
         ids[i, :p + g] = torch.tensor(s.prompt_ids + s.token_ids)
         attn[i, :p + g] = 1
         if not dummy:
-            loss_mask[i, p - 1:p - 1 + g] = True
+            loss_mask[i, p - 1:p - 1 + g] = _model_tokens(s)
             old[i, p - 1:p - 1 + g] = torch.tensor(s.logprobs, dtype=torch.float32)
             if s.weight_versions is not None:
                 versions[i, p - 1:p - 1 + g] = torch.tensor(s.weight_versions, dtype=torch.long)
@@ -81,7 +84,7 @@ def pack_flat(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]
         starts.append((0, start))
         first = start + p - 1  # index of the log-prob of the first generated token
         if not dummy:
-            loss_mask[0, first:first + g] = True
+            loss_mask[0, first:first + g] = _model_tokens(s)
             old[0, first:first + g] = torch.tensor(s.logprobs, dtype=torch.float32)
             adv[0, first:first + g] = s.advantage
             if s.weight_versions is not None:
@@ -92,6 +95,14 @@ def pack_flat(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]
     if not dummy and any(s.routed_experts is not None for s in samples):
         out["rollout_routed_experts"] = _pack_routing(samples, starts, (1, n - 1))
     return out
+
+
+def _model_tokens(s: Sample) -> torch.Tensor | bool:
+    if s.model_mask is None:
+        return True
+    if len(s.model_mask) != len(s.token_ids):
+        raise ValueError(f"a sample's model_mask has {len(s.model_mask)} entries for {len(s.token_ids)} tokens")
+    return torch.tensor(s.model_mask, dtype=torch.bool)
 
 
 def real_tokens(mb: dict[str, torch.Tensor]) -> int:
