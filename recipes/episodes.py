@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from rollout_service import Rollout, SamplingParams
+
 from .environment import Environment, EpisodeEnd
 
 
@@ -104,3 +106,54 @@ def _step(env: Environment, ep: Episode, turn_tokens: list[int], max_model_len: 
         return
     ep.add_observation(list(result.observation))
 
+
+
+@dataclass
+class EpisodeRollout(Rollout):
+    """An episode as the recipe's steps take rollouts: token_ids are every token after the prompt, logprobs 0.0
+    on observations, and model_mask says which tokens the model sampled; the reward is the episode's."""
+    model_mask: list[bool] = field(default_factory=list)
+    reward: float = 0.0
+    end: str = ""
+    turns: int = 0
+
+
+def group_episodes(task, rows: list[dict], indices: list[int], step: int, rollout, run_seed: int, generate,
+                   max_model_len: int, adapter: str | None = None) -> tuple[list[list[int]], list[EpisodeRollout]]:
+    """rollout.n episodes per row (prompt-major, as group_requests orders single-turn requests), each turn
+    with its own derived seed and at most rollout.max_tokens, on engines of `max_model_len`; returns (prompts,
+    EpisodeRollouts)."""
+    from .rollouts import sample_seed
+    n = rollout.n
+    keys = [(index, j) for index in indices for j in range(n)]
+
+    def params_for(e: int, turn: int, room: int) -> SamplingParams:
+        index, j = keys[e]
+        return SamplingParams(max_tokens=max(1, min(rollout.max_tokens, room)), temperature=rollout.temperature,
+                              top_k=rollout.top_k, top_p=rollout.top_p,
+                              seed=sample_seed(run_seed, step, index, j, turn), stop_token_ids=tuple(task.stop_token_ids),
+                              determinism=rollout.determinism, adapter=adapter)
+
+    envs = [task.environment() for _ in keys]
+    episodes = run_episodes(envs, [row for row in rows for _ in range(n)], generate, params_for, task.max_turns,
+                            max_model_len)
+    out = []
+    for ep in episodes:
+        versions = _versions_after_turns(ep)
+        out.append(EpisodeRollout(prompt_token_ids=ep.prompt_ids, token_ids=ep.token_ids, logprobs=ep.logprobs,
+                                  finish_reason="error" if ep.end.startswith("rollout failed") else "stop",
+                                  error=ep.end if ep.end.startswith("rollout failed") else None,
+                                  weight_versions=versions, model_mask=ep.model_mask, reward=ep.reward, end=ep.end,
+                                  turns=ep.turns))
+    return [ep.prompt_ids for ep in episodes], out
+
+
+def _versions_after_turns(ep: Episode) -> list[int] | None:
+    """Per token, its weight version; an observation takes the version of the turn before it."""
+    if all(v < 0 for v in ep.weight_versions):
+        return None
+    out, last = [], -1
+    for v, is_model in zip(ep.weight_versions, ep.model_mask):
+        last = v if is_model else last
+        out.append(last)
+    return out

@@ -18,6 +18,7 @@ from rollout_service.service.ray_cluster import with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
+from .episodes import EpisodeRollout, group_episodes
 from .checkpoint import checkpoint_dir, find_checkpoint, read_state, write_state
 from .config import CanonicalTreeConfig, RecipeConfig
 from .grpo_loss import group_advantages
@@ -65,11 +66,13 @@ def _start_rollout_pool(cfg: RecipeConfig, model, pool_name: str, namespace: str
 
 def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, scale: bool):
     """Rewards [P, n] and the training samples with group-normalised advantages."""
-    rewards = torch.tensor([task.reward(ro.token_ids, rows[i // n]["answer"]) for i, ro in enumerate(rollouts)])
+    rewards = torch.tensor([ro.reward if isinstance(ro, EpisodeRollout)  # a multi-turn episode's own
+                            else task.reward(ro.token_ids, rows[i // n]["answer"]) for i, ro in enumerate(rollouts)])
     rewards = rewards.view(-1, n)
     adv = group_advantages(rewards, scale=scale).view(-1).tolist()
     samples = [Sample(list(prompts[i]), list(ro.token_ids), list(ro.logprobs), adv[i], ro.routed_experts,
-                      None if ro.weight_versions is None else list(ro.weight_versions))
+                      None if ro.weight_versions is None else list(ro.weight_versions),
+                      ro.model_mask if isinstance(ro, EpisodeRollout) else None)
                for i, ro in enumerate(rollouts)]
     return rewards, samples
 
@@ -153,6 +156,10 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             first = cursor0 + (step - step0 - 1) * loop_cfg.prompts_per_step
             indices = prompt_indices(first, loop_cfg.prompts_per_step, len(task.dataset), cfg.seed)
             rows = [task.dataset[i] for i in indices]
+            if task.environment is not None:  # multi-turn: each turn continues from its episode's exact ids
+                prompts, episodes = group_episodes(task, rows, indices, step, rollout_cfg, cfg.seed, client.generate,
+                                                   model.config.max_position_embeddings, adapter)
+                return rows, prompts, episodes
             prompts, params = group_requests([r["prompt_ids"] for r in rows], indices, step, rollout_cfg, cfg.seed,
                                              task.stop_token_ids, routed, adapter)
             return rows, prompts, client.generate(prompts, params)

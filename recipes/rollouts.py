@@ -19,9 +19,9 @@ from rollout_service.engine.protocol import EngineCapabilities
 from .config import RolloutConfig
 
 
-def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    """A 63-bit sampling seed for one rollout."""
-    key = f"grpo/{run_seed}/{step}/{prompt_index}/{sample_index}".encode()
+def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
+    """A 63-bit sampling seed for one rollout (turn > 0: a later turn of a multi-turn episode)."""
+    key = f"grpo/{run_seed}/{step}/{prompt_index}/{sample_index}{f'/{turn}' if turn else ''}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2 ** 63 - 1)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import gsm8k, tiny_task
+from . import gsm8k, tiny_task, tiny_tools
 from .config import RecipeConfig
 
 
@@ -15,6 +15,10 @@ class Task:
     dataset: object  # datasets.Dataset: prompt_ids (list[int]), answer (str)
     reward_fn: Callable[[str, str], float]
     stop_token_ids: tuple[int, ...]
+    # a multi-turn task: a new Environment (recipes/environment.py) for each episode, and the most turns one
+    # takes; None: single-turn, each completion scored by reward_fn
+    environment: Callable[[], object] | None = None
+    max_turns: int = 1
 
     def completion_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -24,13 +28,22 @@ class Task:
 
 
 def build_task(cfg: RecipeConfig, tokenizer=None) -> Task:
-    """The task cfg.task names: tiny (max_operand, ops) or gsm8k (split, path, max_prompt_tokens)."""
+    """The task cfg.task names: tiny (max_operand, ops), tiny_tools (max_operand, max_turns) or gsm8k (split,
+    path, max_prompt_tokens)."""
     spec = cfg.task
     if spec.kind == "tiny":
         tokenizer = tokenizer or tiny_task.build_tokenizer()
         ds = tiny_task.build_dataset(spec.max_operand, spec.ops, seed=cfg.seed)
         ds = ds.map(lambda row: {"prompt_ids": tokenizer.encode(row["prompt"])})
         return Task("tiny", tokenizer, ds, tiny_task.reward, (tokenizer.eos_token_id,))
+    if spec.kind == "tiny_tools":
+        tokenizer = tokenizer or tiny_tools.build_tokenizer()
+        ds = tiny_tools.build_dataset(spec.max_operand, seed=cfg.seed)
+        ds = ds.map(lambda row: {"prompt_ids": tokenizer.encode(row["prompt"]),
+                                 "target": "".join(tiny_tools.solution(row["operands"]))})
+        stops = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(tiny_tools.CALL_END))
+        return Task("tiny_tools", tokenizer, ds, tiny_task.reward, stops,
+                    environment=lambda: tiny_tools.CalculatorEnv(tokenizer), max_turns=spec.max_turns)
     if spec.kind == "gsm8k":
         if tokenizer is None:
             from transformers import AutoTokenizer

@@ -53,7 +53,8 @@ def _train(model, examples, steps, lr, batch_size, seed, device):
 
 
 def answer_examples(task) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + stop token) for every prompt of the task."""
+    """(prompt ids, target ids + stop token) for every prompt of the task: the answer, or where the task's rows
+    have one, the "target" (a multi-turn task's solved episode, tool calls and observations included)."""
     tok, stop = task.tokenizer, task.stop_token_ids[0]
-    return [(list(row["prompt_ids"]), tok.encode(row["answer"], add_special_tokens=False) + [stop])
+    return [(list(row["prompt_ids"]), tok.encode(row.get("target", row["answer"]), add_special_tokens=False) + [stop])
             for row in task.dataset]

@@ -34,6 +34,7 @@ AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 NUMERIC_RANGES = {
     "seed": NON_NEGATIVE,
     "task.max_operand": NON_NEGATIVE,
+    "task.max_turns": POSITIVE,
     "task.max_prompt_tokens": NON_NEGATIVE,
     "task.stop_token_ids[]": NON_NEGATIVE,
     **{f"model.{k}": AT_LEAST_1 for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",

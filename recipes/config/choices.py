@@ -1,7 +1,7 @@
 """The allowed values of the recipe config's string keys (checked at load, recipes.config.checks)."""
 from rollout_service.service.weight_sync import TRANSPORTS
 
-TASK_KINDS = ("tiny", "gsm8k")
+TASK_KINDS = ("tiny", "tiny_tools", "gsm8k")
 MODEL_SOURCES = ("tiny", "hf")
 OLD_LOGPROBS = ("rollout", "recompute")
 TRAINER_DEVICES = ("cpu", "cuda")

@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 class TaskConfig:
     """The `task` section: the prompts the policy answers and the reward its completions get."""
     kind: str = "tiny"
-    """Which task: tiny (the built-in arithmetic problems) | gsm8k."""
+    """Which task: tiny (the built-in arithmetic problems) | tiny_tools (three-number sums with a calculator
+    tool, over several turns: recipes/tiny_tools.py) | gsm8k."""
     max_operand: int = 19
-    """tiny: problems "a<op>b=" with 0 <= a, b <= max_operand."""
+    """tiny: problems "a<op>b=" with 0 <= a, b <= max_operand; tiny_tools: "a+b+c=" likewise."""
+    max_turns: int = 4
+    """tiny_tools: the most model turns an episode takes (each turn's budget is rollout.max_tokens)."""
     ops: str = "+"
     """tiny: the operators, each a character of "+-*"; "-" makes only the problems with b <= a."""
     split: str = "train"
