@@ -273,9 +273,15 @@ def test_the_gpu_memory_share_is_split_as_asked(monkeypatch, checkpoint):
         with pytest.raises(ValueError, match="stock_memory_share"):
             VLLMEngine(checkpoint, stock_for_off=True, stock_memory_share=bad)
         assert not built
-    for bad in (0, 3, "2", None):  # vLLM's levels are 1 and 2 (0 releases no memory)
+    for bad in (0, 3, "2"):  # vLLM's levels are 1 and 2 (0 releases no memory)
         with pytest.raises(ValueError, match="sleep_level"):
             VLLMEngine(checkpoint, sleep_mode=True, sleep_level=bad)
+    # by default 2, and 1 for an engine built for LoRA adapters (their runs push the adapter alone)
+    for options, level in (({}, 2), ({"max_loras": 1, "max_lora_rank": 8}, 1), ({"max_loras": 1, "sleep_level": 2}, 2)):
+        engine = VLLMEngine(checkpoint, sleep_mode=True, **options)
+        assert engine.sleep_level == level, options
+        engine.close()
+    built.clear()
     with pytest.raises(ValueError, match="sleep_level 2"):  # level 2 is checked on one GPU per engine
         VLLMEngine(checkpoint, sleep_mode=True, tensor_parallel_size=2)
     assert not built

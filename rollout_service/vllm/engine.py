@@ -68,7 +68,8 @@ class VLLMEngine:
         if isinstance(stock_memory_share, bool) or not isinstance(stock_memory_share, (int, float)) \
                 or not 0.0 < stock_memory_share < 1.0:
             raise ValueError(f"stock_memory_share must be a number strictly between 0 and 1, got {stock_memory_share!r}")
-        sleep_level = sleep_level or (1 if max_loras else 2)  # see sleep
+        if sleep_level is None:  # see sleep
+            sleep_level = 1 if max_loras else 2
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         if sleep_level == 2 and sleep_mode and tensor_parallel_size > 1:
