@@ -157,3 +157,18 @@ def _versions_after_turns(ep: Episode) -> list[int] | None:
         last = v if is_model else last
         out.append(last)
     return out
+
+
+def episode_metrics(rollouts) -> dict:
+    """A step's episodes: turns, the share of model tokens, and how they ended (done, max turns, or an error:
+    a refused or unknown tool call, a failing environment, the context full); {} for single-turn rollouts."""
+    episodes = [ro for ro in rollouts if isinstance(ro, EpisodeRollout)]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    tokens = sum(len(ep.token_ids) for ep in episodes)
+    return {"episode/turns_mean": sum(ep.turns for ep in episodes) / n,
+            "episode/model_token_fraction": sum(map(sum, (ep.model_mask for ep in episodes))) / max(1, tokens),
+            "episode/done_fraction": sum(ep.end == "done" for ep in episodes) / n,
+            "episode/max_turns_fraction": sum(ep.end == "max turns" for ep in episodes) / n,
+            "episode/error_fraction": sum(ep.end not in ("done", "max turns") for ep in episodes) / n}

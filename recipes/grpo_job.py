@@ -18,7 +18,7 @@ from rollout_service.service.ray_cluster import with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
-from .episodes import EpisodeRollout, group_episodes
+from .episodes import EpisodeRollout, episode_metrics, group_episodes
 from .checkpoint import checkpoint_dir, find_checkpoint, read_state, write_state
 from .config import CanonicalTreeConfig, RecipeConfig
 from .grpo_loss import group_advantages
@@ -192,6 +192,7 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
                                    {"rollout": waited, "generate": batch.seconds, "train": t3 - t_slept,
                                     "sync": sync["seconds"], "sleep": t_slept - t2}, trainer_version)
             metrics.update(_push_metrics(sync, cursor, rollouts))
+            metrics.update(episode_metrics(rollouts))
             if loop_cfg.save_rollouts:
                 save_rollouts(run_dir, step, rollouts, rewards.view(-1).tolist())
             metrics["perf/checkpoint_s"] = _checkpoint(cfg, run_dir, trainer, step, cursor, sync["digest"])

@@ -63,6 +63,9 @@ def test_the_tool_recipe_has_exactly_zero_kl_over_the_models_tokens(local_ray, t
         assert rec["rollout_train/tokens"] == sum(map(sum, masks)) < sum(len(line["tokens"]) for line in lines)
         assert all(lp == 0.0 for line in lines for lp, m in zip(line["logprobs"], line["model_mask"]) if not m)
         assert all(line["end"] and line["turns"] >= 1 for line in lines)
+        assert rec["episode/turns_mean"] == sum(line["turns"] for line in lines) / len(lines) >= 1.0
+        ends = rec["episode/done_fraction"] + rec["episode/max_turns_fraction"] + rec["episode/error_fraction"]
+        assert ends == pytest.approx(1.0)
 
 
 @pytest.mark.slow
