@@ -37,6 +37,16 @@ def test_unplaceable_workers_raise_in_bounded_time_naming_the_resources(cluster)
         start_pool(shared.model(), num_workers=1, name="rollout-unplaceable", start_timeout_s=0)
 
 
+def test_a_pool_actor_slower_than_the_timeout_is_said_in_our_words(cluster):
+    """A busy cluster can be slower to start the pool's own actor than start_timeout_s: the TimeoutError says so,
+    with what each worker asks for and what the cluster has free (not Ray's bare "Get timed out")."""
+    with pytest.raises(TimeoutError, match="pool's own actor was not ready") as info:
+        start_pool(shared.model(), num_workers=1, name="rollout-slow-actor", start_timeout_s=1e-3)
+    assert "'CPU': 1" in str(info.value) and "free" in str(info.value) and "start_timeout_s" in str(info.value)
+    with pytest.raises(ValueError):
+        ray.get_actor("rollout-slow-actor", namespace="rollout_service")  # nothing left behind
+
+
 def test_a_worker_that_cannot_start_raises_its_own_error(cluster):
     t = time.monotonic()
     with pytest.raises(TypeError, match="unknown engine options") as info:
