@@ -2,7 +2,7 @@
 
 A turn's request is the episode's whole context (prompt, then every model turn and observation, as ids)
 with a turn's SamplingParams; every live episode's turn goes in one generate call, so a step's turns batch
-like single-turn rollouts, and the pool's prefix caching serves what earlier turns computed. An episode
+like single-turn rollouts, and engines that cache prefixes (vLLM workers) reuse what earlier turns computed. An episode
 becomes one training sample: the prompt, then every token after it, with the model's tokens in the loss
 (and in the KL) and the observations' tokens out (Sample.model_mask). The trainer scores the whole
 trajectory in one forward; the canonical forward makes each model token's log-prob there the one its turn
@@ -105,7 +105,6 @@ def _step(env: Environment, ep: Episode, turn_tokens: list[int], max_model_len: 
                   f"observed >= {max_model_len}")
         return
     ep.add_observation(list(result.observation))
-
 
 
 @dataclass

@@ -18,7 +18,7 @@ from rollout_service.engine.config import split_worker_options
 from rollout_service.engine.model_loading import check_model_source
 from rollout_service.engine.protocol import EngineCapabilities
 from rollout_service.service.client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
-from rollout_service.service.ray_cluster import original_error, placement_report
+from rollout_service.service.ray_cluster import original_error, placement_report, worker_resources
 from rollout_service.service.request_outcomes import EarlyCancels, abort_rollout, error_rollout
 from rollout_service.service.supervisor import MAX_CONCURRENCY, WorkerSupervisor
 from rollout_service.service.switch_modes import DRAIN
@@ -260,10 +260,10 @@ def start_pool(model, num_workers: int = 2, name: str = "rollout", engine_kwargs
         try:
             ray.get(actor.__ray_ready__.remote(), timeout=start_timeout_s)
         except GetTimeoutError:  # a busy cluster: said in our words, with what the workers would need
-            raise TimeoutError(f"the rollout pool's own actor was not ready within {start_timeout_s:.0f} s, so no "
+            raise TimeoutError(f"the rollout pool's own actor was not ready within {start_timeout_s:g} s, so no "
                                "worker started: " + placement_report(
                                    num_workers, num_workers, placement_group_bundles,
-                                   {"num_cpus": 1, **(resources_per_worker or {})}, start_timeout_s)) from None
+                                   worker_resources(resources_per_worker), start_timeout_s)) from None
         model_box = [model if isinstance(model, (str, os.PathLike)) else ray.put(model)]
         # the pool raises at start_timeout_s; this bound only guards against a pool actor that hangs
         info = ray.get(actor.start.remote(model_box, detached, float(start_timeout_s)), timeout=start_timeout_s + 60)

@@ -47,6 +47,11 @@ def actor_gpu_ids() -> list[str]:
     return [str(g) for g in ray.get_gpu_ids()]
 
 
+def worker_resources(resources_per_worker: dict | None) -> dict:
+    """A rollout worker's Ray actor options: one CPU unless the caller says otherwise."""
+    return {"num_cpus": 1, **(resources_per_worker or {})}
+
+
 def placement_report(pending: int, total: int, bundles: list[dict] | None, resources: dict, timeout_s: float) -> str:
     """Why `pending` of `total` rollout workers, each asking for its placement group's `bundles` or else
     for `resources` (Ray actor options), were not ready in time: what the cluster has free."""

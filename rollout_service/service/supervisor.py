@@ -12,7 +12,7 @@ from ray.exceptions import RayActorError
 
 import kernels as K
 from rollout_service.ray_placement import on_bundle, release, reserve
-from rollout_service.service.ray_cluster import original_error, placement_report
+from rollout_service.service.ray_cluster import original_error, placement_report, worker_resources
 from rollout_service.service.current_weights import CurrentWeights, NoCurrentWeights
 from rollout_service.service.worker import RolloutWorker
 from rollout_service.service.worker_slot import WorkerSlot
@@ -44,7 +44,7 @@ class WorkerSupervisor:
             # by default the worker takes exactly its bundle (bundle 0) of the group
             first = placement_group_bundles[0]
             resources_per_worker = {"num_cpus": first.get("CPU", 0), "num_gpus": first.get("GPU", 0)}
-        self._resources = {"num_cpus": 1, **(resources_per_worker or {})}
+        self._resources = worker_resources(resources_per_worker)
         self._bundles = placement_group_bundles
         self._strategy = placement_strategy
         self.slots = [WorkerSlot(i) for i in range(num_workers)]
