@@ -21,6 +21,7 @@ def _schedule(tmp_path, cache_tokens: int) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_decode_batches_with_room_for_every_sequence(tmp_path):
     report = _schedule(tmp_path, 4096)
     assert report["prefill_steps"] == 1 and report["prompt_tokens"] == 4 * 24 and report["recomputed_tokens"] == 0
@@ -28,6 +29,7 @@ def test_decode_batches_with_room_for_every_sequence(tmp_path):
     assert report["decode_rows"]["1-64"] == 39
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_decode_batches_count_the_recompute_of_preempted_sequences(tmp_path):
     """4 sequences of up to 64 tokens in 4 blocks of 32: they cannot all grow, so vLLM preempts."""
     report = _schedule(tmp_path, 128)

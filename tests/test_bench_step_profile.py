@@ -24,6 +24,7 @@ def _profile(tmp_path, *options) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_step_profile_reports_a_plugin_generate(tmp_path):
     report = _profile(tmp_path, "--top", "5", "--num-gpu-blocks", "64")  # (GPU-only; parsed)
     assert report["benchmark"] == "vllm_step_profile" and report["system"] == "vllm-plugin"
@@ -32,6 +33,7 @@ def test_step_profile_reports_a_plugin_generate(tmp_path):
     assert report["stock_logprobs"] is True and report["logprobs_layout"] == "flat", report
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_step_profile_counts_steps_by_batch_size(tmp_path):
     """--host-times also counts the generate's steps: decode steps by batch size (the rows each product
     sees), and the prefill steps with their tokens. One prefill step of 16 tokens (it samples the first

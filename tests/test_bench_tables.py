@@ -70,6 +70,7 @@ def test_unknown_table_is_refused():
         main(["qwen1.5b-65"])
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_a_table_runs_on_cpu_with_a_tiny_checkpoint(tmp_path):
     """--model wins over the table's random-weight shape (a checkpoint vLLM's CPU attention takes)."""
     pytest.importorskip("vllm")

@@ -6,10 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_tree_against_all_reduce_at_tp2(tmp_path):
     out = tmp_path / "tp_layer.json"
     proc = subprocess.run([sys.executable, "-m", "bench.tp_layer", "--degrees", "2", "--rows", "1,3", "--iters", "2",

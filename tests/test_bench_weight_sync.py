@@ -12,6 +12,7 @@ pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_bench_weight_sync_cpu_smoke():
     env = {**os.environ, "RAY_ADDRESS": "local"}
     proc = subprocess.run([sys.executable, "-m", "bench.weight_sync", "--model", "tiny", "--device", "cpu",
@@ -27,6 +28,7 @@ def test_bench_weight_sync_cpu_smoke():
     assert len(ratio["per_round"]) == 1 and ratio["median"] > 0
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_bench_weight_sync_lora_pushes_the_adapters_bytes_alone():
     pytest.importorskip("peft")
     env = {**os.environ, "RAY_ADDRESS": "local"}

@@ -188,6 +188,7 @@ def test_a_colocated_engine_counts_and_its_knobs_are_named():
         big_kv.check()
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_the_recipe_exits_2_with_the_refusal_and_no_traceback(tmp_path):
     """`python -m recipes.grpo` on a run that cannot fit: the message and status 2, before any model, pool
     or rank starts. The GPU's size is stated by this test (the recipe measures it on a GPU)."""

@@ -56,6 +56,7 @@ def test_a_worker_that_cannot_start_raises_its_own_error(cluster):
     assert info.value.__cause__ is not None  # Ray's error, with the remote traceback, is kept there
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_worker_killed_five_times_in_a_row_comes_back_and_serves_the_same_bits(cluster):
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s) for s in range(3)]

@@ -329,6 +329,7 @@ def test_ray_tp_group_equals_tp1(models, tp1, local_ray):
             group.shutdown()
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_rollout_pool_worker_as_tp_group_equals_tp1(models, tp1, local_ray):
     """A pool worker with tensor_parallel_size=2 (its ranks in a placement group) gives the
     TP=1 bits, before and after a weight update through the client."""

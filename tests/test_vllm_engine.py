@@ -332,6 +332,7 @@ def test_worker_backend_choice():
         engine_backend("fast", "cpu")
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_pool_worker_on_vllm_from_a_checkpoint_path(checkpoint, engine):
     """A checkpoint path handed to a pool worker with backend="vllm": the worker steps vLLM's engine
     in its own process and its rollouts are the native engine's, bit for bit; a pushed state dict

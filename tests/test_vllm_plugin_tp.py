@@ -118,6 +118,7 @@ def test_bf16_all_reduce_control_differs(checkpoint, policy):
     assert count_trainer_mismatches(policy, prompts, params, results) > 0
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_tree_scatter_reduce_at_tp4_equals_trainer(checkpoint, policy):
     """The tree split by output columns (an all-to-all over vLLM's TP group, then an all-gather of the
     rounded columns) gives the trainer's bits at TP = 4, where the tree's association matters."""
@@ -126,6 +127,7 @@ def test_tree_scatter_reduce_at_tp4_equals_trainer(checkpoint, policy):
     assert_matches_trainer(policy, prompts, params, results)
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_tp4_tied_checkpoint_equals_trainer(tmp_path_factory):
     from transformers import AutoModelForCausalLM
     path = _checkpoint(tmp_path_factory, "zerokl-tp4-tied", seed=22, tied=True)
@@ -181,6 +183,7 @@ def test_a_model_that_cannot_be_split_is_refused_before_workers_start(tmp_path_f
         llm_options(path, tensor_parallel_size=0)
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_pool_worker_runs_vllm_tp_from_a_checkpoint_path(checkpoint):
     """A checkpoint path handed to a pool worker with backend="vllm" and tensor_parallel_size=2: the
     worker's actor runs vLLM's TP (two worker processes of its own) and its rollouts are the TP = 1

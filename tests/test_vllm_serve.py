@@ -249,6 +249,7 @@ def test_serve_sizes_a_cpu_kv_cache_unless_told():
     assert "--kv-cache-memory-bytes" not in serve_argv("/ckpt", "--gpu-memory-utilization=0.5")
 
 
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_readme_server_command_and_request_run_as_written(checkpoint, policy, tmp_path):
     """`python -m rollout_service.vllm.plugin.serve CHECKPOINT --port ...` with no sizing flags (the
     README's command) starts on this machine and answers the README's request with the trainer's
