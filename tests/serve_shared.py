@@ -45,6 +45,41 @@ def save_text_tokenizer(path, vocab: int) -> None:
     assert AutoTokenizer.from_pretrained(path)("t5 t6 ")["input_ids"] == [5, 6]
 
 
+ROLE_SPECIALS = ("<|end|>", "<|user|>", "<|assistant|>", "<|tool|>")  # ids 0-3; <|end|> is the EOS
+ROLE_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def save_merging_tokenizer(path, vocab: int, alphabet: str = "abcdef") -> None:
+    """A BPE tokenizer over exactly `vocab` ids, in a directory of its own (for `--tokenizer`): the role
+    tokens of ROLE_TEMPLATE, the letters of `alphabet`, then every string of them by length, each a
+    merge of a shorter one and a letter. Decoding concatenates; encoding merges any two adjacent
+    letters, so text decoded from sampled ids rarely encodes to the same ids (the text round trip that
+    multi-turn clients must not make)."""
+    import itertools
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    tokens, merges, level = [*ROLE_SPECIALS, *alphabet], [], list(alphabet)
+    while len(tokens) < vocab:
+        longer = []
+        for stem, letter in itertools.product(level, alphabet):
+            if len(tokens) == vocab:
+                break
+            merges.append((stem, letter))
+            tokens.append(stem + letter)
+            longer.append(stem + letter)
+        level = longer
+    core = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ROLE_SPECIALS])
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token=ROLE_SPECIALS[0]).save_pretrained(path)
+    loaded = AutoTokenizer.from_pretrained(path)
+    assert len(loaded) == vocab and loaded.eos_token_id == 0, (len(loaded), loaded.eos_token_id)
+    pair = alphabet[:2]  # two letters' ids decode to their text, which encodes to one id
+    assert loaded(loaded.decode(loaded.convert_tokens_to_ids(list(pair))))["input_ids"] == \
+        [loaded.convert_tokens_to_ids(pair)]
+
+
 def serve_checkpoint(tmp_path_factory, name: str, vocab: int, **model_kw) -> str:
     """A tiny Qwen2 checkpoint with a word tokenizer over its ids, for a server's tests."""
     from rollout_service.tiny_models import tiny_model
