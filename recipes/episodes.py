@@ -17,8 +17,11 @@ the one its turn reported, whatever batch, cache or worker that turn ran on.
   the earlier turns after a context they were never sampled after, and not at all where the template
   dropped them; each segment holds its turns after the very context each was sampled after.
 Every segment carries its episode's reward, and the recipe gives every segment its episode's advantage
-(one per episode, normalised over the rollout.n episodes of a prompt; recipes/grpo_job.py): the loss
-counts each model token of an episode once, with that advantage, however many segments hold them.
+(one per episode, normalised over the rollout.n episodes of a prompt; recipes/grpo_job.py). The loss sums
+over the masked tokens of a mini-batch's samples and divides by their tokens after the prompts
+(recipes/trainer.py): an episode split into segments counts each of its model tokens once, with that
+advantage, as one concatenated sample would; its re-rendered history is prompt, in neither the sum nor
+the count.
 """
 from __future__ import annotations
 
