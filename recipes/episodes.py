@@ -20,8 +20,7 @@ Every segment carries its episode's reward, and the recipe gives every segment i
 (one per episode, normalised over the rollout.n episodes of a prompt; recipes/grpo_job.py). The loss sums
 over the masked tokens of a mini-batch's samples and divides by their tokens after the prompts
 (recipes/trainer.py): an episode split into segments counts each of its model tokens once, with that
-advantage, as one concatenated sample would; its re-rendered history is prompt, in neither the sum nor
-the count.
+advantage; its re-rendered history (the new segments' prompts) is in neither the sum nor the count.
 """
 from __future__ import annotations
 
