@@ -164,20 +164,38 @@ def budget_groups(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
     return [[samples[i] for i in sorted(g)] for g in groups]
 
 
+def _group_chunks(samples: list[Sample], sizes: list[int], parts: int) -> list[list[Sample]]:
+    """`parts` contiguous chunks of `samples` made of whole groups (sizes[i]: the i-th group's samples)."""
+    if sum(sizes) != len(samples):
+        raise ValueError(f"prompt groups of {sum(sizes)} samples in all for {len(samples)} samples")
+    out, start = [], 0
+    for chunk in _chunks(sizes, parts):
+        out.append(samples[start:start + sum(chunk)])
+        start += sum(chunk)
+    return out
+
+
 def split_for_ranks(samples: list[Sample], world: int, mini_batches: int, micro_batch_size: int = 0,
                     pad_id: int = 0, max_tokens_per_micro_batch: int = 0,
-                    packed: bool = False) -> tuple[list[list[list[dict]]], list[int]]:
+                    packed: bool = False,
+                    group_sizes: list[int] | None = None) -> tuple[list[list[list[dict]]], list[int]]:
     """-> (per rank: per mini-batch: list of micro-batches, generated tokens per mini-batch).
 
     Mini-batches are contiguous slices of `samples` (whole prompt groups when the caller orders them
-    so); within one, rows are dealt to ranks round-robin. A rank's rows form micro-batches of at most
+    so; `group_sizes`, each prompt group's number of samples in order, makes them whole groups where groups
+    differ in size: a multi-turn episode is as many samples as it has segments); within one, rows are
+    dealt to ranks round-robin. A rank's rows form micro-batches of at most
     max_tokens_per_micro_batch tokens when it is > 0 (budget_groups), else micro_batch_size rows (0: all);
     ranks with fewer micro-batches than another get dummies. packed: pack_flat micro-batches, else pack.
     """
     make = pack_flat if packed else pack
     plans: list[list[list[dict]]] = [[] for _ in range(world)]
     tokens = []
-    for mini in _chunks(samples, mini_batches):
+    if group_sizes is None:
+        minis = _chunks(samples, mini_batches)
+    else:
+        minis = _group_chunks(samples, group_sizes, mini_batches)
+    for mini in minis:
         tokens.append(sum(len(s.token_ids) for s in mini))
         per_rank = [mini[r::world] for r in range(world)]
         if max_tokens_per_micro_batch > 0:

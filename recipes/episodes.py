@@ -2,11 +2,25 @@
 
 A turn's request is the episode's whole context (prompt, then every model turn and observation, as ids)
 with a turn's SamplingParams; every live episode's turn goes in one generate call, so a step's turns batch
-like single-turn rollouts, and engines that cache prefixes (vLLM workers) reuse what earlier turns computed. An episode
-becomes one training sample: the prompt, then every token after it, with the model's tokens in the loss
-(and in the KL) and the observations' tokens out (Sample.model_mask). The trainer scores the whole
-trajectory in one forward; the canonical forward makes each model token's log-prob there the one its turn
-reported, whatever batch, cache or worker that turn ran on.
+like single-turn rollouts, and engines that cache prefixes (vLLM workers) reuse what earlier turns computed.
+
+How an episode is trained. An episode is one or more segments, and each segment is one training sample:
+its prompt is the context the model saw at the segment's first turn, then every token after it, with the
+model's tokens in the loss (and in the KL) and the observations' tokens out (Sample.model_mask). The
+trainer scores each sample in one forward; the canonical forward makes each model token's log-prob there
+the one its turn reported, whatever batch, cache or worker that turn ran on.
+- A chat template that keeps history (the environment returns observations, or whole contexts that extend
+  the current one exactly): one segment, the concatenated trajectory.
+- A template that rewrites history (a thinking model's drops earlier `<think>` blocks): where the next
+  context as the environment renders it (EnvStep.context) does not extend the current one, a new segment
+  starts with that context as its prompt. Scoring the final re-rendered conversation instead would score
+  the earlier turns after a context they were never sampled after, and not at all where the template
+  dropped them; each segment holds its turns after the very context each was sampled after.
+Every segment carries its episode's reward, and the recipe gives every segment its episode's advantage
+(one per episode, normalised over the rollout.n episodes of a prompt; recipes/grpo_job.py). The loss sums
+over the masked tokens of a mini-batch's samples and divides by their tokens after the prompts
+(recipes/trainer.py): an episode split into segments counts each of its model tokens once, with that
+advantage; its re-rendered history (the new segments' prompts) is in neither the sum nor the count.
 """
 from __future__ import annotations
 
@@ -15,19 +29,19 @@ from typing import Callable, Sequence
 
 from rollout_service import Rollout, SamplingParams
 
-from .environment import Environment, EpisodeEnd
+from .environment import EnvStep, Environment, EpisodeEnd
 
 
 @dataclass
-class Episode:
+class Segment:
+    """One training sample of an episode: the context the model saw at the segment's first turn, then the
+    turns and observations after it."""
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)  # every token after the prompt, model turns and observations
     logprobs: list[float] = field(default_factory=list)  # the rollout's log-prob of each model token, 0.0 elsewhere
     model_mask: list[bool] = field(default_factory=list)  # True on the model's tokens
     weight_versions: list[int] = field(default_factory=list)  # per token; -1 on observations
-    reward: float = 0.0
     turns: int = 0
-    end: str | None = None  # why it ended: "done", "max turns", or the reason an error gave
 
     @property
     def context(self) -> list[int]:
@@ -46,6 +60,37 @@ class Episode:
         self.logprobs += [0.0] * len(tokens)
         self.model_mask += [False] * len(tokens)
         self.weight_versions += [-1] * len(tokens)
+
+
+@dataclass
+class Episode:
+    segments: list[Segment]  # in turn order; the last is the one the next turn continues
+    reward: float = 0.0
+    end: str | None = None  # why it ended: "done", "max turns", or the reason an error gave
+
+    @property
+    def context(self) -> list[int]:
+        """The next turn's request: the current segment's prompt and every token after it."""
+        return self.segments[-1].context
+
+    @property
+    def turns(self) -> int:
+        return sum(seg.turns for seg in self.segments)
+
+    def add_turn(self, rollout) -> None:
+        self.segments[-1].add_turn(rollout)
+
+    def continue_with(self, step: EnvStep) -> None:
+        """The next turn's context from the environment's answer: an observation is appended; a whole
+        context that extends the current one exactly appends the extension; any other starts a segment."""
+        if step.context is None:
+            self.segments[-1].add_observation(list(step.observation))
+            return
+        current, context = self.context, list(step.context)
+        if context[:len(current)] == current:
+            self.segments[-1].add_observation(context[len(current):])
+        else:
+            self.segments.append(Segment(prompt_ids=context))
 
 
 def run_episodes(envs: Sequence[Environment], rows: Sequence[dict], generate: Callable, params_for: Callable,
@@ -75,53 +120,63 @@ def run_episodes(envs: Sequence[Environment], rows: Sequence[dict], generate: Ca
     for ep in episodes:
         if ep.end is None:
             ep.end = "max turns"
+        # a segment started for a turn that never came holds no model token: nothing to train (the first
+        # stays, so that every episode keeps a rollout that carries its reward and its end)
+        ep.segments = ep.segments[:1] + [seg for seg in ep.segments[1:] if seg.turns]
     return episodes
 
 
 def _started(env: Environment, row: dict) -> Episode:
     try:
-        return Episode(prompt_ids=list(env.reset(row)))
+        return Episode(segments=[Segment(prompt_ids=list(env.reset(row)))])
     except Exception as e:  # an environment that cannot start: an empty episode with its reason
-        return Episode(prompt_ids=[], end=f"environment error at reset: {type(e).__name__}: {e}")
+        return Episode(segments=[Segment(prompt_ids=[])], end=f"environment error at reset: {type(e).__name__}: {e}")
 
 
 def _step(env: Environment, ep: Episode, turn_tokens: list[int], max_model_len: int) -> None:
     """The environment's answer to the episode's last turn; ends the episode where it says so, refuses the
-    turn, fails, or returns an observation that leaves no room for another turn."""
+    turn, fails, or gives a next context that leaves no room for another turn."""
     try:
         result = env.step(turn_tokens)
     except EpisodeEnd as e:
         ep.end = str(e) or type(e).__name__
         return
-    except Exception as e:
+    except Exception as e:  # a failing environment, an EnvStep it could not build (EnvStep.__post_init__)
         ep.end = f"environment error: {type(e).__name__}: {e}"
         return
     ep.reward += float(result.reward)
     if result.done:
         ep.end = "done"
         return
-    if len(ep.context) + len(result.observation) >= max_model_len:
+    if result.context is not None and len(result.context) >= max_model_len:
+        ep.end = (f"context overflows max_model_len: the next turn's context holds {len(result.context)} "
+                  f"tokens >= {max_model_len}")
+        return
+    if result.context is None and len(ep.context) + len(result.observation) >= max_model_len:
         ep.end = (f"observation overflows max_model_len: {len(ep.context)} tokens + {len(result.observation)} "
                   f"observed >= {max_model_len}")
         return
-    ep.add_observation(list(result.observation))
+    ep.continue_with(result)
 
 
 @dataclass
 class EpisodeRollout(Rollout):
-    """An episode as the recipe's steps take rollouts: token_ids are every token after the prompt, logprobs 0.0
-    on observations, and model_mask says which tokens the model sampled; the reward is the episode's."""
+    """A segment of an episode as the recipe's steps take rollouts (one per training sample): token_ids are
+    every token after the segment's prompt, logprobs 0.0 on observations, and model_mask says which tokens
+    the model sampled; the reward and the end are the episode's, turns the segment's."""
     model_mask: list[bool] = field(default_factory=list)
     reward: float = 0.0
     end: str = ""
     turns: int = 0
+    episode: int = 0  # the episode's index among the step's (prompt-major)
+    segment: int = 0  # the segment's index in its episode
 
 
 def group_episodes(task, rows: list[dict], indices: list[int], step: int, rollout, run_seed: int, generate,
                    max_model_len: int, adapter: str | None = None) -> tuple[list[list[int]], list[EpisodeRollout]]:
     """rollout.n episodes per row (prompt-major, as group_requests orders single-turn requests), each turn
     with its own derived seed and at most rollout.max_tokens, on engines of `max_model_len`; returns (prompts,
-    EpisodeRollouts)."""
+    EpisodeRollouts): one per segment, an episode's segments together and in order (episode_of)."""
     from .rollouts import sample_seed
     n = rollout.n
     keys = [(index, j) for index in indices for j in range(n)]
@@ -136,38 +191,61 @@ def group_episodes(task, rows: list[dict], indices: list[int], step: int, rollou
     envs = [task.environment() for _ in keys]
     episodes = run_episodes(envs, [row for row in rows for _ in range(n)], generate, params_for, task.max_turns,
                             max_model_len)
+    return [seg.prompt_ids for ep in episodes for seg in ep.segments], episode_rollouts(episodes)
+
+
+def episode_rollouts(episodes: Sequence[Episode]) -> list[EpisodeRollout]:
+    """Every segment of every episode as a rollout, in order; a failed turn marks all of its episode's."""
     out = []
-    for ep in episodes:
-        versions = _versions_after_turns(ep)
-        out.append(EpisodeRollout(prompt_token_ids=ep.prompt_ids, token_ids=ep.token_ids, logprobs=ep.logprobs,
-                                  finish_reason="error" if ep.end.startswith("rollout failed") else "stop",
-                                  error=ep.end if ep.end.startswith("rollout failed") else None,
-                                  weight_versions=versions, model_mask=ep.model_mask, reward=ep.reward, end=ep.end,
-                                  turns=ep.turns))
-    return [ep.prompt_ids for ep in episodes], out
+    for e, ep in enumerate(episodes):
+        failed = ep.end.startswith("rollout failed")
+        for k, seg in enumerate(ep.segments):
+            out.append(EpisodeRollout(prompt_token_ids=seg.prompt_ids, token_ids=seg.token_ids, logprobs=seg.logprobs,
+                                      finish_reason="error" if failed else "stop", error=ep.end if failed else None,
+                                      weight_versions=_versions_after_turns(seg), model_mask=seg.model_mask,
+                                      reward=ep.reward, end=ep.end, turns=seg.turns, episode=e, segment=k))
+    return out
 
 
-def _versions_after_turns(ep: Episode) -> list[int] | None:
+def episode_of(rollouts) -> list[int]:
+    """Per rollout, the index of its episode: an episode's segments share one; a single-turn rollout is an
+    episode of its own. Rule: episodes come in order and each one's segments together, first to last, so
+    that episode e is the e-th of the step's rewards [P, n] (raises ValueError otherwise)."""
+    out, last = [], (-1, 0)
+    for ro in rollouts:
+        key = (ro.episode, ro.segment) if isinstance(ro, EpisodeRollout) else (last[0] + 1, 0)
+        if key not in ((last[0] + 1, 0), (last[0], last[1] + 1)):
+            raise ValueError(f"rollouts out of episode order: episode {key[0]} segment {key[1]} after episode "
+                             f"{last[0]} segment {last[1]}")
+        out.append(key[0])
+        last = key
+    return out
+
+
+def _versions_after_turns(seg: Segment) -> list[int] | None:
     """Per token, its weight version; an observation takes the version of the turn before it."""
-    if all(v < 0 for v in ep.weight_versions):
+    if all(v < 0 for v in seg.weight_versions):
         return None
     out, last = [], -1
-    for v, is_model in zip(ep.weight_versions, ep.model_mask):
+    for v, is_model in zip(seg.weight_versions, seg.model_mask):
         last = v if is_model else last
         out.append(last)
     return out
 
 
 def episode_metrics(rollouts) -> dict:
-    """A step's episodes: turns, the share of model tokens, and how they ended (done, max turns, or an error:
-    a refused or unknown tool call, a failing environment, the context full); {} for single-turn rollouts."""
-    episodes = [ro for ro in rollouts if isinstance(ro, EpisodeRollout)]
-    if not episodes:
+    """A step's episodes: turns and segments per episode, the share of model tokens, and how they ended
+    (done, max turns, or an error: a refused or unknown tool call, a failing environment, the context
+    full); {} for single-turn rollouts."""
+    segments = [ro for ro in rollouts if isinstance(ro, EpisodeRollout)]
+    if not segments:
         return {}
+    episodes = [ro for ro in segments if ro.segment == 0]  # each episode once
     n = len(episodes)
-    tokens = sum(len(ep.token_ids) for ep in episodes)
-    return {"episode/turns_mean": sum(ep.turns for ep in episodes) / n,
-            "episode/model_token_fraction": sum(map(sum, (ep.model_mask for ep in episodes))) / max(1, tokens),
+    tokens = sum(len(ro.token_ids) for ro in segments)
+    return {"episode/turns_mean": sum(ro.turns for ro in segments) / n,
+            "episode/segments_mean": len(segments) / n,
+            "episode/model_token_fraction": sum(map(sum, (ro.model_mask for ro in segments))) / max(1, tokens),
             "episode/done_fraction": sum(ep.end == "done" for ep in episodes) / n,
             "episode/max_turns_fraction": sum(ep.end == "max turns" for ep in episodes) / n,
             "episode/error_fraction": sum(ep.end not in ("done", "max turns") for ep in episodes) / n}

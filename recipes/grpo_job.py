@@ -18,7 +18,7 @@ from rollout_service.service.ray_cluster import with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
-from .episodes import EpisodeRollout, episode_metrics, group_episodes
+from .episodes import EpisodeRollout, episode_metrics, episode_of, group_episodes
 from .checkpoint import checkpoint_dir, find_checkpoint, read_state, write_state
 from .config import CanonicalTreeConfig, RecipeConfig
 from .grpo_loss import group_advantages
@@ -65,16 +65,37 @@ def _start_rollout_pool(cfg: RecipeConfig, model, pool_name: str, namespace: str
 
 
 def _score(task, rows: list[dict], prompts: list[list[int]], rollouts, n: int, scale: bool):
-    """Rewards [P, n] and the training samples with group-normalised advantages."""
+    """Rewards [P, n], one per episode, and the training samples, one per rollout, each with its episode's
+    group-normalised advantage. A multi-turn episode is one rollout per segment (recipes/episodes.py): its
+    segments share the episode's reward and advantage, and groups stay the n episodes of a prompt."""
+    episode = episode_of(rollouts)
+    first = {}  # episode -> its first rollout, which holds the episode's reward
+    for e, ro in zip(episode, rollouts):
+        first.setdefault(e, ro)
     rewards = torch.tensor([ro.reward if isinstance(ro, EpisodeRollout)  # a multi-turn episode's own
-                            else task.reward(ro.token_ids, rows[i // n]["answer"]) for i, ro in enumerate(rollouts)])
+                            else task.reward(ro.token_ids, rows[e // n]["answer"]) for e, ro in first.items()])
     rewards = rewards.view(-1, n)
     adv = group_advantages(rewards, scale=scale).view(-1).tolist()
-    samples = [Sample(list(prompts[i]), list(ro.token_ids), list(ro.logprobs), adv[i], ro.routed_experts,
+    samples = [Sample(list(prompts[i]), list(ro.token_ids), list(ro.logprobs), adv[episode[i]], ro.routed_experts,
                       None if ro.weight_versions is None else list(ro.weight_versions),
                       ro.model_mask if isinstance(ro, EpisodeRollout) else None)
                for i, ro in enumerate(rollouts)]
     return rewards, samples
+
+
+def _group_sizes(rollouts, n: int) -> list[int]:
+    """Each prompt group's number of rollouts (training samples), in order: n, or more where an episode is
+    several segments."""
+    sizes: dict[int, int] = {}
+    for e in episode_of(rollouts):
+        sizes[e // n] = sizes.get(e // n, 0) + 1
+    return list(sizes.values())
+
+
+def _rollout_rewards(rollouts, rewards: torch.Tensor) -> list[float]:
+    """Each rollout's reward, its episode's (rewards [P, n], one per episode)."""
+    flat = rewards.view(-1).tolist()
+    return [flat[e] for e in episode_of(rollouts)]
 
 
 def run(cfg: RecipeConfig, resume: str | Path | None = None, progress: bool = True) -> dict:
@@ -175,7 +196,7 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             to_run_versions(rollouts, sync["pool_version"], sync["version"])
             _check_rollouts(rollouts)
             rewards, samples = _score(task, rows, prompts, rollouts, rollout_cfg.n, trainer_cfg.loss.scale_advantages)
-            plans, tokens = _rank_plans(samples, trainer_cfg, pad_id)
+            plans, tokens = _rank_plans(samples, trainer_cfg, pad_id, _group_sizes(rollouts, rollout_cfg.n))
             trainer_version = sync["version"]
             stale = tuple(sorted({v for s in samples for v in s.weight_versions or ()} - {trainer_version}))
             t2 = time.perf_counter()
@@ -194,7 +215,7 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             metrics.update(_push_metrics(sync, cursor, rollouts))
             metrics.update(episode_metrics(rollouts))
             if loop_cfg.save_rollouts:
-                save_rollouts(run_dir, step, rollouts, rewards.view(-1).tolist())
+                save_rollouts(run_dir, step, rollouts, _rollout_rewards(rollouts, rewards))
             metrics["perf/checkpoint_s"] = _checkpoint(cfg, run_dir, trainer, step, cursor, sync["digest"])
             metrics["perf/step_s"] = time.perf_counter() - t_step
             logger.log(step, metrics)
@@ -229,12 +250,13 @@ def _check_rollouts(rollouts) -> None:
         raise RuntimeError(f"{len(failed)} rollouts failed, e.g. {failed[0].finish_reason}: {failed[0].error}")
 
 
-def _rank_plans(samples: list[Sample], trainer_cfg, pad_id: int):
+def _rank_plans(samples: list[Sample], trainer_cfg, pad_id: int, group_sizes: list[int] | None = None):
     """Each rank's mini- and micro-batches of the step's samples, and each mini-batch's tokens
-    (recipes.batch.split_for_ranks, laid out as trainer.batching says)."""
+    (recipes.batch.split_for_ranks, laid out as trainer.batching says); mini-batches of whole prompt groups
+    (group_sizes: each group's samples)."""
     batching = trainer_cfg.batching
     return split_for_ranks(samples, trainer_cfg.num_ranks, batching.mini_batches, batching.micro_batch_size,
-                           pad_id, batching.max_tokens_per_micro_batch, batching.packing)
+                           pad_id, batching.max_tokens_per_micro_batch, batching.packing, group_sizes)
 
 
 def _push_metrics(sync: dict, cursor: int, rollouts) -> dict:

@@ -36,5 +36,6 @@ def save_rollouts(run_dir: Path, step: int, rollouts, rewards) -> None:
             if ro.routed_experts is not None:
                 line["routed_experts"] = ro.routed_experts
             if hasattr(ro, "model_mask"):  # a multi-turn episode (recipes/episodes.py): which tokens the model's
-                line.update(model_mask=ro.model_mask, turns=ro.turns, end=ro.end)
+                line.update(model_mask=ro.model_mask, turns=ro.turns, end=ro.end, episode=ro.episode,
+                            segment=ro.segment)
             f.write(json.dumps(line) + "\n")

@@ -76,11 +76,17 @@ def _bits(values) -> list[bytes]:
     return [struct.pack("<d", float(x)) for x in values]
 
 
-def _trainer_bits(trainer, ep) -> list[bytes]:
-    """The trainer's log-probs of the episode's model tokens, from one forward over the whole trajectory."""
+def _trainer_bits(trainer, seg) -> list[bytes]:
+    """The trainer's log-probs of a segment's model tokens, from one forward over the whole trajectory."""
     with torch.no_grad():
-        lp = trainer_patch.token_logprobs(trainer, torch.tensor([ep.context]))[0, len(ep.prompt_ids) - 1:]
-    return _bits(x for x, is_model in zip(lp.tolist(), ep.model_mask) if is_model)
+        lp = trainer_patch.token_logprobs(trainer, torch.tensor([seg.context]))[0, len(seg.prompt_ids) - 1:]
+    return _bits(x for x, is_model in zip(lp.tolist(), seg.model_mask) if is_model)
+
+
+def _only(ep):
+    """An episode of observations is one segment: the concatenated trajectory."""
+    (seg,) = ep.segments
+    return seg
 
 
 def test_every_model_token_of_every_turn_is_the_trainers(checkpoint, trainer):
@@ -88,12 +94,13 @@ def test_every_model_token_of_every_turn_is_the_trainers(checkpoint, trainer):
     episodes, envs = _run(engine, _rows(6))
     assert all(ep.end == "done" and ep.turns == 3 for ep in episodes)
     for ep, env in zip(episodes, envs):
-        model_logprobs = [x for x, m in zip(ep.logprobs, ep.model_mask) if m]
-        assert _bits(model_logprobs) == _trainer_bits(trainer, ep)
-        assert sum(not m for m in ep.model_mask) == 2 * 5  # two observations between three turns
+        seg = _only(ep)
+        model_logprobs = [x for x, m in zip(seg.logprobs, seg.model_mask) if m]
+        assert _bits(model_logprobs) == _trainer_bits(trainer, seg)
+        assert sum(not m for m in seg.model_mask) == 2 * 5  # two observations between three turns
         assert ep.reward == 0.75
         # the environment got the model's ids as sampled; they stand in the context unchanged
-        assert [t for t, m in zip(ep.token_ids, ep.model_mask) if m] == [t for turn in env.seen for t in turn]
+        assert [t for t, m in zip(seg.token_ids, seg.model_mask) if m] == [t for turn in env.seen for t in turn]
 
 
 def test_a_turns_batch_does_not_change_an_episode(checkpoint):
@@ -104,21 +111,22 @@ def test_a_turns_batch_does_not_change_an_episode(checkpoint):
     for i, row in enumerate(rows):
         (alone,) = run_episodes([ToolEnv()], [row], engine.generate,
                                 lambda _, turn, room, i=i: _params()(i, turn, room), max_turns=4, max_model_len=96)
-        assert alone.token_ids == together[i].token_ids
-        assert _bits(alone.logprobs) == _bits(together[i].logprobs)
+        assert _only(alone).token_ids == _only(together[i]).token_ids
+        assert _bits(_only(alone).logprobs) == _bits(_only(together[i]).logprobs)
 
 
 def test_the_unprotected_path_differs(checkpoint, trainer):
     engine = Engine(str(checkpoint))
     episodes, _ = _run(engine, _rows(6), determinism="off")
-    mismatched = sum(_bits(x for x, m in zip(ep.logprobs, ep.model_mask) if m) != _trainer_bits(trainer, ep)
-                     for ep in episodes)
+    mismatched = sum(_bits(x for x, m in zip(seg.logprobs, seg.model_mask) if m) != _trainer_bits(trainer, seg)
+                     for seg in map(_only, episodes))
     assert mismatched > 0
 
 
 def test_observations_are_out_of_the_loss(checkpoint):
     engine = Engine(str(checkpoint))
     (ep,), _ = _run(engine, _rows(1, seed=2))
+    ep = _only(ep)
     sample = Sample(ep.prompt_ids, ep.token_ids, ep.logprobs, 1.0, model_mask=ep.model_mask)
     p = len(ep.prompt_ids)
     for packed in (pack([sample])["loss_mask"][0], pack_flat([sample])["loss_mask"][0]):
@@ -138,7 +146,7 @@ def test_an_episode_that_fails_ends_with_its_reason_and_the_others_go_on(checkpo
     episodes = run_episodes(envs, rows, engine.generate, _params(), max_turns=4, max_model_len=96)
     assert [ep.end for ep in episodes] == ["done", reason, "done"]
     assert episodes[1].turns == 2 and episodes[1].reward == 0.25  # the first turn's reward is kept
-    assert sum(not m for m in episodes[1].model_mask) == 5  # the failed turn's observation never came
+    assert sum(not m for m in _only(episodes[1]).model_mask) == 5  # the failed turn's observation never came
 
 
 def test_an_observation_that_overflows_max_model_len_ends_the_episode(checkpoint):
