@@ -5,13 +5,13 @@ observations are out of the loss; each way an episode can end is recorded with i
 determinism off, does not match."""
 from __future__ import annotations
 
-import struct
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import trainer_patch
+from episodes_shared import bits, trainer_bits
+
 from recipes.batch import Sample, pack, pack_flat
 from recipes.environment import EnvStep, EpisodeEnd
 from recipes.episodes import run_episodes
@@ -72,17 +72,6 @@ def _run(engine, rows, determinism="verified", **env_kw):
     return run_episodes(envs, rows, engine.generate, _params(determinism), max_turns=4, max_model_len=96), envs
 
 
-def _bits(values) -> list[bytes]:
-    return [struct.pack("<d", float(x)) for x in values]
-
-
-def _trainer_bits(trainer, seg) -> list[bytes]:
-    """The trainer's log-probs of a segment's model tokens, from one forward over the whole trajectory."""
-    with torch.no_grad():
-        lp = trainer_patch.token_logprobs(trainer, torch.tensor([seg.context]))[0, len(seg.prompt_ids) - 1:]
-    return _bits(x for x, is_model in zip(lp.tolist(), seg.model_mask) if is_model)
-
-
 def _only(ep):
     """An episode of observations is one segment: the concatenated trajectory."""
     (seg,) = ep.segments
@@ -96,7 +85,7 @@ def test_every_model_token_of_every_turn_is_the_trainers(checkpoint, trainer):
     for ep, env in zip(episodes, envs):
         seg = _only(ep)
         model_logprobs = [x for x, m in zip(seg.logprobs, seg.model_mask) if m]
-        assert _bits(model_logprobs) == _trainer_bits(trainer, seg)
+        assert bits(model_logprobs) == trainer_bits(trainer, seg)
         assert sum(not m for m in seg.model_mask) == 2 * 5  # two observations between three turns
         assert ep.reward == 0.75
         # the environment got the model's ids as sampled; they stand in the context unchanged
@@ -112,13 +101,13 @@ def test_a_turns_batch_does_not_change_an_episode(checkpoint):
         (alone,) = run_episodes([ToolEnv()], [row], engine.generate,
                                 lambda _, turn, room, i=i: _params()(i, turn, room), max_turns=4, max_model_len=96)
         assert _only(alone).token_ids == _only(together[i]).token_ids
-        assert _bits(_only(alone).logprobs) == _bits(_only(together[i]).logprobs)
+        assert bits(_only(alone).logprobs) == bits(_only(together[i]).logprobs)
 
 
 def test_the_unprotected_path_differs(checkpoint, trainer):
     engine = Engine(str(checkpoint))
     episodes, _ = _run(engine, _rows(6), determinism="off")
-    mismatched = sum(_bits(x for x, m in zip(seg.logprobs, seg.model_mask) if m) != _trainer_bits(trainer, seg)
+    mismatched = sum(bits(x for x, m in zip(seg.logprobs, seg.model_mask) if m) != trainer_bits(trainer, seg)
                      for seg in map(_only, episodes))
     assert mismatched > 0
 

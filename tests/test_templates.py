@@ -6,12 +6,13 @@ scored after the context its turns saw. The control: scoring the final rendered 
 that renders conversations would, is right where history is kept and wrong for the rewritten turns."""
 from __future__ import annotations
 
-import struct
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+from episodes_shared import bits, trainer_bits
 
 import trainer_patch
 from packing_shared import score
@@ -76,17 +77,6 @@ def _run(engine, envs, rows, determinism="verified"):
     return episodes, requests
 
 
-def _bits(values) -> list[bytes]:
-    return [struct.pack("<d", float(x)) for x in values]
-
-
-def _trainer_bits(trainer, seg) -> list[bytes]:
-    """The trainer's log-probs of a segment's model tokens, from one forward over the segment."""
-    with torch.no_grad():
-        lp = trainer_patch.token_logprobs(trainer, torch.tensor([seg.context]))[0, len(seg.prompt_ids) - 1:]
-    return _bits(x for x, is_model in zip(lp.tolist(), seg.model_mask) if is_model)
-
-
 def _whole(kind: str) -> bool:
     """The environment of a template that keeps history observes deltas; of one that rewrites, contexts."""
     return kind == "drop_think"
@@ -113,12 +103,12 @@ def test_every_turn_is_trained_after_the_context_it_saw(engine, trainer, tokeniz
             at = len(prompt) - len(seg.prompt_ids)
             span = slice(at, at + len(rollout.token_ids))
             assert seg.token_ids[span] == rollout.token_ids and all(seg.model_mask[span])
-            assert _bits(seg.logprobs[span]) == _bits(rollout.logprobs)
+            assert bits(seg.logprobs[span]) == bits(rollout.logprobs)
         firsts = [sum(s.turns for s in ep.segments[:k]) for k in range(len(ep.segments))]
         assert [seg.prompt_ids for seg in ep.segments] == [turns[i][0] for i in firsts]
         for seg in ep.segments:
             # the trainer, one forward per segment: every model token's log-prob as its turn reported it
-            assert _bits(x for x, m in zip(seg.logprobs, seg.model_mask) if m) == _trainer_bits(trainer, seg)
+            assert bits(x for x, m in zip(seg.logprobs, seg.model_mask) if m) == trainer_bits(trainer, seg)
             sample = Sample(seg.prompt_ids, seg.token_ids, seg.logprobs, 1.0, model_mask=seg.model_mask)
             p = len(seg.prompt_ids)
             for packed in (pack([sample])["loss_mask"][0], pack_flat([sample])["loss_mask"][0]):
@@ -166,7 +156,7 @@ def test_scoring_the_final_render_is_right_only_where_history_is_kept(engine, tr
                 continue  # nothing of the turn to score but its <eos>
             rendered = ids[start:stop - 1]
             naive_right = (rendered == sampled[:content]
-                           and _bits(lp[start - 1:stop - 2]) == _bits(rollout.logprobs[:content]))
+                           and bits(lp[start - 1:stop - 2]) == bits(rollout.logprobs[:content]))
             rewritten = kind == "drop_think" and index < last_user
             assert naive_right == (not rewritten), (kind, index, last_user)
             judged[rewritten] += 1
@@ -183,7 +173,7 @@ def test_a_whole_context_that_extends_is_its_delta(engine, tokenizers):
     for delta, whole in zip(*runs):
         (a,), (b,) = delta.segments, whole.segments
         assert (a.prompt_ids, a.token_ids, a.model_mask) == (b.prompt_ids, b.token_ids, b.model_mask)
-        assert _bits(a.logprobs) == _bits(b.logprobs) and delta.reward == whole.reward
+        assert bits(a.logprobs) == bits(b.logprobs) and delta.reward == whole.reward
 
 
 class _Rewrites(ChatEnv):
@@ -271,8 +261,8 @@ def test_segments_reach_the_trainer_with_their_episodes_advantage(engine, traine
             assert mb["advantages"][mask].tolist() == expected_adv
             with torch.no_grad():
                 logp = score(trainer, mb)
-            assert _bits(logp[mask].tolist()) == _bits(mb["rollout_logprobs"][mask].tolist())
-            assert _bits(mb["rollout_logprobs"][mask].tolist()) == _bits(
+            assert bits(logp[mask].tolist()) == bits(mb["rollout_logprobs"][mask].tolist())
+            assert bits(mb["rollout_logprobs"][mask].tolist()) == bits(
                 x for s in group for x, m in zip(s.logprobs, s.model_mask) if m)
 
 
