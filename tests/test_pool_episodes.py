@@ -2,7 +2,7 @@
 client's generate; a tiny model saved to disk). Whichever worker each turn lands on, and with a worker killed
 between two turns or while a turn runs, every episode is bit for bit the one all of whose turns ran on one
 worker, and each model token's log-prob is the trainer's from one forward over the whole trajectory. The
-control, determinism off, does not match the trainer."""
+control, determinism off, matches neither the trainer nor itself run the other way."""
 from __future__ import annotations
 
 import time
@@ -14,7 +14,8 @@ ray = pytest.importorskip("ray")
 
 import pool_episodes_shared as ep_shared  # noqa: E402
 import service_shared as shared  # noqa: E402
-from pool_episodes_shared import OneAtATime, Recorded, assert_same_episodes, run, trainer_mismatches  # noqa: E402
+from pool_episodes_shared import (OneAtATime, Recorded, assert_same_episodes, episode_bits, run,  # noqa: E402
+                                  trainer_mismatches)
 from service_shared import ENGINE_KWARGS  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -87,6 +88,10 @@ def test_turns_on_different_workers_are_the_one_workers_bits(two_workers, one_wo
     batched = run(two_workers.generate, ROWS, TURNS, MAX_TOKENS)  # each turn's batch split over two workers
     assert_same_episodes(batched, one_worker["verified"], "each turn's batch over two workers")
     assert two_workers.stats()["prefix_cache"] is None  # native workers have no prefix cache to report
+    # the control: determinism off, the same two runs (one at a time over two workers, batched on one) differ
+    off_apart = run(OneAtATime(two_workers), ROWS, TURNS, MAX_TOKENS, determinism="off")
+    assert any(episode_bits(a) != episode_bits(b) for a, b in zip(off_apart, one_worker["off"])), \
+        "determinism off gave the same bits: the control cannot fail"
 
 
 def test_a_worker_killed_between_turns(two_workers, one_worker):

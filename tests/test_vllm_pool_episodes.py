@@ -2,8 +2,9 @@
 turn takes every full KV block its episode's previous turn computed from the prefix cache, the pool reports
 those hits (stats()["prefix_cache"], and the recipe's metrics from it), and the cache moves no bit: the same
 episodes with nothing cached at any turn (the same weights pushed before each turn, which salts every later
-prompt anew) give the same tokens and log-probs, each the trainer's from one forward over the trajectory. The
-control, `off` on the worker's stock vLLM engine, does not match the trainer."""
+prompt anew), and with their turns alternating between two workers (each finding only what it computed), give
+the same tokens and log-probs, each the trainer's from one forward over the trajectory. The control, `off` on
+the worker's stock vLLM engine, does not match the trainer."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,8 @@ pytest.importorskip("vllm")
 
 import pool_episodes_shared as ep_shared  # noqa: E402
 import service_shared as shared  # noqa: E402
-from pool_episodes_shared import Recorded, assert_same_episodes, episode_of, run, trainer_mismatches  # noqa: E402
+from pool_episodes_shared import (OneAtATime, Recorded, assert_same_episodes, episode_of, run,  # noqa: E402
+                                  trainer_mismatches)
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from recipes.prefix_cache_metrics import prefix_cache_metrics  # noqa: E402
@@ -22,7 +24,8 @@ from rollout_service import start_pool  # noqa: E402
 from rollout_service.service.prefix_cache_stats import between  # noqa: E402
 from rollout_service.tiny_models import tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a vLLM worker (canonical and stock engines) starts in about a minute on 2 cores
+# three vLLM workers start (one with a stock engine too): 50 s on 2 quiet cores, two minutes on busy ones
+pytestmark = pytest.mark.slow
 
 BLOCK = 32  # vLLM's CPU attention takes blocks of multiples of 32; prefixes are reused by whole blocks
 ENGINE = dict(backend="vllm", device="cpu", max_model_len=256, max_num_seqs=8, stock_for_off=True,
@@ -49,6 +52,14 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pool(cluster, checkpoint):
     pool = start_pool(checkpoint, num_workers=1, name="episodes-vllm", engine_kwargs=ENGINE, start_timeout_s=300)
+    yield pool
+    pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_workers(cluster, checkpoint):
+    pool = start_pool(checkpoint, num_workers=2, name="episodes-vllm-two", engine_kwargs=dict(ENGINE, stock_for_off=False),
+                      start_timeout_s=300)
     yield pool
     pool.shutdown()
 
@@ -105,3 +116,23 @@ def test_every_model_token_is_the_trainers_and_stock_off_is_not(pool, cached, ch
     off = run(pool.generate, ROWS, TURNS, MAX_TOKENS, determinism="off")
     assert sum(trainer_mismatches(trainer, ep) for ep in off) > 0, \
         "stock vLLM matched the trainer bit for bit: the control cannot fail"
+
+
+def test_turns_on_different_workers_take_what_each_worker_holds_and_the_same_bits(two_workers, cached):
+    router = OneAtATime(two_workers)
+    turns = Recorded(router)
+    apart = run(turns, ROWS, TURNS, MAX_TOKENS)
+    assert all(set(router.served[e]) == {0, 1} for e in range(len(ROWS))), router.served
+    computed: dict[tuple[int, int], int] = {}  # (worker, episode) -> KV positions that worker computed for it
+    later = []
+    for t, (prompts, params, rollouts) in enumerate(turns.turns):
+        for prompt, p, r in zip(prompts, params, rollouts):
+            e = episode_of(p)
+            w = router.served[e][t]
+            # a turn finds what its own worker computed for the episode, in whole blocks; nothing elsewhere
+            assert r.stats.cached_prompt_tokens == BLOCK * (computed.get((w, e), 0) // BLOCK), (t, e, w)
+            computed[(w, e)] = len(prompt) + len(r.token_ids) - 1
+            if t:
+                later.append(r.stats.cached_prompt_tokens)
+    assert 0 in later and max(later) > 0  # later turns with a cached prefix and without one
+    assert_same_episodes(apart, cached["episodes"], "turns on different vLLM workers")

@@ -15,7 +15,6 @@ from rollout_service.tiny_models import tiny_model  # noqa: E402
 from rollout_service.vllm.engine import VLLMEngine  # noqa: E402
 from rollout_service.vllm.prefix_cache import metric_counts  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a vLLM engine takes about 30 s to build on 2 cores, the episodes 30 s more
 
 BLOCK = 32
 TURNS, MAX_TOKENS = 4, 10
