@@ -113,6 +113,11 @@ def _run(args) -> dict:
                   rounds=args.rounds, warmup_passes=args.warmup_passes, stock_logprobs=not args.no_stock_logprobs,
                   **kv_settings(args), systems=args.systems)
     systems, passes, errors = {}, {s: [] for s in args.systems}, {}
+
+    def failed(name: str, e: Exception) -> None:  # reported, not raised: the other systems still run
+        errors[name] = f"{type(e).__name__}: {e}"[:500]
+        _say(f"{name}: {errors[name]}")
+
     try:
         for name in args.systems:
             _say(f"{name}: building and warming up")
@@ -121,14 +126,16 @@ def _run(args) -> dict:
                 for _ in range(args.warmup_passes):
                     systems[name].reset()
                     run_pass(systems[name].generate, rows, args, vocab)
-            except Exception as e:  # reported, not raised: the other systems still run
-                errors[name] = f"{type(e).__name__}: {e}"[:500]
-                _say(f"{name}: {errors[name]}")
-        running = [s for s in args.systems if s in systems]
+            except Exception as e:
+                failed(name, e)
         for r in range(args.rounds):
-            for name in running[r % max(1, len(running)):] + running[:r % max(1, len(running))]:
+            for name in _in_turn([s for s in args.systems if s in systems and s not in errors], r):
                 systems[name].reset()
-                done = run_pass(systems[name].generate, rows, args, vocab)
+                try:
+                    done = run_pass(systems[name].generate, rows, args, vocab)
+                except Exception as e:
+                    failed(name, e)
+                    continue
                 passes[name].append(done)
                 _say(f"round {r} {name}: {done.model_tokens / done.seconds:.1f} model tok/s ({done.seconds:.2f} s), "
                      f"prefix-cache hit rate {_rate(sum(done.turn_cached_tokens), sum(done.turn_prompt_tokens)):.3f}")
@@ -143,11 +150,20 @@ def _run(args) -> dict:
     return report
 
 
+def _in_turn(names: list[str], r: int) -> list[str]:
+    """Round r's order: it starts with system r mod n, so each system comes first as often as the others."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
 def _results(passes: dict[str, list[Pass]], errors: dict, systems: dict) -> dict:
-    out = {name: {"error": error} for name, error in errors.items()}
+    """Each system's summary, with its error where one stopped it (after some passes: both)."""
+    out = {}
     for name, done in passes.items():
         if done:
             out[name] = dict(_summary(done), engine=systems[name].facts)
+        if name in errors:
+            out.setdefault(name, {})["error"] = errors[name]
     return out
 
 

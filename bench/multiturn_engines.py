@@ -28,6 +28,8 @@ def build(args, name: str, max_model_len: int) -> System:
         return _worker_engine(args, max_model_len)
     if name not in ("vllm", "vllm-plugin"):
         raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
+    from rollout_service.vllm.plugin import compat
+    compat.allow_graph_capture()  # the systems' engines share this process: an earlier one may have cleared it
     llm = build_llm(args, name, args.episodes, max_model_len=max_model_len, extra_options=_cache_options(args))
     plugin = name == "vllm-plugin"
 
