@@ -204,6 +204,9 @@ class RolloutStats:
     recomputed_tokens: int = 0  # proposals the verifier recomputed and rejected
     proposed_tokens: int = 0
     accepted_tokens: int = 0
+    # prompt tokens whose KV the engine took from its prefix cache instead of computing them (engines with
+    # capabilities().prefix_cache: vLLM workers); 0 elsewhere
+    cached_prompt_tokens: int = 0
 
 
 @dataclass

@@ -90,10 +90,11 @@ def test_off_runs_on_stock_vllm_which_differs_from_the_trainer(engine, checkpoin
 
 def test_capabilities_are_what_it_does(engine):
     """The engine contract (rollout_service.engine.protocol): bucketed pushes (tested below), no routing
-    records (refused below), weights switched with nothing running, and no sleep on vLLM's CPU build."""
+    records (refused below), weights switched with nothing running, no sleep on vLLM's CPU build, and vLLM's
+    prefix cache (tests/test_vllm_prefix_cache.py)."""
     assert isinstance(engine, BucketedPushEngine)
     assert engine.capabilities() == EngineCapabilities(switch_modes=False, routing_records=False,
-                                                       bucketed_push=True, sleep=False)
+                                                       bucketed_push=True, sleep=False, prefix_cache=True)
 
 
 def test_routed_experts_are_refused(engine):

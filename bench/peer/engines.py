@@ -19,8 +19,10 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def vllm_options(args) -> dict:
-    opts = dict(max_model_len=args.prompt_len + args.max_tokens + 8)
+def vllm_options(args, max_model_len: int | None = None) -> dict:
+    """max_model_len: the longest context a request may reach (default: a prompt of the workload and its
+    completion, with room to spare)."""
+    opts = dict(max_model_len=max_model_len or args.prompt_len + args.max_tokens + 8)
     if on_cpu():
         opts.update(enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20)
     else:
@@ -89,13 +91,15 @@ def lora_request(args):
     return LoRARequest("bench", 1, args.lora_dir)
 
 
-def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False):
+def build_llm(args, system: str, max_num_seqs: int, own_process: bool = False, max_model_len: int | None = None,
+              extra_options: dict | None = None):
     """The vllm.LLM of a `vllm*` system, its engine core in this process or its own (VLLM_BATCH_INVARIANT
-    comes from the env). vllm-plugin*: the canonical model class and our seeded sampling rule."""
+    comes from the env). vllm-plugin*: the canonical model class and our seeded sampling rule.
+    max_model_len: as vllm_options takes it; extra_options: more vllm.LLM keywords, the same for every system."""
     if system == "vllm-v1":  # stock on the model runner the plugin uses (vLLM 0.25 defaults to V2)
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     from vllm import LLM
-    options = vllm_options(args)
+    options = dict(vllm_options(args, max_model_len), **(extra_options or {}))
     if system == "vllm-eager":
         options["enforce_eager"] = True
     k = args.tensor_parallel_size

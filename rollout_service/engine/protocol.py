@@ -26,6 +26,9 @@ class EngineCapabilities:
     sleep: bool
     # a LoraEngine: serves LoRA adapters on its base, each request naming its own (SamplingParams.adapter)
     lora_adapters: bool = False
+    # reuses the KV of prompt prefixes that earlier requests computed, and reports how many prompt tokens
+    # each request took from it (RolloutStats.cached_prompt_tokens)
+    prefix_cache: bool = False
 
     @staticmethod
     def common(each: list[EngineCapabilities]) -> EngineCapabilities:
@@ -35,7 +38,7 @@ class EngineCapabilities:
             raise ValueError("no engines to ask")
         return EngineCapabilities(*(all(getattr(c, f) for c in each) for f in
                                     ("switch_modes", "routing_records", "bucketed_push", "sleep",
-                                     "lora_adapters")))
+                                     "lora_adapters", "prefix_cache")))
 
 
 @runtime_checkable

@@ -188,7 +188,11 @@ class RolloutClient:
         return ray.get(self._pool.capabilities.remote())
 
     def stats(self) -> dict:
-        """Request counts, requests in flight, the weights digest, and each worker's state."""
+        """Request counts, requests in flight, the weights digest, and each worker's state. "prefix_cache",
+        per worker and for the pool: the prompt tokens of the rollouts served, how many of them the
+        workers' prefix caches served (vLLM workers) and their ratio, "hit_rate"; None where no worker has a
+        prefix cache. The counts only grow: rollout_service.service.prefix_cache_stats.between gives them
+        between two snapshots."""
         return ray.get(self._pool.stats.remote())
 
     def shutdown(self) -> None:

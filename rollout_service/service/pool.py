@@ -17,6 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from rollout_service.engine.config import split_worker_options
 from rollout_service.engine.model_loading import check_model_source
 from rollout_service.engine.protocol import EngineCapabilities
+from rollout_service.service import prefix_cache_stats
 from rollout_service.service.client import DEFAULT_NAMESPACE, RolloutClient, ensure_ray
 from rollout_service.service.ray_cluster import original_error, placement_report, worker_resources
 from rollout_service.service.request_outcomes import EarlyCancels, abort_rollout, error_rollout
@@ -95,7 +96,7 @@ class _PoolActor:
                 self._active[key] = slot
                 try:  # the worker stamps each token with the version of the weights that produced it
                     rollout = await actor.generate.remote(key, prompt, params)
-                    slot.completed += 1
+                    slot.served(rollout)
                     return self._count(rollout)
                 except RayActorError as e:  # the worker died: run the request again elsewhere
                     failures.append(f"worker {slot.index}: {type(e).__name__}")
@@ -181,8 +182,10 @@ class _PoolActor:
     # -- status and shutdown ---------------------------------------------------------------------
 
     async def stats(self) -> dict:
+        workers = self.workers.worker_stats()
         return {**self._counts, "in_flight": self._in_flight, "digest": self.workers.digest,
-                "weight_version": self.workers.weight_version, "workers": self.workers.worker_stats()}
+                "weight_version": self.workers.weight_version, "workers": workers,
+                "prefix_cache": prefix_cache_stats.pool_counts(workers)}
 
     async def sleep(self) -> None:
         """Every serving worker's engine releases its memory (see RolloutWorker.sleep)."""

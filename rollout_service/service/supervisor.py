@@ -12,6 +12,7 @@ from ray.exceptions import RayActorError
 
 import kernels as K
 from rollout_service.ray_placement import on_bundle, release, reserve
+from rollout_service.service import prefix_cache_stats
 from rollout_service.service.ray_cluster import original_error, placement_report, worker_resources
 from rollout_service.service.current_weights import CurrentWeights, NoCurrentWeights
 from rollout_service.service.worker import RolloutWorker
@@ -258,7 +259,7 @@ class WorkerSupervisor:
         return [{"index": s.index, "state": s.state, "in_flight": s.in_flight, "completed": s.completed,
                  "restarts": s.restarts, "failed_restarts": s.failed_restarts, "error": s.error,
                  "weight_version": s.weight_version, "pid": s.info.get("pid"), "gpu": s.info.get("gpu"),
-                 "gpu_ids": s.info.get("gpu_ids", [])}
+                 "gpu_ids": s.info.get("gpu_ids", []), "prefix_cache": prefix_cache_stats.slot_counts(s)}
                 for s in self.slots]
 
     async def shutdown(self) -> None:

@@ -1,4 +1,5 @@
-"""A pool's slot for one worker: the actor now in it, its state, its counts and the weights it holds."""
+"""A pool's slot for one worker: the actor now in it, its state, its counts and the weights it holds.
+The counts are the slot's, not the actor's: they go on across the worker's restarts."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,3 +18,13 @@ class WorkerSlot:
     weight_version: int = 0  # the version of the weights this worker verifiably holds
     error: str | None = None
     info: dict = field(default_factory=dict)
+    # of the rollouts that ran here (stop or length): their prompt tokens, and those the prefix cache served
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+    def served(self, rollout) -> None:
+        """Count a rollout this slot's worker returned (service/prefix_cache_stats.py reads the counts)."""
+        self.completed += 1
+        if rollout.finish_reason in ("stop", "length"):
+            self.prompt_tokens += len(rollout.prompt_token_ids)
+            self.cached_prompt_tokens += rollout.stats.cached_prompt_tokens

@@ -33,6 +33,7 @@ from rollout_service.params import InvalidRequestError, Rollout, SamplingParams,
 from rollout_service.vllm.adapters import VLLMAdapters
 from rollout_service.vllm.host_copy import HostWeights
 from rollout_service.vllm.instance import VLLMInstance
+from rollout_service.vllm.prefix_cache import cached_prompt_tokens
 from rollout_service.vllm.requests import canonical_vllm_params, completion_tokens
 from rollout_service.weight_digest import model_digest
 from rollout_service.weights import load_weights, weight_spec
@@ -176,16 +177,20 @@ class VLLMEngine:
             for out in target.llm.llm_engine.step():
                 if out.finished:
                     # the id we gave (vLLM may append a suffix to make it unique)
-                    self._finish(int(out.request_id.split("-", 1)[0]), out.outputs[0])
+                    self._finish(int(out.request_id.split("-", 1)[0]), out)
         done, self._done = self._done, []
         return done
 
-    def _finish(self, rid: int, completion) -> None:
+    def _finish(self, rid: int, out) -> None:
+        """A finished vLLM RequestOutput as our Rollout, with the prompt tokens vLLM's prefix cache served."""
         if self._where.pop(rid, None) is None:  # aborted meanwhile
             return
+        completion = out.outputs[0]
         tokens, logprobs = completion_tokens(completion)
         reason = "stop" if completion.finish_reason == "stop" else "length"
-        self._done.append((rid, Rollout(self._prompts.pop(rid), tokens, logprobs, reason)))
+        rollout = Rollout(self._prompts.pop(rid), tokens, logprobs, reason)
+        rollout.stats.cached_prompt_tokens = cached_prompt_tokens(out)
+        self._done.append((rid, rollout))
 
     def generate(self, prompts, params, use_tqdm: bool = False) -> list[Rollout]:
         """Rollouts in request order (scripts and tests; the worker steps the engine itself)."""
@@ -194,9 +199,10 @@ class VLLMEngine:
     # ---- weights and contract ---------------------------------------------------------------------
     def capabilities(self) -> EngineCapabilities:
         """Weights change with no request running (no weight versions are stamped); no MoE routing is
-        recorded; pushes arrive bucketed; sleep releases GPU memory where sleep_mode was asked on CUDA."""
+        recorded; pushes arrive bucketed; sleep releases GPU memory where sleep_mode was asked on CUDA; vLLM's
+        prefix cache serves what earlier requests computed (rollout_service.vllm.prefix_cache counts it)."""
         return EngineCapabilities(switch_modes=False, routing_records=False, bucketed_push=True, sleep=self._sleeps,
-                                  lora_adapters=self.lora is not None)
+                                  lora_adapters=self.lora is not None, prefix_cache=True)
 
     def update_weights(self, state_dict, expected_digest: str | None = None) -> str:
         """Check and keep the weights, push them into every vLLM engine in place (captured graphs stay
