@@ -80,7 +80,8 @@ def run_pass(generate, rows: list[dict], args, vocab: int) -> Pass:
     ended = [ep.end for ep in episodes if ep.end != "done"]
     if ended:
         raise RuntimeError(f"{len(ended)} episodes ended early: {ended[0]}")
-    result.model_tokens = sum(sum(ep.model_mask) for ep in episodes)
-    result.observation_tokens = sum(len(ep.model_mask) - sum(ep.model_mask) for ep in episodes)
+    segments = [seg for ep in episodes for seg in ep.segments]
+    result.model_tokens = sum(sum(seg.model_mask) for seg in segments)
+    result.observation_tokens = sum(len(seg.model_mask) - sum(seg.model_mask) for seg in segments)
     result.turns_run = sum(ep.turns for ep in episodes)
     return result

@@ -19,6 +19,7 @@ from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
 from .episodes import EpisodeRollout, episode_metrics, episode_of, group_episodes
+from .prefix_cache_metrics import prefix_cache_metrics
 from .checkpoint import checkpoint_dir, find_checkpoint, read_state, write_state
 from .config import CanonicalTreeConfig, RecipeConfig
 from .grpo_loss import group_advantages
@@ -159,7 +160,8 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
         trainer = TrainerGroup(ranks, model, rollout_cfg.temperature, cfg.numerics, colocate_with=shared,
                                first_bundle=ranks_first_bundle(cfg), memory_plan=memory_plan, lora=cfg.model.lora,
                                seed=cfg.seed)
-        job.gpus = {"rollout": [g for w in pool.stats()["workers"] for g in w["gpu_ids"]],
+        pool_stats = pool.stats()  # the step's prefix-cache hits are counted from one snapshot to the next
+        job.gpus = {"rollout": [g for w in pool_stats["workers"] for g in w["gpu_ids"]],
                     "trainer": trainer.gpu_ids}
         if canonical:
             K.check_canonical({"rollout workers": pool.info["canonical"], "trainer ranks": trainer.canonical})
@@ -214,6 +216,8 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
                                     "sync": sync["seconds"], "sleep": t_slept - t2}, trainer_version)
             metrics.update(_push_metrics(sync, cursor, rollouts))
             metrics.update(episode_metrics(rollouts))
+            pool_stats, stats_before = pool.stats(), pool_stats
+            metrics.update(prefix_cache_metrics(stats_before, pool_stats))
             if loop_cfg.save_rollouts:
                 save_rollouts(run_dir, step, rollouts, _rollout_rewards(rollouts, rewards))
             metrics["perf/checkpoint_s"] = _checkpoint(cfg, run_dir, trainer, step, cursor, sync["digest"])

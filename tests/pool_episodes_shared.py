@@ -123,7 +123,8 @@ def bits(values) -> tuple[bytes, ...]:
 def episode_bits(ep) -> tuple:
     """What must match bitwise between two runs of an episode: every token, every log-prob's bits, which
     tokens are the model's, and how it ended."""
-    return tuple(ep.prompt_ids), tuple(ep.token_ids), bits(ep.logprobs), tuple(ep.model_mask), ep.end
+    return tuple((tuple(seg.prompt_ids), tuple(seg.token_ids), bits(seg.logprobs), tuple(seg.model_mask))
+                 for seg in ep.segments), ep.end
 
 
 def assert_same_episodes(got, want, what: str) -> None:
@@ -134,10 +135,13 @@ def assert_same_episodes(got, want, what: str) -> None:
 
 def trainer_mismatches(trainer, ep) -> int:
     """Model tokens of the episode whose reported log-prob is not, bit for bit, the trainer's from one forward
-    over the whole trajectory (the sample the recipe trains on)."""
+    over each of its segments (the samples the recipe trains on; one segment here: history is kept)."""
     device = next(trainer.parameters()).device
-    with torch.no_grad():
-        lp = trainer_patch.token_logprobs(trainer, torch.tensor([ep.context], device=device),
-                                          temperature=TEMPERATURE)[0, len(ep.prompt_ids) - 1:]
-    model = [(x, y) for x, y, m in zip(ep.logprobs, lp.tolist(), ep.model_mask) if m]
-    return sum(bits([x]) != bits([y]) for x, y in model)
+    mismatched = 0
+    for seg in ep.segments:
+        with torch.no_grad():
+            lp = trainer_patch.token_logprobs(trainer, torch.tensor([seg.context], device=device),
+                                              temperature=TEMPERATURE)[0, len(seg.prompt_ids) - 1:]
+        model = [(x, y) for x, y, m in zip(seg.logprobs, lp.tolist(), seg.model_mask) if m]
+        mismatched += sum(bits([x]) != bits([y]) for x, y in model)
+    return mismatched

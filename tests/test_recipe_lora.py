@@ -67,6 +67,10 @@ def test_vllm_workers_serve_the_runs_adapter_with_zero_kl(lora_run, tmp_path):
                and r["rollout_train/tokens"] > 0 for r in on_vllm)
     assert [r["rollout/digest"] for r in on_vllm] == [r["rollout/digest"] for r in native]
     assert [r["weights/digest"] for r in on_vllm] == [r["weights/digest"] for r in native]
+    # the prefix caches' share of each step's prefill: vLLM workers have one, native workers none
+    assert all(0.0 <= r["rollout/prefix_cache_hit_rate"] <= 1.0 and r["rollout/prefix_cache_prompt_tokens"] > 0
+               for r in on_vllm)
+    assert not any("rollout/prefix_cache_hit_rate" in r for r in native)
 
 
 def test_the_stock_lora_pipeline_has_a_nonzero_mismatch(local_ray, tmp_path):
