@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from rollout_service.vllm.openai_ids import ROUTES, chat_ids_fields, prompt_ids_route
 
-from .episodes import Episode, _step
+from .episodes import Episode, Segment, _step
 
 # a conversation that the messages after an assistant turn are rendered against (after_turn)
 _PLACEHOLDER = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
@@ -192,7 +192,7 @@ def run_chat_episode(chat: ServedChat, messages: list[dict], env, max_turns: int
     for turn in range(max_turns):
         if ep is None:
             served = chat.first_turn(messages, turn_seed(seed, turn))
-            ep = ServedEpisode(prompt_ids=served.prompt_ids)
+            ep = ServedEpisode(segments=[Segment(prompt_ids=list(served.prompt_ids))])
         else:
             room = chat.max_model_len - len(ep.context)
             if room <= 0:

@@ -61,7 +61,9 @@ def assert_exact_ids(episode, tool, tokenizer, case: dict, max_turns: int) -> No
         closing = [] if turn.token_ids[-1] == END else [END]
         assert observed == [*closing, TOOL, *tokenizer(message["content"])["input_ids"], END, ASSISTANT]
     assert episode.context == served[-1].prompt_ids + served[-1].token_ids + tool.observations[-1]
-    model_ids = [t for t, m in zip(episode.token_ids, episode.model_mask) if m]
+    assert len(episode.segments) == 1  # the tool's answers append to the context: one sample per episode
+    segment = episode.segments[0]
+    model_ids = [t for t, m in zip(segment.token_ids, segment.model_mask) if m]
     assert model_ids == [t for turn in served for t in turn.token_ids]
 
 
@@ -71,9 +73,10 @@ def assert_trainer_logprobs(policy, episode, temperature: float) -> None:
     with torch.no_grad():
         scored = trainer_patch.token_logprobs(policy, torch.tensor([episode.context], device=device),
                                               temperature=temperature)[0].tolist()
-    start = len(episode.prompt_ids)  # scored[i] is the log-prob of context[i + 1]
-    expected = [scored[start + i - 1] for i, m in enumerate(episode.model_mask) if m]
-    served = [lp for lp, m in zip(episode.logprobs, episode.model_mask) if m]
+    (segment,) = episode.segments  # one sample: every turn continued the same context
+    start = len(segment.prompt_ids)  # scored[i] is the log-prob of context[i + 1]
+    expected = [scored[start + i - 1] for i, m in enumerate(segment.model_mask) if m]
+    served = [lp for lp, m in zip(segment.logprobs, segment.model_mask) if m]
     assert served == expected
     assert np.array_equal(np.float32(served), np.float32(expected))
 

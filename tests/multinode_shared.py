@@ -1,0 +1,98 @@
+"""Ray's own multi-node test cluster (ray.cluster_utils.Cluster) for the multi-node tests: a head and a few
+nodes on this machine, each a raylet of its own with its own resources, joined by this driver.
+
+Every node is a real raylet: removing one kills its processes (workers, actors, object store) the way a
+lost machine would. Nodes are told apart by a custom resource named after them (`node:<name>` is Ray's
+own, so ours is `zerokl_node_<name>`), which is also how a config places something on a given node.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import ray
+
+
+def node_resource(name: str) -> str:
+    """The custom resource that node `name` offers one unit of (placement by node, in a config)."""
+    return f"zerokl_node_{name}"
+
+
+class TestCluster:
+    """A head (the driver's node) and named nodes; `add(name, cpus, resources)` and `remove(name)` change it
+    while it runs. `address` is what a second driver or `ray job submit` joins (the GCS address)."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, head_cpus: int = 1, head_resources: dict | None = None, dashboard: bool = False):
+        from ray.cluster_utils import Cluster
+        self.nodes: dict = {}
+        self._cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": head_cpus, "resources": {node_resource("head"): 1, **(head_resources or {})},
+            "include_dashboard": dashboard})
+        self.address = self._cluster.address
+        self.head = self._cluster.head_node
+
+    @property
+    def dashboard_url(self) -> str:
+        """http://host:port of the head's dashboard, which `ray job submit --address` takes (dashboard=True)."""
+        url = self.head.address_info["webui_url"]
+        return url if url.startswith("http") else f"http://{url}"
+
+    def add(self, name: str, cpus: int = 2, resources: dict | None = None, **node_args):
+        """A node named `name` with `cpus` CPUs, `resources` and one unit of node_resource(name)."""
+        node = self._cluster.add_node(num_cpus=cpus, resources={node_resource(name): 1, **(resources or {})},
+                                      **node_args)
+        self.nodes[name] = node
+        self._cluster.wait_for_nodes()
+        return node
+
+    def remove(self, name: str) -> None:
+        """Kill node `name` as a lost machine would (its raylet and every process on it)."""
+        self._cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
+
+    def node_id(self, name: str) -> str:
+        return (self.head if name == "head" else self.nodes[name]).node_id
+
+    def shutdown(self) -> None:
+        self._cluster.shutdown()
+
+
+def node_of_actor(actor) -> str:
+    """The Ray node id an actor runs on (as the actor reports it)."""
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+
+@contextlib.contextmanager
+def joined(cluster: TestCluster, **init_args):
+    """This driver joined to `cluster` (any Ray this process had is shut down first), left on exit."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address=cluster.address, log_to_driver=False, **init_args)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def test_cluster(nodes: dict[str, dict], head_cpus: int = 1, dashboard: bool = False):
+    """A running TestCluster with `nodes` (name -> add()'s keywords) and this driver joined to it; RAY_ADDRESS
+    points at it inside the block, so subprocesses (a second driver) find it too."""
+    cluster = TestCluster(head_cpus=head_cpus, dashboard=dashboard)
+    before = os.environ.get("RAY_ADDRESS")
+    try:
+        for name, args in nodes.items():
+            cluster.add(name, **args)
+        os.environ["RAY_ADDRESS"] = cluster.address
+        with joined(cluster):
+            yield cluster
+    finally:
+        if before is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = before
+        cluster.shutdown()
+
+
+test_cluster.__test__ = False
