@@ -97,6 +97,10 @@ def step_metrics(rollouts, rewards: torch.Tensor, results: list[dict], loss_toke
         **dvr_counters(rollouts),
         "train/loss": sum(r["loss_sum"] for r in results) / max(loss_tokens, 1),
         "train/clip_fraction": sum(r["clipped_tokens"] for r in results) / max(loss_tokens, 1),
+        # the mean -log p of the sampled tokens under the trained policy: an estimate of its entropy
+        "train/entropy": sum(r["entropy_sum"] for r in results) / max(loss_tokens, 1),
+        # tokens left in the loss by trainer.loss.rollout_correction (token_mask drops some)
+        "train/kept_fraction": sum(r["kept_tokens"] for r in results) / max(loss_tokens, 1),
         "train/grad_norm": results[0]["grad_norm"][-1],
         "perf/rollout_s": times["rollout"],  # what the step waited for its rollouts
         "perf/rollout_generate_s": times.get("generate", times["rollout"]),  # generating them (async: ahead)

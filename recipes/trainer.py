@@ -36,7 +36,7 @@ from trainer_patch import (
 
 from .batch import real_tokens
 from .config import TrainerConfig
-from .grpo_loss import clipped_pg_loss
+from .grpo_loss import clipped_pg_loss, rollout_correction
 from .lora import adapter_push, adapter_state, add_lora, save_trained_adapter
 from .memory_plan import (
     MemoryPlan,
@@ -186,7 +186,7 @@ class TrainerRank:
                         routing = routing_out(mb)
                         pre[-1].append(self._logprobs(mb, routing))
                         agreement.append(rollout_agreement(mb, pre[-1][-1], routing, behaviour.get((m, j))))
-        loss_total = clipped_total = 0.0
+        loss_total = clipped_total = entropy_total = kept_total = 0.0
         grad_norms, seq_tokens, ratios = [], 0, RatioSpread()
         for m, micros in enumerate(minibatches):
             scale = self.world / max(tokens_per_mini[m], 1)  # FSDP averages gradients over ranks
@@ -201,8 +201,13 @@ class TrainerRank:
                 else:
                     old = pre[m][j] if pre is not None else logp.detach()
                 ratios.add(logp.detach(), old, mask)
+                weights = rollout_correction(cfg.loss.rollout_correction, old, mb["rollout_logprobs"].to(self.device),
+                                             cfg.loss.rollout_correction_cap)
                 loss_sum, clipped = clipped_pg_loss(logp, old, mb["advantages"].to(self.device), mask,
-                                                    cfg.loss.clip_low, cfg.loss.clip_high)
+                                                    cfg.loss.clip_low, cfg.loss.clip_high, weights)
+                # the sampled tokens' mean -log p estimates the policy's entropy (they were drawn from it)
+                entropy_total -= float(torch.where(mask.bool(), logp.detach().double(), 0.0).sum())
+                kept_total += float(mask.bool().sum() if weights is None else ((weights > 0) & mask.bool()).sum())
                 (loss_sum * scale).backward()
                 loss_total += loss_sum.item()
                 clipped_total += float(clipped)
@@ -221,6 +226,7 @@ class TrainerRank:
             torch.cuda.current_stream(self.device).synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         return {"agreement": agreement, "loss_sum": loss_total, "clipped_tokens": clipped_total,
+                "entropy_sum": entropy_total, "kept_tokens": kept_total,
                 "grad_norm": grad_norms, "tokens": seq_tokens, "ratio": ratios.summary(),
                 "seconds": time.perf_counter() - start, "peak_memory_bytes": peak,
                 "num_params": self.num_params}

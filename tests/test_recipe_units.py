@@ -14,7 +14,8 @@ import yaml
 from recipes import tiny_task
 from recipes.batch import Sample, pack, split_for_ranks
 from recipes.config import load_config
-from recipes.grpo_loss import clipped_pg_loss, group_advantages
+from recipes.config import ConfigError
+from recipes.grpo_loss import clipped_pg_loss, group_advantages, rollout_correction
 from recipes.metrics import (combine_agreement, length_spread, logprob_agreement, read_metrics, routing_agreement,
                              step_line, wandb_mode)
 from recipes.rollouts import (completion_budget, group_requests, prompt_indices, records_routing, rollouts_digest,
@@ -207,6 +208,44 @@ def test_clipped_loss_matches_the_ppo_surrogate():
     assert torch.allclose(loss, expect) and clipped.item() == 2
     loss.backward()
     assert logp.grad[0, 0] != 0 and logp.grad[0, 1] == 0 and logp.grad[1, 0] == 0 and logp.grad[1, 1] == 0
+
+
+def test_rollout_corrections_weigh_tokens_by_the_trainer_over_rollout_ratio():
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
+    rollout = torch.log(torch.tensor([[0.5, 0.1, 0.4, 0.9]]))  # ratios 1, 5, 1.25, 0.556
+    ratio = torch.exp(old - rollout)
+    assert rollout_correction("none", old, rollout, 2.0) is None
+    assert torch.equal(rollout_correction("tis", old, rollout, 2.0), ratio.clamp(max=2.0))
+    assert rollout_correction("token_mask", old, rollout, 2.0).tolist() == [[1.0, 0.0, 1.0, 1.0]]
+    assert rollout_correction("token_mask", old, rollout, 1.5).tolist() == [[1.0, 0.0, 1.0, 0.0]]
+    with pytest.raises(ValueError, match="rollout correction"):
+        rollout_correction("mis", old, rollout, 2.0)
+
+
+def test_rollout_corrections_scale_each_tokens_surrogate_and_its_gradient():
+    logp = torch.tensor([[-1.0, -0.5, -0.7]], requires_grad=True)
+    old, adv, mask = logp.detach().clone(), torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool)
+    weights = torch.tensor([[2.0, 0.0, 0.5]])
+    loss, _ = clipped_pg_loss(logp, old, adv, mask, 0.2, 0.2, weights)
+    assert torch.allclose(loss, torch.tensor(-(2.0 + 0.0 + 0.5)))  # ratio 1 on every token
+    loss.backward()
+    assert torch.allclose(logp.grad, -weights)  # d(-A r w)/d logp = -A r w at r = 1
+    # the rollout's log-probs equal to the trainer's (canonical numerics): every correction leaves the loss's bits
+    plain, _ = clipped_pg_loss(logp.detach(), old, adv, mask, 0.2, 0.2)
+    for kind in ("tis", "token_mask"):
+        corrected, _ = clipped_pg_loss(logp.detach(), old, adv, mask, 0.2, 0.2, rollout_correction(kind, old, old, 2.0))
+        assert torch.equal(corrected, plain), kind
+
+
+def test_rollout_correction_settings_are_checked():
+    stock = ["numerics=stock", "rollout.determinism=off", "trainer.loss.old_logprobs=recompute"]
+    assert load_config(TINY, [*stock, "trainer.loss.rollout_correction=tis"]).trainer.loss.rollout_correction == "tis"
+    for bad, message in ((["trainer.loss.rollout_correction=tis"], "old_logprobs=recompute"),
+                         ([*stock, "trainer.loss.rollout_correction=is"], "rollout_correction"),
+                         ([*stock, "trainer.loss.rollout_correction=tis", "trainer.loss.rollout_correction_cap=1"],
+                          "rollout_correction_cap")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(TINY, bad)
 
 
 def test_pack_aligns_with_token_logprobs():

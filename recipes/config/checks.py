@@ -16,6 +16,7 @@ from .choices import (
     NUMERICS,
     OLD_LOGPROBS,
     PLACEMENTS,
+    ROLLOUT_CORRECTIONS,
     TASK_KINDS,
     TRAINER_DEVICES,
     WEIGHT_TRANSPORTS,
@@ -61,6 +62,7 @@ NUMERIC_RANGES = {
     "trainer.optimizer.max_grad_norm": NON_NEGATIVE,
     "trainer.loss.clip_low": NON_NEGATIVE,
     "trainer.loss.clip_high": NON_NEGATIVE,
+    "trainer.loss.rollout_correction_cap": (lambda v: v > 1, "> 1"),
     "trainer.batching.mini_batches": AT_LEAST_1,
     "trainer.batching.micro_batch_size": NON_NEGATIVE,
     "trainer.batching.max_tokens_per_micro_batch": NON_NEGATIVE,
@@ -150,6 +152,12 @@ def check_values(cfg: RecipeConfig) -> None:
     one_of("trainer.device", tr.device, TRAINER_DEVICES)
     one_of("warmup.device", cfg.warmup.device, TRAINER_DEVICES)
     one_of("trainer.loss.old_logprobs", loss.old_logprobs, OLD_LOGPROBS)
+    one_of("trainer.loss.rollout_correction", loss.rollout_correction, ROLLOUT_CORRECTIONS)
+    if loss.rollout_correction != "none" and loss.old_logprobs != "recompute":
+        # the correction's ratio is the trainer's old log-prob over the rollout's: with old_logprobs=rollout
+        # they are the same numbers and the ratio is 1
+        raise ConfigError(f"trainer.loss.rollout_correction={loss.rollout_correction} needs "
+                          "trainer.loss.old_logprobs=recompute")
     one_of("numerics", cfg.numerics, NUMERICS)
     one_of("placement", cfg.placement, PLACEMENTS)
     if cfg.numerics == "stock" and loss.old_logprobs != "recompute":

@@ -1,6 +1,8 @@
 """The allowed values of the recipe config's string keys (checked at load, recipes.config.checks)."""
 from rollout_service.service.weight_sync import TRANSPORTS
 
+from ..grpo_loss import ROLLOUT_CORRECTIONS  # noqa: F401  (defined beside the loss they change)
+
 TASK_KINDS = ("tiny", "tiny_tools", "gsm8k")
 MODEL_SOURCES = ("tiny", "hf")
 OLD_LOGPROBS = ("rollout", "recompute")

@@ -42,6 +42,11 @@ class LossConfig:
     """rollout (the rollouts' own) | recompute (the trainer's, before the update; numerics stock needs it)."""
     scale_advantages: bool = True
     """Divide advantages by the group's std (GRPO); False = mean-centred only."""
+    rollout_correction: str = "none"
+    """none | tis | token_mask: a correction for rollout log-probs that are not the trainer's, on the ratio of
+    the trainer's old log-prob over the rollout's (recipes/grpo_loss.py); needs old_logprobs=recompute."""
+    rollout_correction_cap: float = 2.0
+    """tis: the ratio's truncation; token_mask: tokens with a ratio outside [1/cap, cap] leave the loss."""
 
 
 @dataclass(frozen=True)
