@@ -1,11 +1,18 @@
-"""RolloutClient: what a training loop calls, from any driver or job in the Ray cluster."""
+"""RolloutClient: what a training loop calls, from any driver or job in the Ray cluster.
+
+Rule (a pool that restarts): a call that fails because the pool's actor is restarting
+(ActorUnavailableError: start_pool(max_restarts=...)) is made again once it is back, for at most
+restart_wait_s; requests keep their ids and, outputs being a pure function of the request, their bits.
+A pool that died for good (ActorDiedError) is said at once.
+"""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import ActorUnavailableError, RayTaskError
 
 from rollout_service.params import Rollout, SamplingParams, check_batch
 from rollout_service.service.ray_cluster import init_ray, original_error
@@ -13,6 +20,9 @@ from rollout_service.service.weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_ST
 
 # Named actors are per namespace; a fixed one lets every job in the cluster find the pool.
 DEFAULT_NAMESPACE = "rollout_service"
+
+RESTART_WAIT_S = 120.0  # how long a call waits for a restarting pool actor before raising
+_RETRY_PAUSE_S = 0.2
 
 
 def ensure_ray() -> None:
@@ -22,23 +32,22 @@ def ensure_ray() -> None:
 class RolloutClient:
     """Handle on a rollout pool found by name (start one with rollout_service.start_pool). Thread-safe;
     the sync and async calls can be mixed. As a context manager it shuts the pool down on exit only
-    when start_pool made this client (the pool's owner)."""
+    when start_pool made this client (the pool's owner). restart_wait_s: how long a call waits for a
+    pool actor that is restarting (see the module doc)."""
 
-    def __init__(self, name: str = "rollout", namespace: str = DEFAULT_NAMESPACE, *, _handle=None,
-                 _info: dict | None = None):
+    def __init__(self, name: str = "rollout", namespace: str = DEFAULT_NAMESPACE, *, restart_wait_s: float = RESTART_WAIT_S,
+                 _handle=None, _info: dict | None = None):
         ensure_ray()
         self.name, self.namespace = name, namespace
+        self.restart_wait_s = restart_wait_s
         if _handle is None:
-            try:
-                _handle = ray.get_actor(name, namespace=namespace)
-            except ValueError as e:
-                raise ValueError(f"no rollout pool named {name!r} in namespace {namespace!r}") from e
+            _handle = _find_pool(name, namespace)
         self._pool = _handle
         self.info = _info  # what start_pool saw at start (digest, canonical config, workers); else None
 
     def __reduce__(self):
         # a client carried to another process (a trainer rank) reaches the same pool, and never owns it
-        return (_client_of, (self.name, self.namespace, self._pool))
+        return (_client_of, (self.name, self.namespace, self._pool, self.restart_wait_s))
 
     def __eq__(self, other) -> bool:
         """Clients of the same pool actor are equal."""
@@ -59,7 +68,13 @@ class RolloutClient:
     def submit(self, prompts: list[list[int]], params, request_ids: list[str] | None = None):
         """Start generating; returns (ObjectRef of list[Rollout], request ids for cancel()). Errors
         follow params.check_batch's contract: a malformed call raises, a request that cannot be
-        served comes back with finish_reason "error"."""
+        served comes back with finish_reason "error". The ref is one call: unlike generate(), it does
+        not ride over a restart of the pool's actor."""
+        requests = self._requests(prompts, params, request_ids)
+        return self._pool.generate.remote(requests), [key for key, _, _ in requests]
+
+    @staticmethod
+    def _requests(prompts, params, request_ids) -> list[tuple]:
         check_batch(prompts, params)
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -69,34 +84,67 @@ class RolloutClient:
             request_ids = [uuid.uuid4().hex for _ in prompts]
         elif len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
             raise ValueError("request_ids must be unique, one per prompt")
-        requests = [(str(key), _as_ids(p), sp) for key, p, sp in zip(request_ids, prompts, params)]
-        return self._pool.generate.remote(requests), list(request_ids)
+        return [(str(key), _as_ids(p), sp) for key, p, sp in zip(request_ids, prompts, params)]
 
     def generate(self, prompts: list[list[int]], params, request_ids: list[str] | None = None,
                  timeout: float | None = None) -> list[Rollout]:
         """Rollouts in request order; a request that cannot be served comes back with
         finish_reason "error" and a message, without failing the others."""
-        ref, keys = self.submit(prompts, params, request_ids)
+        requests = self._requests(prompts, params, request_ids)
         try:
-            return ray.get(ref, timeout=timeout)
+            return self._get(lambda pool: pool.generate.remote(requests), timeout=timeout)
         except BaseException:  # timeout or interrupt: don't leave the work running
-            self._pool.cancel.remote(keys)
+            self._pool.cancel.remote([key for key, _, _ in requests])
             raise
 
     async def generate_async(self, prompts: list[list[int]], params,
                              request_ids: list[str] | None = None) -> list[Rollout]:
-        ref, keys = self.submit(prompts, params, request_ids)
-        try:
-            return await ref
-        except asyncio.CancelledError:
-            self._pool.cancel.remote(keys)
-            raise
+        requests = self._requests(prompts, params, request_ids)
+        deadline = None
+        while True:
+            try:
+                return await self._pool.generate.remote(requests)
+            except ActorUnavailableError:
+                deadline = self._restart_deadline(deadline)
+                await asyncio.sleep(_RETRY_PAUSE_S)
+            except asyncio.CancelledError:
+                self._pool.cancel.remote([key for key, _, _ in requests])
+                raise
 
     def cancel(self, request_ids: list[str] | str) -> int:
         """Cancel requests; they finish with finish_reason "abort". Returns how many were running."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        return ray.get(self._pool.cancel.remote([str(k) for k in request_ids]))
+        return self._get(lambda pool: pool.cancel.remote([str(k) for k in request_ids]))
+
+    # -- a pool actor that restarts ----------------------------------------------------------------
+
+    def _get(self, call, timeout: float | None = None, unwrap: bool = False):
+        """ray.get(call(pool)), called again while the pool's actor restarts (for at most restart_wait_s;
+        `timeout` bounds the whole); unwrap: raise the pool's own error out of Ray's wrapper."""
+        end = None if timeout is None else time.monotonic() + timeout
+        deadline = None
+        while True:
+            try:
+                left = None if end is None else max(0.0, end - time.monotonic())
+                return ray.get(call(self._pool), timeout=left)
+            except ActorUnavailableError:
+                deadline = self._restart_deadline(deadline)
+                time.sleep(_RETRY_PAUSE_S)
+            except RayTaskError as e:
+                if unwrap:
+                    raise original_error(e) from e
+                raise
+
+    def _restart_deadline(self, deadline: float | None) -> float:
+        """The time by which the pool must be back (set at the first failure); raises past it."""
+        now = time.monotonic()
+        if deadline is None:
+            return now + self.restart_wait_s
+        if now >= deadline:
+            raise TimeoutError(f"rollout pool {self.name!r} (namespace {self.namespace!r}) was still unavailable "
+                               f"{self.restart_wait_s:g} s after its actor began restarting (restart_wait_s)")
+        return deadline
 
     # -- weights and status ----------------------------------------------------------------------
 
@@ -143,15 +191,16 @@ class RolloutClient:
 
     def adapters(self) -> dict:
         """name -> digest of every LoRA adapter the pool serves."""
-        return ray.get(self._pool.adapters.remote())
+        return self._get(lambda pool: pool.adapters.remote())
 
     # the pool's calls of a WeightPush (rollout_service.service.weight_sync.session)
     def _switch_weights(self, ref, digest: str, mode: str, adapter: dict | None = None) -> str:
         """An object-store push: every worker to the weights of `ref`, whose digest is `digest`; with
         `adapter` (WeightPush.adapter), to serve the LoraAdapter of `ref` as that adapter."""
         if adapter is not None:
-            return _unwrapped(self._pool.load_adapter.remote(adapter["name"], [ref], adapter["expected"], digest))
-        return _unwrapped(self._pool.update_weights.remote([ref], digest, mode))
+            return self._get(lambda pool: pool.load_adapter.remote(adapter["name"], [ref], adapter["expected"], digest),
+                             unwrap=True)
+        return self._get(lambda pool: pool.update_weights.remote([ref], digest, mode), unwrap=True)
 
     def _begin_weight_sync(self, plan, wait: bool = True):
         """The pool's begin of a bucketed push; wait=False: the call's ref, for _await_begin."""
@@ -173,19 +222,19 @@ class RolloutClient:
         return _unwrapped(ref)
 
     def weights_digest(self) -> str:
-        return ray.get(self._pool.weights_digest.remote())
+        return self._get(lambda pool: pool.weights_digest.remote())
 
     def sleep(self) -> None:
         """Release the engines' GPU memory while another job (a colocated trainer) uses it: requests
         finish first; the next request or weight push wakes an engine, wake() does it ahead of time."""
-        _unwrapped(self._pool.sleep.remote())
+        self._get(lambda pool: pool.sleep.remote(), unwrap=True)
 
     def wake(self) -> None:
-        _unwrapped(self._pool.wake.remote())
+        self._get(lambda pool: pool.wake.remote(), unwrap=True)
 
     def capabilities(self):
         """What every worker's engine can do: rollout_service.engine.protocol.EngineCapabilities."""
-        return ray.get(self._pool.capabilities.remote())
+        return self._get(lambda pool: pool.capabilities.remote())
 
     def stats(self) -> dict:
         """Request counts, requests in flight, the weights digest, and each worker's state. "prefix_cache",
@@ -193,7 +242,7 @@ class RolloutClient:
         workers' prefix caches served (vLLM workers) and their ratio, "hit_rate"; None where no worker has a
         prefix cache. The counts only grow: rollout_service.service.prefix_cache_stats.between gives them
         between two snapshots."""
-        return ray.get(self._pool.stats.remote())
+        return self._get(lambda pool: pool.stats.remote())
 
     def shutdown(self) -> None:
         """Stop the pool: every worker (releasing its CPUs/GPUs and placement group), then the pool
@@ -201,18 +250,30 @@ class RolloutClient:
         from ray.exceptions import RayActorError
 
         try:
-            ray.get(self._pool.shutdown.remote())
-        except RayActorError:
+            self._get(lambda pool: pool.shutdown.remote())
+        except (RayActorError, TimeoutError):
             pass  # already gone
         ray.kill(self._pool)
 
     def workers(self) -> list:
         """The current RolloutWorker actor handles, in slot order."""
-        return ray.get(self._pool.worker_handles.remote())
+        return self._get(lambda pool: pool.worker_handles.remote())
 
 
-def _client_of(name: str, namespace: str, handle) -> RolloutClient:
-    return RolloutClient(name, namespace=namespace, _handle=handle)
+def _client_of(name: str, namespace: str, handle, restart_wait_s: float = RESTART_WAIT_S) -> RolloutClient:
+    return RolloutClient(name, namespace=namespace, restart_wait_s=restart_wait_s, _handle=handle)
+
+
+def _find_pool(name: str, namespace: str):
+    """The pool actor named `name` in `namespace`; ValueError naming the namespaces that do hold the name."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError as e:
+        elsewhere = sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+                            if a["name"] == name})
+        hint = (f"; an actor of that name is in namespace(s) {elsewhere}: "
+                f"RolloutClient({name!r}, namespace={elsewhere[0]!r})" if elsewhere else "")
+        raise ValueError(f"no rollout pool named {name!r} in namespace {namespace!r}{hint}") from e
 
 
 def _unwrapped(ref):

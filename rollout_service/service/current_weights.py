@@ -10,6 +10,7 @@ from __future__ import annotations
 from ray.exceptions import ObjectLostError, RayTaskError
 
 from rollout_service.lora import push_digest
+from rollout_service.service.pool_keeper import NO_COPY
 from rollout_service.weights import WeightMismatchError
 
 FROM_PEER = "from a ready peer"
@@ -33,6 +34,26 @@ class CurrentWeights:
 
     def adapter_digests(self) -> dict[str, str]:
         return {name: held[1] for name, held in self._adapters.items()}
+
+    def sources(self, peer) -> tuple:
+        """What a keeper copies (pool_keeper.PoolKeeper.keep): the weights' source (None, an ObjectRef) and
+        name -> [[source], digest] per adapter, a ready `peer`'s copy where only the workers hold them (or
+        NO_COPY where there is no such peer)."""
+        def held(source, copy):
+            if source is not FROM_PEER:
+                return source
+            return NO_COPY if peer is None else copy()
+        weights = held(self.weights, lambda: peer.state_dict.remote())
+        adapters = {name: [[held(source, lambda n=name: peer.adapter.remote(n))], digest]
+                    for name, (source, digest) in self._adapters.items()}
+        return weights, adapters
+
+    def restore(self, weights, adapters: dict[str, list]) -> None:
+        """The sources a keeper held (a restarted pool): NO_COPY is a source only the workers held."""
+        def source_of(kept):
+            return FROM_PEER if isinstance(kept, str) and kept == NO_COPY else kept
+        self.weights = source_of(weights)
+        self._adapters = {name: [source_of(source), digest] for name, (source, digest) in adapters.items()}
 
     async def load_into(self, actor, index: int, digest: str, version: int, peers: list) -> str:
         """Load everything into a restarted worker (`actor`, slot `index`), stamped `version`: the weights of

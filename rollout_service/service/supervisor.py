@@ -102,6 +102,25 @@ class WorkerSupervisor:
             self._watch(slot)
         return {"digest": self.digest, "canonical": self.canonical, "workers": [s.info for s in self.slots]}
 
+    def recover(self, state: dict) -> None:
+        """A restarted pool actor (its workers died with it): every worker restarts, as a dead one does,
+        with what the pool's keeper held (pool_keeper.PoolKeeper.incarnation): the model, the weights of
+        `digest` as weight `version`, and the adapters."""
+        self.cond = asyncio.Condition()
+        self._model = state["model"]
+        self.digest, self._version = state["digest"], state["version"]
+        self.spec, self.canonical = state["spec"], state["canonical"]
+        self.current.restore(state["weights"], state["adapters"])
+        for slot in self.slots:
+            slot.weight_version = self._version
+            self.restart_later(slot, "the rollout pool's actor restarted")
+
+    def kept_sources(self) -> tuple:
+        """(version, digest, weights source, adapter sources) for the pool's keeper, read at one instant;
+        a ready worker holding this version copies what no object holds (CurrentWeights.sources)."""
+        peer = next((s.actor for s in self.ready() if s.weight_version == self._version), None)
+        return (self._version, self.digest, *self.current.sources(peer))
+
     # -- which workers can take work ---------------------------------------------------------------
 
     def ready(self) -> list[WorkerSlot]:
