@@ -42,7 +42,7 @@ def _node(name: str, tmp: Path) -> dict:
 def cluster(tmp_path_factory):
     tmp = Path("/tmp") / f"zk{tmp_path_factory.getbasetemp().name[-6:]}"  # short: Ray's socket paths
     try:
-        with test_cluster({name: _node(name, tmp) for name in ("a", "b", "c")}) as c:
+        with test_cluster({name: _node(name, tmp) for name in ("a", "b")}) as c:
             c.tmp = tmp
             yield c
     finally:
@@ -106,6 +106,7 @@ print(json.dumps({{"node": ray.get_runtime_context().get_node_id(), "digest": cl
 
 @pytest.mark.slow  # a node lost and a worker restarted elsewhere: ~20 s on 2 cores
 def test_losing_a_workers_node_mid_generation_loses_no_request(cluster, pool):
+    cluster.add("c", **_node("c", cluster.tmp))  # a spare node, where the lost worker comes back
     prompts, params = PROMPTS * 2, [SamplingParams(max_tokens=160, temperature=1.0, seed=i) for i in range(16)]
     want = pool.generate(prompts, params)  # undisturbed: every node up
     names = _names(cluster)
@@ -131,7 +132,6 @@ def test_losing_a_workers_node_mid_generation_loses_no_request(cluster, pool):
     assert names[node_of_actor(pool.workers()[0])] not in (victim, "head")  # back on a live node
     assert node_of_actor(pool._pool) == pool_node  # the pool's actor never moved
     assert_same(pool.generate(prompts[:4], params[:4]), want[:4], "on the restarted worker")
-    cluster.add("d", **_node("d", cluster.tmp))  # a spare node again, for the tests after this one
 
 
 def test_a_pool_name_in_another_namespace_is_named(cluster, pool):
@@ -195,12 +195,12 @@ def test_a_restartable_pool_comes_back_with_its_weights_and_adapters(cluster, tm
     shared.model().save_pretrained(checkpoint)
     adapter = adapter_from_model(trained_adapter_model(checkpoint, 4, ATTENTION, steps=1, seed=3))
     pool = start_pool(shared.model(), num_workers=1, name="mn-restartable", engine_kwargs=ENGINE_KWARGS,
-                      resources_per_worker={"resources": {node_resource("head"): 1}}, max_restarts=-1,
-                      detached=True)
+                      placement_group_bundles=[{"CPU": 1, node_resource("head"): 1}], max_restarts=-1,
+                      detached=True)  # the head's only CPU: a restart that reserved it again would wait forever
     try:
         client = RolloutClient("mn-restartable", restart_wait_s=60)  # as another driver would
         digest = client.update_weights(tiny_model("qwen2", seed=1).state_dict())
-        client.load_adapter("a", adapter)
+        client.load_adapter("a", adapter, transport="broadcast")  # worker to worker: the keeper copies a worker's
         params = PARAMS[:4] + [SamplingParams(max_tokens=24, temperature=1.0, seed=9, adapter="a")] * 2
         prompts = PROMPTS[:6]
         want, stats = client.generate(prompts, params), client.stats()
@@ -221,6 +221,8 @@ def test_a_restartable_pool_comes_back_with_its_weights_and_adapters(cluster, tm
         assert after["pool_restarts"] == 1 and after["digest"] == digest == client.weights_digest()
         assert after["weight_version"] == 2 and client.adapters() == adapters
         assert after["pool_node"] == cluster.node_id("head")
+        reserved = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        assert len(reserved) == 1, reserved  # the worker's reservation, reused across the restart
         assert_same(pool.generate(prompts, params), want, "through start_pool's own client")
     finally:
         pool.shutdown()

@@ -87,7 +87,7 @@ class _PoolActor:
         info = await self.workers.start(model_box, detached, timeout_s)
         if self._keeper is not None:  # what a restarted incarnation starts from
             w = self.workers
-            await self._keeper.keep_start.remote(model_box, w.digest, w.canonical, w.spec)
+            await self._keeper.keep_start.remote(model_box, w.digest, w.canonical, w.spec, w.placements())
             self._kept_version = 0
         return info
 

@@ -4,7 +4,8 @@ keeper, that outlives the pool actor's process and owns copies of the objects th
 Rule: Ray frees an object with its owner, and the pool actor owns nothing that outlives it (its workers die
 with it too: an actor's children share its fate). So the keeper holds, and owns in its own object store (on
 its node, the driver's, as the pool's), the model the workers start from (where it is an object), the
-weights last adopted and every adapter, with their digests and the weight version. The pool records them
+weights last adopted and every adapter, with their digests and the weight version, and each worker's placement
+group (which outlives the actor that reserved it, so a restarted pool reuses it). The pool records them
 after every adopted push, before the push returns; a restarted pool reads them back (PoolKeeper.incarnation)
 and restarts its workers with them, as a dead worker is restarted (supervisor.WorkerSupervisor.recover).
 Copies cost object-store memory on the keeper's node (one copy of the weights and adapters served, and of
@@ -30,23 +31,22 @@ class PoolKeeper:
         self._pool = (pool_name, namespace)
         self._detached = detached
         self._state: dict | None = None  # None until the pool's first start has been recorded
-        self._copies: dict[str, ray.ObjectRef] = {}  # source object id -> this keeper's copy
+        self._copies: dict[str, object] = {}  # what a copy holds ("weights <digest>", ...) -> this keeper's copy
         self.restarts = 0
 
-    async def _own(self, box: list):
-        """This keeper's copy of the object in box[0] (a path or NO_COPY as it is): fetched once, put here."""
+    async def _own(self, key: str, box: list):
+        """This keeper's copy of the object in box[0] (a path or NO_COPY as it is), held as `key` (what it
+        is: the same key, the same content): fetched and put here once."""
         source = box[0]
-        if not isinstance(source, ray.ObjectRef):
-            return source
-        key = source.hex()
-        if key not in self._copies:
+        if key not in self._copies and isinstance(source, ray.ObjectRef):
             self._copies[key] = ray.put(await source)
-        return self._copies[key]
+        return self._copies.get(key, source)
 
-    async def keep_start(self, model_box: list, digest: str, canonical, spec) -> None:
-        """The pool started: what its workers start from and the weights they loaded (version 0)."""
-        self._state = {"model": await self._own(model_box), "digest": digest, "canonical": canonical,
-                       "spec": spec, "version": 0, "weights": None, "adapters": {}}
+    async def keep_start(self, model_box: list, digest: str, canonical, spec, placements: list) -> None:
+        """The pool started: what its workers start from, the weights they loaded (version 0) and each
+        worker's placement group (or None)."""
+        self._state = {"model": await self._own("model", model_box), "digest": digest, "canonical": canonical,
+                       "spec": spec, "version": 0, "weights": None, "adapters": {}, "placements": placements}
         if self._detached:
             asyncio.get_running_loop().create_task(self._watch())
 
@@ -55,14 +55,14 @@ class PoolKeeper:
         or NO_COPY]) and every adapter (name -> [[source], adapter digest]) as of weight `version`."""
         if self._state is None or version <= self._state["version"]:
             return  # a later version is kept already (records may arrive out of order)
-        weights = None if weights_box[0] is None else await self._own(weights_box)
-        held = {name: [await self._own(box), adapter_digest] for name, (box, adapter_digest) in adapters.items()}
+        keys = {"weights": f"weights {digest}", **{name: f"adapter {name} {d}" for name, (_, d) in adapters.items()}}
+        weights = None if weights_box[0] is None else await self._own(keys["weights"], weights_box)
+        held = {name: [await self._own(keys[name], box), d] for name, (box, d) in adapters.items()}
         if version <= self._state["version"]:
             return
         self._state.update(version=version, digest=digest, weights=weights, adapters=held)
-        live = {r.hex() for r in [weights, *(h[0] for h in held.values())] if isinstance(r, ray.ObjectRef)}
-        live |= {self._state["model"].hex()} if isinstance(self._state["model"], ray.ObjectRef) else set()
-        self._copies = {k: r for k, r in self._copies.items() if r.hex() in live}
+        live = {"model", *keys.values()}
+        self._copies = {k: copy for k, copy in self._copies.items() if k in live}
 
     async def incarnation(self) -> dict | None:
         """None before the pool's first start is recorded (a new pool); else the state to recover, for a

@@ -111,9 +111,15 @@ class WorkerSupervisor:
         self.digest, self._version = state["digest"], state["version"]
         self.spec, self.canonical = state["spec"], state["canonical"]
         self.current.restore(state["weights"], state["adapters"])
-        for slot in self.slots:
+        for slot, placement in zip(self.slots, state["placements"]):
+            slot.placement = _still_reserved(placement)  # the dead incarnation's reservation, reused
             slot.weight_version = self._version
             self.restart_later(slot, "the rollout pool's actor restarted")
+
+    def placements(self) -> list:
+        """Each slot's placement group (None without one): a restarted pool reuses them (they outlive the
+        actor that reserved them)."""
+        return [slot.placement for slot in self.slots]
 
     def kept_sources(self) -> tuple:
         """(version, digest, weights source, adapter sources) for the pool's keeper, read at one instant;
@@ -296,3 +302,15 @@ class WorkerSupervisor:
         if self.cond is not None:
             async with self.cond:
                 self.cond.notify_all()
+
+
+def _still_reserved(placement):
+    """`placement` (a placement group, or None) if Ray still holds it, else None (the slot reserves anew)."""
+    from ray.util.placement_group import placement_group_table
+    if placement is None:
+        return None
+    try:
+        state = placement_group_table(placement).get("state")
+    except Exception:
+        return None
+    return None if state in (None, "REMOVED") else placement
