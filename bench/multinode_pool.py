@@ -45,7 +45,8 @@ def _until(cond, timeout_s: float) -> float:
 
 def node_loss(cluster, nodes: dict, client, under_load: int = 0, timeout_s: float = 300.0) -> dict:
     """Remove the node of the pool's worker 0 (`under_load` requests running meanwhile): seconds from the
-    loss until every worker is ready again (full capacity), where the worker came back, and the load's
+    loss (remove_node called) until the pool takes the worker out of rotation (detected_s) and until
+    every worker is ready again (recovery_s: full capacity), where the worker came back, and the load's
     counts (lost / duplicated requests)."""
     by_id = {n.node_id: name for name, n in nodes.items()}
     victim = by_id[_node_of(client.workers()[0])]
@@ -57,12 +58,14 @@ def node_loss(cluster, nodes: dict, client, under_load: int = 0, timeout_s: floa
         _until(lambda: client.stats()["workers"][0]["in_flight"] > 0, 60)
     t0 = time.perf_counter()
     cluster.remove_node(nodes.pop(victim), allow_graceful=False)
-    _until(lambda: client.stats()["workers"][0]["state"] != "ready", 30)
-    recovery = time.perf_counter() - t0 + _until(lambda: _all_ready(client), timeout_s)
+    _until(lambda: client.stats()["workers"][0]["state"] != "ready", 60)
+    detected = time.perf_counter() - t0
+    _until(lambda: _all_ready(client), timeout_s)
+    recovery = time.perf_counter() - t0
     if thread is not None:
         thread.join()
     out = {"lost_node": victim, "worker_back_on": by_id.get(_node_of(client.workers()[0])),
-           "recovery_s": round(recovery, 2)}
+           "detected_s": round(detected, 2), "recovery_s": round(recovery, 2)}
     if under_load:
         out.update({k: load[k] for k in ("requests", "completed", "errors", "lost", "duplicated", "worker_executions")})
     return out
