@@ -6,6 +6,7 @@ pool whose own actor dies and comes back serving the same weights, adapters and 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -162,13 +163,24 @@ for how in ("argument", "RAY_ADDRESS"):
     except ConnectionError as e:
         print(how, round(time.monotonic() - t, 2), e)
 """
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the module's cluster sets it
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 2, proc.stdout + proc.stderr[-2000:]
     for line, how in zip(lines, ("argument", "RAY_ADDRESS")):
         got, seconds, message = line.split(" ", 2)
         assert got == how and float(seconds) < 6.0, line
         assert f"127.0.0.1:{port}" in message and "ray start --head" in message, line
+
+
+def test_the_address_probed_is_the_one_ray_init_would_join():
+    from rollout_service.service.ray_cluster import _host_port
+    assert _host_port("head:6380") == ("head", 6380)
+    assert _host_port("head") == ("head", 6379)  # `ray start --head`'s GCS port
+    assert _host_port("ray://head") == ("head", 10001) and _host_port("ray://head:2") == ("head", 2)
+    assert _host_port("[::1]:7000") == ("::1", 7000)
+    with pytest.raises(ConnectionError, match="'head:gcs'"):
+        _host_port("head:gcs")
 
 
 def test_workers_no_node_can_hold_fail_in_bounded_time_naming_the_resource(cluster):
@@ -232,7 +244,7 @@ def test_a_restartable_pool_comes_back_with_its_weights_and_adapters(cluster, tm
 
 def test_losing_every_other_node_keeps_the_pool(cluster, pool):
     """Every node but the driver's goes: the pool's actor, pinned there, still answers (its workers wait,
-    restarting, for a node to take them). Last: the module's pool is left without worker nodes."""
+    restarting, for a node to take them). Last: it leaves the module's pool without worker nodes, and dead."""
     pool_node = node_of_actor(pool._pool)
     assert pool_node == cluster.node_id("head")
     for name in list(cluster.nodes):
@@ -240,3 +252,11 @@ def test_losing_every_other_node_keeps_the_pool(cluster, pool):
     stats = pool.stats()
     assert stats["pool_node"] == pool_node and node_of_actor(pool._pool) == pool_node
     _wait(lambda: all(w["state"] == "restarting" for w in pool.stats()["workers"]), pool.stats, 30)
+    # a pool without max_restarts that dies is said at once, not waited for as a restart
+    ray.kill(pool._pool, no_restart=False)
+    t = time.monotonic()
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        while time.monotonic() - t < 10:  # the kill takes effect a moment later
+            pool.stats()
+            time.sleep(0.05)
+    assert time.monotonic() - t < 10

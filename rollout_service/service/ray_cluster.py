@@ -24,9 +24,10 @@ def init_ray(address: str | None = None, probe_timeout_s: float = PROBE_TIMEOUT_
     import ray
     if ray.is_initialized():
         return False
-    given = address or os.environ.get("RAY_ADDRESS")
+    env = os.environ.get("RAY_ADDRESS")
+    given = env or address  # ray.init takes RAY_ADDRESS over its argument, so it is the one probed
     if given:
-        probe_address(given, probe_timeout_s, "RAY_ADDRESS" if not address else "address")
+        probe_address(given, probe_timeout_s, "RAY_ADDRESS" if env else "address")
         ray.init(address=given)
     else:
         ray.init()
