@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,8 +41,8 @@ def _node(name: str, tmp: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    tmp = Path("/tmp") / f"zk{tmp_path_factory.getbasetemp().name[-6:]}"  # short: Ray's socket paths
+def cluster():
+    tmp = Path(tempfile.mkdtemp(prefix="zk", dir="/tmp"))  # short: Ray's socket paths live under it
     try:
         with test_cluster({name: _node(name, tmp) for name in ("a", "b")}) as c:
             c.tmp = tmp
