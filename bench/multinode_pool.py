@@ -7,9 +7,9 @@ cluster (ray.cluster_utils.Cluster) on this machine, each node a raylet of its o
 Both pools run side by side in one cluster (the driver's node holds the pool actors, no worker): "one node"
 has all the workers on one node, "spread" one worker a node over --nodes nodes (tiny:qwen2 workers, the
 load of bench/service_load.py: one generate_async a request from several client threads). Their load runs
-alternate, round by round. Then the node of one spread worker is removed while idle, and the time until every worker is ready again is taken, then the same for a loss under load (spare nodes are
-added first, where the lost workers come back). Prints one
-JSON object.
+alternate, round by round. Then two spare nodes are added and the node of one spread worker is removed,
+once idle and once under load: the time until the pool notices and until every worker is ready again (full
+capacity), and the load's lost / duplicated requests. Prints one JSON object.
 """
 from __future__ import annotations
 

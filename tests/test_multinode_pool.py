@@ -137,7 +137,8 @@ def test_losing_a_workers_node_mid_generation_loses_no_request(cluster, pool):
 
 
 def test_a_pool_name_in_another_namespace_is_named(cluster, pool):
-    with pytest.raises(ValueError, match=r"no rollout pool named 'mn-pool' in namespace 'elsewhere'.*\['rollout_service'\]"):
+    held_elsewhere = r"no rollout pool named 'mn-pool' in namespace 'elsewhere'.*\['rollout_service'\]"
+    with pytest.raises(ValueError, match=held_elsewhere):
         RolloutClient(POOL, namespace="elsewhere")
     with pytest.raises(ValueError, match="no rollout pool named 'mn-nothing'") as info:
         RolloutClient("mn-nothing")

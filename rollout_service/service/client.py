@@ -35,8 +35,8 @@ class RolloutClient:
     when start_pool made this client (the pool's owner). restart_wait_s: how long a call waits for a
     pool actor that is restarting (see the module doc)."""
 
-    def __init__(self, name: str = "rollout", namespace: str = DEFAULT_NAMESPACE, *, restart_wait_s: float = RESTART_WAIT_S,
-                 _handle=None, _info: dict | None = None):
+    def __init__(self, name: str = "rollout", namespace: str = DEFAULT_NAMESPACE, *,
+                 restart_wait_s: float = RESTART_WAIT_S, _handle=None, _info: dict | None = None):
         ensure_ray()
         self.name, self.namespace = name, namespace
         self.restart_wait_s = restart_wait_s
