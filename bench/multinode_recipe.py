@@ -72,15 +72,15 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="key=value overrides of tiny.yaml, for both arms")
     args = ap.parse_args()
 
-    from tests.multinode_shared import free_port, test_cluster
+    from tests.multinode_shared import apart_head_args, test_cluster
     arms = ["1 node", "3 nodes"]
     nodes = {name: {"cpus": 2, "resources": {ROLLOUT_NODE: 1} if name in "ab" else {}} for name in "abc"}
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # apart from other clusters on this machine
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     work = Path(tempfile.mkdtemp(prefix="multinode-bench-"))
     rounds = []
     try:
         with contextlib.redirect_stdout(sys.stderr), test_cluster(
-                nodes, head_cpus=1, head_args={"temp_dir": temp_dir, "dashboard_agent_listen_port": free_port()}) as c:
+                nodes, head_cpus=1, head_args=apart_head_args(temp_dir)) as c:
             for k in range(args.rounds):
                 order = arms if k % 2 == 0 else arms[::-1]
                 runs = {arm: run_arm(arm, args.steps, args.overrides, work / f"{k}-{arm.replace(' ', '')}", c)

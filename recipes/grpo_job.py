@@ -17,15 +17,15 @@ from rollout_service.service.ray_cluster import with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
-from .episodes import EpisodeRollout, episode_metrics, episode_of, group_episodes
-from .prefix_cache_metrics import prefix_cache_metrics
 from .checkpoint import checkpoint_dir, find_checkpoint, read_state, write_state
 from .config import CanonicalTreeConfig, RecipeConfig
+from .episodes import EpisodeRollout, episode_metrics, episode_of, group_episodes
 from .grpo_loss import group_advantages
 from .memory_plan import MemoryPlan, measure_rank_gpu, plan_memory
 from .metrics import MetricsLogger, StepProgress, step_metrics
 from .models import initial_model, policy_config
 from .placement import JobPlacement, reserve_job_placement
+from .prefix_cache_metrics import prefix_cache_metrics
 from .rollout_queue import RolloutQueue
 from .rollouts import (
     engine_options,

@@ -59,7 +59,7 @@ def check_shared_run_dir(run_dir: Path, rank_group, first_bundle: int, num_ranks
             "nodes its ranks get: set output_dir (or run_dir) to a directory that every node mounts at the same "
             "path (a network filesystem)")
     try:
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if pending:
             for ref in pending:
                 ray.cancel(ref, force=True)

@@ -107,3 +107,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def apart_head_args(temp_dir: str, dashboard: bool = False) -> dict:
+    """TestCluster head_args that keep a cluster apart from other Ray clusters on this machine, as separate
+    machines are: a Ray temp directory of its own (`temp_dir`, short and absolute: Ray's socket paths live
+    under it; a submitted job's driver joins the cluster its temp directory names last) and a dashboard
+    agent port of its own, with the dashboard's too (several clusters race for Ray's fixed defaults, and the
+    loser's job agent serves no HTTP: "No available agent to submit job")."""
+    args = {"temp_dir": temp_dir, "dashboard_agent_listen_port": free_port()}
+    return {**args, "dashboard_port": free_port()} if dashboard else args
+
+
+def apart_node_args(name: str) -> dict:
+    """add() keywords that give node `name` a runtime-env directory of its own, as a separate machine has:
+    nodes that share one Ray session directory unpack a job's working directory into the same place, and a
+    node that installs it deletes the copy another node's driver is running in (Ray's "Local directory ...
+    does not exist on the cluster", or a driver whose working directory vanished)."""
+    return {"runtime_env_dir_name": f"runtime_resources_{name}"}

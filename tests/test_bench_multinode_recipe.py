@@ -18,7 +18,7 @@ def test_bench_multinode_recipe_cpu_smoke():
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-m", "bench.multinode_recipe", "--steps", "2", "--rounds", "1",
                            "warmup.steps=0", "train.prompts_per_step=4"],
-                          cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     [round_] = out["rounds"]

@@ -20,11 +20,17 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from recipes.config import ConfigError, load_config  # noqa: E402
-from recipes.grpo import GRPOJob  # noqa: E402
-from recipes.metrics import read_metrics  # noqa: E402
-from recipes.placement import bundle_nodes, reserve_job_placement  # noqa: E402
-from tests.multinode_shared import free_port, node_of_actor, node_resource, test_cluster  # noqa: E402
+from recipes.config import ConfigError, load_config
+from recipes.grpo import GRPOJob
+from recipes.metrics import read_metrics
+from recipes.placement import bundle_nodes, reserve_job_placement
+from tests.multinode_shared import (
+    apart_head_args,
+    apart_node_args,
+    node_of_actor,
+    node_resource,
+    test_cluster,
+)
 
 pytestmark = pytest.mark.slow  # recipe runs on a cluster of three raylets
 
@@ -45,17 +51,12 @@ def pinned(workers_on: str, ranks_on: str) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster():
     """Head (the driver's node, 1 CPU, with the dashboard that `ray job submit` talks to) and nodes a and b
-    (2 CPUs each), kept apart from other Ray clusters on this machine as separate machines would be: a Ray
-    temp directory of its own (a submitted job's driver joins the cluster its temp directory names last)
-    and dashboard ports of its own; and each node unpacks a job's working directory into a directory of
-    its own (runtime_env_dir_name: nodes that share one Ray session directory would otherwise delete each
-    other's copy, the directory a running driver is in: Ray's "Local directory ... does not exist on the
-    cluster")."""
-    nodes = {name: {"cpus": 2, "runtime_env_dir_name": f"runtime_resources_{name}"} for name in ("a", "b")}
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
-    head = {"temp_dir": temp_dir, "dashboard_port": free_port(), "dashboard_agent_listen_port": free_port()}
+    (2 CPUs each), apart from other Ray clusters on this machine and from each other as separate machines
+    are (multinode_shared.apart_head_args, apart_node_args)."""
+    nodes = {name: {"cpus": 2, **apart_node_args(name)} for name in ("a", "b")}
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     try:
-        with test_cluster(nodes, head_cpus=1, dashboard=True, head_args=head) as c:
+        with test_cluster(nodes, head_cpus=1, dashboard=True, head_args=apart_head_args(temp_dir, True)) as c:
             yield c
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -177,7 +178,7 @@ def test_ray_job_submit_runs_the_recipe_on_the_cluster(cluster, tmp_path):
            "--submission-id", submission, "--working-dir", ".", "--",
            "python", "-m", "recipes.grpo", "--config", "recipes/configs/tiny.yaml", "--no-progress",
            "--run-dir", str(run_dir), "train.save_every=0", *SHORT[:2], *SHORT[3:], *pinned("a", "b")]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     status = JobSubmissionClient(cluster.dashboard_url).get_job_status(submission)
     assert status == JobStatus.SUCCEEDED, done.stdout[-3000:] + done.stderr[-3000:]
     logged = read_metrics(run_dir)
