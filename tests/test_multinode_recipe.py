@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 from recipes.config import ConfigError, load_config
 from recipes.grpo import GRPOJob
 from recipes.metrics import read_metrics
-from recipes.placement import bundle_nodes, reserve_job_placement
+from recipes.placement import bundle_nodes, placement_bundles, reserve_job_placement
 from tests.multinode_shared import (
     apart_head_args,
     apart_node_args,
@@ -31,8 +31,6 @@ from tests.multinode_shared import (
     node_resource,
     test_cluster,
 )
-
-pytestmark = pytest.mark.slow  # recipe runs on a cluster of three raylets
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "configs" / "tiny.yaml"
@@ -46,6 +44,27 @@ def pinned(workers_on: str, ranks_on: str) -> list[str]:
     each node's custom resource (half a unit an actor)."""
     return [f"rollout.resources_per_worker={{num_cpus: 0.5, resources: {{{node_resource(workers_on)}: 0.5}}}}",
             f"trainer.placement.resources_per_rank={{num_cpus: 0.5, resources: {{{node_resource(ranks_on)}: 0.5}}}}"]
+
+
+def test_bundles_keep_each_actors_custom_resources():
+    """Split: a worker's bundle holds its node resource, a rank's its own; colocated: one bundle holds both
+    actors' resources, summed (Ray would otherwise place a bundle on a node the actor cannot run on)."""
+    split = load_config(TINY, pinned("a", "b") + ["rollout.resources_per_worker.memory=1000"])
+    a, b = node_resource("a"), node_resource("b")
+    assert placement_bundles(split) == ([{"CPU": 0.5, "memory": 1000, a: 0.5}] * 2 + [{"CPU": 0.5, b: 0.5}] * 2)
+    colocated = load_config(TINY, ["placement=colocated", *pinned("a", "a")])
+    assert placement_bundles(colocated) == [{"CPU": 1.0, a: 1.0}] * 2
+
+
+@pytest.mark.parametrize("overrides,refusal", [
+    (["rollout.placement_strategy=SPREAD_OUT"], "rollout.placement_strategy must be one of PACK"),
+    (["trainer.placement.strategy=pack"], "trainer.placement.strategy must be one of PACK"),
+    (["placement=colocated", "rollout.placement_strategy=SPREAD"], "placement colocated puts each worker"),
+    (["rollout.placement_strategy=SPREAD", "rollout.engine.tensor_parallel_size=2"], "tensor_parallel_size > 1"),
+])
+def test_placement_strategies_are_checked_at_load(overrides, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        load_config(TINY, overrides)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +110,7 @@ def workers_on_a(cluster, tmp_path_factory):
     return run_dir, records, nodes
 
 
+@pytest.mark.slow  # on the module's cluster of three raylets
 def test_workers_and_ranks_on_the_nodes_the_config_names(cluster, workers_on_a):
     run_dir, records, nodes = workers_on_a
     assert nodes == {"workers": [cluster.node_id("a")] * 2, "ranks": [cluster.node_id("b")] * 2}
@@ -102,6 +122,7 @@ def test_workers_and_ranks_on_the_nodes_the_config_names(cluster, workers_on_a):
     assert len({r["weights/digest"] for r in records}) == 2  # each step's push carried new weights
 
 
+@pytest.mark.slow  # on the module's cluster of three raylets
 def test_swapped_nodes_land_the_other_way_and_resume_the_same_step(cluster, workers_on_a, tmp_path):
     """The same config with the nodes' resources swapped puts the workers on b and the ranks on a; resumed
     from the first run's step-1 checkpoint (its shards written by ranks on node b, read by ranks on node
@@ -116,6 +137,7 @@ def test_swapped_nodes_land_the_other_way_and_resume_the_same_step(cluster, work
     assert records[0]["weights/digest"] == first[1]["weights/digest"]
 
 
+@pytest.mark.slow  # on the module's cluster of three raylets
 @pytest.mark.parametrize("strategy,nodes", [("STRICT_SPREAD", 2), ("STRICT_PACK", 1)])
 def test_placement_strategies_spread_and_pack(cluster, strategy, nodes):
     """trainer.placement.strategy and rollout.placement_strategy place the job's groups: two bundles on two
@@ -141,6 +163,7 @@ def own_disk_wrapper(tmp_path: Path, shared: Path, node_local: Path) -> str:
     return f"{script} {sys.executable}"
 
 
+@pytest.mark.slow  # on the module's cluster of three raylets
 def test_a_rank_that_does_not_see_the_run_directory_is_refused(cluster, tmp_path):
     """Ranks on node b whose processes see another directory at output_dir: the job refuses at the start,
     naming the run directory and the node, before any worker or rank starts, and leaves nothing reserved."""
@@ -168,6 +191,7 @@ def test_a_rank_that_does_not_see_the_run_directory_is_refused(cluster, tmp_path
     assert ray.available_resources().get(node_resource("b"), 0) == 1
 
 
+@pytest.mark.slow  # on the module's cluster of three raylets
 def test_ray_job_submit_runs_the_recipe_on_the_cluster(cluster, tmp_path):
     """`ray job submit --working-dir . -- python -m recipes.grpo ...` from the repository: the job
     SUCCEEDED, its workers on node a and ranks on node b, and its metrics show KL 0.0 at every step."""
