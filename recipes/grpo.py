@@ -4,6 +4,10 @@
     python -m recipes.grpo --config recipes/configs/tiny.yaml --determinism off   # the baseline
     python -m recipes.grpo --resume RUN_OR_CHECKPOINT_DIR [key.sub=value ...]
 
+On a cluster of several nodes the same command runs under `ray job submit --address http://HEAD:8265
+--working-dir . -- ...`; the config places the workers and ranks (recipes/placement.py) and output_dir must
+be a directory every node shares (the job checks it before it starts: recipes/run_storage.py).
+
 Each step: prompts from the task's dataset -> n seeded rollouts per prompt through RolloutClient ->
 rewards -> group-normalised advantages -> clipped policy-gradient update on the FSDP2 trainer ranks ->
 the new weights pushed to the rollout pool, digests checked. With train.async_steps = k the rollouts

@@ -13,20 +13,19 @@ import torch
 import kernels as K
 from rollout_service.service.client import DEFAULT_NAMESPACE
 from rollout_service.service.pool import start_pool
-from rollout_service.ray_placement import release
 from rollout_service.service.ray_cluster import with_tree_width
 from rollout_service.weights import WeightMismatchError
 
 from .batch import Sample, split_for_ranks
-from .episodes import EpisodeRollout, episode_metrics, episode_of, group_episodes
-from .prefix_cache_metrics import prefix_cache_metrics
 from .checkpoint import checkpoint_dir, find_checkpoint, read_state, write_state
 from .config import CanonicalTreeConfig, RecipeConfig
+from .episodes import EpisodeRollout, episode_metrics, episode_of, group_episodes
 from .grpo_loss import group_advantages
 from .memory_plan import MemoryPlan, measure_rank_gpu, plan_memory
 from .metrics import MetricsLogger, StepProgress, step_metrics
 from .models import initial_model, policy_config
-from .placement import ranks_first_bundle, reserve_placement
+from .placement import JobPlacement, reserve_job_placement
+from .prefix_cache_metrics import prefix_cache_metrics
 from .rollout_queue import RolloutQueue
 from .rollouts import (
     engine_options,
@@ -37,6 +36,7 @@ from .rollouts import (
     rollouts_digest,
 )
 from .run_files import run_dir_of, save_rollouts
+from .run_storage import check_shared_run_dir
 from .step_push import landed, sync_weights, to_run_versions
 from .task import build_task
 from .trainer_group import TrainerGroup
@@ -57,7 +57,7 @@ def starting_model(cfg: RecipeConfig, task, resumed: bool) -> torch.nn.Module:
 
 def _start_rollout_pool(cfg: RecipeConfig, model, pool_name: str, namespace: str, shared):
     """The rollout workers, each told the run's tree width; worker i on bundle i of `shared`, if given
-    (placement_bundles)."""
+    (recipes.placement.JobPlacement.workers)."""
     rollout_cfg = cfg.rollout
     return start_pool(model, num_workers=rollout_cfg.num_workers, name=pool_name, engine_kwargs=engine_options(cfg),
                       resources_per_worker=with_tree_width(rollout_cfg.resources_per_worker,
@@ -113,12 +113,14 @@ class GRPOJob:
 
     placement_group: one the caller reserved with placement_bundles(cfg)'s bundles, whose shares the
     job's actors take instead of reserving their own, e.g. two jobs sharing each bundle. Once the
-    job has started, `gpus` names the GPUs Ray gave its workers and its ranks."""
+    job has started, `gpus` names the GPUs Ray gave its workers and its ranks, and while its steps run
+    `pool` (the RolloutClient) and `trainer` (the TrainerGroup) are its actors' handles (None after)."""
 
     def __init__(self, cfg: RecipeConfig, resume: str | Path | None = None, placement_group=None):
         self.step0, self.cursor, self.ckpt, self.state = 0, 0, None, {}
         self.placement_group = placement_group
         self.gpus: dict[str, list[str]] = {}
+        self.pool = self.trainer = None
         if resume is not None:
             self.ckpt = find_checkpoint(resume)
             self.state = read_state(self.ckpt)
@@ -138,28 +140,30 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
     run_name = f"{cfg.name}-{rollout_cfg.determinism}"
     t_start = time.perf_counter()
     task = build_task(cfg)
-    memory_plan = check_memory_plan(job, task)
+    placement = reserve_job_placement(cfg, job.placement_group)
+    try:  # before anything long starts: the groups are placed and every rank's node shares the run directory
+        rank_options = _rank_options(cfg)
+        check_shared_run_dir(run_dir, placement.ranks, placement.first_rank_bundle, trainer_cfg.num_ranks,
+                             rank_options.placement.resources_per_rank.get("runtime_env"))
+        memory_plan = check_memory_plan(job, task, placement)
+    except BaseException:
+        placement.release()
+        raise
     model = starting_model(cfg, task, resumed=ckpt is not None)
     t_model = time.perf_counter()
     pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
     pool_name, namespace = rollout_cfg.pool_name or f"grpo-{uuid.uuid4().hex[:8]}", DEFAULT_NAMESPACE
-    pool = trainer = logger = owned = queue = None
-    colocated, canonical, sleeps = cfg.placement == "colocated", cfg.numerics == "canonical", engines_sleep(cfg)
+    pool = trainer = logger = queue = None
+    canonical, sleeps = cfg.numerics == "canonical", engines_sleep(cfg)
     try:
-        width = cfg.canonical.tree_segments
-        shared = job.placement_group
-        if shared is None and colocated:
-            shared = owned = reserve_placement(cfg)
-        pool = _start_rollout_pool(cfg, model, pool_name, namespace, shared)
+        pool = job.pool = _start_rollout_pool(cfg, model, pool_name, namespace, placement.workers)
         # MoE: rollouts record routing where the workers can, the trainer compares its own
         routed = records_routing(rollout_cfg, model, pool.capabilities())
         t_pool = time.perf_counter()
-        rank_placement = trainer_cfg.placement
-        ranks = dataclasses.replace(trainer_cfg, placement=dataclasses.replace(
-            rank_placement, resources_per_rank=with_tree_width(rank_placement.resources_per_rank, width)))
-        trainer = TrainerGroup(ranks, model, rollout_cfg.temperature, cfg.numerics, colocate_with=shared,
-                               first_bundle=ranks_first_bundle(cfg), memory_plan=memory_plan, lora=cfg.model.lora,
-                               seed=cfg.seed)
+        trainer = job.trainer = TrainerGroup(rank_options, model, rollout_cfg.temperature, cfg.numerics,
+                                             colocate_with=placement.ranks,
+                                             first_bundle=placement.first_rank_bundle, memory_plan=memory_plan,
+                                             lora=cfg.model.lora, seed=cfg.seed)
         pool_stats = pool.stats()  # the step's prefix-cache hits are counted from one snapshot to the next
         job.gpus = {"rollout": [g for w in pool_stats["workers"] for g in w["gpu_ids"]],
                     "trainer": trainer.gpu_ids}
@@ -236,8 +240,19 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             trainer.close()
         if pool is not None:
             pool.shutdown()
-        if owned is not None:
-            release(owned)
+        job.pool = job.trainer = None
+        placement.release()
+
+
+def _rank_options(cfg: RecipeConfig):
+    """The trainer section the ranks start with: each rank's actor options carry the run's tree width, and
+    a GPU rank asks for its whole GPU unless resources_per_rank says otherwise (rank_bundles)."""
+    trainer_cfg = cfg.trainer
+    resources = dict(trainer_cfg.placement.resources_per_rank)
+    if trainer_cfg.device == "cuda" and cfg.placement == "split":
+        resources.setdefault("num_gpus", 1)
+    return dataclasses.replace(trainer_cfg, placement=dataclasses.replace(
+        trainer_cfg.placement, resources_per_rank=with_tree_width(resources, cfg.canonical.tree_segments)))
 
 
 def _say_ready(job: GRPOJob, t_start: float, t_model: float, t_pool: float) -> None:
@@ -283,7 +298,7 @@ def _checkpoint(cfg: RecipeConfig, run_dir: Path, trainer, step: int, cursor: in
     return time.perf_counter() - start
 
 
-def check_memory_plan(job: GRPOJob, task) -> MemoryPlan | None:
+def check_memory_plan(job: GRPOJob, task, placement: JobPlacement) -> MemoryPlan | None:
     """GPU ranks: the run's memory plan (recipes.memory_plan), checked against a GPU like a rank's before
     anything long starts (the model, its warm-up, the rollout pool); a plan that cannot fit raises
     MemoryPlanRefused. The ranks check it again against their own GPUs (TrainerRank.setup)."""
@@ -292,7 +307,7 @@ def check_memory_plan(job: GRPOJob, task) -> MemoryPlan | None:
         return None
     longest_prompt = max(len(ids) for ids in task.dataset["prompt_ids"])
     plan = plan_memory(cfg, policy_config(cfg, task.tokenizer), longest_prompt)
-    gpu = measure_rank_gpu(cfg.trainer, job.placement_group, ranks_first_bundle(cfg))
+    gpu = measure_rank_gpu(cfg.trainer, placement.ranks, placement.first_rank_bundle)
     if gpu is None:
         _say("memory plan: no GPU answered in time; each trainer rank checks it against its own")
         return plan

@@ -24,12 +24,14 @@ class TestCluster:
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, head_cpus: int = 1, head_resources: dict | None = None, dashboard: bool = False):
+    def __init__(self, head_cpus: int = 1, head_resources: dict | None = None, dashboard: bool = False,
+                 head_args: dict | None = None):
+        """head_args: more of the head's node arguments (Ray's RayParams), e.g. dashboard_agent_listen_port."""
         from ray.cluster_utils import Cluster
         self.nodes: dict = {}
         self._cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": head_cpus, "resources": {node_resource("head"): 1, **(head_resources or {})},
-            "include_dashboard": dashboard})
+            "include_dashboard": dashboard, **(head_args or {})})
         self.address = self._cluster.address
         self.head = self._cluster.head_node
 
@@ -76,10 +78,10 @@ def joined(cluster: TestCluster, **init_args):
 
 
 @contextlib.contextmanager
-def test_cluster(nodes: dict[str, dict], head_cpus: int = 1, dashboard: bool = False):
+def test_cluster(nodes: dict[str, dict], head_cpus: int = 1, dashboard: bool = False, head_args: dict | None = None):
     """A running TestCluster with `nodes` (name -> add()'s keywords) and this driver joined to it; RAY_ADDRESS
-    points at it inside the block, so subprocesses (a second driver) find it too."""
-    cluster = TestCluster(head_cpus=head_cpus, dashboard=dashboard)
+    points at it inside the block, so subprocesses (a second driver) find it too. head_args: TestCluster's."""
+    cluster = TestCluster(head_cpus=head_cpus, dashboard=dashboard, head_args=head_args)
     before = os.environ.get("RAY_ADDRESS")
     try:
         for name, args in nodes.items():
@@ -96,3 +98,30 @@ def test_cluster(nodes: dict[str, dict], head_cpus: int = 1, dashboard: bool = F
 
 
 test_cluster.__test__ = False
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a head's dashboard ports: several clusters on one machine
+    would otherwise race for Ray's fixed defaults, and the loser's job agent serves no HTTP)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def apart_head_args(temp_dir: str, dashboard: bool = False) -> dict:
+    """TestCluster head_args that keep a cluster apart from other Ray clusters on this machine, as separate
+    machines are: a Ray temp directory of its own (`temp_dir`, short and absolute: Ray's socket paths live
+    under it; a submitted job's driver joins the cluster its temp directory names last) and a dashboard
+    agent port of its own, with the dashboard's too (several clusters race for Ray's fixed defaults, and the
+    loser's job agent serves no HTTP: "No available agent to submit job")."""
+    args = {"temp_dir": temp_dir, "dashboard_agent_listen_port": free_port()}
+    return {**args, "dashboard_port": free_port()} if dashboard else args
+
+
+def apart_node_args(name: str) -> dict:
+    """add() keywords that give node `name` a runtime-env directory of its own, as a separate machine has:
+    nodes that share one Ray session directory unpack a job's working directory into the same place, and a
+    node that installs it deletes the copy another node's driver is running in (Ray's "Local directory ...
+    does not exist on the cluster", or a driver whose working directory vanished)."""
+    return {"runtime_env_dir_name": f"runtime_resources_{name}"}

@@ -15,6 +15,7 @@ from .choices import (
     MODEL_SOURCES,
     NUMERICS,
     OLD_LOGPROBS,
+    PLACEMENT_STRATEGIES,
     PLACEMENTS,
     ROLLOUT_CORRECTIONS,
     TASK_KINDS,
@@ -160,6 +161,15 @@ def check_values(cfg: RecipeConfig) -> None:
                           "trainer.loss.old_logprobs=recompute")
     one_of("numerics", cfg.numerics, NUMERICS)
     one_of("placement", cfg.placement, PLACEMENTS)
+    one_of("trainer.placement.strategy", tr.placement.strategy, PLACEMENT_STRATEGIES)
+    if r.placement_strategy is not None:
+        one_of("rollout.placement_strategy", r.placement_strategy, PLACEMENT_STRATEGIES)
+        if cfg.placement != "split":
+            raise ConfigError("rollout.placement_strategy places split workers; placement colocated puts each "
+                              "worker on its rank's bundle (trainer.placement.strategy)")
+        if r.engine.get("tensor_parallel_size", 1) > 1:
+            raise ConfigError("rollout.placement_strategy gives each worker one bundle; workers of "
+                              "tensor_parallel_size > 1 reserve a placement group each: set it to null")
     if cfg.numerics == "stock" and loss.old_logprobs != "recompute":
         # stock rollouts' log-probs are not the trainer's: the ratio's denominator must be recomputed
         raise ConfigError("numerics: stock needs trainer.loss.old_logprobs=recompute (stock rollout log-probs "

@@ -9,5 +9,6 @@ OLD_LOGPROBS = ("rollout", "recompute")
 TRAINER_DEVICES = ("cpu", "cuda")
 NUMERICS = ("canonical", "stock")
 PLACEMENTS = ("split", "colocated")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
 WEIGHT_TRANSPORTS = ("auto", *TRANSPORTS)
 LENGTH_DISTRIBUTIONS = ("fixed", "lognormal")

@@ -31,11 +31,17 @@ class RecipeConfig:
     """Run name: a new run directory's name and the wandb run's start with <name>-<determinism>."""
     seed: int = 0
     """Run seed: tiny model weights, tiny task order, prompt order, sampling seeds, warm-up batches."""
+    # Rule (several nodes): every trainer rank writes its checkpoint shards into the run directory on its
+    # own node, and a resumed run reads them wherever its ranks land; so the run directory must be one
+    # directory that every node mounts at the same path (a network filesystem). The job checks it before
+    # anything long starts (recipes/run_storage.py: a probe file each way between the driver and every
+    # rank's node) and refuses otherwise, naming the path and the node.
     output_dir: str = "~/zerokl-runs"
-    """Where new run directories go; absolute by default: `ray job submit` runs in a temporary copy."""
+    """Where new run directories go; absolute by default: `ray job submit` runs in a temporary copy. On
+    several nodes: a directory every node shares at this path (see the rule above)."""
     run_dir: str | None = None
     """The run's directory (config.yaml, metrics, checkpoints); null: a resumed checkpoint's run, else
-    <output_dir>/<name>-<determinism>-<time>-<id>."""
+    <output_dir>/<name>-<determinism>-<time>-<id>. On several nodes: shared by every node (the rule above)."""
     # canonical: rollouts and training share the canonical forward and sampling rule (KL exactly 0).
     # stock: the pipeline users run today, for comparison on the same data, model and optimizer:
     # rollouts in `off` mode (vLLM's own model class and sampler on vLLM workers), the trainer the
@@ -43,7 +49,9 @@ class RecipeConfig:
     numerics: str = "canonical"
     """canonical | stock; stock needs rollout.determinism=off and trainer.loss.old_logprobs=recompute."""
     # split: rollout workers and trainer ranks on GPUs (or CPUs) of their own; weights by NCCL
-    # broadcast. colocated: worker i and trainer rank i share bundle i (one GPU) of one placement
+    # broadcast. Where on a cluster: each side's actor options (rollout.resources_per_worker,
+    # trainer.placement.resources_per_rank: a node's custom resource places by node) and placement
+    # strategies (rollout.placement_strategy, trainer.placement.strategy). colocated: worker i and trainer rank i share bundle i (one GPU) of one placement
     # group; the engines sleep while the trainer steps and wake for the next rollout (unless
     # rollout.sleep_while_training is false); weights by IPC.
     placement: str = "split"

@@ -19,7 +19,13 @@ class RolloutConfig:
     """Every worker's engine options, forwarded verbatim: EngineConfig and ParallelConfig fields, or a vLLM
     engine's; RolloutWorker / EngineConfig check them."""
     resources_per_worker: dict = field(default_factory=lambda: {"num_cpus": 1})
-    """Ray actor options of each worker, forwarded verbatim (e.g. {num_cpus: 2, num_gpus: 1})."""
+    """Ray actor options of each worker, forwarded verbatim (e.g. {num_cpus: 2, num_gpus: 1}); by node or by
+    resource: `resources: {<a node's custom resource>: <share>}` (placement groups' bundles keep it)."""
+    placement_strategy: str | None = None
+    """placement split: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD puts the workers in one placement group of
+    a bundle each, placed by that Ray strategy (e.g. SPREAD: one worker a node where it can); null: each
+    worker a Ray actor of its own, placed by Ray. Workers of tensor_parallel_size > 1 take a group each:
+    null there."""
     start_timeout_s: float = 120.0
     """Seconds a worker may take to build its engine (> 0); a stock vLLM engine compiles its graphs (inductor)
     on first start, which on a fresh GPU machine takes minutes."""

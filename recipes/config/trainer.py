@@ -11,9 +11,12 @@ from dataclasses import dataclass, field
 class RankPlacementConfig:
     """The `trainer.placement` section: the Ray resources and threads of each rank."""
     resources_per_rank: dict = field(default_factory=lambda: {"num_cpus": 1})
-    """Ray actor options of each rank, forwarded; colocated on GPUs: num_gpus, a share below 1."""
+    """Ray actor options of each rank, forwarded; colocated on GPUs: num_gpus, a share below 1. By node or by
+    resource: `resources: {<a node's custom resource>: <share>}` (the ranks' bundles keep it)."""
     strategy: str = "PACK"
-    """Ray placement-group strategy for GPU ranks (split placement) and for the colocated bundles."""
+    """Ray placement-group strategy (PACK | SPREAD | STRICT_PACK | STRICT_SPREAD) of the ranks' group (a
+    bundle per rank; placement split) and of the colocated bundles. PACK keeps the ranks on as few nodes
+    as fit them; every rank's node must see the run directory (RecipeConfig.output_dir)."""
     torch_threads: int = 1
     """torch.set_num_threads on each rank; 0: 1."""
 
