@@ -159,7 +159,7 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
             rank_placement, resources_per_rank=with_tree_width(rank_placement.resources_per_rank, width)))
         trainer = TrainerGroup(ranks, model, rollout_cfg.temperature, cfg.numerics, colocate_with=shared,
                                first_bundle=ranks_first_bundle(cfg), memory_plan=memory_plan, lora=cfg.model.lora,
-                               seed=cfg.seed)
+                               seed=cfg.seed, run_dir=run_dir)
         pool_stats = pool.stats()  # the step's prefix-cache hits are counted from one snapshot to the next
         job.gpus = {"rollout": [g for w in pool_stats["workers"] for g in w["gpu_ids"]],
                     "trainer": trainer.gpu_ids}
