@@ -16,13 +16,13 @@ read back from the nodes left because every node of this cluster shares this mac
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,13 +36,21 @@ from recipes.grpo import GRPOJob, main, run  # noqa: E402
 from recipes.metrics import read_metrics  # noqa: E402
 from recipes.rank_loss import TrainerRankLost  # noqa: E402
 from rollout_service.service.client import RolloutClient  # noqa: E402
-from tests.multinode_shared import node_of_actor, test_cluster  # noqa: E402
+from tests.multinode_shared import test_cluster  # noqa: E402
+from tests.node_loss_shared import (  # noqa: E402
+    LOSS_BOUND_S,
+    NodeLoss,
+    a_worker_node,
+    all_ready,
+    nodes_of,
+    rollouts_in_flight,
+)
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "configs" / "tiny.yaml"
-STEPS, PROMPTS, N = 4, 8, 8  # tiny.yaml's rollout.n is 8
+STEPS, PROMPTS, N = 3, 8, 8  # tiny.yaml's rollout.n is 8
 REQUESTS_PER_STEP = PROMPTS * N
 RUN = [f"train.steps={STEPS}", f"train.prompts_per_step={PROMPTS}", "train.save_every=2", "train.save_rollouts=true",
        "warmup.steps=30", "rollout.temperature=0.8", "metrics.wandb=false"]
@@ -54,7 +62,6 @@ NODES = {**{f"rollout{i}": {"cpus": 1, "resources": {ROLLOUT_SLOT: 1}} for i in 
 WORKERS_ON_SLOTS = f"rollout.resources_per_worker={{num_cpus: 0.5, resources: {{{ROLLOUT_SLOT}: 1}}}}"
 RANK_PER_NODE = f"trainer.placement.resources_per_rank={{num_cpus: 0.5, resources: {{{RANK_SLOT}: 1}}}}"
 RANKS_ANYWHERE = f"trainer.placement.resources_per_rank={{num_cpus: 0.5, resources: {{{RANK_SLOT}: 0.5}}}}"
-LOSS_BOUND_S = 120.0  # a lost node's effect (an error, a replacement) is waited for this long at most
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +80,6 @@ def undisturbed(cluster, tmp_path_factory):
 
 def _rollout_bits(run_dir: Path, step: int) -> list[tuple]:
     """Each saved rollout of a step: its tokens, the exact bits of its log-probs, its reward and versions."""
-    import json
     lines = (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
     out = []
     for line in map(json.loads, lines):
@@ -98,56 +104,12 @@ def assert_same_steps(run_dir: Path, records: dict, undisturbed, steps) -> None:
         assert got["weights/digest"] == want["weights/digest"], f"step {step}"
 
 
-class NodeLoss(threading.Thread):
-    """Loses one node of `cluster` once `when()` is true, chosen by `pick(pool)` from the pool's live state; the
-    pool actor's own node is never lost (where that actor runs is the pool's concern, not this test's)."""
-
-    def __init__(self, cluster, pool_name: str, when, pick):
-        super().__init__(daemon=True)
-        self.cluster, self.pool_name, self.when, self.pick = cluster, pool_name, when, pick
-        self.victim = self.victim_id = self.stats_at_loss = self.lost_at = self.error = None
-
-    def run(self):
-        try:
-            deadline = time.monotonic() + LOSS_BOUND_S
-            pool = None
-            while pool is None or not all(w["state"] == "ready" for w in pool.stats()["workers"]):
-                assert time.monotonic() < deadline, "the pool never became ready"
-                with contextlib.suppress(ValueError):
-                    pool = pool or RolloutClient(self.pool_name)
-                time.sleep(0.05)
-            pool_node = self.cluster.name_of(node_of_actor(pool._pool))
-            while not self.when(pool):
-                assert time.monotonic() < deadline, "the moment to lose a node never came"
-                time.sleep(0.005)
-            self.victim = self.pick(pool, pool_node)
-            self.victim_id = self.cluster.node_id(self.victim)
-            self.stats_at_loss = pool.stats()
-            self.lost_at = time.monotonic()
-            self.cluster.lose(self.victim)
-        except BaseException as e:  # read by the test
-            self.error = e
-
-
-def _nodes_of(cluster, actors) -> list[str]:
-    return [cluster.name_of(node_of_actor(a)) for a in actors]
-
-
 def test_rollout_node_lost_mid_step_keeps_every_request_and_bit(cluster, undisturbed, tmp_path):
     pool_name = f"node-loss-{uuid.uuid4().hex[:6]}"
     cfg = load_config(TINY, RUN + [WORKERS_ON_SLOTS, RANKS_ANYWHERE, f"rollout.pool_name={pool_name}",
                                    f"run_dir={tmp_path}"])
-
-    def step_2_in_flight(pool) -> bool:  # step 1's requests done, step 2's taken and running
-        stats = pool.stats()
-        return stats["submitted"] > REQUESTS_PER_STEP and stats["in_flight"] > 0
-
-    def a_worker_node(pool, pool_node: str) -> str:
-        nodes = _nodes_of(cluster, pool.workers())
-        assert len(set(nodes)) == len(nodes) == 2  # one slot a node: each worker on a node of its own
-        return next(n for n in nodes if n != pool_node)
-
-    loss = NodeLoss(cluster, pool_name, step_2_in_flight, a_worker_node)
+    assert len([n for n in cluster.nodes if n.startswith("rollout")]) == 3, "two workers and a spare slot"
+    loss = NodeLoss(cluster, pool_name, rollouts_in_flight(2, REQUESTS_PER_STEP), a_worker_node(cluster))
     loss.start()
     records, end, worker_nodes = {}, None, None
     with contextlib.closing(GRPOJob(cfg).steps(progress=False)) as steps:
@@ -156,11 +118,11 @@ def test_rollout_node_lost_mid_step_keeps_every_request_and_bit(cluster, undistu
             if record["step"] == STEPS:  # the pool still runs: wait for the replacement, read its counts
                 pool, deadline = RolloutClient(pool_name), time.monotonic() + LOSS_BOUND_S
                 end = pool.stats()
-                while not all(w["state"] == "ready" for w in end["workers"]):
+                while not (all_ready(end) and any(w["restarts"] for w in end["workers"])):
                     assert time.monotonic() < deadline, end["workers"]
                     time.sleep(0.2)
                     end = pool.stats()
-                worker_nodes = _nodes_of(cluster, pool.workers())
+                worker_nodes = nodes_of(cluster, pool.workers())
     loss.join(1)
     assert loss.error is None, loss.error
     at_loss = loss.stats_at_loss
