@@ -13,7 +13,8 @@ import time
 
 # A surviving rank usually fails first: its collective sees the lost peer's socket close before Ray has
 # declared that peer's actor dead. Rule: after a rank's own error, the calls still out are awaited this
-# long for a rank's death, which makes it a lost rank (TrainerRankLost) rather than that error.
+# long for a rank's death, which makes it a lost rank (TrainerRankLost) rather than that error; ranks whose
+# calls are still out then wait in a collective that cannot complete, and are killed.
 PEER_DEATH_WAIT_S = 60.0
 
 
@@ -34,29 +35,31 @@ class TrainerRankLost(RuntimeError):
             f"  {resume}")
 
 
-def gather_ranks(refs: list, nodes: list[dict | None], run_dir: str | None, on_loss) -> list:
-    """ray.get of one call per rank (refs[r] is rank r's); a rank whose actor died raises TrainerRankLost
-    once on_loss() has run (it kills the ranks), whatever the other ranks' calls did. A rank's own error
-    is raised as Ray gives it, unless a rank dies within PEER_DEATH_WAIT_S of it."""
+def gather_ranks(refs: list, nodes: list[dict | None], run_dir: str | None, kill) -> list:
+    """ray.get of one call per rank (refs[r] is rank r's). A rank whose actor died raises TrainerRankLost once
+    kill() has killed every rank, whatever the other ranks' calls did. A rank's own error is raised as Ray gives
+    it, unless a rank dies within PEER_DEATH_WAIT_S of it; ranks whose calls are still out by then are killed
+    first (kill())."""
     import ray
     from ray.exceptions import RayActorError
 
     rank_of = {ref: r for r, ref in enumerate(refs)}
-    pending, first_error, deadline = list(refs), None, None
+    results, pending, first_error, deadline = [None] * len(refs), list(refs), None, None
     while pending:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-        if not ready:  # no rank died in time: the error was the rank's own
+        if not ready:  # no rank died in time: the error was the rank's own; the others wait for that rank
+            kill()
             break
+        rank = rank_of[ready[0]]
         try:
-            ray.get(ready[0])
+            results[rank] = ray.get(ready[0])  # each result fetched once (rank 0's may be the full weights)
         except RayActorError as e:
-            rank = rank_of[ready[0]]
-            on_loss()
+            kill()
             raise TrainerRankLost(rank, nodes[rank] if rank < len(nodes) else None, e, run_dir) from e
         except Exception as e:
             if first_error is None:
                 first_error, deadline = e, time.monotonic() + PEER_DEATH_WAIT_S
     if first_error is not None:
         raise first_error
-    return ray.get(refs)
+    return results

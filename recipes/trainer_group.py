@@ -33,7 +33,7 @@ class TrainerGroup:
         self.world = cfg.num_ranks
         self.run_dir = None if run_dir is None else str(run_dir)
         self.nodes: list[dict | None] = [None] * self.world  # each rank's Ray node, as its setup reported it
-        self._lost = False  # a rank was lost: every rank is killed, nothing more is asked of them
+        self._killed = False  # by _gather (a rank lost, or ranks stuck): nothing more is asked of them
         self._left_sending = False  # the last push returned while rank 0 sends it (push_weights overlap)
         self._queued_push = None  # (the pool, every rank's push call) queued by train_step
         opts = {"num_cpus": 1, **cfg.placement.resources_per_rank}
@@ -70,10 +70,10 @@ class TrainerGroup:
     def _gather(self, refs: list) -> list:
         """The results of one call per rank (refs[r] is rank r's, a prefix of the ranks at start); a lost
         rank raises TrainerRankLost with every rank killed (recipes.rank_loss.gather_ranks)."""
-        def lost():
-            self._lost = True
+        def kill():
+            self._killed = True
             self.kill()
-        return gather_ranks(refs, self.nodes, self.run_dir, lost)
+        return gather_ranks(refs, self.nodes, self.run_dir, kill)
 
     def _all(self, method: str, *args) -> list:
         return self._gather([getattr(a, method).remote(*args) for a in self.ranks])
@@ -147,7 +147,7 @@ class TrainerGroup:
 
     def close(self) -> None:
         import ray
-        if self._lost:  # every rank was killed when one was lost
+        if self._killed:  # by _gather: a rank was lost, or ranks were stuck behind another's error
             return
         try:
             ray.get([a.close.remote() for a in self.ranks], timeout=60)
