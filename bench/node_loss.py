@@ -8,10 +8,11 @@ one worker slot each (the tiny recipe's two workers and a spare slot) and a trai
 run loses the node of a worker (never the pool actor's) once step `--lose-at`'s requests are in flight
 (TestCluster.lose: SIGKILL to its raylet and every process on it); the reference run, the same seed on the
 same cluster, loses nothing. Figures: each run's step times; the lost step's against the reference's same
-step and against the median of the run's steps before it; the requests in flight on the lost node, run again
-elsewhere; the seconds from the loss until the replacement worker served. The lost step's rollouts and
-rewards must be the reference's (`same_rollouts`, the steps' rollout digests; `--no-reference` leaves the
-reference run out, and with it every comparison with it).
+step and against the median of the run's steps before it; the requests in flight at the loss (those on the
+lost node run again elsewhere); the seconds from the loss until the pool took the lost worker out of rotation
+(its death seen) and until the replacement worker served. The lost run's rollouts and rewards must be the
+reference's at every step (`same_rollouts`: the steps' rollout digests; `same_rewards`). `--no-reference`
+leaves the reference run out, and every figure that compares with it.
 """
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ def main() -> None:
     result = {
         "steps": args.steps, "lose_at": args.lose_at, "requests_per_step": args.prompts * n,
         "lost_node": loss.victim, "requests_in_flight_at_loss": loss.stats_at_loss["in_flight"],
+        "death_seen_s": None if loss.seen_s is None else _round(loss.seen_s),
         "replacement_serving_s": None if loss.recovered_s is None else _round(loss.recovered_s),
         "step_s": [_round(s) for s in step_s], "rollout_s": [_round(r["perf/rollout_s"]) for r in lost],
         "lost_step_s": _round(step_s[k]), "median_step_s_before": _round(statistics.median(before)),

@@ -27,11 +27,13 @@ def all_ready(stats: dict) -> bool:
 
 
 def rollouts_in_flight(step: int, requests_per_step: int):
-    """when(): the pool has taken every request of the steps before `step` and some of step's, and has some in
-    flight (a synchronous job sends a step's requests once the step before it has ended)."""
+    """when(): the pool has taken every request of the steps before `step` and holds at least half of a step's
+    requests in flight, so that every worker has some (the pool sends each request to the least loaded). A
+    synchronous job sends a step's requests at once, once the step before it has ended: this is early in
+    `step`, or, missed there, in a later one."""
     def when(pool) -> bool:
         stats = pool.stats()
-        return (step - 1) * requests_per_step < stats["submitted"] and stats["in_flight"] > 0
+        return (step - 1) * requests_per_step < stats["submitted"] and 2 * stats["in_flight"] >= requests_per_step
     return when
 
 
@@ -49,13 +51,15 @@ class NodeLoss(threading.Thread):
     """Loses the node `pick(pool, pool_node)` names once `when(pool)` is true, `pool` being the job's rollout
     pool (RolloutClient of `pool_name`) once its workers are ready. Records the node (`victim`, `victim_id`), the
     pool's stats at the loss, when it happened (`lost_at`, time.monotonic()) and, with watch_recovery, the
-    seconds until every worker was ready again (`recovered_s`); an exception in `error`."""
+    seconds until the pool took a worker out of rotation (`seen_s`) and until every worker was ready again
+    (`recovered_s`); an exception in `error`."""
 
     def __init__(self, cluster, pool_name: str, when, pick, watch_recovery: bool = False):
         super().__init__(daemon=True)
         self.cluster, self.pool_name, self.when, self.pick = cluster, pool_name, when, pick
         self.watch_recovery = watch_recovery
-        self.victim = self.victim_id = self.stats_at_loss = self.lost_at = self.recovered_s = self.error = None
+        self.victim = self.victim_id = self.stats_at_loss = self.lost_at = self.error = None
+        self.seen_s = self.recovered_s = None
 
     def run(self):
         try:
@@ -84,6 +88,8 @@ class NodeLoss(threading.Thread):
         deadline = time.monotonic() + LOSS_BOUND_S
         while True:  # first out of rotation (the death seen), then ready again (the replacement serving)
             stats = pool.stats()
+            if self.seen_s is None and not all_ready(stats):
+                self.seen_s = time.monotonic() - self.lost_at
             if any(w["restarts"] for w in stats["workers"]) and all_ready(stats):
                 self.recovered_s = time.monotonic() - self.lost_at
                 return

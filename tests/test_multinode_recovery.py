@@ -126,7 +126,7 @@ def test_rollout_node_lost_mid_step_keeps_every_request_and_bit(cluster, undistu
     loss.join(1)
     assert loss.error is None, loss.error
     at_loss = loss.stats_at_loss
-    assert REQUESTS_PER_STEP < at_loss["submitted"] <= 2 * REQUESTS_PER_STEP and at_loss["in_flight"] > 0
+    assert REQUESTS_PER_STEP < at_loss["submitted"] and 2 * at_loss["in_flight"] >= REQUESTS_PER_STEP, at_loss
     # the lost worker's slot came back on a node left; the other worker never moved
     assert loss.victim not in worker_nodes and set(worker_nodes) <= set(cluster.nodes) | {"head"}
     assert sorted(w["restarts"] for w in end["workers"]) == [0, 1]
