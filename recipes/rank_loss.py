@@ -6,6 +6,9 @@ rank can be replaced inside a step (its shards and optimizer state died with it)
 run continues from its last checkpoint (`python -m recipes.grpo --resume <run_dir>`), on whatever nodes are
 left; rollouts and updates are pure functions of (weights, data, seeds), so the resumed steps are the
 uninterrupted run's.
+
+A rank Ray cannot reach counts as lost too (ActorUnavailableError, a RayActorError, is how a lost node's rank
+first looks): the group cannot take a step without it either.
 """
 from __future__ import annotations
 
