@@ -33,6 +33,7 @@ from .grpo_job import GRPOJob, run, starting_model
 from .memory_plan import TrainerOutOfMemory
 from .metrics import step_split
 from .placement import placement_bundles, reserve_placement
+from .rank_loss import TrainerRankLost
 
 # the recipe's API, besides its command line
 __all__ = ["GRPOJob", "build_config", "main", "placement_bundles", "reserve_placement", "run", "starting_model"]
@@ -79,10 +80,11 @@ def main(argv=None) -> dict:
         result = run(cfg, resume=args.resume, progress=not args.no_progress)
     except Exception as e:
         error = original_error(e)  # a trainer rank's own error out of Ray's wrapper
-        if not isinstance(error, (ConfigError, TrainerOutOfMemory)):
+        if not isinstance(error, (ConfigError, TrainerOutOfMemory, TrainerRankLost)):
             raise
-        # Rule: a run its config (or its memory plan, a ConfigError) refuses, or whose step ran out of
-        # memory, ends with the message, its numbers and the knobs, not a traceback; status 2 for a refusal
+        # Rule: a run its config (or its memory plan, a ConfigError) refuses, whose step ran out of memory, or
+        # that lost a trainer rank, ends with the message, its numbers and the knobs (--resume), not a
+        # traceback; status 2 for a refusal
         print(f"{ap.prog}: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2 if isinstance(error, ConfigError) else 1) from None
     last = result["records"][-1] if result["records"] else {}

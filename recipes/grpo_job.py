@@ -163,7 +163,7 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
         trainer = job.trainer = TrainerGroup(rank_options, model, rollout_cfg.temperature, cfg.numerics,
                                              colocate_with=placement.ranks,
                                              first_bundle=placement.first_rank_bundle, memory_plan=memory_plan,
-                                             lora=cfg.model.lora, seed=cfg.seed)
+                                             lora=cfg.model.lora, seed=cfg.seed, run_dir=run_dir)
         pool_stats = pool.stats()  # the step's prefix-cache hits are counted from one snapshot to the next
         job.gpus = {"rollout": [g for w in pool_stats["workers"] for g in w["gpu_ids"]],
                     "trainer": trainer.gpu_ids}

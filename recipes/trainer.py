@@ -50,6 +50,17 @@ from .weight_push import RankWeightPush
 from .weight_versions import WeightVersions
 
 
+def _ray_node() -> dict | None:
+    """The Ray node this rank runs on ({"node_id", "ip"}), named when the rank is lost; None outside Ray."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+
 class TrainerRank:
     """One rank. Created by TrainerGroup as a Ray actor; every method except `address` is collective."""
 
@@ -119,7 +130,7 @@ class TrainerRank:
         canonical = K.canonical_config(self.device) if self.numerics == "canonical" else None
         self.num_params = sum(p.numel() for p in model.parameters())
         return {"num_params": self.num_params, "canonical": canonical,
-                "gpu_ids": actor_gpu_ids()}
+                "gpu_ids": actor_gpu_ids(), "node": _ray_node()}
 
     # -- training --------------------------------------------------------------------------------
 

@@ -8,15 +8,17 @@ import kernels as K
 
 from .config import TrainerConfig
 from .memory_plan import MemoryPlan
+from .rank_loss import gather_ranks
 from .trainer import TrainerRank
 
 
 class TrainerGroup:
-    """Driver-side handle: starts the ranks, forms the process group, fans calls out to all ranks."""
+    """Driver-side handle: starts the ranks, forms the process group, fans calls out to all ranks. A rank
+    lost on any call (its actor died) raises recipes.rank_loss.TrainerRankLost, every rank killed."""
 
     def __init__(self, cfg: TrainerConfig, model: torch.nn.Module, temperature: float, numerics: str = "canonical",
                  colocate_with=None, first_bundle: int = 0, memory_plan: MemoryPlan | None = None, lora=None,
-                 seed: int = 0):
+                 seed: int = 0, run_dir: str | None = None):
         """colocate_with: a placement group of the caller's whose bundles other actors share: rank r takes
         a share of bundle first_bundle + r. The colocated placement shares bundle r with rollout worker
         r; two jobs taking steps in turns on the same GPUs share each bundle (bench.grpo_step
@@ -24,10 +26,14 @@ class TrainerGroup:
         reserve a group of their own. `gpu_ids`: the GPUs Ray gave each rank, in rank order.
         memory_plan: the run's (recipes.memory_plan), given to every rank (TrainerRank). lora: the run's
         model.lora section (recipes.config.model.LoraSection), or None: the ranks train the whole model;
-        seed: the run's (where the adapter starts)."""
+        seed: the run's (where the adapter starts). run_dir: the run's directory, which a lost rank's error
+        names for --resume."""
         import ray
 
         self.world = cfg.num_ranks
+        self.run_dir = None if run_dir is None else str(run_dir)
+        self.nodes: list[dict | None] = [None] * self.world  # each rank's Ray node, as its setup reported it
+        self._killed = False  # by _gather (a rank lost, or ranks stuck): nothing more is asked of them
         self._left_sending = False  # the last push returned while rank 0 sends it (push_weights overlap)
         self._queued_push = None  # (the pool, every rank's push call) queued by train_step
         opts = {"num_cpus": 1, **cfg.placement.resources_per_rank}
@@ -49,9 +55,10 @@ class TrainerGroup:
                                                              lora, seed)
                       for r in range(self.world)]
         try:
-            addr, port = ray.get(self.ranks[0].address.remote())
+            addr, port = self._gather([self.ranks[0].address.remote()])[0]
             model_ref = ray.put(model)
-            infos = ray.get([a.setup.remote(addr, port, model_ref) for a in self.ranks])
+            infos = self._gather([a.setup.remote(addr, port, model_ref) for a in self.ranks])
+            self.nodes = [info["node"] for info in infos]
             self.num_params = infos[0]["num_params"]
             self.gpu_ids = [g for info in infos for g in info["gpu_ids"]]
             self.canonical = None if numerics == "stock" else K.check_canonical(
@@ -60,9 +67,16 @@ class TrainerGroup:
             self.kill()
             raise
 
+    def _gather(self, refs: list) -> list:
+        """The results of one call per rank (refs[r] is rank r's, a prefix of the ranks at start); a lost
+        rank raises TrainerRankLost with every rank killed (recipes.rank_loss.gather_ranks)."""
+        def kill():
+            self._killed = True
+            self.kill()
+        return gather_ranks(refs, self.nodes, self.run_dir, kill)
+
     def _all(self, method: str, *args) -> list:
-        import ray
-        return ray.get([getattr(a, method).remote(*args) for a in self.ranks])
+        return self._gather([getattr(a, method).remote(*args) for a in self.ranks])
 
     def train_step(self, plans: list[list[list[dict]]], tokens_per_mini: list[int],
                    stale_versions: tuple[int, ...] = (), push_to=None) -> list[dict]:
@@ -77,7 +91,7 @@ class TrainerGroup:
         if push_to is not None:
             self._queued_push = (push_to, [a.push_weights.remote(push_to, False, True) for a in self.ranks])
         try:
-            return ray.get(refs)
+            return self._gather(refs)
         except BaseException:
             queued, self._queued_push = self._queued_push, None
             if queued is not None:  # its calls refuse to push after a failed step; their refusals are read
@@ -96,24 +110,22 @@ class TrainerGroup:
         return self._all("full_state_dict")[0]
 
     def push_weights(self, pool, overlap: bool = False) -> dict:
-        import ray
         queued, self._queued_push = self._queued_push, None
         if queued is not None and queued[0] == pool and not overlap:
-            result = ray.get(queued[1])[0]
+            result = self._gather(queued[1])[0]
         else:
             if queued is not None:  # a push to another pool, or left sending: the queued one lands first
-                ray.get(queued[1])
+                self._gather(queued[1])
             result = self._all("push_weights", pool, overlap)[0]
         self._left_sending = result["sending"]
         return result
 
     def finish_push(self) -> dict | None:
         """TrainerRank.finish_push on rank 0 (it alone sends); no call when no push was left sending."""
-        import ray
         if not self._left_sending:
             return None
         self._left_sending = False
-        return ray.get(self.ranks[0].finish_push.remote())
+        return self._gather([self.ranks[0].finish_push.remote()])[0]
 
     def save(self, path: str) -> None:
         self._all("save", path)
@@ -135,6 +147,8 @@ class TrainerGroup:
 
     def close(self) -> None:
         import ray
+        if self._killed:  # by _gather: a rank was lost, or ranks were stuck behind another's error
+            return
         try:
             ray.get([a.close.remote() for a in self.ranks], timeout=60)
         except Exception:  # a dead or hung rank: killed below either way

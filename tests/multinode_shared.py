@@ -53,6 +53,29 @@ class TestCluster:
         """Kill node `name` as a lost machine would (its raylet and every process on it)."""
         self._cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
 
+    def lose(self, name: str) -> None:
+        """Lose node `name` as a machine that loses power would: its raylet and every process it started (its
+        actors' workers among them) get SIGKILL at once, so none finishes a call or says goodbye. `remove`
+        kills the raylet alone, and its workers outlive it long enough to answer calls already made."""
+        import signal
+
+        import psutil
+        from ray._private import ray_constants
+        node = self.nodes[name]
+        raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+        for process in [raylet, *raylet.children(recursive=True)]:
+            try:
+                process.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.remove(name)
+
+    def name_of(self, node_id: str) -> str:
+        """The name of the node whose Ray node id is `node_id` ("head" for the head)."""
+        if node_id == self.head.node_id:
+            return "head"
+        return next(name for name, node in self.nodes.items() if node.node_id == node_id)
+
     def node_id(self, name: str) -> str:
         return (self.head if name == "head" else self.nodes[name]).node_id
 
