@@ -12,6 +12,8 @@ from verl_shared import QUICKSTART, ZEROKL, verl_config  # noqa: E402
 
 
 def test_quickstart_with_zero_kl_passes():
+    from verl_shared import LIB as documented
+    assert LIB == documented
     config = verl_config(*QUICKSTART, *ZEROKL)
     assert enabled(config.actor_rollout_ref.model)
     check_config(config)

