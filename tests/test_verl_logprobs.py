@@ -181,3 +181,41 @@ def test_a_scored_forbidden_id_raises(model):
     ids, pos = jagged(seqs)
     with pytest.raises(ValueError, match="vocab_limit"):
         packed_token_logprobs(model, ids, pos, 1.0, vocab_limit=TOKENIZER_IDS)
+
+
+def engine_for(model, checkpoint, zerokl: bool):
+    """verl's own FSDPEngineWithLMHead (its class, hooked by the integration) holding `model`, with the two
+    attributes its forward_step reads for a log-prob pass: the module and the model config. Its initialize()
+    (FSDP wrapping, optimizer) needs a process group and a GPU; the forward does not."""
+    from verl.workers.config import HFModelConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    from rollout_service.integrations.verl import LIB
+    engine = FSDPEngineWithLMHead.__new__(FSDPEngineWithLMHead)
+    engine.module = model
+    engine.model_config = HFModelConfig(path=checkpoint, external_lib=LIB if zerokl else None,
+                                        use_remove_padding=True)
+    return engine
+
+
+def verl_micro_batch(seqs: list[torch.Tensor], temperature: float, entropy: bool):
+    """A compute_log_prob micro-batch as verl's actor worker hands it to forward_step (NO_PADDING layout)."""
+    from verl.utils import tensordict_utils as tu
+    ids, pos = jagged(seqs)
+    return tu.get_tensordict({"input_ids": ids, "position_ids": pos},
+                             {"temperature": temperature, "use_remove_padding": True, "calculate_entropy": entropy})
+
+
+def test_verls_forward_step_scores_with_the_rollout_rule(model, checkpoint, model_config):
+    """verl's actor forward_step (hooked), its log-prob pass: the rollout rule's bits per sequence."""
+    seqs = sequences(seed=8)
+    engine = engine_for(model, checkpoint, zerokl=True)
+    with torch.no_grad():
+        _, out = engine.forward_step(verl_micro_batch(seqs, 1.0, entropy=True), loss_function=None,
+                                     forward_only=True)
+        rollout = [rollout_rule(model, s, 1.0, len(model_config.tokenizer)) for s in seqs]
+    log_probs = out["model_output"]["log_probs"]
+    assert out["model_output"]["entropy"].values().shape == log_probs.values().shape
+    for got, want in zip(log_probs.unbind(), rollout):
+        assert_bitwise_equal(got[:-1], want, "verl forward_step vs rollout")
+

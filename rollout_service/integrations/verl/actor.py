@@ -107,7 +107,6 @@ def _hf_model(module: torch.nn.Module) -> torch.nn.Module:
 def canonical_forward_step(engine, micro_batch, loss_function, forward_only: bool):
     """FSDPEngineWithLMHead.forward_step with the canonical forward: the same inputs and outputs as verl's."""
     from verl.utils import tensordict_utils as tu
-    from verl.utils.device import get_device_id, get_device_name
 
     def flag(key, default=False):
         return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
@@ -117,11 +116,13 @@ def canonical_forward_step(engine, micro_batch, loss_function, forward_only: boo
             raise NotImplementedError(f"zero KL does not run verl's {key}")
     if micro_batch.get("multi_modal_inputs", None) is not None:
         raise NotImplementedError("zero KL does not run multi-modal inputs")
-    micro_batch = micro_batch.to(get_device_id())
     model = _hf_model(engine.module)
+    # the batch goes where the weights are (verl's get_device_id() on its GPU workers; also a CPU model)
+    device = model.model.embed_tokens.weight.device
+    micro_batch = micro_batch.to(device)
     limit = vocab_limit(engine.model_config, model.config.vocab_size)
     # autocast off: the canonical ops choose their own dtypes (bf16 weights, float32 where the rollout has it)
-    with torch.autocast(device_type=get_device_name(), enabled=False):
+    with torch.autocast(device_type=device.type, enabled=False):
         log_probs, entropy = packed_token_logprobs(
             model, micro_batch["input_ids"], micro_batch["position_ids"],
             uniform_temperature(micro_batch["temperature"]), vocab_limit=limit, entropy=flag("calculate_entropy"))
@@ -134,7 +135,7 @@ def canonical_forward_step(engine, micro_batch, loss_function, forward_only: boo
     else:
         if not forward_only:
             raise ValueError("forward_only must be True when loss_function is None")
-        loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
+        loss, metrics = torch.tensor(1.0, device=device), {}
     detached = {key: value.detach() for key, value in model_output.items()}
     return loss, {"model_output": detached, "loss": loss.detach().item(), "metrics": metrics}
 
