@@ -219,3 +219,21 @@ def test_verls_forward_step_scores_with_the_rollout_rule(model, checkpoint, mode
     for got, want in zip(log_probs.unbind(), rollout):
         assert_bitwise_equal(got[:-1], want, "verl forward_step vs rollout")
 
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_verls_monkey_patches_do_not_change_the_canonical_bits(model, checkpoint, fused):
+    """verl patches transformers' attention (packed flash-attention, Ulysses) and, with use_fused_kernels, the
+    model's forward, on every actor it builds; the canonical forward replaces the layers' and the model's forward
+    and calls none of them, so the bits stay the ones a model verl never touched gives."""
+    from transformers import AutoModelForCausalLM
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+    touched = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    apply_monkey_patch(model=touched, use_remove_padding=True, ulysses_sp_size=1, use_fused_kernels=fused,
+                       fused_kernels_backend="torch" if fused else None)
+    seqs = sequences(seed=9)
+    ids, pos = jagged(seqs)
+    with torch.no_grad():
+        got, _ = packed_token_logprobs(touched, ids, pos, 1.0, vocab_limit=TOKENIZER_IDS)
+        want, _ = packed_token_logprobs(model, ids, pos, 1.0, vocab_limit=TOKENIZER_IDS)
+    assert_bitwise_equal(got.values(), want.values(), "after verl's monkey patches")
