@@ -237,3 +237,27 @@ def test_verls_monkey_patches_do_not_change_the_canonical_bits(model, checkpoint
         got, _ = packed_token_logprobs(touched, ids, pos, 1.0, vocab_limit=TOKENIZER_IDS)
         want, _ = packed_token_logprobs(model, ids, pos, 1.0, vocab_limit=TOKENIZER_IDS)
     assert_bitwise_equal(got.values(), want.values(), "after verl's monkey patches")
+
+
+def test_verls_activation_checkpointing_becomes_the_canonical_one(checkpoint):
+    """verl enables Hugging Face's gradient checkpointing on its actor; prepare_model swaps it for the canonical
+    forward's own, and the gradients keep the bits of a pass without checkpointing."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_service.integrations.verl.actor import prepare_model
+    seqs = sequences(seed=10)
+    ids, pos = jagged(seqs)
+    grads = []
+    for checkpointed in (True, False):
+        m = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+        m.train()
+        if checkpointed:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        prepare_model(m)
+        if checkpointed:
+            assert not m.is_gradient_checkpointing
+            assert all(layer.__dict__.get("_zerokl_checkpoint") for layer in m.model.layers)
+        logp, _ = packed_token_logprobs(m, ids, pos, 1.0, vocab_limit=TOKENIZER_IDS)
+        logp.values().sum().backward()
+        grads.append(m.model.layers[0].self_attn.q_proj.weight.grad)
+    assert_bitwise_equal(grads[0], grads[1], "checkpointed vs not")

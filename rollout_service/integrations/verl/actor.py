@@ -97,10 +97,21 @@ def packed_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, posit
     return log_probs, ent
 
 
-def _hf_model(module: torch.nn.Module) -> torch.nn.Module:
+def prepare_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model under verl's engine, patched to the canonical forward (once). verl turns on
+    Hugging Face's activation checkpointing (enable_gradient_checkpointing); it becomes the canonical forward's
+    own (trainer_patch.checkpoint_activations: each layer's recompute is the same canonical forward)."""
+    import trainer_patch
     from torch.distributed.fsdp import FullyShardedDataParallel
     if isinstance(module, FullyShardedDataParallel):
         raise NotImplementedError("zero KL runs verl's actor under FSDP2 (actor_rollout_ref.actor.strategy=fsdp2)")
+    if not trainer_patch.is_patched(module):
+        checkpointed = bool(getattr(module, "is_gradient_checkpointing", False))
+        if checkpointed:
+            module.gradient_checkpointing_disable()
+        trainer_patch.patch_model(module)
+        if checkpointed:
+            trainer_patch.checkpoint_activations(module)
     return module
 
 
@@ -116,7 +127,7 @@ def canonical_forward_step(engine, micro_batch, loss_function, forward_only: boo
             raise NotImplementedError(f"zero KL does not run verl's {key}")
     if micro_batch.get("multi_modal_inputs", None) is not None:
         raise NotImplementedError("zero KL does not run multi-modal inputs")
-    model = _hf_model(engine.module)
+    model = prepare_model(engine.module)
     # the batch goes where the weights are (verl's get_device_id() on its GPU workers; also a CPU model)
     device = model.model.embed_tokens.weight.device
     micro_batch = micro_batch.to(device)
