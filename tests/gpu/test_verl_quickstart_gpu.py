@@ -4,7 +4,8 @@ on, verl logs training/rollout_probs_diff_max == 0.0 at every step; off, it is >
 The machine has no network: the model is a tiny random Qwen2 with a byte-level tokenizer (its embedding padded
 past the tokenizer, as Qwen2.5's is, so verl's vLLM-only vocabulary mask is exercised), and GSM8K comes from
 the shared data folder, converted to parquet the way verl's examples/data_preprocess/gsm8k.py converts it.
-Run with `pytest -m gpu tests/gpu/test_verl_quickstart_gpu.py`; ZEROKL_GSM8K names the folder holding
+Run with `pytest -m gpu tests/gpu/test_verl_quickstart_gpu.py` (verl and its dependencies offline:
+scripts/verl_gpu_wheels.sh); ZEROKL_GSM8K names the folder holding
 train.jsonl / test.jsonl (default: ../shared/data/gsm8k next to the checkout)."""
 from __future__ import annotations
 
