@@ -117,3 +117,15 @@ def test_engine_kwargs_that_clash_raise(tmp_path):
     tiny_model("qwen2", seed=1).save_pretrained(path)
     with pytest.raises(ValueError, match="hf_overrides"):
         merge_engine_kwargs({"hf_overrides": {"architectures": ["Qwen2ForCausalLM"]}}, path)
+
+
+def test_a_module_without_the_hooked_class_is_left_alone():
+    """Another verl release (the class a hook wraps is gone): the module is left as it is, with a warning,
+    and verl goes on; the version check stops a run that turns zero KL on."""
+    import types
+
+    from rollout_service.integrations.verl import actor
+    module = types.ModuleType("verl.workers.engine.fsdp.transformer_impl")
+    plugin._apply(module, actor.install)
+    assert not plugin.installed(module)
+    assert "FSDPEngineWithLMHead" in module._zerokl_hook_error

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import logging
 import sys
+
+logger = logging.getLogger(__name__)
 
 
 def _hooks() -> dict:
@@ -46,9 +49,19 @@ def installed(module) -> bool:
 
 
 def _apply(module, hook) -> None:
-    if not installed(module):
+    """Runs `hook` on `module` once. A verl whose module lacks what the hook wraps (another release) keeps its
+    module as it is, so that installing this package never breaks a verl run that does not turn zero KL on;
+    one that does is stopped by config.check_verl_version."""
+    if installed(module) or getattr(module, "_zerokl_hook_error", None):
+        return
+    try:
         hook(module)
-        module._zerokl_hooked = True
+    except AttributeError as error:
+        module._zerokl_hook_error = repr(error)
+        logger.warning("zero KL's hook for %s not installed (%r): this verl release is not one it supports",
+                       module.__name__, error)
+        return
+    module._zerokl_hooked = True
 
 
 class _HookFinder(importlib.abc.MetaPathFinder):
