@@ -119,6 +119,10 @@ def quickstart(model: str, data: dict[str, str], log: Path, zerokl: bool) -> lis
         # verl's v1 trainer keeps batches in TransferQueue; without it, the v0 trainer (same metrics)
         f"trainer.use_v1={importlib.util.find_spec('transfer_queue') is not None}",
     ]
+    if importlib.util.find_spec("flash_attn") is None:
+        # verl loads its actor with flash_attention_2 unless told otherwise; the canonical forward uses none of
+        # transformers' attention, and without flash-attn verl's own (the off arm) runs on SDPA
+        overrides.append("+actor_rollout_ref.model.override_config.attn_implementation=sdpa")
     if zerokl:
         overrides.append(f"actor_rollout_ref.model.external_lib={LIB}")
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log)}
