@@ -15,7 +15,8 @@ from .backward import (add_rms_norm_with_grad, add_with_grad, attention_with_gra
 from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_WIDTHS, CanonicalConfig,
                        CanonicalMismatchError, check_canonical, set_tree_segments, tree_segments)
 from .packed_attention import PackedRow, packed_attention_with_grad
-from .logprobs import head_token_logprobs, log_softmax, logprob_temperature, scale_logits, token_logprobs
+from .logprobs import (head_token_logprobs, log_softmax, logprob_temperature, mask_vocab_tail, scale_logits,
+                       token_logprobs)
 from .sampling import gumbel_noise, sample, sampling_position, sampling_positions
 
 
@@ -211,6 +212,6 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 __all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm",
            "PackedRow", "attention", "attention_packed", "attention_sequences", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
-           "head_token_logprobs", "kernel_family", "log_softmax", "logprob_temperature", "matmul", "rms_norm",
+           "head_token_logprobs", "kernel_family", "log_softmax", "logprob_temperature", "mask_vocab_tail", "matmul", "rms_norm",
            "rotary", "rotary_qk", "sample", "sampling_position", "sampling_positions", "scale_logits",
            "set_tree_segments", "silu_mul", "token_logprobs", "tree_segments", "write_kv"]

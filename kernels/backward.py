@@ -368,10 +368,11 @@ class _HeadTokenLogprobs(torch.autograd.Function):
     them. Neither pass holds more than one chunk's [rows, V] logits."""
 
     @staticmethod
-    def forward(ctx, score_chunk: Callable, hidden, weight, tokens, t: float, chunk_rows: int, entropy: bool):
+    def forward(ctx, score_chunk: Callable, hidden, weight, tokens, t: float, chunk_rows: int, entropy: bool,
+                vocab_limit: int | None = None):
         logp, ent = _score_chunks(score_chunk, hidden, tokens, chunk_rows, entropy)
         ctx.save_for_backward(hidden, weight, tokens)
-        ctx.t, ctx.chunk_rows = t, chunk_rows
+        ctx.t, ctx.chunk_rows, ctx.vocab_limit = t, chunk_rows, vocab_limit
         if ent is None:
             ent = hidden.new_empty(0, dtype=torch.float32)
         ctx.mark_non_differentiable(ent)  # a metric: no gradient flows through it
@@ -387,7 +388,10 @@ class _HeadTokenLogprobs(torch.autograd.Function):
             h = hidden[start:start + ctx.chunk_rows]
             g = grad_logp[start:start + ctx.chunk_rows].float()
             # d log_softmax(z / t)[token] / dz = (onehot(token) - softmax(z / t)) / t
-            grad_z = torch.softmax(F.linear(h, weight).float() / ctx.t, dim=-1).mul_(-g[:, None])
+            z = F.linear(h, weight).float()
+            if ctx.vocab_limit is not None:  # forbidden ids have probability 0, so no gradient
+                z[:, ctx.vocab_limit:] = float("-inf")
+            grad_z = torch.softmax(z / ctx.t, dim=-1).mul_(-g[:, None])
             grad_z[torch.arange(h.shape[0], device=h.device), tokens[start:start + ctx.chunk_rows]] += g
             grad_z = grad_z.div_(ctx.t).to(hidden.dtype)
             if want_hidden:
@@ -395,14 +399,16 @@ class _HeadTokenLogprobs(torch.autograd.Function):
             if want_weight:
                 grad_weight += (grad_z.T @ h).float()
         return (None, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None,
-                None)
+                None, None)
 
 
 def head_logprobs_with_grad(score_chunk: Callable, hidden, weight, tokens, t: float, chunk_rows: int,
-                            entropy: bool):
+                            entropy: bool, vocab_limit: int | None = None):
     """score_chunk(rows of hidden, their tokens, entropy) -> (log-probs, entropies or None), over chunks of
-    chunk_rows rows; differentiable in hidden and weight by _HeadTokenLogprobs when grad is needed."""
+    chunk_rows rows; differentiable in hidden and weight by _HeadTokenLogprobs when grad is needed
+    (vocab_limit: the ids score_chunk forbids, given no gradient)."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        logp, ent = _HeadTokenLogprobs.apply(score_chunk, hidden, weight, tokens, t, chunk_rows, entropy)
+        logp, ent = _HeadTokenLogprobs.apply(score_chunk, hidden, weight, tokens, t, chunk_rows, entropy,
+                                             vocab_limit)
         return logp, (ent if entropy else None)
     return _score_chunks(score_chunk, hidden, tokens, chunk_rows, entropy)

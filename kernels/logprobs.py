@@ -78,8 +78,22 @@ def token_logprobs(logits: torch.Tensor, temperature: float | Sequence[float] | 
 HEAD_CHUNK_ROWS = 2048  # rows per chunk in head_token_logprobs: 2048 x Qwen's 151,936 fp32 logits = 1.2 GB
 
 
+def mask_vocab_tail(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
+    """logits with the columns >= vocab_limit set to -inf (None: unchanged), out of place.
+
+    The rule of a rollout that forbids the ids a padded embedding has past its tokenizer's last token
+    (verl's vLLM rollout does, before sampling and before the log-prob): the log-softmax then runs over the
+    same [rows, V] float32 tensor with -inf there, so the same kernel gives the same bits on both sides."""
+    if vocab_limit is None or vocab_limit >= logits.shape[-1]:
+        return logits
+    if vocab_limit < 1:
+        raise ValueError(f"vocab_limit must be >= 1, got {vocab_limit}")
+    cols = torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill(cols >= vocab_limit, float("-inf"))
+
+
 def head_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, tokens: torch.Tensor, *,
-                        entropy: bool = False, chunk_rows: int = HEAD_CHUNK_ROWS):
+                        entropy: bool = False, chunk_rows: int = HEAD_CHUNK_ROWS, vocab_limit: int | None = None):
     """Log-probs of `tokens` through the lm head, for the rows being scored only: per row the bits of
     token_logprobs(matmul(hidden, weight, out_dtype=float32), temperature, tokens), computed a chunk of rows
     at a time, so that no [rows, V] logits of more than one chunk exist (as TRL's fused lm head does).
@@ -88,6 +102,8 @@ def head_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, temperature:
     Returns (log-probs [N] float32, entropies [N] or None). entropy: also each row's entropy at the same
     temperature, by ordinary torch math and without gradient (a metric). Differentiable in hidden and weight
     (kernels.backward._HeadTokenLogprobs: the ordinary backward, logits recomputed a chunk at a time).
+    vocab_limit: ids >= vocab_limit are forbidden (mask_vocab_tail), in the log-probs, the entropies and the
+    gradient; a scored token there raises.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [N, H] and weight [V, H] expected, got {tuple(hidden.shape)} and "
@@ -96,18 +112,22 @@ def head_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, temperature:
         raise ValueError(f"tokens must be [N] = {hidden.shape[0]}, got {tuple(tokens.shape)}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if vocab_limit is not None and tokens.numel() and bool((tokens >= vocab_limit).any()):
+        raise ValueError(f"a scored token id is >= vocab_limit={vocab_limit}, an id the rollout cannot sample")
     t = logprob_temperature(float(temperature))
     matmul = backend_for(hidden).matmul
 
     def score_chunk(h, tok, want_entropy):
-        logits = matmul(h, weight, None, segments=1, out_dtype=torch.float32)
+        logits = mask_vocab_tail(matmul(h, weight, None, segments=1, out_dtype=torch.float32), vocab_limit)
         logp = token_logprobs(logits, t, tok)
         if not want_entropy:
             return logp, None
-        lsm = torch.log_softmax(scale_logits(logits, t), dim=-1)
+        kept = logits if vocab_limit is None else logits[:, :vocab_limit]  # 0 * -inf would be nan
+        lsm = torch.log_softmax(scale_logits(kept, t), dim=-1)
         return logp, -(lsm.exp() * lsm).sum(-1)
 
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, (empty if entropy else None)
-    return head_logprobs_with_grad(score_chunk, hidden, weight, tokens.to(hidden.device), t, chunk_rows, entropy)
+    return head_logprobs_with_grad(score_chunk, hidden, weight, tokens.to(hidden.device), t, chunk_rows, entropy,
+                                   vocab_limit)

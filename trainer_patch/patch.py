@@ -71,12 +71,16 @@ class ScoreTokens:
     the positions t whose token t + 1 is scored, at `temperature` (the rollout's; 0 = greedy); `entropy` also
     asks for each scored position's entropy (no gradient). Only those positions pass through the lm head, a
     chunk at a time (kernels.head_token_logprobs); the log-probs have the bits of the logits path.
+    `vocab_limit`: ids >= it are forbidden, their logits -inf before the log-softmax (kernels.mask_vocab_tail),
+    for a rollout that masks them so (a vocabulary padded past its tokenizer's); None: the full vocabulary.
 
     A plain class for the reason RoutingSink gives."""
-    __slots__ = ("positions", "temperature", "entropy")
+    __slots__ = ("positions", "temperature", "entropy", "vocab_limit")
 
-    def __init__(self, positions: torch.Tensor, temperature: float, entropy: bool = False):
+    def __init__(self, positions: torch.Tensor, temperature: float, entropy: bool = False,
+                 vocab_limit: int | None = None):
         self.positions, self.temperature, self.entropy = positions, temperature, entropy
+        self.vocab_limit = vocab_limit
 
 
 @dataclass
@@ -122,7 +126,7 @@ def _score(model, ids: torch.Tensor, hidden: torch.Tensor, score: ScoreTokens) -
                          f"{where.dtype} {tuple(where.shape)}")
     where = where.to(ids.device)
     logp, ent = K.head_token_logprobs(hidden[:, :-1][where], lm_head_weight(model), score.temperature,
-                                      ids[:, 1:][where], entropy=score.entropy)
+                                      ids[:, 1:][where], entropy=score.entropy, vocab_limit=score.vocab_limit)
     zeros = torch.zeros(where.shape, dtype=torch.float32, device=ids.device)
     return TokenScoresOutput(log_probs=zeros.masked_scatter(where, logp),
                              entropy=None if ent is None else zeros.masked_scatter(where, ent))
