@@ -25,14 +25,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-TINY = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "tiny.yaml"
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "configs" / "tiny.yaml"
+sys.path.insert(0, str(REPO / "tests"))  # the test cluster's helpers (multinode_shared): tests/ is not a package
 ROLLOUT_NODE = "zerokl_bench_rollout_node"  # one unit on nodes a and b: one worker each
 PHASES = {"step_s": "perf/step_s", "rollout_s": "perf/rollout_s", "train_s": "perf/train_s",
           "weight_sync_s": "perf/weight_sync_s"}
 
 
 def arm_overrides(arm: str) -> list[str]:
-    from tests.multinode_shared import node_resource
+    from multinode_shared import node_resource
     if arm == "1 node":
         worker, rank = {node_resource("a"): 0.25}, {node_resource("a"): 0.25}
     else:
@@ -45,7 +47,7 @@ def run_arm(arm: str, steps: int, extra: list[str], run_dir: Path, cluster) -> d
     """One run of an arm: its actors' nodes (asked during the first step) and its step figures."""
     from recipes.config import load_config
     from recipes.grpo import GRPOJob
-    from tests.multinode_shared import node_of_actor
+    from multinode_shared import node_of_actor
     overrides = [f"train.steps={steps}", "train.save_every=0", "train.save_final=false", "metrics.wandb=false",
                  f"run_dir={run_dir}", *extra, *arm_overrides(arm)]
     job = GRPOJob(load_config(TINY, overrides))
@@ -72,7 +74,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="key=value overrides of tiny.yaml, for both arms")
     args = ap.parse_args()
 
-    from tests.multinode_shared import apart_head_args, test_cluster
+    from multinode_shared import apart_head_args, test_cluster
     arms = ["1 node", "3 nodes"]
     nodes = {name: {"cpus": 2, "resources": {ROLLOUT_NODE: 1} if name in "ab" else {}} for name in "abc"}
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")

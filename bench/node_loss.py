@@ -64,10 +64,10 @@ def main() -> None:
     if not 2 <= args.lose_at <= args.steps:
         ap.error("--lose-at must be 2 .. --steps: the steps before it are the undisturbed ones")
 
-    sys.path.insert(0, str(REPO))  # tests/ is not an installed package
+    sys.path.insert(0, str(REPO / "tests"))  # the test cluster's helpers: tests/ is not an installed package
+    from multinode_shared import test_cluster
+    from node_loss_shared import NodeLoss, a_worker_node, rollouts_in_flight
     from recipes.config import load_config
-    from tests.multinode_shared import test_cluster
-    from tests.node_loss_shared import NodeLoss, a_worker_node, rollouts_in_flight
 
     n = load_config(TINY).rollout.n
     out_dir = Path(tempfile.mkdtemp(prefix="node-loss-"))

@@ -12,7 +12,7 @@ import time
 
 from rollout_service.service.client import RolloutClient
 
-from tests.multinode_shared import node_of_actor
+from multinode_shared import node_of_actor
 
 LOSS_BOUND_S = 120.0  # the pool's start, the moment to lose a node and the replacement are each waited for at most
 

@@ -24,7 +24,7 @@ from recipes.config import ConfigError, load_config
 from recipes.grpo import GRPOJob
 from recipes.metrics import read_metrics
 from recipes.placement import bundle_nodes, placement_bundles, reserve_job_placement
-from tests.multinode_shared import (
+from multinode_shared import (
     apart_head_args,
     apart_node_args,
     node_of_actor,

@@ -36,8 +36,8 @@ from recipes.grpo import GRPOJob, main, run  # noqa: E402
 from recipes.metrics import read_metrics  # noqa: E402
 from recipes.rank_loss import TrainerRankLost  # noqa: E402
 from rollout_service.service.client import RolloutClient  # noqa: E402
-from tests.multinode_shared import test_cluster  # noqa: E402
-from tests.node_loss_shared import (  # noqa: E402
+from multinode_shared import test_cluster  # noqa: E402
+from node_loss_shared import (  # noqa: E402
     LOSS_BOUND_S,
     NodeLoss,
     a_worker_node,

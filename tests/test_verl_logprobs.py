@@ -6,7 +6,6 @@ verl's vLLM rollout forbids the ids past len(tokenizer) (verl's monkey_patch_com
 a control that shows the unhandled path differs."""
 from __future__ import annotations
 
-from types import MethodType
 
 import pytest
 import torch
