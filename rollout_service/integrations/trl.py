@@ -26,9 +26,10 @@ images, PEFT, min_p, repetition_penalty != 1, generation_kwargs.
 from __future__ import annotations
 
 import contextlib
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
+
+from .versions import check_version
 
 # Verified against TRL 1.16.0: trl/trainer/grpo_trainer.py (GRPOTrainer.__init__ builds VLLMGeneration,
 # _get_per_token_logps_and_entropies scores through add_fused_lm_head) and trl/generation/vllm_generation.py.
@@ -37,17 +38,7 @@ SUPPORTED_TRL = ((1, 16), (1, 17))  # [lower, upper)
 
 def check_trl_version() -> str:
     """The installed TRL version; raises ImportError outside SUPPORTED_TRL."""
-    try:
-        installed = version("trl")
-    except PackageNotFoundError:
-        raise ImportError("rollout_service.integrations.trl needs TRL: pip install 'trl==1.16.*'") from None
-    parts = tuple(int(p) for p in installed.split(".")[:2] if p.isdigit())
-    lo, hi = SUPPORTED_TRL
-    if not lo <= parts < hi:
-        raise ImportError(f"rollout_service.integrations.trl supports TRL >= {'.'.join(map(str, lo))}, "
-                          f"< {'.'.join(map(str, hi))} (it relies on TRL internals checked for those versions); "
-                          f"found trl {installed}: pip install 'trl==1.16.*'")
-    return installed
+    return check_version("trl", SUPPORTED_TRL, "trl", "pip install 'trl==1.16.*'")
 
 
 def left_to_right_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor):

@@ -5,7 +5,7 @@ and the vLLM server each hold that model config, so each decides from the config
 """
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+from ..versions import check_version
 
 LIB = "rollout_service.integrations.verl"
 # The verl releases whose internals the hooks were checked against: [lower, upper). 0.9 is the first with the
@@ -21,17 +21,7 @@ class VerlConfigError(ValueError):
 
 def check_verl_version() -> str:
     """The installed verl version; raises ImportError outside SUPPORTED_VERL."""
-    try:
-        installed = version("verl")
-    except PackageNotFoundError:
-        raise ImportError("rollout_service.integrations.verl needs verl: pip install 'zerokl[verl]'") from None
-    parts = tuple(int(p) for p in installed.split(".")[:2] if p.isdigit())
-    lo, hi = SUPPORTED_VERL
-    if not lo <= parts < hi:
-        raise ImportError(f"rollout_service.integrations.verl supports verl >= {'.'.join(map(str, lo))}, "
-                          f"< {'.'.join(map(str, hi))} (its hooks rely on verl internals checked for those "
-                          f"versions); found verl {installed}")
-    return installed
+    return check_version("verl", SUPPORTED_VERL, "verl", "pip install 'zerokl[verl]'")
 
 
 def select(cfg, path: str, default=None):
