@@ -38,7 +38,7 @@ def _run(cfg, loss=None) -> list[dict]:
     """The job's records; `loss` (a NodeLoss watching its recovery) started with the job, and waited for before
     the job's pool goes (a replacement may still be starting when the last step ends)."""
     from recipes.grpo import GRPOJob
-    from tests.node_loss_shared import LOSS_BOUND_S
+    from node_loss_shared import LOSS_BOUND_S
     if loss is not None:
         loss.start()
     records = []

@@ -24,7 +24,7 @@ from .grpo_loss import group_advantages
 from .memory_plan import MemoryPlan, measure_rank_gpu, plan_memory
 from .metrics import MetricsLogger, StepProgress, step_metrics
 from .models import initial_model, policy_config
-from .placement import JobPlacement, reserve_job_placement
+from .placement import ranks_first_bundle, reserve_job_placement
 from .prefix_cache_metrics import prefix_cache_metrics
 from .rollout_queue import RolloutQueue
 from .rollouts import (
@@ -140,12 +140,14 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
     run_name = f"{cfg.name}-{rollout_cfg.determinism}"
     t_start = time.perf_counter()
     task = build_task(cfg)
+    # before anything long starts: the plan fits a rank's GPU (a run that cannot fit is refused even where its
+    # GPUs cannot be placed yet), the groups are placed, and every rank's node shares the run directory
+    memory_plan = check_memory_plan(job, task)
     placement = reserve_job_placement(cfg, job.placement_group)
-    try:  # before anything long starts: the groups are placed and every rank's node shares the run directory
+    try:
         rank_options = _rank_options(cfg)
         check_shared_run_dir(run_dir, placement.ranks, placement.first_rank_bundle, trainer_cfg.num_ranks,
                              rank_options.placement.resources_per_rank.get("runtime_env"))
-        memory_plan = check_memory_plan(job, task, placement)
     except BaseException:
         placement.release()
         raise
@@ -298,7 +300,7 @@ def _checkpoint(cfg: RecipeConfig, run_dir: Path, trainer, step: int, cursor: in
     return time.perf_counter() - start
 
 
-def check_memory_plan(job: GRPOJob, task, placement: JobPlacement) -> MemoryPlan | None:
+def check_memory_plan(job: GRPOJob, task) -> MemoryPlan | None:
     """GPU ranks: the run's memory plan (recipes.memory_plan), checked against a GPU like a rank's before
     anything long starts (the model, its warm-up, the rollout pool); a plan that cannot fit raises
     MemoryPlanRefused. The ranks check it again against their own GPUs (TrainerRank.setup)."""
@@ -307,7 +309,7 @@ def check_memory_plan(job: GRPOJob, task, placement: JobPlacement) -> MemoryPlan
         return None
     longest_prompt = max(len(ids) for ids in task.dataset["prompt_ids"])
     plan = plan_memory(cfg, policy_config(cfg, task.tokenizer), longest_prompt)
-    gpu = measure_rank_gpu(cfg.trainer, placement.ranks, placement.first_rank_bundle)
+    gpu = measure_rank_gpu(cfg.trainer, job.placement_group, ranks_first_bundle(cfg))
     if gpu is None:
         _say("memory plan: no GPU answered in time; each trainer rank checks it against its own")
         return plan
