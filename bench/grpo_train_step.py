@@ -129,7 +129,8 @@ def run_arm(args) -> dict:
     cfg = TrainerConfig(num_ranks=1, device=args.device, optimizer=OptimizerConfig(lr=1e-5),
                         loss=LossConfig(old_logprobs="rollout" if args.arm == "canonical" else "recompute"),
                         batching=BatchingConfig(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-                                                activation_checkpointing=args.activation_checkpointing))
+                                                activation_checkpointing=args.activation_checkpointing,
+                                                checkpoint_every=args.checkpoint_every))
     model = build_model(args.model, args.device)
     num_params = sum(p.numel() for p in model.parameters())
     batch_samples = samples(model.config.vocab_size, args.prompts, args.group, args.lengths, args.median, args.sigma,
@@ -241,6 +242,9 @@ def main() -> None:
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each decoder layer's activations in the backward "
                          "(trainer.batching.activation_checkpointing)")
+    ap.add_argument("--checkpoint-every", type=int, default=1,
+                    help="with --activation-checkpointing, checkpoint layers 0, N, 2N, ... only "
+                         "(trainer.batching.checkpoint_every)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS),
                     help=f"micro-batch layouts, taken in turns; of {', '.join(LAYOUTS)}")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"the arms, in this order; of {', '.join(ARMS)}")
@@ -254,6 +258,8 @@ def main() -> None:
     for name, given, known in (("--arms", arms, ARMS), ("--layouts", layouts, LAYOUTS)):
         if set(given) - set(known) or len(set(given)) != len(given):
             ap.error(f"{name}: {','.join(given)}: each of {', '.join(known)} at most once")
+    if args.checkpoint_every < 1:
+        ap.error(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if args.lengths == "lognormal" and not 1 <= args.median <= args.cap:
         ap.error(f"--median must be in 1 .. --cap ({args.cap}), got {args.median}")
     if args.arm is not None:
@@ -264,7 +270,8 @@ def main() -> None:
     passed = ["--model", args.model, "--device", args.device, "--prompts", str(args.prompts), "--group",
               str(args.group), "--lengths", args.lengths, "--median", str(args.median), "--sigma", str(args.sigma),
               "--cap", str(args.cap), "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch),
-              "--warmup", str(args.warmup), "--steps", str(args.steps), "--padded-rows", str(args.padded_rows)]
+              "--warmup", str(args.warmup), "--steps", str(args.steps), "--padded-rows", str(args.padded_rows),
+              "--checkpoint-every", str(args.checkpoint_every)]
     passed += ["--activation-checkpointing"] * args.activation_checkpointing
     rounds = []
     for r in range(args.rounds):
@@ -289,7 +296,8 @@ def main() -> None:
                                           else {}),
               **({"cap": args.cap} if args.lengths != "arithmetic" else {}),
               "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
-              "activation_checkpointing": args.activation_checkpointing, "arms": arms, "layouts": layouts,
+              "activation_checkpointing": args.activation_checkpointing,
+              **({"checkpoint_every": args.checkpoint_every} if args.activation_checkpointing else {}), "arms": arms, "layouts": layouts,
               "num_params": first["num_params"], "completion_lengths": first["completion_lengths"],
               "rounds": rounds}
     print(json.dumps(with_medians(result, arms, layouts), indent=1))

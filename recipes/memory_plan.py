@@ -10,8 +10,8 @@ The estimate is for rank 0, the largest (it also holds the weight push's stage),
 - training, at the backward of the largest micro-batch: fp32 master weights, fp32 gradients and AdamW's
   two fp32 states, all sharded over trainer.num_ranks by FSDP2; the bf16 weights FSDP2 has gathered; a
   layer's unsharded gradients on their way to the reduce-scatter; the activations autograd keeps (every
-  layer's, or with trainer.batching.activation_checkpointing each layer's input and one layer's); the backward's
-  working set; one chunk of the lm head's logits; the lm head weight's gradient; the weight push's stage;
+  layer's, or with trainer.batching.activation_checkpointing each checkpointed layer's input, the other
+  layers' and one layer's recompute); the backward's working set; one chunk of the lm head's logits; the lm head weight's gradient; the weight push's stage;
   on a GPU shared with a rollout engine (placement colocated), what the engine holds meanwhile; the CUDA
   runtime and allocator slack.
 - the engine's wake (colocated, the engine asleep while the rank trains): after the last backward the
@@ -157,8 +157,11 @@ class MemoryPlan:
         """What autograd keeps for the largest micro-batch (see SAVED_*, CHECKPOINTED_*)."""
         m, tokens = self.model, self.tokens
         after = SAVED_HIDDEN_AFTER_LAYERS * m.hidden * BF16 + ROTARY_BYTES_PER_HEAD_DIM * m.head_dim
-        if self.cfg.trainer.batching.activation_checkpointing:
-            per_token = (CHECKPOINTED_HIDDEN_PER_LAYER * m.hidden * BF16 * m.layers
+        batching = self.cfg.trainer.batching
+        if batching.activation_checkpointing:  # layers 0, N, 2N, ... checkpointed; the others keep theirs
+            checkpointed = -(-m.layers // batching.checkpoint_every)
+            kept = m.all_layers_saved_bytes_per_token * (m.layers - checkpointed) // m.layers
+            per_token = (CHECKPOINTED_HIDDEN_PER_LAYER * m.hidden * BF16 * checkpointed + kept
                          + m.largest_layer_saved_bytes_per_token + after)
         else:
             per_token = m.all_layers_saved_bytes_per_token + after
@@ -167,7 +170,9 @@ class MemoryPlan:
     def training_terms(self) -> dict[str, int]:
         """The backward of the largest micro-batch, every term by name."""
         m, tokens = self.model, self.tokens
-        checkpointed = ", checkpointed" if self.cfg.trainer.batching.activation_checkpointing else ""
+        batching = self.cfg.trainer.batching
+        checkpointed = (f", checkpointed every {batching.checkpoint_every} layer(s)"
+                        if batching.activation_checkpointing else "")
         terms = dict(self.sharded_states)
         terms.update({
             f"gathered bf16 weights ({GATHERED_LAYERS} layers + embedding and head)":

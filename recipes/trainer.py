@@ -114,7 +114,7 @@ class TrainerRank:
         if self.lora is not None:  # a frozen bf16 base, a float32 adapter (recipes/lora.py)
             add_lora(model, self.lora.peft_config(), self.seed)
         if self.cfg.batching.activation_checkpointing:
-            checkpoint_activations(model)
+            checkpoint_activations(model, self.cfg.batching.checkpoint_every)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)

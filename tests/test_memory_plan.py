@@ -121,6 +121,22 @@ def test_checkpointing_and_a_smaller_budget_shrink_the_activation_term():
     assert whole.tokens == 32 * 8 * (128 + 512) and whole.activations > rows.activations
 
 
+def test_checkpointing_fewer_layers_keeps_more_activations_in_between():
+    """trainer.batching.checkpoint_every = N keeps every layer but 0, N, 2N, ...: its activations lie between
+    every layer checkpointed and none, growing with N."""
+    def plan(every):
+        return plan_memory(budget(16384, True, f"trainer.batching.checkpoint_every={every}"), qwen3_4b(), 128, H200)
+    none, every = plan_memory(budget(16384), qwen3_4b(), 128, H200), [plan(n) for n in (1, 2, 4, 8)]
+    assert every[0].activations == plan_memory(budget(16384, True), qwen3_4b(), 128, H200).activations
+    sizes = [p.activations for p in every]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 4 and sizes[-1] < none.activations
+    # half the layers checkpointed: about half of the unchecked activations
+    assert 0.4 * none.activations < every[1].activations < 0.6 * none.activations
+    assert "checkpointed every 4 layer(s)" in every[2].report()
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        budget(16384, True, "trainer.batching.checkpoint_every=0")
+
+
 # -- the refusal ---------------------------------------------------------------------------------------
 
 def test_a_run_that_cannot_fit_is_refused_with_its_numbers_and_the_knobs_that_would_fit():

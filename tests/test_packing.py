@@ -107,8 +107,10 @@ def test_budgeted_split_keeps_ranks_paired_and_every_token(samples):
     assert len(few[0][0]) < len(many[0][0])
 
 
-def test_activation_checkpointing_keeps_logprobs_and_gradients(checkpoint, samples, monkeypatch):
-    """Same log-probs, and the same gradients bit for bit: the recompute is the same forward."""
+@pytest.mark.parametrize("every", [1, 2])
+def test_activation_checkpointing_keeps_logprobs_and_gradients(checkpoint, samples, monkeypatch, every):
+    """Same log-probs, and the same gradients bit for bit: the recompute is the same forward. every = 2
+    (trainer.batching.checkpoint_every) checkpoints layer 0 only of the two, so only it runs again."""
     import trainer_patch.patch as patch_module
     runs = []
     layer_forward = patch_module.decoder_layer_forward
@@ -121,17 +123,37 @@ def test_activation_checkpointing_keeps_logprobs_and_gradients(checkpoint, sampl
         for p in model.parameters():  # float32 masters, bf16 forward, as the trainer runs it
             p.requires_grad_(True)
         if checkpointed:
-            checkpoint_activations(patch_model(model))
+            checkpoint_activations(patch_model(model), every)
         logp = score(model, mb)
         (logp * mb["advantages"] * mb["loss_mask"]).sum().backward()
         values.append(logp.detach())
         grads.append([p.grad.clone() for p in model.parameters()])
         layer_runs.append(len(runs))
     layers = 2  # tiny_model's default depth
-    assert layer_runs == [layers, 2 * layers]  # checkpointed: each layer's forward ran again in the backward
+    # checkpointed: each checkpointed layer's forward ran again in the backward
+    assert layer_runs == [layers, layers + -(-layers // every)]
     assert torch.equal(values[0], values[1])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert any(bool(g.abs().sum() > 0) for g in grads[0])
+
+
+def test_stock_model_checkpoints_every_nth_layer_through_transformers(checkpoint):
+    """The stock arm's checkpointing is transformers' own, layer by layer: with every = 2 only layers 0, 2, ...
+    have it on, and the gradients are those of the model without it."""
+    grads = []
+    for every in (None, 1, 2):
+        model = _policy(checkpoint).float()
+        if every is not None:
+            checkpoint_activations(model, every)
+            assert [layer.gradient_checkpointing for layer in model.model.layers] == [
+                i % every == 0 for i in range(len(model.model.layers))]
+        model.train()
+        ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+        model(ids, labels=ids).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
+    with pytest.raises(ValueError, match="at least 1"):
+        checkpoint_activations(_policy(checkpoint), 0)
 
 
 def test_checkpointed_moe_records_its_routing_once():

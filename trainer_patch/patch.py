@@ -42,15 +42,22 @@ def _checkpointed_layer_forward(layer, hidden_states, ctx):
     return torch.utils.checkpoint.checkpoint(run, hidden_states, use_reentrant=False, preserve_rng_state=False)
 
 
-def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
-    """Activation checkpointing per decoder layer, for a patched model or a stock one (Hugging Face's own
+def checkpoint_activations(model: torch.nn.Module, every: int = 1) -> torch.nn.Module:
+    """Activation checkpointing of decoder layers 0, every, 2 * every, ... (every = 1: all of them; torchtitan's
+    selective layer checkpointing otherwise), for a patched model or a stock one (Hugging Face's own
     gradient_checkpointing_enable, non-reentrant). Call before or after fully_shard. Forward values do not
-    change, so log-probs keep their bits; gradients are those of the same forward."""
+    change, so log-probs keep their bits; gradients are those of the same forward. A layer left out keeps its
+    activations, so it is not run again in the backward: fewer checkpointed layers, less recompute, more memory."""
+    if every < 1:
+        raise ValueError(f"checkpoint every {every}th layer: at least 1")
+    layers = model.model.layers
     if is_patched(model):
-        for layer in model.model.layers:
-            layer.__dict__[_CHECKPOINT] = True
+        for i, layer in enumerate(layers):
+            layer.__dict__[_CHECKPOINT] = i % every == 0
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for i, layer in enumerate(layers):  # transformers' GradientCheckpointingLayer reads this flag per call
+            layer.gradient_checkpointing = i % every == 0
     return model
 
 

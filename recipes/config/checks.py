@@ -67,6 +67,7 @@ NUMERIC_RANGES = {
     "trainer.batching.mini_batches": AT_LEAST_1,
     "trainer.batching.micro_batch_size": NON_NEGATIVE,
     "trainer.batching.max_tokens_per_micro_batch": NON_NEGATIVE,
+    "trainer.batching.checkpoint_every": AT_LEAST_1,
     "trainer.weight_push.bucket_mb": AT_LEAST_1,
     "trainer.weight_push.stage_mb": NON_NEGATIVE,
     "trainer.weight_push.timeout_s": POSITIVE,

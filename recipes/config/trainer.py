@@ -71,6 +71,10 @@ class BatchingConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them (long sequences);
     the forward's values, and so the log-probs, do not change."""
+    checkpoint_every: int = 1
+    """With activation_checkpointing, only layers 0, N, 2N, ... are checkpointed (torchtitan's selective layer
+    option); the others keep their activations and skip the backward's recompute. 1: every layer (least
+    memory); larger: faster steps while the memory plan still fits (recipes.memory_plan counts it)."""
 
 
 @dataclass(frozen=True)
