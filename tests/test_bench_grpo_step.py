@@ -142,6 +142,16 @@ def test_merge_refuses_runs_that_do_not_pair():
         merge([run, run])
 
 
+def test_merged_one_step_runs_pair_their_step_and_leave_the_later_steps_out():
+    """--steps 1 (a long-completion run that only has to fit): no step after the first, so no summed ratio."""
+    from bench.grpo_arms.ratios import merge
+    def run(arm, step_s):
+        return {"config": "c.yaml", "steps": 1, "overrides": [],
+                "rounds": [{arm: {"step_s": step_s, "steps_after_first_s": 0, "step_seconds": [step_s]}}]}
+    row = merge([run("canonical", 2.0), run("stock", 3.0)])["rounds"][0]
+    assert row["stock_over_canonical_step"] == 1.5 and "stock_over_canonical_steps_summed" not in row
+
+
 def test_time_to_reward_is_the_first_step_at_the_reward_both_arms_reached():
     from bench.grpo_arms.ratios import with_ratios
     from bench.grpo_arms.summary import time_to_reward

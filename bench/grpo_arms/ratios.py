@@ -30,7 +30,7 @@ def with_ratios(result: dict) -> dict:
         for row in result["rounds"]:
             if num in row and den in row:
                 row[name] = row[num]["step_s"] / row[den]["step_s"]
-                if "steps_after_first_s" in row[num] and "steps_after_first_s" in row[den]:
+                if row[num].get("steps_after_first_s") and row[den].get("steps_after_first_s"):  # 0: one step
                     row[summed] = row[num]["steps_after_first_s"] / row[den]["steps_after_first_s"]
                 if row.get("interleaved"):
                     row[per_step] = [n / d for n, d in zip(row[num]["step_seconds"][1:], row[den]["step_seconds"][1:])]
