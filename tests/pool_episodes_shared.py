@@ -104,6 +104,28 @@ class OneAtATime:
         return out
 
 
+def run_with_a_worker_killed_during_a_turn(pool, rows, turns: int, max_tokens: int):
+    """The episodes, with the pool's worker 0 killed once it holds a request of the second turn; asserts that
+    the pool ran the requests it lost again (on another worker) and returns the episodes."""
+    import ray
+    wait_ready(pool)
+    retried = pool.stats()["retried"]
+    calls: list[int] = []
+
+    def kill_during_second_turn(prompts, params):
+        ref, _ = pool.submit(prompts, params)
+        if len(calls) == 1:
+            deadline = time.monotonic() + 30
+            while pool.stats()["workers"][0]["in_flight"] == 0:
+                assert time.monotonic() < deadline, pool.stats()
+            ray.kill(pool.workers()[0])
+        calls.append(1)
+        return ray.get(ref)
+    episodes = run(kill_during_second_turn, rows, turns, max_tokens)
+    assert pool.stats()["retried"] > retried, pool.stats()  # the kill caught requests in flight
+    return episodes
+
+
 def completed(pool) -> list[int]:
     return [w["completed"] for w in pool.stats()["workers"]]
 

@@ -5,8 +5,6 @@ worker, and each model token's log-prob is the trainer's from one forward over t
 control, determinism off, matches neither the trainer nor itself run the other way."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -110,21 +108,5 @@ def test_a_worker_killed_between_turns(two_workers, one_worker):
 
 
 def test_a_worker_killed_during_a_turn(two_workers, one_worker):
-    ep_shared.wait_ready(two_workers)
-    pool = two_workers
-    retried = pool.stats()["retried"]
-
-    def kill_during_second_turn(prompts, params):
-        ref, _ = pool.submit(prompts, params)
-        if len(calls) == 1:  # once worker 0 holds a request of this turn, kill it
-            deadline = time.monotonic() + 30
-            while pool.stats()["workers"][0]["in_flight"] == 0:
-                assert time.monotonic() < deadline, pool.stats()
-            ray.kill(pool.workers()[0])
-        calls.append(1)
-        return ray.get(ref)
-    calls: list[int] = []
-    episodes = run(kill_during_second_turn, ROWS, TURNS, MAX_TOKENS)
-    # the kill caught requests in flight: the pool ran them again on the other worker
-    assert pool.stats()["retried"] > retried, pool.stats()
+    episodes = ep_shared.run_with_a_worker_killed_during_a_turn(two_workers, ROWS, TURNS, MAX_TOKENS)
     assert_same_episodes(episodes, one_worker["verified"], "a worker killed during a turn")

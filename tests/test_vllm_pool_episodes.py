@@ -3,8 +3,9 @@ turn takes every full KV block its episode's previous turn computed from the pre
 those hits (stats()["prefix_cache"], and the recipe's metrics from it), and the cache moves no bit: the same
 episodes with nothing cached at any turn (the same weights pushed before each turn, which salts every later
 prompt anew), and with their turns alternating between two workers (each finding only what it computed), give
-the same tokens and log-probs, each the trainer's from one forward over the trajectory. The control, `off` on
-the worker's stock vLLM engine, does not match the trainer."""
+the same tokens and log-probs, each the trainer's from one forward over the trajectory, also with a worker
+killed while it runs a turn. The control, `off` on the worker's stock vLLM engine, does not match the
+trainer."""
 from __future__ import annotations
 
 import pytest
@@ -136,3 +137,10 @@ def test_turns_on_different_workers_take_what_each_worker_holds_and_the_same_bit
                 later.append(r.stats.cached_prompt_tokens)
     assert 0 in later and max(later) > 0  # later turns with a cached prefix and without one
     assert_same_episodes(apart, cached["episodes"], "turns on different vLLM workers")
+
+
+def test_a_vllm_worker_killed_during_a_turn(two_workers, cached):
+    """Worker 0 killed while it runs the second turn: the pool runs the lost requests again on the other
+    worker (which holds no cache of those episodes), and every episode keeps its bits."""
+    episodes = ep_shared.run_with_a_worker_killed_during_a_turn(two_workers, ROWS, TURNS, MAX_TOKENS)
+    assert_same_episodes(episodes, cached["episodes"], "a vLLM worker killed during a turn")
