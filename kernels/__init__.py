@@ -10,7 +10,7 @@ import torch
 
 from . import reference
 from .backend import backend_for, canonical_config, kernel_family
-from .backward import (add_rms_norm_with_grad, add_with_grad, attention_with_grad, linear_with_grad,
+from .backward import (add_rms_norm_with_grad, add_with_grad, attention_with_grad, linear_with_grad, lora_add_with_grad,
                        rms_norm_with_grad, rotary_qk_with_grad, rotary_with_grad, silu_mul_with_grad)
 from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_WIDTHS, CanonicalConfig,
                        CanonicalMismatchError, check_canonical, set_tree_segments, tree_segments)
@@ -81,6 +81,21 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape != b.shape:
         raise ValueError(f"add takes equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
     return add_with_grad(backend_for(a).add, a, b)
+
+
+def lora_add(base: torch.Tensor, product: torch.Tensor, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A LoRA term's epilogue (kernels.lora): add(base, bf16(product * scale)) on the rows of mask [...] (every row
+    if None), base itself elsewhere; base and product [..., N] bf16. One pass on GPU, the same bits as the
+    mul, add and select it replaces."""
+    _check("base", base, dtype=torch.bfloat16)
+    _check("product", product, dtype=torch.bfloat16)
+    if base.shape != product.shape:
+        raise ValueError(f"lora_add takes equal shapes, got {tuple(base.shape)} and {tuple(product.shape)}")
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(base.shape[:-1])):
+        raise ValueError(f"lora_add's mask must be bool of shape {tuple(base.shape[:-1])}, got {mask.dtype} "
+                         f"{tuple(mask.shape)}")
+    _same_device(base, product, mask)
+    return lora_add_with_grad(backend_for(base).lora_add, base, product, scale, mask)
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
@@ -210,7 +225,7 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                                            family.attention_split_kv)
 
 
-__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm",
+__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm", "lora_add",
            "PackedRow", "attention", "attention_packed", "attention_sequences", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
            "head_token_logprobs", "kernel_family", "log_softmax", "logprob_temperature", "mask_vocab_tail", "matmul", "rms_norm",
            "rotary", "rotary_qk", "sample", "sampling_position", "sampling_positions", "scale_logits",

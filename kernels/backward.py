@@ -254,6 +254,34 @@ def add_with_grad(canonical: Callable, a, b):
     return canonical(a, b)
 
 
+class _CanonicalLoraAdd(torch.autograd.Function):
+    """Canonical lora_add(base, product, scale, mask): the gradient passes to base unchanged, and to product
+    times scale on the rows of mask (zero elsewhere), as through the mul, add and select it fuses."""
+
+    @staticmethod
+    def forward(ctx, canonical: Callable, base, product, scale: float, mask):
+        ctx.dtypes, ctx.scale = (base.dtype, product.dtype), scale
+        ctx.save_for_backward(mask)
+        return canonical(base, product, scale, mask)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (mask,) = ctx.saved_tensors
+        grad_product = None
+        if ctx.needs_input_grad[2]:
+            grad_product = torch.mul(grad_out, ctx.scale)
+            if mask is not None:
+                grad_product = torch.where(mask.unsqueeze(-1), grad_product, torch.zeros_like(grad_product))
+            grad_product = grad_product.to(ctx.dtypes[1])
+        return None, grad_out.to(ctx.dtypes[0]), grad_product, None, None
+
+
+def lora_add_with_grad(canonical: Callable, base, product, scale: float, mask):
+    if torch.is_grad_enabled() and (base.requires_grad or product.requires_grad):
+        return _CanonicalLoraAdd.apply(canonical, base, product, scale, mask)
+    return canonical(base, product, scale, mask)
+
+
 # id(positions) -> (a weak reference to it, its version, keys, answer): whole_sequences' answers, each
 # dropped with its tensor (a WeakKeyDictionary would compare tensors with ==)
 _WHOLE_SEQUENCES: dict[int, tuple] = {}

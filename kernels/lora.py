@@ -3,8 +3,8 @@
 The rule, the same for the trainer and every rollout engine, so an adapter's log-probs match bit for bit:
 
     h = linear(x, A)          # [tokens, r], bf16 (A's K order: the base layer's, row-parallel or not)
-    d = linear(h, B) · scale  # bf16 product, one rounding
-    y = add(base(x), d)       # bf16
+    d = linear(h, B) · scale  # bf16 product, then scaled and rounded to bf16
+    y = add(base(x), d)       # bf16; a token no adapter claims keeps base(x) itself (kernels.lora_add)
 
 Every op treats a token row on its own, so a token's numbers do not depend on which other tokens share
 the batch or which adapters they use. Adapters come from one of two places:
@@ -79,10 +79,8 @@ def with_lora(ops, rows: LoraRows | None, layer_idx: int, module: torch.nn.Modul
     """`out` (the base projection of `x`) plus each adapter's term on the tokens that use it."""
     for a, b, scale, mask in lora_terms(rows, layer_idx, module, name):
         h = ops.linear(x, a, None, row_parallel=name in ROW_PARALLEL)
-        delta = torch.mul(ops.linear(h, b, None), scale)
-        added = ops.add(out, delta)
-        # selecting, not adding a masked zero: -0.0 + 0.0 would flip a sign bit of the base output
-        out = added if mask is None else torch.where(mask.unsqueeze(-1), added, out)
+        # scale, add and select in one op (kernels.lora_add: one pass on GPU)
+        out = ops.lora_add(out, ops.linear(h, b, None), scale, mask)
     return out
 
 

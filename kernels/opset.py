@@ -19,6 +19,8 @@ class OpSet:
     attention: Callable  # (q, k, v, positions, block_table, scale) -> bf16
     silu_mul: Callable
     add: Callable = K.add
+    # a LoRA term's scale, add and select (base, product, scale, mask) -> bf16, the same bits as those ops
+    lora_add: Callable = K.lora_add
     rotary: Callable = K.rotary
     log_softmax: Callable = K.log_softmax  # fp32 rows (MoE routing)
     # one-launch forms of add + rms_norm and of rotary on q and k (same bits as the ops they replace);

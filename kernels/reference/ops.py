@@ -180,6 +180,14 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() + b.float()).to(torch.bfloat16)
 
 
+def lora_add(base: torch.Tensor, product: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """base + bf16(product * scale) on the rows of mask (every row if None), base elsewhere: the product scaled
+    and rounded to bf16, then the canonical add. Rows mask leaves out are base itself, selected rather than
+    added to a zero (-0.0 + 0.0 would flip a sign bit)."""
+    added = add(base, torch.mul(product, scale))
+    return added if mask is None else torch.where(mask.unsqueeze(-1), added, base)
+
+
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """k_pool[blocks[n], offsets[n]] = k[n] (and v): token n's [Hkv, D] into a paged cache (strided views allowed)."""

@@ -88,6 +88,39 @@ def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, (a + b).to(tl.bfloat16), mask=mask)
 
 
+@triton.jit(do_not_specialize=["rows"])
+def _lora_add_kernel(base_ptr, prod_ptr, mask_ptr, out_ptr, rows, N, scale, stride_b, stride_p,
+                     HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < N
+    base = tl.load(base_ptr + row * stride_b + cols, mask=inside, other=0.0)
+    prod = tl.load(prod_ptr + row * stride_p + cols, mask=inside, other=0.0).to(tl.float32)
+    delta = (prod * scale).to(tl.bfloat16)  # torch.mul(bf16, float): in fp32, rounded to bf16
+    added = (base.to(tl.float32) + delta.to(tl.float32)).to(tl.bfloat16)
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + row) != 0
+        added = tl.where(keep, added, base)
+    tl.store(out_ptr + row * N + cols, added, mask=inside)
+
+
+def lora_add(base: torch.Tensor, product: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """kernels.reference.lora_add in one pass over the rows (the scale, the add and the select fused): reads
+    base and product once and writes once, where the three ops read and write [rows, N] five and three times."""
+    if base.shape != product.shape or (mask is not None and tuple(mask.shape) != tuple(base.shape[:-1])):
+        raise ValueError(f"lora_add: base {tuple(base.shape)}, product {tuple(product.shape)} and mask "
+                         f"{None if mask is None else tuple(mask.shape)} ([..., N], [..., N], [...])")
+    b2, p2 = rows_2d(base), rows_2d(product)
+    rows, n = b2.shape
+    out = torch.empty(base.shape, dtype=torch.bfloat16, device=base.device)
+    m1 = b2 if mask is None else mask.reshape(-1).contiguous()  # any pointer when there is no mask
+    block = min(2048, max(16, triton.next_power_of_2(n)))
+    _lora_add_kernel[(rows, triton.cdiv(n, block))](b2, p2, m1, out, rows, n, float(scale), b2.stride(0),
+                                                    p2.stride(0), HAS_MASK=mask is not None, BLOCK=block,
+                                                    num_warps=4, **_NO_FMA)
+    return out
+
+
 def _token_heads(x: torch.Tensor) -> torch.Tensor:
     """[B, T, H, D] as [B * T, H, D] with unit stride along D (a view of a fused projection where it can)."""
     b, t, h, d = x.shape

@@ -920,3 +920,27 @@ def test_peer_tree_kernels_equal_tree_combine(kt, k, out_dtype):
         assert not mine[:, :r * cols].any() and not mine[:, (r + 1) * cols:].any()
         rounded.append(mine)
     assert same_bits(peer_tree.gather_peer_columns(rounded, torch.empty(m, n, dtype=BF, device=DEV), cols), want)
+
+
+@pytest.mark.parametrize("n", [1536, 300, 16])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("scale", [2.0, 0.125, pytest.param(1.7, marks=needs_cuda)])
+def test_lora_add_equals_mul_add_and_select_bitwise(kt, n, masked, scale):
+    """The fused LoRA epilogue gives the bits of torch.mul by the scale, the canonical add and the select it
+    replaces, on strided rows (a split projection's output), with -0.0 in base kept on the rows left out.
+    Triton's interpreter truncates fp32 -> bf16 where a GPU rounds to nearest even, so on CPU only the power-of-two
+    scales (alpha / r as usually set: the scaled product exact in bf16) can match torch.mul."""
+    m = 40 if INTERPRET else 700
+    base = randn(m, 2 * n, seed=51, scale=3.0)[:, :n]
+    base[0, :4] = -0.0
+    product = randn(m, n, seed=52, scale=0.05)
+    product[0, :4] = 0.0
+    mask = (torch.arange(m, device=DEV) % 3 != 0) if masked else None
+    got = kt.lora_add(base, product, scale, mask)
+    added = kt.add(base.contiguous(), torch.mul(product, scale))
+    want = torch.where(mask.unsqueeze(-1), added, base) if masked else added
+    assert same_bits(got, want)
+    # the comparison can fail: row 0 (-0.0 plus a zero product) is +0.0 when added, -0.0 when left out
+    assert same_bits(got[0, :4], base[0, :4]) == masked
+    if scale == 1.7:  # and the fp32 sum without rounding the scaled product first gives other bits
+        assert not same_bits(got, (base.float() + product.float() * scale).to(BF))
