@@ -2,7 +2,7 @@
 issued each) and the functions that take the most host time.
 
     python -m bench.vllm_step_profile --shape qwen1.5b --system vllm-plugin --prompts 64 \
-        --prompt-len 512 --max-tokens 128
+        --prompt-len 512 --max-tokens 128 [--lora 16]
 
 One system per process (as bench.peer_vllm runs them). Prints one JSON object: tokens/s of a plain
 timed generate, the engine's model runner / async scheduling, the distinct synchronising call sites
@@ -32,11 +32,14 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench import emit
 from bench.peer.engines import (
+    LORA_SYSTEMS,
     add_engine_args,
     build_llm,
     capped,
     engine_facts,
+    lora_request,
     request_params,
+    save_random_adapter,
     workload,
 )
 from bench.step_profile.device_kernels import kernel_table
@@ -74,14 +77,24 @@ def main():
     p.add_argument("--timeline", action="store_true", help="GPU idle time and the CUDA runtime calls instead")
     p.add_argument("--stacks", action="store_true", help="with --timeline: the host functions run while the GPU idles")
     p.add_argument("--pstats", help="default mode: also write cProfile's raw stats here (pstats.Stats reads them)")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="every request through a random rank-R adapter on every projection (as bench.peer_vllm "
+                        "--lora: vLLM's enable_lora and LoRARequest); systems vllm and vllm-plugin")
     p.add_argument("--out")
     args = p.parse_args()
+    if args.lora and args.system not in LORA_SYSTEMS:
+        p.error(f"--lora runs the systems {LORA_SYSTEMS}; got {args.system}")
     tmp = None
     if not args.model:
         from bench.rollout import save_model
         tmp = tempfile.TemporaryDirectory(prefix="step-profile-")
         save_model(args.shape, tmp.name, args.num_layers)
         args.model = tmp.name
+    lora_tmp = None
+    if args.lora:
+        lora_tmp = tempfile.TemporaryDirectory(prefix="step-profile-lora-")
+        args.lora_dir = save_random_adapter(args.model, args.lora, lora_tmp.name)
+    adapter = lora_request(args)
     import transformers
     prompts = workload(args, transformers.AutoConfig.from_pretrained(args.model).vocab_size)
     host_totals = time_host_functions() if args.host_times else None
@@ -92,9 +105,10 @@ def main():
 
     def generate():
         llm.reset_prefix_cache()
-        return llm.generate(inputs, params, use_tqdm=False)
+        return llm.generate(inputs, params, lora_request=adapter, use_tqdm=False)
 
-    llm.generate(inputs, [capped(q, 8) for q in params], use_tqdm=False)  # warm-up: every prefill shape
+    llm.generate(inputs, [capped(q, 8) for q in params], lora_request=adapter,
+                 use_tqdm=False)  # warm-up: every prefill shape
     for _ in range(args.full_warmups):
         generate()
     start = time.perf_counter()
@@ -103,7 +117,7 @@ def main():
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = args.max_tokens  # decode steps of one generate (prefill steps add a few)
     common = dict(benchmark="vllm_step_profile", system=args.system, shape=None if tmp is None else args.shape,
-                  prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                  prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens, lora=args.lora,
                   stock_logprobs=args.stock_logprobs, logprobs_layout=args.logprobs_layout, **engine_facts(llm),
                   tokens_per_s=round(tokens / seconds, 1), ms_per_step=round(1000 * seconds / steps, 3))
     if args.kernels:
@@ -130,8 +144,9 @@ def main():
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
     emit(dict(common, sync_sites_per_step={k: round(v / steps, 2) for k, v in sites.most_common(30)},
               host_top=import_relative(text.getvalue()).splitlines()[:args.top + 12]), args.out)
-    if tmp is not None:
-        tmp.cleanup()
+    for t in (tmp, lora_tmp):
+        if t is not None:
+            t.cleanup()
 
 
 if __name__ == "__main__":

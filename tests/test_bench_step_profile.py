@@ -34,6 +34,14 @@ def test_step_profile_reports_a_plugin_generate(tmp_path):
 
 
 @pytest.mark.slow  # over 20 s on a 2-core machine
+def test_step_profile_runs_every_request_through_an_adapter(tmp_path):
+    """--lora R: the plugin with vLLM's enable_lora, every request naming a random rank-R adapter."""
+    report = _profile(tmp_path, "--lora", "4", "--host-times")
+    assert report["lora"] == 4 and report["tokens_per_s"] > 0, report
+    assert report["host_per_step"], report
+
+
+@pytest.mark.slow  # over 20 s on a 2-core machine
 def test_step_profile_counts_steps_by_batch_size(tmp_path):
     """--host-times also counts the generate's steps: decode steps by batch size (the rows each product
     sees), and the prefill steps with their tokens. One prefill step of 16 tokens (it samples the first
