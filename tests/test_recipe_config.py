@@ -34,7 +34,8 @@ def _get(cfg, dotted: str):
     return cfg
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "tiny_moe.yaml", "gsm8k_qwen.yaml", "gpu_colocated.yaml", "gpu_split.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "tiny_moe.yaml", "gsm8k_qwen.yaml", "gpu_colocated.yaml", "gpu_split.yaml",
+                                  "gpu_quality.yaml"])
 def test_shipped_configs_load_with_every_value(name):
     raw = coerce_numbers(yaml.safe_load((CONFIGS / name).read_text()))
     cfg = load_config(CONFIGS / name)
