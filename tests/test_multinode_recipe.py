@@ -203,8 +203,12 @@ def test_ray_job_submit_runs_the_recipe_on_the_cluster(cluster, tmp_path):
            "python", "-m", "recipes.grpo", "--config", "recipes/configs/tiny.yaml", "--no-progress",
            "--run-dir", str(run_dir), "train.save_every=0", *SHORT[:2], *SHORT[3:], *pinned("a", "b")]
     done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    status = JobSubmissionClient(cluster.dashboard_url).get_job_status(submission)
-    assert status == JobStatus.SUCCEEDED, done.stdout[-3000:] + done.stderr[-3000:]
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    try:
+        status = JobSubmissionClient(cluster.dashboard_url).get_job_status(submission)
+    except RuntimeError as error:  # the submission never became a job (e.g. the working dir's upload failed)
+        pytest.fail(f"{error}\n`ray job submit` said:\n{output}")
+    assert status == JobStatus.SUCCEEDED, output
     logged = read_metrics(run_dir)
     assert [r["step"] for r in logged] == [1, 2]
     assert_zero_kl(logged)
