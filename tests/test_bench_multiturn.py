@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EPISODES, TURNS, PROMPT, MAX_TOKENS, OBSERVATION, ROUNDS, BLOCK = 3, 2, 40, 8, 5, 2, 32
 
 
+@pytest.mark.slow  # 20-30 s on a 2-core machine: the fast suite stays under 20 minutes
 def test_two_turn_episodes_report(tmp_path):
     out = tmp_path / "multiturn.json"
     proc = subprocess.run([sys.executable, "-m", "bench.multiturn", "--episodes", str(EPISODES), "--turns", str(TURNS),

@@ -112,6 +112,7 @@ def _generate_once(path, k, prompts, params, **options):
         gc.collect()
 
 
+@pytest.mark.slow  # 20-30 s on a 2-core machine: the fast suite stays under 20 minutes
 def test_bf16_all_reduce_control_differs(checkpoint, policy):
     prompts, params = _workload()
     results = _generate_once(checkpoint, 2, prompts, params, additional_config={TP_REDUCE_KEY: "bf16_all_reduce"})
@@ -150,6 +151,7 @@ def test_tp8_equals_trainer_and_its_control_differs(tmp_path_factory):
     assert count_trainer_mismatches(trainer, prompts, params, control) > 0
 
 
+@pytest.mark.slow  # 20-30 s on a 2-core machine: the fast suite stays under 20 minutes
 def test_worker_engine_at_tp2_with_a_weight_push(checkpoint, policy):
     """VLLMEngine, a RolloutWorker's engine on vLLM, at tensor_parallel_size=2: its rollouts equal
     the trainer's; a weight push (files to each worker process, vLLM's in-place reload, each rank
