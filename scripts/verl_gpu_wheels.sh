@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Wheels for verl's GSM8K GRPO test on a GPU machine without network (Python 3.12, torch 2.11, vLLM 0.25 and
-# transformers already there): verl 0.9.1 and the dependencies its trainer imports that such a machine lacks.
+# transformers already there): verl 0.9.1 and the dependencies its trainer imports that such a machine lacks,
+# with vLLM's OpenAI server's (scripts/vllm_server_gpu_wheels.sh: verl's rollout replicas run that server).
 #
 #   scripts/verl_gpu_wheels.sh OUT_DIR        # then, there: pip install --no-index --no-deps OUT_DIR/*.whl
 #
@@ -15,5 +16,6 @@ mkdir -p "$OUT"
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$OUT" \
   verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 hydra-core==1.3.8 omegaconf==2.3.1 codetiming==1.4.0 \
   torchdata==0.11.0 pybind11 dill peft==0.21.2 accelerate transferqueue==0.1.11 prometheus_client orjson
+"$(dirname "$0")/vllm_server_gpu_wheels.sh" "$OUT"
 "$PYTHON" -m pip wheel -q --no-deps -w "$OUT" antlr4-python3-runtime==4.9.3 pylatexenc==2.11
 ls "$OUT"

@@ -5,7 +5,7 @@ The machine has no network: the model is a tiny random Qwen2 with a byte-level t
 past the tokenizer, as Qwen2.5's is, so verl's vLLM-only vocabulary mask is exercised), and GSM8K comes from
 the shared data folder, converted to parquet the way verl's examples/data_preprocess/gsm8k.py converts it.
 Run with `pytest -m gpu tests/gpu/test_verl_quickstart_gpu.py` (verl and its dependencies offline:
-scripts/verl_gpu_wheels.sh); ZEROKL_GSM8K names the folder holding
+scripts/verl_gpu_wheels.sh, vLLM's OpenAI server included); ZEROKL_GSM8K names the folder holding
 train.jsonl / test.jsonl (default: ../shared/data/gsm8k next to the checkout)."""
 from __future__ import annotations
 
