@@ -9,7 +9,10 @@ what the corrections do. A seed is the recipe's run seed (starting weights, prom
 for every arm, so a seed's arms start from the same policy and see the same prompts.
 
 A setting is a name and the overrides that make it (the trailing key=value pairs), recorded with the results;
-docs/quality_study.md lists the settings where mismatch is known to bite. Each run lives in
+docs/quality_study.md lists the settings where mismatch is known to bite. Where the config warms the policy up
+(`warmup.steps`), each seed is warmed once and saved as a Hugging Face checkpoint in <out>/<setting>/warm-seed<k>/;
+every arm of that seed starts from it (`model.source=hf`), so the arms share their first policy bit for bit (a GPU
+warm-up run once per arm need not repeat its own bits) and the warm-up's time is spent once per seed. Each run lives in
 <out>/<setting>/<arm>-seed<k>/ and advances by at most --piece-steps steps per piece, from its last checkpoint: a
 study is a sequence of short invocations, each stopping once --budget-min has passed (the piece running then
 finishes first), and the next continues where it stopped. Once every run is done, the summary (JSON on stdout and
@@ -50,6 +53,24 @@ def say(message: str) -> None:
 
 def steps_done(run_dir: Path) -> int:
     return len(read_metrics(run_dir)) if (run_dir / METRICS_FILE).is_file() else 0
+
+
+def warm_start(config: str, overrides: list[str], seed: int, root: Path) -> list[str]:
+    """The overrides that start seed `seed`'s runs from its warmed policy, saved once in root/warm-seed<seed>/ (the
+    run's own warm-up: recipes.grpo_job.starting_model); none where the config has no warm-up."""
+    cfg = load_config(config, [*overrides, f"seed={seed}"])
+    if cfg.warmup.steps <= 0:
+        return []
+    path = root / f"warm-seed{seed}"
+    if not (path / "config.json").is_file():
+        from recipes.grpo_job import starting_model
+        from recipes.task import build_task
+        say(f"seed {seed}: warming the policy up ({cfg.warmup.steps} steps on {cfg.warmup.device})")
+        model = starting_model(cfg, build_task(cfg), resumed=False)
+        partial = path.with_name(path.name + ".partial")  # renamed when whole: a killed save is not taken
+        model.save_pretrained(partial)
+        partial.rename(path)
+    return ["model.source=hf", f"model.name={path}", "warmup.steps=0"]
 
 
 def run_piece(config: str, arm: str, seed: int, overrides: list[str], run_dir: Path, steps: int,
@@ -143,7 +164,9 @@ def main(argv=None) -> dict:
             say(f"budget of {args.budget_min:g} min spent; {len(pending)} runs not done: run the same command again")
             return {"done": False, "pending": [f"{a}-seed{s}" for a, s in pending]}
         arm, seed = pending[0]
-        run_piece(args.config, arm, seed, args.overrides, root / f"{arm}-seed{seed}", args.steps, args.piece_steps)
+        start_from = warm_start(args.config, args.overrides, seed, root)
+        run_piece(args.config, arm, seed, [*args.overrides, *start_from], root / f"{arm}-seed{seed}", args.steps,
+                  args.piece_steps)
 
     curves = {arm: {seed: read_metrics(root / f"{arm}-seed{seed}")[:args.steps] for seed in seeds} for arm in arms}
     summary = {"done": True, "config": args.config, "steps": args.steps, "seeds": seeds,

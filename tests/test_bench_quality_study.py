@@ -59,7 +59,8 @@ def test_a_spent_budget_stops_before_the_next_piece(tmp_path):
 def _study(tmp_path: Path, *args: str) -> dict:
     env = {**os.environ, "RAY_ADDRESS": "local", "HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "bench.quality_study", "--out", str(tmp_path / "study"), "--seeds",
-                           "0", *args, *TINY], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+                           "0", *args, *TINY], check=False, cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -72,9 +73,41 @@ def test_every_arm_runs_and_a_second_invocation_resumes(tmp_path):
     assert first["arms"]["canonical"]["rollout_train/max_abs_logprob_diff"]["max"] == 0.0
     for arm in ("stock", "stock_tis", "stock_mask"):  # the stock numerics' rollouts are not the trainer's
         assert first["arms"][arm]["rollout_train/max_abs_logprob_diff"]["max"] > 0.0, arm
+    warm = tmp_path / "study" / "base" / "warm-seed0"  # one warm-up for the seed, every arm starting from it
+    for arm in ARMS:
+        assert f"name: {warm}" in (tmp_path / "study" / "base" / f"{arm}-seed0" / "config.yaml").read_text(), arm
     again = _study(tmp_path, "--arms", "canonical", "--steps", "2", "--piece-steps", "1")
     run = tmp_path / "study" / "base" / "canonical-seed0"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]  # step 2 from the resumed piece; step 1 not run again
     assert again["arms"]["canonical"]["rollout_train/kl"]["max"] == 0.0
+
+
+def test_a_seed_is_warmed_once_and_every_arm_starts_from_that_checkpoint(tmp_path, monkeypatch):
+    import torch
+
+    import recipes.grpo_job
+    from bench.quality_study import warm_start
+    from recipes.config import load_config
+    from recipes.models import initial_model
+    from recipes.task import build_task
+    config = "recipes/configs/tiny.yaml"
+    overrides = warm_start(config, TINY, 3, tmp_path)
+    assert overrides == ["model.source=hf", f"model.name={tmp_path / 'warm-seed3'}", "warmup.steps=0"]
+    cfg = load_config(config, [*TINY, "seed=3"])
+    task = build_task(cfg)
+    warmed = recipes.grpo_job.starting_model(cfg, task, resumed=False)  # the run's own warm-up, on CPU
+    loaded = initial_model(load_config(config, [*TINY, "seed=3", *overrides]), task.tokenizer)
+    assert warmed.state_dict().keys() == loaded.state_dict().keys()
+    for name, tensor in warmed.state_dict().items():
+        assert torch.equal(tensor.view(torch.int16), loaded.state_dict()[name].view(torch.int16)), name
+    untouched = initial_model(load_config(config, [*TINY, "seed=3"]), task.tokenizer)  # not warmed: differs
+    assert any(not torch.equal(t, untouched.state_dict()[n]) for n, t in warmed.state_dict().items())
+
+    def no_second_warmup(*args, **kwargs):
+        raise AssertionError("the seed's warm-up ran again")
+    monkeypatch.setattr(recipes.grpo_job, "starting_model", no_second_warmup)
+    assert warm_start(config, TINY, 3, tmp_path) == overrides  # taken from disk
+    assert warm_start(config, ["warmup.steps=0"], 3, tmp_path / "none") == []  # no warm-up, nothing saved
+    assert not (tmp_path / "none").exists()
