@@ -194,13 +194,15 @@ class RequestAdapters:
         n = len(token_ids)
         if n > self.masks.shape[1]:
             raise ValueError(f"{n} tokens in a step exceed the LoRA token masks' {self.masks.shape[1]}")
-        host = np.zeros(tuple(self.masks.shape), dtype=bool)
+        # a fresh host tensor each step, pinned on a GPU (as vLLM's own LoRA mapping is): a copy from pageable
+        # memory goes through the driver's staging buffer, which can hold the host until an earlier copy is
+        # done. PyTorch's pinned-memory cache does not hand the buffer out again before this copy has run.
+        host = torch.zeros(tuple(self.masks.shape), dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        view = host.numpy()
         for slot, lora_id in enumerate(self.slot_ids):
             if lora_id is not None and lora_id in self.loaded:
-                host[slot, :n] = token_ids == lora_id
-        # a fresh host tensor each step: the copy is staged before this returns, so nothing is overwritten
-        # while a step in flight still reads it
-        self.masks.copy_(torch.from_numpy(host), non_blocking=True)
+                view[slot, :n] = token_ids == lora_id
+        self.masks.copy_(host, non_blocking=True)
 
     def _evict(self, keep: int) -> None:
         """Least recently used adapters out, beyond max_cpu_loras: never `keep` (just loaded), one in a slot,
