@@ -10,12 +10,10 @@
 # only: it and pylatexenc are built into wheels here (both pure Python).
 set -euo pipefail
 OUT=${1:?usage: scripts/verl_gpu_wheels.sh OUT_DIR}
-PYTHON=${PYTHON:-python}
-mkdir -p "$OUT"
-"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$OUT" \
-  verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 hydra-core==1.3.8 omegaconf==2.3.1 codetiming==1.4.0 \
-  torchdata==0.11.0 pybind11 dill peft==0.21.2 accelerate transferqueue==0.1.11 prometheus_client orjson
-"$(dirname "$0")/vllm_server_gpu_wheels.sh" "$OUT"
-"$PYTHON" -m pip wheel -q --no-deps -w "$OUT" antlr4-python3-runtime==4.9.3 pylatexenc==2.11
+HERE=$(dirname "$0")
+"$HERE/gpu_wheels.sh" "$OUT" verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 hydra-core==1.3.8 omegaconf==2.3.1 \
+  codetiming==1.4.0 torchdata==0.11.0 pybind11 dill peft==0.21.2 accelerate transferqueue==0.1.11 prometheus_client \
+  orjson
+"$HERE/vllm_server_gpu_wheels.sh" "$OUT"
+"${PYTHON:-python}" -m pip wheel -q --no-deps -w "$OUT" antlr4-python3-runtime==4.9.3 pylatexenc==2.11
 ls "$OUT"

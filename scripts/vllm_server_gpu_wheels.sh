@@ -11,9 +11,5 @@
 # (click, h11, anyio, fastapi, httpx, prometheus-client) are on the image or in the bundle.
 set -euo pipefail
 OUT=${1:?usage: scripts/vllm_server_gpu_wheels.sh OUT_DIR}
-PYTHON=${PYTHON:-python}
-mkdir -p "$OUT"
-"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$OUT" \
-  uvicorn==0.55.0 watchfiles==1.3.0 prometheus-fastapi-instrumentator==8.1.0 \
+"$(dirname "$0")/gpu_wheels.sh" "$OUT" uvicorn==0.55.0 watchfiles==1.3.0 prometheus-fastapi-instrumentator==8.1.0 \
   model-hosting-container-standards==0.1.16 supervisor==4.3.0 jmespath==1.1.0

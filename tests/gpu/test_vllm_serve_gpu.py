@@ -6,7 +6,8 @@ the same checkpoint's stock forward (unpatched transformers, cuBLAS and SDPA) gi
 the same tokens.
 
 vLLM's engine core runs in its own process and finds the plugin through its entry point: the package
-must be installed (`pip install -e . --no-deps`).
+must be installed (`pip install -e . --no-deps`). On a machine without network, the server's own packages come
+as wheels: scripts/vllm_server_gpu_wheels.sh.
 """
 import pytest
 import torch

@@ -6,7 +6,8 @@ token's log-prob is the trainer's from one forward over the trajectory (the chec
 `from_pretrained` in bf16 on the GPU); the text round trip ran on other ids.
 
 vLLM's engine core finds the plugin through its entry point: the package must be installed
-(`pip install -e . --no-deps`).
+(`pip install -e . --no-deps`). On a machine without network, the server's own packages come
+as wheels: scripts/vllm_server_gpu_wheels.sh.
 """
 import pytest
 import torch
