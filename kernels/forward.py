@@ -6,6 +6,7 @@ runs the very same code with ordinary torch ops. Weights are read from the Huggi
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -148,8 +149,20 @@ def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
 # Without autograd, a step of more tokens than this runs its MLP in row chunks of this size. Its
 # [tokens, intermediate] tensors are a prefill step's largest (Llama-3.1-8B at 16,384 tokens: 0.9 GB
 # for gate/up, 0.5 GB for their SiLU product), and vLLM leaves the peak of its profiling step out of
-# the KV cache. Every MLP op treats rows on their own, so the bits do not change.
-MLP_CHUNK_ROWS = 4096
+# the KV cache. Every MLP op treats rows on their own, so the bits do not change. ZEROKL_MLP_CHUNK_ROWS (read
+# at import) sets another size: fewer chunks launch fewer kernels in a prefill step (each LoRA projection
+# launches three a chunk) and leave a larger peak out of the KV cache.
+MLP_CHUNK_ROWS_ENV = "ZEROKL_MLP_CHUNK_ROWS"
+
+
+def _mlp_chunk_rows() -> int:
+    raw = os.environ.get(MLP_CHUNK_ROWS_ENV, "4096")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MLP_CHUNK_ROWS_ENV}={raw!r}: expected a positive number of rows")
+    return int(raw)
+
+
+MLP_CHUNK_ROWS = _mlp_chunk_rows()
 
 
 def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -85,3 +85,18 @@ def test_long_steps_run_the_mlp_in_row_chunks_with_the_same_bits(tmp_path, monke
     per_layer = [8, 8, 5] if fused else [8, 8, 8, 8, 5, 5]  # unfused: gate and up each see every chunk
     assert sorted(gate_up_rows, reverse=True) == sorted(per_layer * model.config.num_hidden_layers, reverse=True)
     assert torch.equal(chunked, whole)
+
+
+@pytest.mark.parametrize("value, expected", [(None, 4096), ("16384", 16384), ("0", None), ("4k", None)])
+def test_the_mlp_chunk_rows_come_from_the_environment(monkeypatch, value, expected):
+    """ZEROKL_MLP_CHUNK_ROWS sets the chunk size (vLLM's engine process reads it at import); a value that is
+    not a positive count is refused with the variable's name."""
+    if value is None:
+        monkeypatch.delenv(forward_module.MLP_CHUNK_ROWS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(forward_module.MLP_CHUNK_ROWS_ENV, value)
+    if expected is None:
+        with pytest.raises(ValueError, match="ZEROKL_MLP_CHUNK_ROWS"):
+            forward_module._mlp_chunk_rows()
+    else:
+        assert forward_module._mlp_chunk_rows() == expected
