@@ -39,9 +39,6 @@ from bench import emit  # noqa: E402
 from rollout_service.integrations.verl import LIB  # noqa: E402
 ARMS = ("verl", "zerokl")
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 DIFF_KEY = "training/rollout_probs_diff_max"
 
 
@@ -100,24 +97,14 @@ def gsm8k_parquet(source: Path, out: Path, rows: dict[str, int]) -> dict[str, st
 
 
 def byte_level_checkpoint(path: Path, model_kw: dict) -> str:
-    """A random Qwen2 of `model_kw` with a byte-level tokenizer of 259 ids and a chat template, saved to `path`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from rollout_service.tiny_models import tiny_model
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)} | {s: len(alphabet) + i for i, s in enumerate(SPECIALS)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        additional_special_tokens=list(SPECIALS))
-    tokenizer.chat_template = CHAT_TEMPLATE
+    """A random Qwen2 of `model_kw` with the byte-level tokenizer (259 ids, a chat template), saved to `path`."""
+    from rollout_service.tiny_models import byte_level_tokenizer, tiny_model
+    tokenizer = byte_level_tokenizer()
     if len(tokenizer) >= model_kw["vocab_size"]:
         raise ValueError(f"vocab_size {model_kw['vocab_size']} must exceed the tokenizer's {len(tokenizer)} ids")
     model = tiny_model("qwen2", seed=7, **model_kw)
-    model.config.eos_token_id = model.generation_config.eos_token_id = vocab["<|im_end|>"]
-    model.config.pad_token_id = model.generation_config.pad_token_id = vocab["<|endoftext|>"]
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

@@ -79,9 +79,11 @@ def format_prompt(tokenizer, question: str) -> list[int]:
 
 
 def build_prompts(dataset, tokenizer, max_prompt_tokens: int | None = None):
-    """Columns `prompt_ids` and `answer` (normalised); prompts longer than max_prompt_tokens dropped."""
+    """Columns `prompt_ids`, `answer` (normalised) and `target` (the worked solution, ending `#### answer`: what
+    a warm-up trains on); prompts longer than max_prompt_tokens dropped."""
     def convert(row):
-        return {"prompt_ids": format_prompt(tokenizer, row["question"]), "answer": gold_answer(row["answer"])}
+        return {"prompt_ids": format_prompt(tokenizer, row["question"]), "answer": gold_answer(row["answer"]),
+                "target": row["answer"].strip()}
 
     out = dataset.map(convert, remove_columns=dataset.column_names)
     if max_prompt_tokens:

@@ -4,8 +4,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rollout_service.tiny_models import byte_level_tokenizer
+
 from . import gsm8k, tiny_task, tiny_tools
 from .config import RecipeConfig
+from .config.model import BYTE_TOKENIZER
 
 
 @dataclass
@@ -45,7 +48,9 @@ def build_task(cfg: RecipeConfig, tokenizer=None) -> Task:
         return Task("tiny_tools", tokenizer, ds, tiny_task.reward, stops,
                     environment=lambda: tiny_tools.CalculatorEnv(tokenizer), max_turns=spec.max_turns)
     if spec.kind == "gsm8k":
-        if tokenizer is None:
+        if tokenizer is None and cfg.model.tokenizer == BYTE_TOKENIZER:
+            tokenizer = byte_level_tokenizer()
+        elif tokenizer is None:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.name)
         raw = gsm8k.load_gsm8k(spec.split, spec.path)

@@ -74,3 +74,26 @@ def save_with_word_tokenizer(model, path: str) -> None:
     model.config.pad_token_id = model.generation_config.pad_token_id = vocab["<pad>"]
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+# The byte-level tokenizer's special tokens (Qwen's names and chat markup), after its 256 byte ids
+BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                      "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_level_tokenizer():
+    """A tokenizer of 259 ids for real text with no download: each UTF-8 byte is one id (byte-level BPE
+    with no merges), then <|endoftext|> (pad), <|im_start|> and <|im_end|> (eos), and a ChatML template.
+    Text costs one token a byte, so a worked GSM8K solution is a completion of a few hundred tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)} | {s: len(alphabet) + i for i, s in enumerate(BYTE_SPECIALS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=list(BYTE_SPECIALS))
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    return tokenizer

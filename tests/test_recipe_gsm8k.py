@@ -69,3 +69,32 @@ def test_prompts_and_task_with_a_local_tokenizer():
     expect = tok.encode(f"Question: {question.strip()}\n{gsm8k.INSTRUCTION}\nAnswer:", add_special_tokens=False)
     assert task.dataset[0]["prompt_ids"] == expect  # no chat template: the plain question/answer format
     assert task.reward(tok.encode("#### 18"), "18") == 1.0
+
+
+@needs_data
+def test_a_tiny_policy_reads_gsm8k_through_the_byte_level_tokenizer_and_warms_up_on_worked_solutions():
+    """`model.tokenizer: bytes` (the quality study's long-completion config): no download; prompts in the chat
+    template, one id a byte; the warm-up's targets are GSM8K's worked solutions, which earn the reward."""
+    from recipes.config import load_config
+    from recipes.models import initial_model
+    from recipes.task import build_task
+    from recipes.warmup import answer_examples
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "recipes" / "configs" / "gpu_quality_gsm8k.yaml",
+                      ["task.split=test", f"task.path={DATA}", "model.hidden_size=32", "model.num_layers=1",
+                       "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64"])
+    task = build_task(cfg)
+    tok = task.tokenizer
+    assert len(tok) == 259 and tok.convert_tokens_to_ids("<|im_end|>") in task.stop_token_ids
+    raw = gsm8k.load_gsm8k("test", DATA)
+    assert 0.9 * len(raw) < len(task.dataset) < len(raw)  # the longest questions pass max_prompt_tokens: 512
+    row = task.dataset[0]
+    text = f"<|im_start|>user\n{raw[0]['question'].strip()}\n{gsm8k.INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(row["prompt_ids"]) == text
+    prompt, target = answer_examples(task)[0]
+    assert prompt == row["prompt_ids"] and target[-1] in task.stop_token_ids
+    solution = tok.decode(target[:-1])
+    assert solution == raw[0]["answer"].strip() and solution.endswith("#### 18")
+    assert len(target) - 1 == len(solution.encode())  # one token a byte: a completion of hundreds of tokens
+    assert task.reward(target[:-1], row["answer"]) == 1.0
+    assert initial_model(cfg, tok).config.vocab_size == 259

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+BYTE_TOKENIZER = "bytes"  # model.tokenizer: the byte-level tokenizer built in, not a hub id or directory
 ALL_LINEAR = "all-linear"  # model.lora.target_modules: every projection of the decoder (PEFT's name)
 
 
@@ -43,7 +44,9 @@ class ModelConfig:
     name: str | None = None
     """hf: the hub id or local checkpoint directory (required); also gsm8k's tokenizer unless `tokenizer`."""
     tokenizer: str | None = None
-    """gsm8k: the tokenizer's hub id or local directory, when it is not `name`'s; null: `name`."""
+    """gsm8k: the tokenizer's hub id or local directory, when it is not `name`'s; null: `name`; `bytes`: the
+    project's byte-level tokenizer (rollout_service.tiny_models.byte_level_tokenizer, no download), for a
+    tiny model on real text."""
     # tiny: rollout_service.tiny_models options; null keeps that module's default
     arch: str | None = None
     """tiny: the architecture, llama | qwen2 | qwen3 | qwen3_moe."""
