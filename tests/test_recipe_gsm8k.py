@@ -71,30 +71,36 @@ def test_prompts_and_task_with_a_local_tokenizer():
     assert task.reward(tok.encode("#### 18"), "18") == 1.0
 
 
-@needs_data
-def test_a_tiny_policy_reads_gsm8k_through_the_byte_level_tokenizer_and_warms_up_on_worked_solutions():
+def test_a_tiny_policy_reads_gsm8k_through_the_byte_level_tokenizer_and_warms_up_on_worked_solutions(tmp_path):
     """`model.tokenizer: bytes` (the quality study's long-completion config): no download; prompts in the chat
-    template, one id a byte; the warm-up's targets are GSM8K's worked solutions, which earn the reward."""
+    template, one id a byte; the warm-up's targets are the worked solutions, which earn the reward. Rows in
+    GSM8K's JSONL format, written here, so the test needs no data beside the checkout."""
+    import json
+
     from recipes.config import load_config
     from recipes.models import initial_model
     from recipes.task import build_task
     from recipes.warmup import answer_examples
 
+    rows = [{"question": "A baker makes 12 loaves a day. How many loaves does he make in 5 days?",
+             "answer": "He makes 12 * 5 = <<12*5=60>>60 loaves.\n#### 60"},
+            {"question": "Long question " + "with many words " * 40 + "?", "answer": "It is 1.\n#### 1"}]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(Path(__file__).resolve().parents[1] / "recipes" / "configs" / "gpu_quality_gsm8k.yaml",
-                      ["task.split=test", f"task.path={DATA}", "model.hidden_size=32", "model.num_layers=1",
+                      ["task.split=test", f"task.path={tmp_path}", "model.hidden_size=32", "model.num_layers=1",
                        "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64"])
     task = build_task(cfg)
     tok = task.tokenizer
     assert len(tok) == 259 and tok.convert_tokens_to_ids("<|im_end|>") in task.stop_token_ids
-    raw = gsm8k.load_gsm8k("test", DATA)
-    assert 0.9 * len(raw) < len(task.dataset) < len(raw)  # the longest questions pass max_prompt_tokens: 512
+    assert len(task.dataset) == 1  # the second question is over max_prompt_tokens (512 bytes)
     row = task.dataset[0]
-    text = f"<|im_start|>user\n{raw[0]['question'].strip()}\n{gsm8k.INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.decode(row["prompt_ids"]) == text
+    text = f"<|im_start|>user\n{rows[0]['question']}\n{gsm8k.INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(row["prompt_ids"]) == text and len(row["prompt_ids"]) < len(text.encode())  # specials: 1 id
     prompt, target = answer_examples(task)[0]
     assert prompt == row["prompt_ids"] and target[-1] in task.stop_token_ids
     solution = tok.decode(target[:-1])
-    assert solution == raw[0]["answer"].strip() and solution.endswith("#### 18")
-    assert len(target) - 1 == len(solution.encode())  # one token a byte: a completion of hundreds of tokens
+    assert solution == rows[0]["answer"] and row["answer"] == "60"
+    assert len(target) - 1 == len(solution.encode())  # one token a byte: a solution is a completion of its bytes
     assert task.reward(target[:-1], row["answer"]) == 1.0
+    assert task.reward(tok.encode("He makes 59.\n#### 59"), row["answer"]) == 0.0
     assert initial_model(cfg, tok).config.vocab_size == 259
