@@ -13,7 +13,7 @@ import torch
 
 import kernels as K
 from kernels.backward import mark_whole_sequences
-from kernels.lora import LoraRows, RowChunkLora, lora_projection
+from kernels.lora import GATE_UP, QKV, LoraRows, RowChunkLora, lora_projection, lora_projections
 from kernels.moe import MoESpec, is_moe_block, moe_forward, moe_spec
 from kernels.opset import CANONICAL_OPS, OpSet
 from kernels.packed_attention import PackedRow
@@ -231,11 +231,9 @@ def _dense_mlp(ops: OpSet, mlp: torch.nn.Module, x: torch.Tensor, ctx) -> torch.
     return lora_projection(ctx, mlp, "down_proj", act, down)
 
 
-# Projections that read the same input, run as one canonical matmul where fuse_projections has put
-# their weights in one tensor. Same bits as one matmul each: an output element reduces its own weight
-# row over K in the fixed order, whatever the other rows are.
-QKV = ("q_proj", "k_proj", "v_proj")
-GATE_UP = ("gate_proj", "up_proj")
+# Projections that read the same input (kernels.lora's QKV, GATE_UP), run as one canonical matmul where
+# fuse_projections has put their weights in one tensor. Same bits as one matmul each: an output element
+# reduces its own weight row over K in the fixed order, whatever the other rows are.
 _FUSED = "_zerokl_fused"  # module.__dict__ entry: (weight, bias or None, rows per projection)
 
 
@@ -247,7 +245,7 @@ def _projections(ops: OpSet, x: torch.Tensor, module: torch.nn.Module, names: tu
         outs = ops.linear(x, weight, bias).split(rows, dim=-1)
     else:
         outs = [ops.linear(x, _bf16(getattr(module, n).weight), _bf16(getattr(module, n).bias)) for n in names]
-    return [lora_projection(ctx, module, n, x, out) for n, out in zip(names, outs)]
+    return lora_projections(ctx, module, names, x, outs)
 
 
 def fuse_projections(model: torch.nn.Module) -> None:

@@ -18,7 +18,7 @@ No PEFT import here: a PEFT layer is recognised by its `lora_A` / `lora_B` / `sc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,13 +26,40 @@ import torch
 # module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)
 LoraKey = tuple[int, str]
 ROW_PARALLEL = ("o_proj", "down_proj")  # their A reads the base layer's K in its row-parallel order
+# Projections that read one input (kernels.forward runs each group's base weights as one matmul, too). An
+# adapter's A matrices of a group are row blocks of one tensor, so their shrink is one matmul: the same bits
+# as one each, since an output element reduces its own row of A over K in the fixed order.
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
 
 
 @dataclass(frozen=True)
 class LoraWeights:
-    """One adapter's tensors in the forward's terms (bf16, on the model's device)."""
+    """One adapter's tensors in the forward's terms (bf16, on the model's device).
+
+    groups[(layer, names)] = (A of the group's projections as row blocks [sum r, in], their ranks), for a
+    group (QKV, GATE_UP) whose projections all carry this adapter; their terms' A are views of it, so an
+    in-place copy into a term's A (a CUDA graph's tensors) reaches the group's shrink too."""
     name: str
     terms: dict[LoraKey, tuple[torch.Tensor, torch.Tensor, float]]
+    groups: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[int]]] = field(
+        init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        terms, groups = dict(self.terms), {}
+        for layer in sorted({layer for layer, _ in terms}):
+            for names in (QKV, GATE_UP):
+                parts = [terms.get((layer, n)) for n in names]
+                if any(p is None for p in parts):
+                    continue
+                fused = torch.cat([a for a, _, _ in parts], dim=0)
+                ranks, row = [a.shape[0] for a, _, _ in parts], 0
+                for name, (a, b, scale), rank in zip(names, parts, ranks):
+                    terms[(layer, name)] = (fused[row:row + rank], b, scale)
+                    row += rank
+                groups[(layer, names)] = (fused, ranks)
+        object.__setattr__(self, "terms", terms)
+        object.__setattr__(self, "groups", groups)
 
 
 @dataclass(frozen=True)
@@ -88,6 +115,29 @@ def lora_projection(ctx, module: torch.nn.Module, name: str, x: torch.Tensor, ou
     """`out`, the base projection `name` of x in a forward (kernels.forward.ForwardContext or RowChunkLora),
     plus its LoRA terms."""
     return with_lora(ctx.ops, ctx.lora_rows(), ctx.layer_idx, module, name, x, out)
+
+
+def lora_projections(ctx, module: torch.nn.Module, names: tuple[str, ...], x: torch.Tensor,
+                     outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """lora_projection for projections that read the same `x` (QKV, GATE_UP). An adapter held apart
+    (LoraRows) that carries the whole group shrinks `x` once for all of them (LoraWeights.groups): fewer
+    launches at prefill, the same bits. Each projection still takes its adapters' terms in their order."""
+    rows = ctx.lora_rows()
+    if rows is None:
+        return [lora_projection(ctx, module, n, x, out) for n, out in zip(names, outs)]
+    ops, layer, outs = ctx.ops, ctx.layer_idx, list(outs)
+    for weights, mask in rows.adapters:
+        group = weights.groups.get((layer, names))
+        if group is not None:
+            shrunk = ops.linear(x, group[0], None).split(group[1], dim=-1)
+        for i, name in enumerate(names):
+            term = weights.terms.get((layer, name))
+            if term is None:
+                continue
+            a, b, scale = term
+            h = shrunk[i] if group is not None else ops.linear(x, a, None)
+            outs[i] = ops.lora_add(outs[i], ops.linear(h, b, None), scale, mask)
+    return outs
 
 
 class RowChunkLora:

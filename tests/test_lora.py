@@ -38,8 +38,11 @@ def _generate(engine, requests):
     return [done[i] for i in ids]
 
 
-@pytest.mark.parametrize("r, targets", [(1, ATTENTION), (8, ALL_LINEAR), (64, ATTENTION)],
-                         ids=["r1-attention", "r8-all-linear", "r64-attention"])
+# q/k/v and gate/up read one input: an adapter on all of a group shrinks once for it (kernels.lora.LoraWeights
+# .groups); on part of one (q_proj and v_proj, up_proj alone), each projection shrinks on its own
+@pytest.mark.parametrize("r, targets", [(1, ATTENTION), (8, ALL_LINEAR), (64, ATTENTION),
+                                        (4, ["q_proj", "v_proj", "up_proj"])],
+                         ids=["r1-attention", "r8-all-linear", "r64-attention", "r4-part-of-each-group"])
 def test_engine_rollouts_with_an_adapter_are_the_trainers_logprobs(checkpoint, tmp_path, r, targets):
     trained = trained_adapter_model(checkpoint, r, targets)
     adapter = adapter_from_model(trained)
@@ -52,6 +55,21 @@ def test_engine_rollouts_with_an_adapter_are_the_trainers_logprobs(checkpoint, t
     assert logprob_bits(rollouts) == rollout_scores(trained, rollouts)
     # the adapter matters: the base model scores these tokens differently
     assert rollout_scores(base_model(checkpoint), rollouts) != logprob_bits(rollouts)
+
+
+def test_a_groups_a_matrices_are_one_tensor_that_in_place_copies_reach(checkpoint):
+    """The forward's view of an adapter holds q/k/v's (and gate/up's) A as row blocks of one tensor, its
+    terms' A being views of it: a copy into a term's A in place (how a CUDA graph's adapter is refreshed)
+    changes what the group's one shrink reads."""
+    from kernels.lora import GATE_UP, QKV
+    weights = adapter_from_model(trained_adapter_model(checkpoint, 4, ALL_LINEAR)).weights("a", "cpu")
+    fused, ranks = weights.groups[(0, QKV)]
+    assert ranks == [4, 4, 4] and (0, GATE_UP) in weights.groups
+    assert torch.equal(fused, torch.cat([weights.terms[(0, n)][0] for n in QKV]))
+    weights.terms[(0, "k_proj")][0].copy_(torch.full((4, fused.shape[1]), 0.5))
+    assert torch.equal(fused[4:8], torch.full((4, fused.shape[1]), 0.5, dtype=torch.bfloat16))
+    partial = adapter_from_model(trained_adapter_model(checkpoint, 4, ["q_proj", "v_proj"])).weights("b", "cpu")
+    assert partial.groups == {}
 
 
 def test_the_trainer_trains_only_the_adapter(checkpoint):

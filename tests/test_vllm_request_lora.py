@@ -150,13 +150,16 @@ def test_a_pool_of_vllm_workers_serves_pushed_adapters_exactly(checkpoint, adapt
 
 def _scribble_served_adapters(worker) -> int:
     """In a vLLM worker: every adapter the canonical runner holds set to zero, as memory a sleep discarded
-    would be garbage (run through collective_rpc)."""
+    would be garbage (run through collective_rpc). In inference mode: an adapter filled during a step holds
+    inference tensors."""
+    import torch
     manager = worker.model_runner.lora_manager
     scribbled = 0
-    for weights in manager.slot_weights:
-        for a, b, _ in (weights.terms.values() if weights is not None else ()):
-            a.zero_(), b.zero_()
-            scribbled += 1
+    with torch.inference_mode():
+        for weights in manager.slot_weights:
+            for a, b, _ in (weights.terms.values() if weights is not None else ()):
+                a.zero_(), b.zero_()
+                scribbled += 1
     return scribbled
 
 
