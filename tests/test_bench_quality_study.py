@@ -56,10 +56,14 @@ def test_a_spent_budget_stops_before_the_next_piece(tmp_path):
     assert out == {"done": False, "pending": ["canonical-seed0"]}
 
 
+# the CLI's runs with one rollout worker and one trainer rank: five runs' actors start on two cores
+ONE_OF_EACH = ["rollout.num_workers=1", "trainer.num_ranks=1"]
+
+
 def _study(tmp_path: Path, *args: str) -> dict:
     env = {**os.environ, "RAY_ADDRESS": "local", "HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "bench.quality_study", "--out", str(tmp_path / "study"), "--seeds",
-                           "0", *args, *TINY], check=False, cwd=REPO, env=env, capture_output=True,
+                           "0", *args, *TINY, *ONE_OF_EACH], check=False, cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)

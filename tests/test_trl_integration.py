@@ -138,8 +138,8 @@ def test_zerokl_difference_is_exactly_zero(checkpoint, tmp_path):
     assert all(h["grad_norm"] > 0 for h in logs[:-1]), "the weights must change, so that syncs are exercised"
     assert_exactly_zero(logs)
     assert len(set(map(tuple, result["completions"]))) > 1, "the samples of one prompt must differ"
-    # the same run repeats bit for bit, with TRL's own old-log-prob pass and correction too
-    assert run(checkpoint, "zerokl-trl-correction", tmp_path) == result
+    # (with TRL's own old-log-prob pass and correction the run is the same, bit for bit: the test of two
+    # iterations per generation below compares the two)
 
 
 @pytest.mark.slow
