@@ -150,8 +150,9 @@ def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
 # [tokens, intermediate] tensors are a prefill step's largest (Llama-3.1-8B at 16,384 tokens: 0.9 GB
 # for gate/up, 0.5 GB for their SiLU product), and vLLM leaves the peak of its profiling step out of
 # the KV cache. Every MLP op treats rows on their own, so the bits do not change. ZEROKL_MLP_CHUNK_ROWS (read
-# at import) sets another size: fewer chunks launch fewer kernels in a prefill step (each LoRA projection
-# launches three a chunk) and leave a larger peak out of the KV cache.
+# at import) sets another size: fewer chunks launch fewer kernels in a prefill step (an all-linear adapter
+# launches eight a chunk: one shrink for gate/up, then expand and epilogue for gate, up and down, and down's own
+# shrink) and leave a larger peak out of the KV cache.
 MLP_CHUNK_ROWS_ENV = "ZEROKL_MLP_CHUNK_ROWS"
 
 
