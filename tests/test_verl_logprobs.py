@@ -201,11 +201,13 @@ def engine_for(model, checkpoint, zerokl: bool):
     return engine
 
 
-def verl_micro_batch(seqs: list[torch.Tensor], temperature: float, entropy: bool):
-    """A compute_log_prob micro-batch as verl's actor worker hands it to forward_step (NO_PADDING layout)."""
+def verl_micro_batch(seqs: list[torch.Tensor], temperature: float, entropy: bool, multi_modal=None):
+    """A compute_log_prob micro-batch as verl's actor worker hands it to forward_step (NO_PADDING layout). verl's
+    agent loop gives each text sample an empty multi_modal_inputs dict; `multi_modal` replaces them."""
     from verl.utils import tensordict_utils as tu
     ids, pos = jagged(seqs)
-    return tu.get_tensordict({"input_ids": ids, "position_ids": pos},
+    return tu.get_tensordict({"input_ids": ids, "position_ids": pos,
+                              "multi_modal_inputs": multi_modal or [{} for _ in seqs]},
                              {"temperature": temperature, "use_remove_padding": True, "calculate_entropy": entropy})
 
 
@@ -223,6 +225,16 @@ def test_verls_forward_step_scores_with_the_rollout_rule(model, checkpoint, mode
         assert_bitwise_equal(got[:-1], want, "verl forward_step vs rollout")
 
 
+
+
+def test_real_multi_modal_inputs_are_refused(model, checkpoint):
+    """Text samples' empty entries score (above); an image's pixel values are refused, not silently dropped."""
+    seqs = sequences(seed=8)
+    engine = engine_for(model, checkpoint, zerokl=True)
+    batch = verl_micro_batch(seqs, 1.0, entropy=False,
+                             multi_modal=[{"pixel_values": torch.zeros(2, 3)}] + [{} for _ in seqs[1:]])
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="multi-modal inputs"):
+        engine.forward_step(batch, loss_function=None, forward_only=True)
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_verls_monkey_patches_do_not_change_the_canonical_bits(model, checkpoint, fused, monkeypatch):

@@ -125,7 +125,10 @@ def canonical_forward_step(engine, micro_batch, loss_function, forward_only: boo
     for key in ("distillation_use_topk", "distillation_only", "calculate_sum_pi_squared"):
         if flag(key):
             raise NotImplementedError(f"zero KL does not run verl's {key}")
-    if micro_batch.get("multi_modal_inputs", None) is not None:
+    # verl's agent loop gives every text sample an empty multi_modal_inputs entry: refuse only real ones, read the
+    # way verl's own forward_step reads them
+    from verl.utils.model import extract_multi_modal_inputs
+    if extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs", [])):
         raise NotImplementedError("zero KL does not run multi-modal inputs")
     model = prepare_model(engine.module)
     # the batch goes where the weights are (verl's get_device_id() on its GPU workers; also a CPU model)
