@@ -281,3 +281,39 @@ def test_verls_activation_checkpointing_becomes_the_canonical_one(checkpoint):
         logp.values().sum().backward()
         grads.append(m.model.layers[0].self_attn.q_proj.weight.grad)
     assert_bitwise_equal(grads[0], grads[1], "checkpointed vs not")
+
+
+@pytest.fixture
+def one_rank_gloo_group():
+    import torch.distributed as dist
+    from packing_shared import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_verls_fsdp2_layout_unshards_and_trains_the_lm_head(checkpoint, one_rank_gloo_group):
+    """verl's own apply_fsdp2 makes an untied lm head (and the embedding) FSDP2 units of their own. The canonical
+    head reads the head's weight inside its call: the same log-prob bits as the unsharded model, and the head's
+    gradient reaches its sharded parameter with the unsharded model's bits. (Read outside that call, the weight
+    is the sharded DTensor: an error here; on a GPU, an illegal memory access once its storage is freed.)"""
+    from transformers import AutoModelForCausalLM
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    from rollout_service.integrations.verl.actor import packed_token_logprobs
+
+    def load():
+        return trainer_patch.patch_model(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16))
+
+    plain, sharded = load(), load()
+    apply_fsdp2(sharded, {}, {})
+    assert hasattr(sharded.lm_head, "unshard"), "verl wraps the untied lm head as a unit of its own"
+    ids, pos = jagged(sequences(seed=5))
+    grads = []
+    for m in (plain, sharded):
+        log_probs, _ = packed_token_logprobs(m, ids, pos, 1.0, vocab_limit=TOKENIZER_IDS)
+        log_probs.values().sum().backward()
+        grad = m.lm_head.weight.grad
+        grads.append((log_probs.values().detach(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad))
+    assert_bitwise_equal(grads[1][0], grads[0][0], "log-probs: verl's FSDP2 layout vs unsharded")
+    assert_bitwise_equal(grads[1][1], grads[0][1], "lm head gradient: verl's FSDP2 layout vs unsharded")

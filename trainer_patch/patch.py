@@ -9,7 +9,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 import kernels as K
-from kernels.forward import (SUPPORTED_ARCHITECTURES, CANONICAL_OPS, compute_logits, decoder_layer_forward,
+from kernels.forward import (SUPPORTED_ARCHITECTURES, CANONICAL_OPS, decoder_layer_forward,
                              forward_hidden, lm_head_weight, model_spec)
 from kernels.packed_attention import packed_lengths
 
@@ -120,8 +120,26 @@ def _lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, la
     hidden = forward_hidden(self, ids, position_ids, ops=CANONICAL_OPS, routing=routing,
                             sequence_lengths=packed_lengths(position_ids))
     if zerokl_score is None:
-        return CausalLMOutputWithPast(logits=compute_logits(self, hidden))
+        return CausalLMOutputWithPast(logits=_in_lm_head_call(self, hidden, CANONICAL_OPS.logits))
     return _score(self, ids, hidden, zerokl_score)
+
+
+def _in_lm_head_call(model, hidden: torch.Tensor, head):
+    """head(hidden, the lm head's bf16 weight), run as the lm head module's own call.
+
+    Rule: the head's weight is read only inside that call. A trainer may shard the lm head under FSDP2 as a unit
+    of its own (verl does, for an untied head): only its call's hooks unshard the weight (outside it is the
+    sharded DTensor, or storage already freed) and reduce its gradient into the sharded parameter."""
+    module = model.lm_head
+    own_forward = module.__dict__.get("forward")
+    module.forward = lambda h: head(h, lm_head_weight(model))
+    try:
+        return module(hidden)
+    finally:
+        if own_forward is None:
+            del module.forward
+        else:
+            module.forward = own_forward
 
 
 def _score(model, ids: torch.Tensor, hidden: torch.Tensor, score: ScoreTokens) -> TokenScoresOutput:
@@ -132,8 +150,8 @@ def _score(model, ids: torch.Tensor, hidden: torch.Tensor, score: ScoreTokens) -
         raise ValueError(f"ScoreTokens.positions must be bool [B, T-1] = {(ids.shape[0], ids.shape[1] - 1)}, got "
                          f"{where.dtype} {tuple(where.shape)}")
     where = where.to(ids.device)
-    logp, ent = K.head_token_logprobs(hidden[:, :-1][where], lm_head_weight(model), score.temperature,
-                                      ids[:, 1:][where], entropy=score.entropy, vocab_limit=score.vocab_limit)
+    logp, ent = _in_lm_head_call(model, hidden[:, :-1][where], lambda h, weight: K.head_token_logprobs(
+        h, weight, score.temperature, ids[:, 1:][where], entropy=score.entropy, vocab_limit=score.vocab_limit))
     zeros = torch.zeros(where.shape, dtype=torch.float32, device=ids.device)
     return TokenScoresOutput(log_probs=zeros.masked_scatter(where, logp),
                              entropy=None if ent is None else zeros.masked_scatter(where, ent))
