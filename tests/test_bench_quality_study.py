@@ -56,7 +56,7 @@ def test_a_spent_budget_stops_before_the_next_piece(tmp_path):
     assert out == {"done": False, "pending": ["canonical-seed0"]}
 
 
-# the CLI's runs with one rollout worker and one trainer rank: five runs' actors start on two cores
+# the CLI's runs with one rollout worker and one trainer rank: the runs' actors start on two cores
 ONE_OF_EACH = ["rollout.num_workers=1", "trainer.num_ranks=1"]
 
 
@@ -70,15 +70,18 @@ def _study(tmp_path: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_every_arm_runs_and_a_second_invocation_resumes(tmp_path):
-    first = _study(tmp_path, "--steps", "1")
-    assert set(first["arms"]) == set(ARMS)
+def test_arms_run_and_a_second_invocation_resumes(tmp_path):
+    # two of the four arms: zero KL, and the stock numerics with a correction (stock and stock_mask differ from
+    # stock_tis only in the loss's correction, whose rules tests/test_recipe_units.py checks)
+    arms = ["canonical", "stock_tis"]
+    first = _study(tmp_path, "--steps", "1", "--arms", ",".join(arms))
+    assert set(first["arms"]) == set(arms) and set(arms) <= set(ARMS)
     assert first["arms"]["canonical"]["rollout_train/kl"]["max"] == 0.0
     assert first["arms"]["canonical"]["rollout_train/max_abs_logprob_diff"]["max"] == 0.0
-    for arm in ("stock", "stock_tis", "stock_mask"):  # the stock numerics' rollouts are not the trainer's
-        assert first["arms"][arm]["rollout_train/max_abs_logprob_diff"]["max"] > 0.0, arm
+    # the stock numerics' rollouts are not the trainer's
+    assert first["arms"]["stock_tis"]["rollout_train/max_abs_logprob_diff"]["max"] > 0.0
     warm = tmp_path / "study" / "base" / "warm-seed0"  # one warm-up for the seed, every arm starting from it
-    for arm in ARMS:
+    for arm in arms:
         assert f"name: {warm}" in (tmp_path / "study" / "base" / f"{arm}-seed0" / "config.yaml").read_text(), arm
     again = _study(tmp_path, "--arms", "canonical", "--steps", "2", "--piece-steps", "1")
     run = tmp_path / "study" / "base" / "canonical-seed0"
