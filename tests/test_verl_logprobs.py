@@ -225,8 +225,6 @@ def test_verls_forward_step_scores_with_the_rollout_rule(model, checkpoint, mode
         assert_bitwise_equal(got[:-1], want, "verl forward_step vs rollout")
 
 
-
-
 def test_real_multi_modal_inputs_are_refused(model, checkpoint):
     """Text samples' empty entries score (above); an image's pixel values are refused, not silently dropped."""
     seqs = sequences(seed=8)
@@ -235,6 +233,7 @@ def test_real_multi_modal_inputs_are_refused(model, checkpoint):
                              multi_modal=[{"pixel_values": torch.zeros(2, 3)}] + [{} for _ in seqs[1:]])
     with torch.no_grad(), pytest.raises(NotImplementedError, match="multi-modal inputs"):
         engine.forward_step(batch, loss_function=None, forward_only=True)
+
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_verls_monkey_patches_do_not_change_the_canonical_bits(model, checkpoint, fused, monkeypatch):
@@ -309,11 +308,12 @@ def test_verls_fsdp2_layout_unshards_and_trains_the_lm_head(checkpoint, one_rank
     apply_fsdp2(sharded, {}, {})
     assert hasattr(sharded.lm_head, "unshard"), "verl wraps the untied lm head as a unit of its own"
     ids, pos = jagged(sequences(seed=5))
-    grads = []
+    results = []  # (log-probs, lm head gradient) of the plain model, then of the sharded one
     for m in (plain, sharded):
         log_probs, _ = packed_token_logprobs(m, ids, pos, 1.0, vocab_limit=TOKENIZER_IDS)
         log_probs.values().sum().backward()
         grad = m.lm_head.weight.grad
-        grads.append((log_probs.values().detach(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad))
-    assert_bitwise_equal(grads[1][0], grads[0][0], "log-probs: verl's FSDP2 layout vs unsharded")
-    assert_bitwise_equal(grads[1][1], grads[0][1], "lm head gradient: verl's FSDP2 layout vs unsharded")
+        results.append((log_probs.values().detach(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad))
+    (plain_logp, plain_grad), (sharded_logp, sharded_grad) = results
+    assert_bitwise_equal(sharded_logp, plain_logp, "log-probs: verl's FSDP2 layout vs unsharded")
+    assert_bitwise_equal(sharded_grad, plain_grad, "lm head gradient: verl's FSDP2 layout vs unsharded")
