@@ -5,6 +5,7 @@ import types
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
@@ -168,7 +169,8 @@ def check_input_ids(model: torch.nn.Module, input_ids) -> torch.Tensor:
     if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
         raise ValueError(f"input_ids contain ids outside [0, {vocab})")
     weight = model.model.embed_tokens.weight
-    if input_ids.device != weight.device and weight.device.type != "meta":
+    # an FSDP2-sharded weight is placed by FSDP2 at its module's call (with CPU offload it waits on the CPU)
+    if input_ids.device != weight.device and weight.device.type != "meta" and not isinstance(weight, DTensor):
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {weight.device}")
     return input_ids.long()
 

@@ -115,6 +115,15 @@ def prepare_model(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """Where the micro-batch goes: verl's worker computes on the current accelerator, as its own forward_step
+    does (`micro_batch.to(get_device_id())`), even where FSDP2's CPU offload keeps the sharded weights on the CPU
+    between calls (verl's reference model); without an accelerator, where the weights are (a CPU model)."""
+    if torch.accelerator.is_available():
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    return model.model.embed_tokens.weight.device
+
+
 def canonical_forward_step(engine, micro_batch, loss_function, forward_only: bool):
     """FSDPEngineWithLMHead.forward_step with the canonical forward: the same inputs and outputs as verl's."""
     from verl.utils import tensordict_utils as tu
@@ -131,8 +140,7 @@ def canonical_forward_step(engine, micro_batch, loss_function, forward_only: boo
     if extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs", [])):
         raise NotImplementedError("zero KL does not run multi-modal inputs")
     model = prepare_model(engine.module)
-    # the batch goes where the weights are (verl's get_device_id() on its GPU workers; also a CPU model)
-    device = model.model.embed_tokens.weight.device
+    device = compute_device(model)
     micro_batch = micro_batch.to(device)
     limit = vocab_limit(engine.model_config, model.config.vocab_size)
     # autocast off: the canonical ops choose their own dtypes (bf16 weights, float32 where the rollout has it)
