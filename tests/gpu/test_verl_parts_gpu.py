@@ -34,6 +34,7 @@ from rollout_service.integrations.verl.actor import packed_token_logprobs  # noq
 from rollout_service.integrations.verl.rollout import engine_options  # noqa: E402
 
 PROMPTS, SAMPLES, MAX_TOKENS, MICRO_BATCH = 8, 4, 64, 4
+WORKER_EXTENSION = "verl_parts_worker.VerlWorkerExtension"  # verl's, plus the float32 push
 
 
 def _gsm8k_folder() -> Path:
@@ -57,21 +58,32 @@ def setup(tmp_path_factory):
     with open(_gsm8k_folder() / "train.jsonl") as f:
         for _, line in zip(range(PROMPTS), f):
             messages = [{"role": "user", "content": json.loads(line)["question"] + " " + INSTRUCTION}]
-            prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)))
+            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+            prompts.append(list(encoded["input_ids"]))
     return path, tokenizer, prompts
 
 
-def rollouts(path: str, tokenizer, prompts: list[list[int]], weights: str) -> list[tuple[list[int], list[int], list[float]]]:
-    """(prompt, response ids, rollout log-probs) per sample, from vLLM set up as verl's server sets it up."""
+# vLLM as verl's server sets it up, weights from the checkpoint; the same with verl's dummy start, sleep and float32
+# push; and with steps of at most 4,096 tokens, which vLLM replays from CUDA graphs (verl's 8,192-token steps with
+# prefill chunks run eagerly)
+SETUPS = {"checkpoint": dict(weights="checkpoint", step_tokens=8192),
+          "pushed": dict(weights="pushed", step_tokens=8192),
+          "graphed_steps": dict(weights="checkpoint", step_tokens=4096)}
+
+
+def rollouts(path: str, tokenizer, prompts: list[list[int]], weights: str,
+             step_tokens: int) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt, response ids, rollout log-probs) per sample."""
     from vllm import LLM, SamplingParams
+    # verl's own arguments, then rollout.engine_kwargs.vllm (the integration's), which win
+    args = dict(dtype="bfloat16", load_format="dummy" if weights == "pushed" else "auto", enable_prefix_caching=True,
+                enable_chunked_prefill=True, max_num_batched_tokens=step_tokens, max_model_len=1024,
+                gpu_memory_utilization=0.3, logprobs_mode="processed_logprobs", enable_sleep_mode=weights == "pushed",
+                seed=0, worker_extension_cls=WORKER_EXTENSION)
     options = engine_options(path)
-    options["compilation_config"] = dict(options["compilation_config"])
-    options["compilation_config"].setdefault("cudagraph_mode", "FULL_AND_PIECEWISE")  # verl's default
-    llm = LLM(model=path, dtype="bfloat16", load_format="dummy" if weights == "pushed" else "auto",
-              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=8192,
-              max_model_len=1024, gpu_memory_utilization=0.3, logprobs_mode="processed_logprobs",
-              enable_sleep_mode=weights == "pushed", seed=0,
-              worker_extension_cls="verl_parts_worker.VerlWorkerExtension", **options)
+    compilation = dict(options.pop("compilation_config"))
+    compilation.setdefault("cudagraph_mode", "FULL_AND_PIECEWISE")  # verl's default where none is given
+    llm = LLM(model=path, **{**args, **options, "compilation_config": compilation})
     try:
         # verl's server, right after start-up: its mask of the ids past the tokenizer
         llm.collective_rpc("monkey_patch_model", kwargs={"vocab_size": len(tokenizer), "banned_token_ids": None})
@@ -94,13 +106,13 @@ def rollouts(path: str, tokenizer, prompts: list[list[int]], weights: str) -> li
         torch.cuda.empty_cache()
 
 
-def trainer_logprobs(model, tokenizer, samples) -> list[torch.Tensor]:
-    """Each sample's response log-probs from verl's layout: micro-batches of MICRO_BATCH sequences packed in one
+def trainer_logprobs(model, tokenizer, samples, micro_batch: int = MICRO_BATCH) -> list[torch.Tensor]:
+    """Each sample's response log-probs from verl's layout: micro-batches of `micro_batch` sequences packed in one
     row (nested jagged ids, positions from 0), scored with verl's vocabulary limit."""
     device = torch.device("cuda")
     out = []
-    for start in range(0, len(samples), MICRO_BATCH):
-        chunk = samples[start:start + MICRO_BATCH]
+    for start in range(0, len(samples), micro_batch):
+        chunk = samples[start:start + micro_batch]
         seqs = [torch.tensor(p + r, device=device) for p, r, _ in chunk]
         ids = torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
         pos = torch.nested.as_nested_tensor([torch.arange(len(s), device=device) for s in seqs], layout=torch.jagged)
@@ -133,16 +145,26 @@ def plain_model(path):
 @pytest.fixture(scope="module")
 def samples(setup):
     path, tokenizer, prompts = setup
-    return {weights: rollouts(path, tokenizer, prompts, weights) for weights in ("checkpoint", "pushed")}
+    return {name: rollouts(path, tokenizer, prompts, **settings) for name, settings in SETUPS.items()}
 
 
-@pytest.mark.parametrize("weights", ["checkpoint", "pushed"])
-def test_verls_rollout_settings_give_the_trainers_bits(setup, samples, weights):
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_verls_rollout_settings_give_the_trainers_bits(setup, samples, name):
     path, tokenizer, _ = setup
-    got = samples[weights]
+    got = samples[name]
     assert all(max(r) < len(tokenizer) for _, r, _ in got if r), "verl's mask forbids ids past the tokenizer"
     differ, total, worst = mismatch_report(got, trainer_logprobs(plain_model(path), tokenizer, got))
     assert differ == 0, f"{differ} of {total} tokens differ; max |dp| {worst:.3e}"
+
+
+def test_packed_scoring_equals_each_sequence_alone(setup, samples):
+    """The trainer's packed micro-batches against each sequence scored alone, at verl's lengths."""
+    path, tokenizer, _ = setup
+    got = samples["checkpoint"]
+    model = plain_model(path)
+    packed, alone = trainer_logprobs(model, tokenizer, got), trainer_logprobs(model, tokenizer, got, micro_batch=1)
+    differ = sum(int((bits(a) != bits(b)).sum()) for a, b in zip(packed, alone))
+    assert differ == 0, f"{differ} tokens differ between packed and alone"
 
 
 @pytest.fixture
