@@ -22,6 +22,7 @@ verl = pytest.importorskip("verl", reason="the verl extra")
 from bench.verl_grpo import (DIFF_KEY, SHAPES, byte_level_checkpoint, gsm8k_parquet, run_verl,  # noqa: E402
                              verl_overrides)
 from rollout_service.integrations.verl import LIB  # noqa: E402
+import verl_capture  # noqa: E402
 
 STEPS = 3
 
@@ -57,10 +58,16 @@ def setup(tmp_path_factory):
     return root, model, data
 
 
-def test_quickstart_logs_zero_difference_at_every_step(setup):
+def test_quickstart_logs_zero_difference_at_every_step(setup, monkeypatch):
     root, model, data = setup
+    # verl's workers record what the integration scores next to the rollout's log-probs (verl_capture.py)
+    captures = root / "captures"
+    captures.mkdir()
+    monkeypatch.setenv(verl_capture.ENV, str(captures))
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "verl_capture")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     diffs = quickstart(model, data, root, zerokl=True)
-    assert diffs == [0.0] * STEPS, diffs
+    assert diffs == [0.0] * STEPS, (diffs, verl_capture.compare(captures))
 
 
 def test_quickstart_without_the_integration_differs_at_every_step(setup):
