@@ -16,6 +16,7 @@ model, and on verl's FSDP2 layouts: the actor's (float32 parameters, bf16 mixed 
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,6 @@ WORKER_EXTENSION = "verl_parts_worker.VerlWorkerExtension"  # verl's, plus the f
 
 
 def _gsm8k_folder() -> Path:
-    import os
     root = Path(__file__).resolve().parents[3]
     folder = Path(os.environ.get("ZEROKL_GSM8K", root / "shared" / "data" / "gsm8k"))
     if not (folder / "train.jsonl").exists():
@@ -145,7 +145,9 @@ def plain_model(path):
 @pytest.fixture(scope="module")
 def samples(setup):
     path, tokenizer, prompts = setup
-    return {name: rollouts(path, tokenizer, prompts, **settings) for name, settings in SETUPS.items()}
+    with pytest.MonkeyPatch.context() as env:  # vLLM's processes import the worker extension from this folder
+        env.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+        return {name: rollouts(path, tokenizer, prompts, **settings) for name, settings in SETUPS.items()}
 
 
 @pytest.mark.parametrize("name", list(SETUPS))
