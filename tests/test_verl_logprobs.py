@@ -317,3 +317,23 @@ def test_verls_fsdp2_layout_unshards_and_trains_the_lm_head(checkpoint, one_rank
     (plain_logp, plain_grad), (sharded_logp, sharded_grad) = results
     assert_bitwise_equal(sharded_logp, plain_logp, "log-probs: verl's FSDP2 layout vs unsharded")
     assert_bitwise_equal(sharded_grad, plain_grad, "lm head gradient: verl's FSDP2 layout vs unsharded")
+
+
+def test_an_offloaded_reference_scores_on_the_accelerator(checkpoint, one_rank_gloo_group, monkeypatch):
+    """verl's reference model runs under FSDP2's CPU offload: its sharded weights wait on the CPU, the batch goes to
+    the worker's accelerator. A model whose weights are plain tensors scores where they are."""
+    from transformers import AutoModelForCausalLM
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    from rollout_service.integrations.verl.actor import compute_device
+
+    plain = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    sharded = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    apply_fsdp2(sharded, {}, {})
+    assert compute_device(plain) == compute_device(sharded) == torch.device("cpu")  # no accelerator here
+    # a worker with a GPU: the accelerator's current device for the offloaded weights only
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
+    assert compute_device(sharded) == torch.device("cuda", 3)
+    assert compute_device(plain) == torch.device("cpu")

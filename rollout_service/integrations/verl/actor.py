@@ -116,12 +116,14 @@ def prepare_model(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def compute_device(model: torch.nn.Module) -> torch.device:
-    """Where the micro-batch goes: verl's worker computes on the current accelerator, as its own forward_step
-    does (`micro_batch.to(get_device_id())`), even where FSDP2's CPU offload keeps the sharded weights on the CPU
-    between calls (verl's reference model); without an accelerator, where the weights are (a CPU model)."""
-    if torch.accelerator.is_available():
+    """Where the micro-batch goes: where the weights are, except that FSDP2's CPU offload (verl's reference model)
+    keeps the sharded weights on the CPU between calls and computes on the current accelerator, where verl's own
+    forward_step sends the batch (`micro_batch.to(get_device_id())`)."""
+    from torch.distributed.tensor import DTensor
+    weight = model.model.embed_tokens.weight
+    if isinstance(weight, DTensor) and weight.device.type == "cpu" and torch.accelerator.is_available():
         return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
-    return model.model.embed_tokens.weight.device
+    return weight.device
 
 
 def canonical_forward_step(engine, micro_batch, loss_function, forward_only: bool):
