@@ -247,7 +247,12 @@ def test_verls_monkey_patches_do_not_change_the_canonical_bits(model, checkpoint
     # trl.experimental.ppo or trl, neither of which TRL 1.16 has: verl's own failure, next to our TRL extra, and
     # no part of an actor's forward. It is left out here.
     monkeypatch.setattr(monkey_patch, "is_trl_available", lambda: False)
+    from transformers.integrations import flash_attention
     touched = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    # verl patches process-wide (the model class's forward, transformers' flash-attention entry): restored after
+    # this test, so later tests that run the stock model get transformers' own
+    monkeypatch.setattr(type(touched), "forward", type(touched).forward)
+    monkeypatch.setattr(flash_attention, "_flash_attention_forward", flash_attention._flash_attention_forward)
     apply_monkey_patch(model=touched, use_remove_padding=True, ulysses_sp_size=1, use_fused_kernels=fused,
                        fused_kernels_backend="torch" if fused else None)
     seqs = sequences(seed=9)
