@@ -4,10 +4,14 @@ from __future__ import annotations
 import json
 
 
+def write_doc(doc: dict, out: str) -> None:
+    """Write a benchmark's JSON document to `out`."""
+    with open(out, "w") as f:
+        f.write(json.dumps(doc, indent=1) + "\n")
+
+
 def emit(doc: dict, out: str | None = None) -> None:
     """Print a benchmark's JSON document, and write it to `out` as well when given."""
-    text = json.dumps(doc, indent=1)
-    print(text)
+    print(json.dumps(doc, indent=1))
     if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
+        write_doc(doc, out)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench import emit  # noqa: E402
+from bench import emit, write_doc  # noqa: E402
 from rollout_service.integrations.verl import LIB  # noqa: E402
 ARMS = ("verl", "zerokl")
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -198,13 +198,14 @@ def main(argv=None) -> None:
     p.add_argument("--gsm8k", default=os.environ.get("ZEROKL_GSM8K"),
                    help="folder with GSM8K's train.jsonl and test.jsonl (default: $ZEROKL_GSM8K)")
     p.add_argument("--workdir", help="where the model, data and logs go (default: a temp dir)")
-    p.add_argument("--out")
+    p.add_argument("--out", help="the JSON document; an unfinished one of the same settings is continued")
+    p.add_argument("--runs", type=int, help="stop after this many arm runs (the rest: a later call, same --out)")
     args = p.parse_args(argv)
     arms = args.arms.split(",")
     if not arms or set(arms) - set(ARMS) or len(set(arms)) != len(arms):
         p.error(f"--arms: each of {', '.join(ARMS)} at most once, got {args.arms}")
-    if args.steps < 1 or args.rounds < 1:
-        p.error("--steps and --rounds must be at least 1")
+    if args.steps < 1 or args.rounds < 1 or (args.runs is not None and args.runs < 1):
+        p.error("--steps, --rounds and --runs must be at least 1")
     if not args.gsm8k or not (Path(args.gsm8k) / "train.jsonl").exists():
         p.error(f"--gsm8k: a folder holding GSM8K's train.jsonl and test.jsonl, got {args.gsm8k!r}")
     shape = SHAPES[args.shape]
@@ -212,21 +213,40 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     model = byte_level_checkpoint(work / "model", shape.model)
     data = gsm8k_parquet(Path(args.gsm8k), work, {"train": shape.train_batch_size * args.steps, "test": 8})
-    rounds = []
-    for r in range(args.rounds):
-        row = {"order": arms if r % 2 == 0 else arms[::-1]}
-        for arm in row["order"]:
-            name = f"{arm}-{r}"
-            print(f"[bench] round {r} {arm}: running, output in {work / f'{name}.log'}", file=sys.stderr, flush=True)
-            row[arm] = summarize(run_verl(verl_overrides(shape, model, data, args.steps, arm, name),
-                                          work / f"{name}.jsonl", work / f"{name}.log"))
-            print(f"[bench] round {r} {arm}: median step {row[arm]['step_s']} s, "
-                  f"diff max {row[arm]['rollout_probs_diff_max']}", file=sys.stderr, flush=True)
-        rounds.append(row)
     import verl
-    doc = {"bench": "verl_grpo", "verl": verl.__version__, "shape": args.shape, "settings": shape.__dict__,
-           "steps": args.steps, "arms": arms, "rounds": rounds, **paired(rounds)}
-    emit(doc, args.out)
+    settings = {"bench": "verl_grpo", "verl": verl.__version__, "shape": args.shape, "settings": shape.__dict__,
+                "steps": args.steps, "arms": arms}
+    rounds = earlier_rounds(args.out, settings, args.rounds)
+    pending = [(r, arm) for r in range(args.rounds) for arm in (arms if r % 2 == 0 else arms[::-1])
+               if not (r < len(rounds) and arm in rounds[r])]
+    for r, arm in pending[:args.runs]:
+        if r == len(rounds):
+            rounds.append({"order": arms if r % 2 == 0 else arms[::-1]})
+        name = f"{arm}-{r}"
+        print(f"[bench] round {r} {arm}: running, output in {work / f'{name}.log'}", file=sys.stderr, flush=True)
+        rounds[r][arm] = summarize(run_verl(verl_overrides(shape, model, data, args.steps, arm, name),
+                                            work / f"{name}.jsonl", work / f"{name}.log"))
+        print(f"[bench] round {r} {arm}: median step {rounds[r][arm]['step_s']} s, "
+              f"diff max {rounds[r][arm]['rollout_probs_diff_max']}", file=sys.stderr, flush=True)
+        if args.out:  # what has run survives a call that ends before the rest
+            write_doc(document(settings, rounds, args.rounds), args.out)
+    emit(document(settings, rounds, args.rounds), args.out)
+
+
+def document(settings: dict, rounds: list[dict], n_rounds: int) -> dict:
+    complete = len(rounds) == n_rounds and all(arm in row for row in rounds for arm in settings["arms"])
+    return {**settings, "rounds_planned": n_rounds, "complete": complete, "rounds": rounds, **paired(rounds)}
+
+
+def earlier_rounds(out: str | None, settings: dict, n_rounds: int) -> list[dict]:
+    """The rounds an unfinished document at `out` holds, when it was made with these settings; else none."""
+    if not out or not Path(out).exists():
+        return []
+    doc = json.loads(Path(out).read_text())
+    same = all(doc.get(k) == v for k, v in settings.items()) and doc.get("rounds_planned") == n_rounds
+    if not same:
+        raise SystemExit(f"{out} holds a run with other settings; give another --out to start a new one")
+    return doc["rounds"]
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ pytest.importorskip("verl", reason="the verl extra (CI installs it)")
 
 import bench.verl_grpo as bench  # noqa: E402
 from rollout_service.integrations.verl import check_config, enabled  # noqa: E402
-from verl_shared import verl_config  # noqa: E402
+from verl_shared import digit_reward_overrides, verl_config  # noqa: E402
 
 QUESTIONS = [("Tom has 3 apples and buys 4. How many?", "3 + 4 = 7\n#### 7"),
              ("A car costs $1,200 and a bike $300. Total?", "1200 + 300 = 1500\n#### 1,500"),
@@ -45,6 +45,18 @@ def test_each_shapes_arms_compose_in_verls_config(shape):
         assert config.trainer.total_training_steps == 4
     with pytest.raises(ValueError, match="arm 'sglang'"):
         bench.verl_overrides(bench.SHAPES[shape], "/model", data, 4, "sglang", "x")
+
+
+def test_the_gpu_quick_starts_reward_loads_in_verl_and_varies():
+    """The GPU quick start's reward (digit_reward_overrides) composes in verl's config and verl's own loader finds
+    it; it tells random responses apart, so GRPO's advantages are not all 0."""
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+    config = verl_config(*bench.verl_overrides(bench.SHAPES["tiny"], "/model", {"train": "t", "test": "v"}, 3, "verl",
+                                               "on"), *digit_reward_overrides())
+    score = get_custom_reward_fn(config)
+    assert score is not None
+    scores = [score(data_source="openai/gsm8k", solution_str=text, ground_truth="7") for text in ("a7b", "xyz", "12")]
+    assert scores == [1 / 3, 0.0, 1.0]
 
 
 def test_gsm8k_rows_become_verls_parquet_layout(tmp_path):
@@ -101,6 +113,35 @@ def test_arms_run_in_turns_and_pair_by_round(tmp_path, monkeypatch, capsys):
     assert row["verl"]["timing_s"]["gen"] == [15.0, 6.0, 5.0, 5.5]
     assert row["verl"]["rollout_probs_diff_max"] == [0.1] * 4 and row["zerokl"]["rollout_probs_diff_max"] == [None] * 4
     assert doc["verl_over_zerokl_step"] == [11.0 / 9.0] * 2 and doc["verl_over_zerokl_step_median"] == 11.0 / 9.0
+
+
+def test_a_comparison_runs_in_pieces_and_goes_on_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """--runs 1 per call: each call runs the next arm in turn order and writes the document; the last one is
+    complete and pairs the rounds; a document of other settings is not continued."""
+    ran = []
+
+    def fake_run(overrides, log, output, timeout_s=3600):
+        arm = "zerokl" if any(o.startswith("actor_rollout_ref.model.external_lib=") for o in overrides) else "verl"
+        ran.append(arm)
+        seconds = {"verl": [30.0, 12.0], "zerokl": [25.0, 8.0]}[arm]
+        log.write_text("".join(json.dumps({"step": i + 1, "data": {"timing_s/step": s}}) + "\n"
+                               for i, s in enumerate(seconds)))
+        return bench.step_metrics(log)
+    monkeypatch.setattr(bench, "run_verl", fake_run)
+    out = tmp_path / "out.json"
+    args = ["--shape", "tiny", "--steps", "2", "--rounds", "2", "--gsm8k", str(gsm8k_folder(tmp_path, 40)),
+            "--workdir", str(tmp_path / "work"), "--out", str(out), "--runs", "1"]
+    for call in range(4):
+        bench.main(args)
+        doc = json.loads(out.read_text())
+        assert ran == ["verl", "zerokl", "zerokl", "verl"][:call + 1]
+        assert doc["complete"] == (call == 3)
+    capsys.readouterr()
+    assert doc["verl_over_zerokl_step"] == [12.0 / 8.0] * 2
+    bench.main(args)  # complete: nothing more runs
+    assert len(ran) == 4
+    with pytest.raises(SystemExit, match="other settings"):
+        bench.main([a if a != "2" else "3" for a in args])
 
 
 def test_bad_arguments_are_refused(tmp_path):
