@@ -97,3 +97,12 @@ def gsm8k_folder():
     if not (folder / "train.jsonl").exists():
         pytest.fail(f"GSM8K jsonl not found in {folder}: set ZEROKL_GSM8K")
     return folder
+
+
+def digit_reward_overrides() -> list[str]:
+    """verl overrides that score responses with tests/gpu/verl_digit_reward.py (their share of digits) instead of
+    GSM8K's exact answer, which a random model never gives: the GPU quick start's actor is then updated at every
+    step."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parent / "gpu" / "verl_digit_reward.py"
+    return [f"reward.custom_reward_function.path={path}", "reward.custom_reward_function.name=compute_score"]

@@ -33,6 +33,7 @@ from conftest import bits  # noqa: E402
 from bench.verl_grpo import INSTRUCTION, SHAPES, byte_level_checkpoint  # noqa: E402
 from rollout_service.integrations.verl.actor import packed_token_logprobs  # noqa: E402
 from rollout_service.integrations.verl.rollout import engine_options  # noqa: E402
+from rollout_service.vllm.plugin import compat  # noqa: E402
 from verl_shared import gsm8k_folder  # noqa: E402
 
 PROMPTS, SAMPLES, MAX_TOKENS, MICRO_BATCH = 8, 4, 64, 4
@@ -76,7 +77,8 @@ def rollouts(path: str, tokenizer, prompts: list[list[int]], weights: str,
     options = engine_options(path)
     compilation = dict(options.pop("compilation_config"))
     compilation.setdefault("cudagraph_mode", "FULL_AND_PIECEWISE")  # verl's default where none is given
-    llm = LLM(model=path, **{**args, **options, "compilation_config": compilation})
+    with compat.engine_core_placement(own_process=True):  # spawned, as verl's server starts it (not forked)
+        llm = LLM(model=path, **{**args, **options, "compilation_config": compilation})
     try:
         # verl's server, right after start-up: its mask of the ids past the tokenizer
         llm.collective_rpc("monkey_patch_model", kwargs={"vocab_size": len(tokenizer), "banned_token_ids": None})

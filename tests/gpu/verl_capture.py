@@ -44,7 +44,7 @@ def compare(folder: Path) -> dict:
     tokens = differ = first = 0
     worst = 0.0
     for path in sorted(folder.glob("*.pt")):
-        r = torch.load(path)
+        r = torch.load(path, weights_only=False)  # our own records (nested tensors inside)
         offsets = r["offsets"].tolist()
         rollout = [t for t in (r["rollout"].unbind() if r["rollout"].is_nested else r["rollout"])]
         masks = [t for t in (r["response_mask"].unbind() if r["response_mask"].is_nested else r["response_mask"])]
