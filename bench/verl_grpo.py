@@ -1,9 +1,13 @@
 """verl's GSM8K GRPO with the zero-KL integration against verl as users run it: time per step, arms in turns.
 
-    python -m bench.verl_grpo --shape quickstart|qwen1.5b|tiny [--steps 4] [--rounds 2] [--gsm8k DIR] [--out FILE]
+    python -m bench.verl_grpo --shape quickstart|qwen1.5b|tiny [--prompts N] [--steps 4] [--rounds 2] [--gsm8k DIR]
+                              [--arms verl,zerokl] [--out FILE [--runs N]]
 
 Arms, each one `python -m verl.trainer.main_ppo` process on the same model, data and settings:
 - `verl`: verl's default: vLLM rollout, use_remove_padding, the old log-probs recomputed by the actor;
+- `verl-padded` (not run unless named): the same with use_remove_padding=false. verl's packed path is written for
+  flash-attn; where flash-attn is not installed (no wheel is published for every torch and CUDA), verl's actor
+  runs transformers' SDPA on packed rows, and padded rows may be the faster stock verl on that machine;
 - `zerokl`: `actor_rollout_ref.model.external_lib` names the integration, and
   `algorithm.rollout_correction.bypass_mode=true` takes the rollout's log-probs as the old log-probs (their bits
   are the actor's, so the recompute pass is skipped).
@@ -23,6 +27,7 @@ one JSON document to stdout (and --out); each verl process's output goes to a lo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -37,7 +42,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench import emit, write_doc  # noqa: E402
 from rollout_service.integrations.verl import LIB  # noqa: E402
-ARMS = ("verl", "zerokl")
+ARMS = ("verl", "verl-padded", "zerokl")
+DEFAULT_ARMS = ("verl", "zerokl")
+STOCK_ARMS = ("verl", "verl-padded")
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 DIFF_KEY = "training/rollout_probs_diff_max"
 
@@ -121,7 +128,7 @@ def verl_overrides(shape: Shape, model: str, data: dict[str, str], steps: int, a
         f"data.max_response_length={s.max_response_length}",
         "data.filter_overlong_prompts=True", "data.truncation=error",
         f"actor_rollout_ref.model.path={model}",
-        "actor_rollout_ref.model.use_remove_padding=True",
+        f"actor_rollout_ref.model.use_remove_padding={arm != 'verl-padded'}",
         "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2",
         f"actor_rollout_ref.actor.optim.lr={s.lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={s.ppo_mini_batch_size}",
@@ -147,7 +154,7 @@ def verl_overrides(shape: Shape, model: str, data: dict[str, str], steps: int, a
     if arm == "zerokl":
         overrides += [f"actor_rollout_ref.model.external_lib={LIB}",
                       "algorithm.rollout_correction.bypass_mode=True"]
-    elif arm != "verl":
+    elif arm not in STOCK_ARMS:
         raise ValueError(f"arm {arm!r}: one of {ARMS}")
     return overrides
 
@@ -182,11 +189,16 @@ def summarize(by_step: dict[int, dict]) -> dict:
 
 
 def paired(rounds: list[dict]) -> dict:
-    """verl's step over zerokl's, per round, and their median."""
-    ratios = [r["verl"]["step_s"] / r["zerokl"]["step_s"] for r in rounds
-              if r.get("verl", {}).get("step_s") and r.get("zerokl", {}).get("step_s")]
-    return {"verl_over_zerokl_step": ratios,
-            "verl_over_zerokl_step_median": statistics.median(ratios) if ratios else None}
+    """Each stock arm's step over zerokl's, per round, and their median (keys verl_over_zerokl_step,
+    verl_padded_over_zerokl_step: the arms that ran)."""
+    doc = {}
+    for arm in STOCK_ARMS:
+        ratios = [r[arm]["step_s"] / r["zerokl"]["step_s"] for r in rounds
+                  if r.get(arm, {}).get("step_s") and r.get("zerokl", {}).get("step_s")]
+        if ratios or arm == "verl":
+            key = f"{arm.replace('-', '_')}_over_zerokl_step"
+            doc[key], doc[f"{key}_median"] = ratios, statistics.median(ratios) if ratios else None
+    return doc
 
 
 def main(argv=None) -> None:
@@ -194,7 +206,8 @@ def main(argv=None) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="quickstart")
     p.add_argument("--steps", type=int, default=4, help="verl steps per arm and round (the first is not timed)")
     p.add_argument("--rounds", type=int, default=2, help="both arms per round; odd rounds reverse the order")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument("--prompts", type=int, help="prompts a step instead of the shape's (mini-batches no larger)")
     p.add_argument("--gsm8k", default=os.environ.get("ZEROKL_GSM8K"),
                    help="folder with GSM8K's train.jsonl and test.jsonl (default: $ZEROKL_GSM8K)")
     p.add_argument("--workdir", help="where the model, data and logs go (default: a temp dir)")
@@ -209,6 +222,11 @@ def main(argv=None) -> None:
     if not args.gsm8k or not (Path(args.gsm8k) / "train.jsonl").exists():
         p.error(f"--gsm8k: a folder holding GSM8K's train.jsonl and test.jsonl, got {args.gsm8k!r}")
     shape = SHAPES[args.shape]
+    if args.prompts is not None:
+        if args.prompts < 1:
+            p.error("--prompts must be at least 1")
+        shape = dataclasses.replace(shape, train_batch_size=args.prompts,
+                                    ppo_mini_batch_size=min(shape.ppo_mini_batch_size, args.prompts))
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl-grpo-"))
     work.mkdir(parents=True, exist_ok=True)
     model = byte_level_checkpoint(work / "model", shape.model)

@@ -33,15 +33,17 @@ def test_each_shapes_arms_compose_in_verls_config(shape):
     data = {"train": "/data/train.parquet", "test": "/data/test.parquet"}
     configs = {arm: verl_config(*bench.verl_overrides(bench.SHAPES[shape], "/model", data, 4, arm, arm))
                for arm in bench.ARMS}
-    zerokl, verl = configs["zerokl"], configs["verl"]
+    zerokl = configs["zerokl"]
     assert enabled(zerokl.actor_rollout_ref.model) and zerokl.algorithm.rollout_correction.bypass_mode is True
     check_config(zerokl)
-    assert not enabled(verl.actor_rollout_ref.model) and verl.algorithm.rollout_correction.bypass_mode is False
+    for arm in bench.STOCK_ARMS:
+        stock = configs[arm]
+        assert not enabled(stock.actor_rollout_ref.model) and stock.algorithm.rollout_correction.bypass_mode is False
     s = bench.SHAPES[shape]
-    for config in configs.values():  # the same run otherwise
+    for arm, config in configs.items():  # the same run otherwise
         assert config.data.train_batch_size == s.train_batch_size and config.actor_rollout_ref.rollout.n == s.n
         assert config.data.max_response_length == s.max_response_length
-        assert config.actor_rollout_ref.model.use_remove_padding is True
+        assert config.actor_rollout_ref.model.use_remove_padding is (arm != "verl-padded")
         assert config.trainer.total_training_steps == 4
     with pytest.raises(ValueError, match="arm 'sglang'"):
         bench.verl_overrides(bench.SHAPES[shape], "/model", data, 4, "sglang", "x")
@@ -142,6 +144,31 @@ def test_a_comparison_runs_in_pieces_and_goes_on_where_it_stopped(tmp_path, monk
     assert len(ran) == 4
     with pytest.raises(SystemExit, match="other settings"):
         bench.main([a if a != "2" else "3" for a in args])
+
+
+def test_the_padded_stock_arm_and_fewer_prompts(tmp_path, monkeypatch, capsys):
+    """--arms verl-padded,zerokl: verl without remove-padding is paired with zerokl under its own key; --prompts
+    sets the prompts a step (and caps the mini-batch) in what verl is given and what the document says."""
+    seen = {}
+
+    def fake_run(overrides, log, output, timeout_s=3600):
+        keys = dict(o.split("=", 1) for o in overrides)
+        arm = "zerokl" if "actor_rollout_ref.model.external_lib" in keys else "verl"
+        seen[arm] = keys
+        seconds = {"verl": [30.0, 15.0], "zerokl": [25.0, 10.0]}[arm]
+        log.write_text("".join(json.dumps({"step": i + 1, "data": {"timing_s/step": s}}) + "\n"
+                               for i, s in enumerate(seconds)))
+        return bench.step_metrics(log)
+    monkeypatch.setattr(bench, "run_verl", fake_run)
+    bench.main(["--shape", "tiny", "--steps", "2", "--rounds", "1", "--arms", "verl-padded,zerokl", "--prompts", "2",
+                "--gsm8k", str(gsm8k_folder(tmp_path, 40)), "--workdir", str(tmp_path / "work")])
+    doc = json.loads(capsys.readouterr().out)
+    assert seen["verl"]["actor_rollout_ref.model.use_remove_padding"] == "False"
+    assert seen["zerokl"]["actor_rollout_ref.model.use_remove_padding"] == "True"
+    assert all(keys["data.train_batch_size"] == "2" and keys["actor_rollout_ref.actor.ppo_mini_batch_size"] == "2"
+               for keys in seen.values())
+    assert doc["settings"]["train_batch_size"] == 2
+    assert doc["verl_padded_over_zerokl_step"] == [1.5] and doc["verl_over_zerokl_step"] == []
 
 
 def test_bad_arguments_are_refused(tmp_path):
