@@ -140,7 +140,7 @@ class TrainerRank:
         layout = ({"position_ids": mb["position_ids"].to(self.device)} if "position_ids" in mb
                   else {"attention_mask": mb["attention_mask"].to(self.device)})
         if self.numerics == "stock":
-            return stock_token_logprobs(self.model, ids, temperature=self.temperature,
+            return stock_token_logprobs(self.model, ids, temperature=self.temperature, routing=routing,
                                         **{"attention_mask": None, **layout})
         return token_logprobs(self.model, ids, temperature=self.temperature, routing=routing, **layout)
 

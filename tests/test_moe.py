@@ -206,3 +206,43 @@ def test_routed_experts_survive_pickling():
         [[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, return_routed_experts=True))
     again = pickle.loads(pickle.dumps(r))
     assert again.routed_experts == r.routed_experts and len(r.routed_experts) == 3
+
+
+def test_stock_scoring_records_the_routing_the_stock_model_used(checkpoint):
+    """stock_token_logprobs(routing=[...]) gives, per MoE layer, the experts the unpatched model's own routers
+    picked in that forward (its gates' top-k, read by a hook), padded rows and packed rows alike, in the
+    canonical routing's layout; the stock recipe arm sets them beside the rollout's. A dense model refuses."""
+    from transformers import AutoModelForCausalLM
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    picked = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, inp, out: picked.append(out[2].sort(-1).values))
+             for layer in stock.model.layers]
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    packed, pos = ids.reshape(1, -1), torch.cat([torch.arange(24), torch.arange(24)]).unsqueeze(0)
+    with torch.no_grad():
+        for layout in ({"attention_mask": mask}, {"attention_mask": None, "position_ids": pos}):
+            rows = packed if "position_ids" in layout else ids
+            picked.clear()
+            routing = []
+            trainer_patch.stock_token_logprobs(stock, rows, routing=routing, **layout)
+            assert len(routing) == len(stock.model.layers) == len(picked)
+            for got, want in zip(routing, picked):
+                assert got.shape == (*rows.shape, stock.config.num_experts_per_tok)
+                assert torch.equal(got.reshape(-1, got.shape[-1]), want)
+    for hook in hooks:
+        hook.remove()
+    # the canonical routing's layout: the same model patched decides (nearly) alike, token for token
+    canonical = trainer_patch.patch_model(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16))
+    ours, theirs = [], []
+    with torch.no_grad():
+        trainer_patch.token_logprobs(canonical, ids, mask, routing=ours)
+        trainer_patch.stock_token_logprobs(stock, ids, mask, routing=theirs)
+    real = mask.bool()
+    same = [(a == b).all(-1)[real].float().mean().item() for a, b in zip(ours, theirs)]
+    assert [a.shape for a in ours] == [b.shape for b in theirs] and min(same) > 0.8, same
+    dense = tiny_model("qwen2", seed=0)
+    with pytest.raises(ValueError, match="MoE models only"):
+        trainer_patch.stock_token_logprobs(dense, ids, mask, routing=[])

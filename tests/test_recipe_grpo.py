@@ -155,6 +155,19 @@ def test_moe_baseline_determinism_off_routes_differently(local_ray, tmp_path):
         (1 - r["rollout_train/routing_agreement"]) * r["rollout_train/tokens"] * 2) for r in records)
 
 
+def test_moe_stock_arm_sets_its_routing_beside_the_rollouts(local_ray, tmp_path):
+    """The stock arm on an MoE policy: the unpatched model's routing (its routers' own top-k) is measured against
+    the routing the `off` rollouts recorded, like the logprobs; the two stock sides flip some decisions."""
+    cfg = load_config(TINY_MOE, ["train.steps=3", "warmup.steps=30", *STOCK, f"run_dir={tmp_path}",
+                                 "metrics.wandb=false"])
+    records = run(cfg, progress=False)["records"]
+    assert len(records) == 3
+    assert all(r["rollout_train/kl"] != 0.0 for r in records), records
+    assert all(r["rollout_train/routing_mismatches"] == round(
+        (1 - r["rollout_train/routing_agreement"]) * r["rollout_train/tokens"] * 2) for r in records)
+    assert any(r["rollout_train/routing_agreement"] < 1.0 for r in records), records
+
+
 @pytest.mark.parametrize("sleep", [True, False], ids=["engines-sleep", "engines-awake"])
 def test_colocated_placement_lands_the_split_runs_bits(verified_run, tmp_path, sleep):
     """placement: colocated (worker i and trainer rank i on bundle i of one placement group; the

@@ -66,25 +66,56 @@ def _scored_positions(ids: torch.Tensor, attention_mask: torch.Tensor | None,
 
 
 def stock_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                         temperature: float = 1.0, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                         temperature: float = 1.0, position_ids: torch.Tensor | None = None,
+                         routing: list | None = None) -> torch.Tensor:
     """The same quantity from an unpatched Hugging Face model, the way stock RL trainers compute it
     (the stock arm of the recipe): its own forward (SDPA attention, cuBLAS matmuls), logits in
     float32 divided by the temperature (greedy: 1), log_softmax, gathered at the next tokens. It does
     not equal a rollout engine's log-probs bit for bit; that difference is what the recipe measures.
 
     position_ids: packed sequences in one row, as in token_logprobs; transformers turns the restarting
-    positions into a block-diagonal causal mask (or varlen flash attention), its padding-free path."""
-    if position_ids is not None:
-        _check_stock_packing()
-        position_ids = position_ids.to(input_ids.device)
-        # use_cache=False: with a KV cache transformers skips its packed-sequence detection, and every token
-        # would attend to the sequences before it in the row
-        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[:, :-1].float()
-    else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask.to(input_ids.device)).logits[:, :-1].float()
+    positions into a block-diagonal causal mask (or varlen flash attention), its padding-free path.
+
+    routing: as in token_logprobs, each MoE layer's expert ids [B, T, k] (increasing), the ones the model's
+    own routers picked in this forward, so a stock trainer's routing can be set beside the rollout's."""
+    hooks = [] if routing is None else _record_stock_routing(model, routing, input_ids.shape)
+    try:
+        if position_ids is not None:
+            _check_stock_packing()
+            position_ids = position_ids.to(input_ids.device)
+            # use_cache=False: with a KV cache transformers skips its packed-sequence detection, and every token
+            # would attend to the sequences before it in the row
+            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[:, :-1].float()
+        else:
+            logits = model(input_ids=input_ids,
+                           attention_mask=attention_mask.to(input_ids.device)).logits[:, :-1].float()
+    finally:
+        for hook in hooks:
+            hook.remove()
     logp = torch.log_softmax(logits / (float(temperature) or 1.0), dim=-1)
     logp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.where(_scored_positions(input_ids, attention_mask, position_ids), logp, 0.0)
+
+
+def _record_stock_routing(model: torch.nn.Module, routing: list, shape: torch.Size) -> list:
+    """Forward hooks on the MoE blocks' routers that append each one's expert ids [B, T, k] (increasing) to
+    `routing`; the caller removes them. A hook, not transformers' `output_router_logits`: its output recorder
+    registers a model class when an instance is built, so a model unpickled in another process (a Ray actor's)
+    records nothing."""
+    from kernels.moe import is_moe_block
+    blocks = [layer.mlp for layer in model.model.layers if is_moe_block(layer.mlp)]
+    k = getattr(model.config, "num_experts_per_tok", None)
+    if not blocks or k is None:
+        raise ValueError(f"{type(model).__name__} has no MoE blocks: routing is recorded for MoE models only")
+    b, t = shape
+
+    def record(module, inputs, out):
+        if isinstance(out, tuple):  # transformers 5's routers: (logits, weights, expert ids)
+            ids = out[2]
+        else:  # a linear gate (transformers 4): its block takes the top k of the logits' softmax
+            ids = torch.topk(torch.softmax(out.detach().float(), dim=-1), k, dim=-1).indices
+        routing.append(ids.detach().sort(dim=-1).values.reshape(b, t, k))
+    return [block.gate.register_forward_hook(record) for block in blocks]
 
 
 def _check_stock_packing() -> None:
