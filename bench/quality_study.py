@@ -45,6 +45,14 @@ ARMS = {
 # what the study records at every step (the recipe's metric names) and plots, one PNG each
 QUANTITIES = ["reward/mean", "rollout_train/kl", "rollout_train/max_abs_logprob_diff", "train/clip_fraction",
               "train/grad_norm", "train/entropy"]
+# MoE policies only: the share of (token, layer) routing decisions the trainer's forward makes as the rollout did
+ROUTING = "rollout_train/routing_agreement"
+
+
+def measured(curves: dict) -> list[str]:
+    """QUANTITIES, and the routing agreement where the runs logged it (an MoE policy's)."""
+    logged = any(ROUTING in r for by_seed in curves.values() for records in by_seed.values() for r in records)
+    return QUANTITIES + ([ROUTING] if logged else [])
 
 
 def say(message: str) -> None:
@@ -115,7 +123,7 @@ def summarize(curves: dict, setting: str, overrides: list[str]) -> dict:
     arms = {}
     for arm, by_seed in curves.items():
         arms[arm] = {}
-        for key in QUANTITIES:
+        for key in measured(curves):
             finals = []
             for records in by_seed.values():
                 tail = records[-max(len(records) // 4, 1):]
@@ -172,7 +180,7 @@ def main(argv=None) -> dict:
     summary = {"done": True, "config": args.config, "steps": args.steps, "seeds": seeds,
                **summarize(curves, args.setting, args.overrides)}
     from bench.quality_plot import plot_quantities
-    summary["plots"] = [str(p) for p in plot_quantities(curves, QUANTITIES, root / "plots", args.setting)]
+    summary["plots"] = [str(p) for p in plot_quantities(curves, measured(curves), root / "plots", args.setting)]
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return summary

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.quality_study import QUANTITIES, main
+from bench.quality_study import QUANTITIES, ROUTING, main
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -40,6 +40,22 @@ def test_finished_runs_are_summarised_paired_by_seed_without_running_anything(tm
     assert summary["arms"]["canonical"]["rollout_train/kl"]["max"] == 0.0
     assert sorted(Path(p).name for p in summary["plots"]) == sorted(q.replace("/", "_") + ".png" for q in QUANTITIES)
     assert all(Path(p).read_bytes()[:8] == PNG for p in summary["plots"])
+
+
+def test_an_moe_studys_routing_agreement_is_summarised_and_plotted(tmp_path, capsys):
+    """Runs that log the routing agreement (MoE policies) get it in the summary and a PNG of it; dense runs do
+    not (the test above)."""
+    for arm, agreement in (("canonical", 1.0), ("stock", 0.97)):
+        run = tmp_path / "moe" / f"{arm}-seed0"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps({**_record(i + 1, 0.1, 0.0), ROUTING: agreement})
+                                                   + "\n" for i in range(4)))
+    summary = main(["--setting", "moe", "--arms", "canonical,stock", "--seeds", "0", "--steps", "4",
+                    "--out", str(tmp_path)])
+    capsys.readouterr()
+    assert summary["arms"]["stock"][ROUTING]["last_quarter_mean"] == 0.97
+    assert summary["arms"]["canonical"][ROUTING]["min"] == 1.0
+    assert ROUTING.replace("/", "_") + ".png" in {Path(p).name for p in summary["plots"]}
 
 
 def test_bad_arms_and_settings_are_refused_before_any_run(tmp_path):
