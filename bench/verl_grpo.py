@@ -235,11 +235,11 @@ def main(argv=None) -> None:
     settings = {"bench": "verl_grpo", "verl": verl.__version__, "shape": args.shape, "settings": shape.__dict__,
                 "steps": args.steps, "arms": arms}
     rounds = earlier_rounds(args.out, settings, args.rounds)
-    pending = [(r, arm) for r in range(args.rounds) for arm in (arms if r % 2 == 0 else arms[::-1])
+    pending = [(r, arm) for r in range(args.rounds) for arm in turn_order(arms, r)
                if not (r < len(rounds) and arm in rounds[r])]
     for r, arm in pending[:args.runs]:
         if r == len(rounds):
-            rounds.append({"order": arms if r % 2 == 0 else arms[::-1]})
+            rounds.append({"order": turn_order(arms, r)})
         name = f"{arm}-{r}"
         print(f"[bench] round {r} {arm}: running, output in {work / f'{name}.log'}", file=sys.stderr, flush=True)
         rounds[r][arm] = summarize(run_verl(verl_overrides(shape, model, data, args.steps, arm, name),
@@ -249,6 +249,11 @@ def main(argv=None) -> None:
         if args.out:  # what has run survives a call that ends before the rest
             write_doc(document(settings, rounds, args.rounds), args.out)
     emit(document(settings, rounds, args.rounds), args.out)
+
+
+def turn_order(arms: list[str], round_index: int) -> list[str]:
+    """Round r runs the arms in order, reversed on odd rounds, so the machine's drift falls on all alike."""
+    return arms if round_index % 2 == 0 else arms[::-1]
 
 
 def document(settings: dict, rounds: list[dict], n_rounds: int) -> dict:
