@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.moe import is_moe_block
+
 from .patch import RoutingSink, ScoreTokens, check_input_ids, is_patched, patch_model
 
 
@@ -102,7 +104,6 @@ def _record_stock_routing(model: torch.nn.Module, routing: list, shape: torch.Si
     `routing`; the caller removes them. A hook, not transformers' `output_router_logits`: its output recorder
     registers a model class when an instance is built, so a model unpickled in another process (a Ray actor's)
     records nothing."""
-    from kernels.moe import is_moe_block
     blocks = [layer.mlp for layer in model.model.layers if is_moe_block(layer.mlp)]
     k = getattr(model.config, "num_experts_per_tok", None)
     if not blocks or k is None:
