@@ -226,13 +226,13 @@ def test_serve_argv_flags():
     assert "--enforce-eager" in serve_argv("/ckpt", eager=True)
 
 
-def test_readme_vllm_serve_command_is_the_plugins():
-    """The README's plain `vllm serve` line carries exactly the flags the serve module passes."""
+def test_documented_vllm_serve_command_is_the_plugins():
+    """docs/integrations.md's plain `vllm serve` line carries exactly the flags the serve module passes."""
     import re
     import shlex
     from rollout_service.vllm.plugin.serve import plugin_args
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    [command] = re.findall(r"^(vllm serve CHECKPOINT .*?)\n```", readme, flags=re.S | re.M)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    [command] = re.findall(r"^(vllm serve CHECKPOINT .*?)\n```", page, flags=re.S | re.M)
     argv = shlex.split(command.replace("\\\n", " "))
     assert argv[:5] == ["vllm", "serve", "CHECKPOINT", "--port", "8000"]
     assert argv[5:] == plugin_args()
@@ -250,14 +250,14 @@ def test_serve_sizes_a_cpu_kv_cache_unless_told():
 
 
 @pytest.mark.slow  # over 20 s on a 2-core machine
-def test_readme_server_command_and_request_run_as_written(checkpoint, policy, tmp_path):
+def test_documented_server_command_and_request_run_as_written(checkpoint, policy, tmp_path):
     """`python -m rollout_service.vllm.plugin.serve CHECKPOINT --port ...` with no sizing flags (the
-    README's command) starts on this machine and answers the README's request with the trainer's
+    command in docs/integrations.md) starts on this machine and answers that page's request with the trainer's
     log-probs."""
     import re
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "`python -m rollout_service.vllm.plugin.serve CHECKPOINT --port 8000`" in readme
-    [body] = re.findall(r"^```\n(\{\"prompt\".*?)\n```", readme, flags=re.S | re.M)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    assert "`python -m rollout_service.vllm.plugin.serve CHECKPOINT --port 8000`" in page
+    [body] = re.findall(r"^```\n(\{\"prompt\".*?)\n```", page, flags=re.S | re.M)
     request = json.loads(body)
     try:
         with running_server(checkpoint, tmp_path / "server.log") as base:
