@@ -29,6 +29,11 @@ class Sample:
     model_mask: list[bool] | None = None
 
 
+# The micro-batch tensors a train step's forwards and loss read (the trainer copies them to the device up front);
+# the others (weight versions, routing) serve its checks on the host.
+STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "loss_mask", "rollout_logprobs", "advantages")
+
+
 def pack(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded tensors; [B, T-1] ones are aligned with token_logprobs (index t-1 = token t).
     When the samples carry routed experts: "rollout_routed_experts" [B, T-1, moe_layers, k] (int16,

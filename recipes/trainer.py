@@ -34,7 +34,7 @@ from trainer_patch import (
     token_logprobs,
 )
 
-from .batch import real_tokens
+from .batch import STEP_INPUTS, real_tokens
 from .config import TrainerConfig
 from .grpo_loss import clipped_pg_loss, rollout_correction
 from .lora import adapter_push, adapter_state, add_lora, save_trained_adapter
@@ -180,6 +180,13 @@ class TrainerRank:
         drop_failed_step(self.model, self.opt, self.device)
         raise TrainerOutOfMemory(message)
 
+    def _staged(self, minibatches: list[list[dict]]) -> list[list[dict]]:
+        """The tensors a step's forwards and loss read, on the device, copied before its first forward. Rule:
+        no host-to-device copy between micro-batches: a copy from pageable host memory waits for the work
+        queued before it, so each would hold the host until the last backward ends."""
+        return [[{key: mb[key].to(self.device) for key in STEP_INPUTS if key in mb} for mb in micros]
+                for micros in minibatches]
+
     def _train_step(self, minibatches: list[list[dict]], tokens_per_mini: list[int],
                     stale_versions: tuple[int, ...]) -> dict:
         cfg, start = self.cfg, time.perf_counter()
@@ -187,7 +194,10 @@ class TrainerRank:
             torch.cuda.reset_peak_memory_stats(self.device)
         behaviour = self._versions.stale_logprobs(self.model, minibatches, stale_versions, self._logprobs,
                                                   self.device)
-        agreement, pre = [], None
+        # Rule: nothing is read back from the device per micro-batch, so the host queues the next forward
+        # while the last backward runs. Each forward's log-probs are compared with the rollouts (`scored`)
+        # and the step's sums (`totals`) read once, after the step.
+        scored, pre, staged = [], None, self._staged(minibatches)
         if len(minibatches) > 1 or cfg.loss.old_logprobs == "recompute":
             pre = []
             with torch.no_grad():
@@ -195,33 +205,34 @@ class TrainerRank:
                     pre.append([])
                     for j, mb in enumerate(micros):
                         routing = routing_out(mb)
-                        pre[-1].append(self._logprobs(mb, routing))
-                        agreement.append(rollout_agreement(mb, pre[-1][-1], routing, behaviour.get((m, j))))
-        loss_total = clipped_total = entropy_total = kept_total = 0.0
+                        pre[-1].append(self._logprobs(staged[m][j], routing))
+                        scored.append((mb, pre[-1][-1], routing, behaviour.get((m, j))))
+        # loss, clipped tokens, -entropy, kept tokens: float64 sums in micro-batch order, as Python's floats would be
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
         grad_norms, seq_tokens, ratios = [], 0, RatioSpread()
         for m, micros in enumerate(minibatches):
             scale = self.world / max(tokens_per_mini[m], 1)  # FSDP averages gradients over ranks
             for j, mb in enumerate(micros):
                 routing = routing_out(mb) if pre is None else None
-                logp = self._logprobs(mb, routing)
-                mask = mb["loss_mask"].to(self.device)
+                on_device = staged[m][j]
+                logp = self._logprobs(on_device, routing)
+                mask = on_device["loss_mask"]
                 if pre is None:
-                    agreement.append(rollout_agreement(mb, logp, routing, behaviour.get((m, j))))
+                    scored.append((mb, logp.detach(), routing, behaviour.get((m, j))))
                 if cfg.loss.old_logprobs == "rollout":
-                    old = mb["rollout_logprobs"].to(self.device)
+                    old = on_device["rollout_logprobs"]
                 else:
                     old = pre[m][j] if pre is not None else logp.detach()
                 ratios.add(logp.detach(), old, mask)
-                weights = rollout_correction(cfg.loss.rollout_correction, old, mb["rollout_logprobs"].to(self.device),
+                weights = rollout_correction(cfg.loss.rollout_correction, old, on_device["rollout_logprobs"],
                                              cfg.loss.rollout_correction_cap)
-                loss_sum, clipped = clipped_pg_loss(logp, old, mb["advantages"].to(self.device), mask,
+                loss_sum, clipped = clipped_pg_loss(logp, old, on_device["advantages"], mask,
                                                     cfg.loss.clip_low, cfg.loss.clip_high, weights)
                 # the sampled tokens' mean -log p estimates the policy's entropy (they were drawn from it)
-                entropy_total -= float(torch.where(mask.bool(), logp.detach().double(), 0.0).sum())
-                kept_total += float(mask.bool().sum() if weights is None else ((weights > 0) & mask.bool()).sum())
+                neg_entropy = torch.where(mask.bool(), logp.detach().double(), 0.0).sum()
+                kept = mask.bool().sum() if weights is None else ((weights > 0) & mask.bool()).sum()
                 (loss_sum * scale).backward()
-                loss_total += loss_sum.item()
-                clipped_total += float(clipped)
+                totals += torch.stack([loss_sum.detach().double(), clipped.double(), -neg_entropy, kept.double()])
                 seq_tokens += real_tokens(mb)
             if m == len(minibatches) - 1:  # the step's last backward has run
                 release_cache_for_engine(self.device, self.memory_plan)
@@ -236,6 +247,8 @@ class TrainerRank:
             # time would be counted in whatever reads the weights next, the weight push.
             torch.cuda.current_stream(self.device).synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        loss_total, clipped_total, entropy_total, kept_total = totals.tolist()
+        agreement = [rollout_agreement(*forward) for forward in scored]
         return {"agreement": agreement, "loss_sum": loss_total, "clipped_tokens": clipped_total,
                 "entropy_sum": entropy_total, "kept_tokens": kept_total,
                 "grad_norm": grad_norms, "tokens": seq_tokens, "ratio": ratios.summary(),

@@ -189,6 +189,10 @@ def test_fsdp2_trainer_rank_agrees_with_the_rollouts_in_every_layout(checkpoint,
     assert sum(p["mismatched"] for p in parts) == 0 and max(p["max_abs"] for p in parts) == 0.0
     assert result["tokens"] == sum(len(s.prompt_ids) + len(s.token_ids) for s in samples)
     assert result["grad_norm"][0] > 0
+    # the step's sums, read from the device once after it: at ratio 1 each token's loss is -advantage
+    assert result["loss_sum"] == -sum(s.advantage * len(s.token_ids) for s in samples)
+    assert result["kept_tokens"] == sum(LENGTHS) and result["clipped_tokens"] == 0
+    assert result["entropy_sum"] == pytest.approx(-sum(sum(s.logprobs) for s in samples), rel=1e-12)
 
 
 def _autograd_node_names(root) -> list[str]:
