@@ -182,8 +182,8 @@ class TrainerRank:
 
     def _staged(self, minibatches: list[list[dict]]) -> list[list[dict]]:
         """The tensors a step's forwards and loss read, on the device, copied before its first forward. Rule:
-        no host-to-device copy between micro-batches: a copy from pageable host memory waits for the work
-        queued before it, so each would hold the host until the last backward ends."""
+        no host-to-device copy between micro-batches: a blocking `.to(device)` returns only once the stream
+        has run everything queued before it, so each would hold the host until the last backward ends."""
         return [[{key: mb[key].to(self.device) for key in STEP_INPUTS if key in mb} for mb in micros]
                 for micros in minibatches]
 

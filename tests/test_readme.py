@@ -39,7 +39,7 @@ def test_the_user_pages_have_python_blocks():
 
 
 @pytest.mark.parametrize("index", _cases())
-def test_readme_python_block_runs_as_a_saved_script(index, tmp_path):
+def test_documented_python_block_runs_as_a_saved_script(index, tmp_path):
     page, code = BLOCKS[index]
     if "from vllm import" in code:
         pytest.importorskip("vllm")
