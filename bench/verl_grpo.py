@@ -229,7 +229,9 @@ def main(argv=None) -> None:
                                     ppo_mini_batch_size=min(shape.ppo_mini_batch_size, args.prompts))
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl-grpo-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = byte_level_checkpoint(work / "model", shape.model)
+    # seeded, so a workdir's saved model of this shape is the one this call would build: later calls reuse it
+    model_dir = work / f"model-{args.shape}"
+    model = str(model_dir) if (model_dir / "config.json").exists() else byte_level_checkpoint(model_dir, shape.model)
     data = gsm8k_parquet(Path(args.gsm8k), work, {"train": shape.train_batch_size * args.steps, "test": 8})
     import verl
     settings = {"bench": "verl_grpo", "verl": verl.__version__, "shape": args.shape, "settings": shape.__dict__,
