@@ -13,7 +13,7 @@ import torch
 
 import kernels as K
 from kernels.backward import mark_whole_sequences
-from kernels.lora import GATE_UP, QKV, LoraRows, RowChunkLora, lora_projection, lora_projections
+from kernels.lora import GATE_UP, QKV, LoraRows, LoraWeights, RowChunkLora, lora_projections
 from kernels.moe import MoESpec, is_moe_block, moe_forward, moe_spec
 from kernels.opset import CANONICAL_OPS, OpSet
 from kernels.packed_attention import PackedRow
@@ -188,9 +188,7 @@ def decoder_layer_forward(layer: torch.nn.Module, hidden: torch.Tensor, ctx: For
     # its KV cache (autograd keeps what backward needs either way).
     del q, k, v
     o = o.reshape(b, t, -1)
-    base = ops.linear(o, _bf16(attn.o_proj.weight), _bf16(attn.o_proj.bias), row_parallel=True)
-    o = lora_projection(ctx, attn, "o_proj", o, base)
-    del base
+    o = _projections(ops, o, attn, O_PROJ, ctx)[0]
     hidden, x = ops.add_rms_norm(hidden, o, _bf16(layer.post_attention_layernorm.weight), spec.rms_norm_eps)
     del o
     if spec.moe is not None and is_moe_block(mlp):
@@ -228,52 +226,96 @@ def _dense_mlp(ops: OpSet, mlp: torch.nn.Module, x: torch.Tensor, ctx) -> torch.
     gate, up = _projections(ops, x, mlp, GATE_UP, ctx)
     act = ops.silu_mul(gate, up)
     del gate, up
-    down = ops.linear(act, _bf16(mlp.down_proj.weight), _bf16(mlp.down_proj.bias), row_parallel=True)
-    return lora_projection(ctx, mlp, "down_proj", act, down)
+    return _projections(ops, act, mlp, DOWN_PROJ, ctx)[0]
 
 
-# Projections that read the same input (kernels.lora's QKV, GATE_UP), run as one canonical matmul where
-# fuse_projections has put their weights in one tensor. Same bits as one matmul each: an output element
-# reduces its own weight row over K in the fixed order, whatever the other rows are.
-_FUSED = "_zerokl_fused"  # module.__dict__ entry: (weight, bias or None, rows per projection)
+# A projection group's base product: the projections that read the same input (kernels.lora's QKV, GATE_UP)
+# run as one canonical matmul where fuse_projections has put their weights in one tensor; o and down, whose
+# K is the row-parallel one, are groups of one. Same bits as one matmul each: an output element reduces its
+# own weight row over K in the fixed order, whatever the other rows are. The same holds for adapters' A rows
+# appended to a group's tensor (fuse_projections' `adapters`): their shrink comes out of the base product.
+O_PROJ, DOWN_PROJ = ("o_proj",), ("down_proj",)
+ROW_PARALLEL_GROUPS = (O_PROJ, DOWN_PROJ)
+_FUSED = "_zerokl_fused"  # module.__dict__ entry: {group names: FusedGroup}
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    weight: torch.Tensor  # the projections' weights as row blocks, then any adapters' A blocks
+    bias: torch.Tensor | None  # the projections' biases, zeros for the A blocks
+    rows: list[int]  # each projection's rows (the A blocks follow their sum)
 
 
 def _projections(ops: OpSet, x: torch.Tensor, module: torch.nn.Module, names: tuple[str, ...],
                  ctx) -> list[torch.Tensor]:
-    fused = module.__dict__.get(_FUSED)
-    if fused is not None:
-        weight, bias, rows = fused
-        outs = ops.linear(x, weight, bias).split(rows, dim=-1)
-    else:
-        outs = [ops.linear(x, _bf16(getattr(module, n).weight), _bf16(getattr(module, n).bias)) for n in names]
-    return lora_projections(ctx, module, names, x, outs)
+    """The base projections `names` of x with their LoRA terms."""
+    row_parallel = names in ROW_PARALLEL_GROUPS
+    fused = module.__dict__.get(_FUSED, {}).get(names)
+    if fused is None:
+        outs = [ops.linear(x, _bf16(getattr(module, n).weight), _bf16(getattr(module, n).bias),
+                           row_parallel=row_parallel) for n in names]
+        return lora_projections(ctx, module, names, x, outs)
+    product = ops.linear(x, fused.weight, fused.bias, row_parallel=row_parallel)
+    base_rows = sum(fused.rows)
+    outs = product[..., :base_rows].split(fused.rows, dim=-1)
+    held = (product, fused.weight) if base_rows < fused.weight.shape[0] else None
+    outs = lora_projections(ctx, module, names, x, outs, base=held)
+    # o and down feed the residual add: a column view of the product (no adapter term on it) is copied out
+    return [out.contiguous() for out in outs] if len(names) == 1 else outs
 
 
-def fuse_projections(model: torch.nn.Module) -> None:
+def fuse_projections(model: torch.nn.Module, adapters: tuple[LoraWeights, ...] = ()) -> None:
     """For an inference copy (the vLLM plugin's model): each layer's q/k/v_proj, and the dense MLP's
     gate/up_proj, get parameters that are row blocks of one tensor per group (values kept), so the
-    forward runs one matmul per group. Loads into these parameters in place keep the fusion; the
-    trainer's model is never fused (FSDP2 shards its parameters one by one)."""
+    forward runs one matmul per group. With `adapters` (fixed tensors, filled in place later), each
+    adapter's A matrices of a group become row blocks after the group's weights, o_proj and down_proj
+    become groups too where an adapter targets them, and every shrink is a part of its base product.
+    Called again, it rebuilds the groups for the adapters given: an adapter held before keeps its values
+    but its own tensors, and its shrinks run on their own. Loads into these parameters in place keep the
+    fusion; the trainer's model is never fused (FSDP2 shards its parameters one by one)."""
     for layer in model.model.layers:
-        for module, names in ((layer.self_attn, QKV), (layer.mlp, GATE_UP)):
+        index = layer.self_attn.layer_idx
+        for module, names in ((layer.self_attn, QKV), (layer.self_attn, O_PROJ), (layer.mlp, GATE_UP),
+                              (layer.mlp, DOWN_PROJ)):
             parts = [getattr(module, n, None) for n in names]
             if any(p is None for p in parts) or len({p.bias is None for p in parts}) > 1:
                 continue  # an MoE block, or biases on some projections only
-            weight = _row_blocks(parts, "weight")
-            bias = _row_blocks(parts, "bias") if parts[0].bias is not None else None
-            module.__dict__[_FUSED] = (weight, bias, [p.weight.shape[0] for p in parts])
+            blocks = [block for w in adapters for block in _a_blocks(w, index, names)]
+            if len(names) == 1 and not blocks:
+                continue  # a group of one without adapters: nothing to fuse
+            _fuse_group(module, index, names, parts, blocks)
 
 
-def _row_blocks(parts: list[torch.nn.Module], name: str) -> torch.Tensor:
-    """One tensor holding the `name` parameters of `parts` as consecutive row blocks; each part's
-    parameter becomes its block (requires_grad off: an inference copy)."""
-    tensors = [getattr(p, name).detach() for p in parts]
-    fused = torch.cat(tensors, dim=0)
+def _a_blocks(adapter: LoraWeights, layer: int, names: tuple[str, ...]) -> list:
+    """[(adapter, names it covers, A rows)]: the adapter's A of the whole group where it carries every
+    projection of it (LoraWeights.groups), else one block per projection it carries."""
+    group = adapter.groups.get((layer, names)) if len(names) > 1 else None
+    if group is not None:
+        return [(adapter, names, group[0])]
+    return [(adapter, (n,), adapter.terms[(layer, n)][0]) for n in names if (layer, n) in adapter.terms]
+
+
+def _fuse_group(module: torch.nn.Module, layer: int, names: tuple[str, ...], parts: list[torch.nn.Module],
+                blocks: list) -> None:
+    """One tensor for the group: its projections' weights (each parameter re-pointed to its block, requires_grad
+    off: an inference copy), then each adapter's A (its tensors re-pointed to their block)."""
+    rows = [p.weight.shape[0] for p in parts]
+    weights = [p.weight.detach() for p in parts] + [a for _, _, a in blocks]
+    fused = torch.cat(weights, dim=0)
+    bias = None
+    if parts[0].bias is not None:
+        extra = sum(a.shape[0] for _, _, a in blocks)
+        bias = torch.cat([p.bias.detach() for p in parts] + [parts[0].bias.new_zeros(extra)])
     row = 0
-    for part, t in zip(parts, tensors):
-        setattr(part, name, torch.nn.Parameter(fused[row:row + t.shape[0]], requires_grad=False))
-        row += t.shape[0]
-    return fused
+    for i, part in enumerate(parts):
+        part.weight = torch.nn.Parameter(fused[row:row + rows[i]], requires_grad=False)
+        if bias is not None:
+            part.bias = torch.nn.Parameter(bias[row:row + rows[i]], requires_grad=False)
+        row += rows[i]
+    for adapter, covers, a in blocks:
+        adapter.hold_a(layer, covers, fused[row:row + a.shape[0]])
+        row += a.shape[0]
+    module.__dict__.setdefault(_FUSED, {})[names] = FusedGroup(fused, bias, rows)
 
 
 def forward_hidden(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, *,

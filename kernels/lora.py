@@ -61,6 +61,20 @@ class LoraWeights:
         object.__setattr__(self, "terms", terms)
         object.__setattr__(self, "groups", groups)
 
+    def hold_a(self, layer: int, names: tuple[str, ...], rows: torch.Tensor) -> None:
+        """Read the A of `names` in `layer` (a group of groups, or one projection) from `rows` from now on: a
+        tensor holding the same values (kernels.forward.fuse_projections: a row block of the base weight)."""
+        if len(names) > 1:
+            ranks = self.groups[(layer, names)][1]
+            self.groups[(layer, names)] = (rows, ranks)
+        else:
+            ranks = [rows.shape[0]]
+        row = 0
+        for name, rank in zip(names, ranks):
+            _, b, scale = self.terms[(layer, name)]
+            self.terms[(layer, name)] = (rows[row:row + rank], b, scale)
+            row += rank
+
 
 @dataclass(frozen=True)
 class LoraRows:
@@ -118,10 +132,16 @@ def lora_projection(ctx, module: torch.nn.Module, name: str, x: torch.Tensor, ou
 
 
 def lora_projections(ctx, module: torch.nn.Module, names: tuple[str, ...], x: torch.Tensor,
-                     outs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """lora_projection for projections that read the same `x` (QKV, GATE_UP). An adapter held apart
-    (LoraRows) that carries the whole group shrinks `x` once for all of them (LoraWeights.groups): fewer
-    launches at prefill, the same bits. Each projection still takes its adapters' terms in their order."""
+                     outs: list[torch.Tensor], base: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> list[torch.Tensor]:
+    """lora_projection for projections that read the same `x` (QKV, GATE_UP; or one projection). An adapter held
+    apart (LoraRows) that carries the whole group shrinks `x` once for all of them (LoraWeights.groups): fewer
+    launches at prefill, the same bits. Each projection still takes its adapters' terms in their order.
+
+    base: (product, weight) where the group's base product x @ weight.T ran over a weight that holds adapters'
+    A matrices as extra row blocks (kernels.forward.fuse_projections): such an adapter's shrink is read from the
+    product's columns, not computed again. Same bits: an output element reduces its own weight row over K in
+    the fixed order, whatever other rows the weight holds."""
     rows = ctx.lora_rows()
     if rows is None:
         return [lora_projection(ctx, module, n, x, out) for n, out in zip(names, outs)]
@@ -129,15 +149,34 @@ def lora_projections(ctx, module: torch.nn.Module, names: tuple[str, ...], x: to
     for weights, mask in rows.adapters:
         group = weights.groups.get((layer, names))
         if group is not None:
-            shrunk = ops.linear(x, group[0], None).split(group[1], dim=-1)
+            shrunk = _shrink(ops, x, group[0], base, False).split(group[1], dim=-1)
         for i, name in enumerate(names):
             term = weights.terms.get((layer, name))
             if term is None:
                 continue
             a, b, scale = term
-            h = shrunk[i] if group is not None else ops.linear(x, a, None)
+            h = shrunk[i] if group is not None else _shrink(ops, x, a, base, name in ROW_PARALLEL)
             outs[i] = ops.lora_add(outs[i], ops.linear(h, b, None), scale, mask)
     return outs
+
+
+def _shrink(ops, x: torch.Tensor, a: torch.Tensor, base, row_parallel: bool) -> torch.Tensor:
+    """linear(x, a): the base product's columns where `a` is a row block of its weight, else its own product."""
+    if base is not None:
+        product, weight = base
+        first = row_block(a, weight)
+        if first is not None:
+            return product[..., first:first + a.shape[0]]
+    return ops.linear(x, a, None, row_parallel=row_parallel)
+
+
+def row_block(a: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """The index of `a`'s first row in `weight` where `a` is a view of whole consecutive rows of it, else None."""
+    if (a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[1] or a.stride() != weight.stride()
+            or a.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()):
+        return None
+    first, rest = divmod(a.storage_offset() - weight.storage_offset(), weight.stride(0))
+    return first if rest == 0 and 0 <= first and first + a.shape[0] <= weight.shape[0] else None
 
 
 class RowChunkLora:

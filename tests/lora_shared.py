@@ -38,6 +38,20 @@ def trained_adapter_model(checkpoint, r: int, targets, steps: int = 3, seed: int
     return model
 
 
+def random_adapter(model, r: int, targets, seed: int):
+    """A rollout_service.lora.LoraAdapter of random A and B (B nonzero, alpha 2r) for `model`'s projections
+    named in `targets`."""
+    from rollout_service.lora import LoraAdapter, projection_shapes
+    gen, tensors = torch.Generator().manual_seed(seed), {}
+    for (layer, name), (out, inp) in projection_shapes(model).items():
+        if name in targets:
+            block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"model.layers.{layer}.{block}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, inp, generator=gen) * 0.2
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=gen) * 0.2
+    return LoraAdapter(r=r, alpha=2 * r, target_modules=sorted(targets), use_rslora=False, tensors=tensors)
+
+
 def rollout_scores(model, rollouts, temperature: float = 1.0) -> list[tuple]:
     """Per rollout, the exact bits of `model`'s canonical log-probs of its generated tokens."""
     import trainer_patch

@@ -83,6 +83,35 @@ def test_bad_adapters_are_refused_and_change_nothing(llm, adapters, tmp_path):
     assert [r[:2] for r in vllm_generate(llm, prompts, params, adapters["r8"][1])] == [r[:2] for r in before]
 
 
+def _slots_held_in_base_weights(worker) -> list[bool]:
+    """In a vLLM worker: per fixed slot, whether its q_proj A is a row block of the fused q/k/v weight."""
+    from kernels.lora import row_block
+    manager = worker.model_runner.lora_manager
+    attn = manager.hf.model.layers[0].self_attn
+    fused = attn.__dict__["_zerokl_fused"][("q_proj", "k_proj", "v_proj")].weight
+    return [row_block(w.terms[(0, "q_proj")][0], fused) is not None for w in manager.fixed]
+
+
+def test_hinted_slots_shrink_inside_the_base_products_with_the_same_bits(checkpoint, adapters):
+    """lora_hint with enable_lora: each slot's A matrices are rows of the base weights, so the shrinks come out of
+    the base products. r8 (the hinted settings, copied into a slot), r1 (other settings: its own tensors in this
+    eager engine) and the base in one batch still report their trainers' log-probs bit for bit."""
+    from rollout_service.vllm.plugin import HF_OVERRIDES
+    from rollout_service.vllm.plugin.lora import lora_hint
+    llm = make_llm(checkpoint, enable_lora=True, max_loras=2, max_lora_rank=64,
+                   hf_overrides={**HF_OVERRIDES, **lora_hint(8, 16, ALL_LINEAR)})
+    try:
+        assert llm.collective_rpc(_slots_held_in_base_weights)[0] == [True, True]
+        prompts = _prompts(4, seed=9, hi=30)
+        params = _params(len(prompts), "T=0.7", max_tokens=8, seed0=700)
+        names = ["r8", "r1", None, "r8"]
+        mixed = vllm_generate(llm, prompts, params, [adapters[n][1] if n else None for n in names])
+        _check_each(prompts, params, mixed, [adapters[n][0] if n else base_model(checkpoint) for n in names])
+        assert count_trainer_mismatches(base_model(checkpoint), [prompts[0]], [params[0]], [mixed[0]]) > 0
+    finally:
+        close(llm)
+
+
 def test_stock_vllm_lora_differs_from_the_peft_trainer(checkpoint, adapters):
     """The control: vLLM's own model and LoRA layers (punica kernels, scale folded into B) serving the same
     adapter give other log-probs than the PEFT model."""

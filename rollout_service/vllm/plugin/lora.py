@@ -6,11 +6,14 @@ vLLM's enable_lora and LoRARequest, and why vLLM's own LoRA manager cannot drive
 CUDA graphs: a graph replays what was captured, so the adapter's tensors must exist, at their final
 shapes, when vLLM captures: `lora_hint` (in hf_overrides) sizes a zero adapter at load time, and every
 load copies into those tensors in place. Without a hint, an adapter can load only into an eager engine.
+A hinted adapter's A matrices are held as extra rows of the base weights (kernels.forward.fuse_projections),
+so each shrink is a part of its base product: no launch of its own, the same bits.
 """
 from __future__ import annotations
 
 import torch
 
+from kernels.forward import fuse_projections
 from kernels.lora import LoraRows, LoraWeights
 from rollout_service.lora import PROJECTIONS, LoraAdapter, check_adapter, projection_shapes
 
@@ -50,13 +53,18 @@ def same_settings(a: dict, b: dict) -> bool:
 class PolicyAdapter:
     """The one adapter a canonical vLLM model applies to every token, or none."""
 
-    def __init__(self, hf: torch.nn.Module, device: torch.device, graphs: bool, hint: dict | None):
+    def __init__(self, hf: torch.nn.Module, device: torch.device, graphs: bool, hint: dict | None,
+                 per_request: bool = False):
+        """per_request: the engine serves per-request adapters instead (enable_lora: request_adapters.py),
+        whose slots then hold the base weights' extra rows."""
         self.hf, self.device, self.graphs = hf, device, graphs
         self.rows: LoraRows | None = None
         self.settings: dict | None = None
         self.hint = hint
         if hint:  # a zero adapter (B = 0: the base's numbers) at its final shapes, before any capture
             self._install(zero_adapter(hf, hint))
+            if not per_request:
+                fuse_projections(hf, (self.rows.adapters[0][0],))
 
     def load(self, adapter: LoraAdapter) -> int:
         """Check `adapter` against the model, then apply it from the next forward on; returns its bytes."""

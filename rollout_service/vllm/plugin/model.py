@@ -94,7 +94,8 @@ class ZeroKLForCausalLM(nn.Module):
         self.register_buffer("rope_sin", rope.sin, persistent=False)
         # a LoRA adapter applied to every token (plugin/lora.py); sized now when hf_overrides hint at one
         graphs = torch.device(device).type == "cuda" and not model_config.enforce_eager
-        self.__dict__["adapter"] = PolicyAdapter(hf, torch.device(device), graphs, getattr(full_config, HINT_KEY, None))
+        self.__dict__["adapter"] = PolicyAdapter(hf, torch.device(device), graphs, getattr(full_config, HINT_KEY, None),
+                                                 per_request=vllm_config.lora_config is not None)
 
     def load_adapter(self, adapter) -> int:
         """Apply a rollout_service.lora.LoraAdapter to every token from the next forward on (checked first)."""

@@ -20,7 +20,9 @@ Slots: `max_loras` adapters run in a step, each from a slot, applied to the toke
 (a token mask per slot, [max tokens] bool on the device, rewritten each step from vLLM's token mapping).
 CUDA graphs replay what they captured, so with graphs every slot's tensors exist from the start at the
 settings `lora_hint` gives (hf_overrides) and adapters are copied into them; an adapter of other settings is
-refused there, and loads only into an eager engine.
+refused there, and loads only into an eager engine. Hinted slots (eager engines too) hold their A matrices
+as extra rows of the base weights (kernels.forward.fuse_projections): each shrink is a part of its base
+product, the same bits with no launch of its own.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from kernels.forward import fuse_projections
 from kernels.lora import LoraRows, LoraWeights
 from rollout_service.lora import AdapterError, LoraAdapter, check_adapter, load_adapter, projection_shapes
 from rollout_service.vllm.plugin.lora import copy_weights, same_settings, zero_adapter
@@ -59,9 +62,15 @@ class RequestAdapters:
         self.step_ids: set[int] = set()
         self.slot_ids: list[int | None] = [None] * lora.max_loras
         self.slot_weights: list[LoraWeights | None] = [None] * lora.max_loras
-        if self.graphs:  # captured tensors: zero adapters at the hinted settings, filled in place later
+        # hinted: each slot's fixed tensors, zero adapters at the hinted settings, filled in place later (what
+        # graphs capture), their A matrices held in the base weights
+        self.fixed: list[LoraWeights] = []
+        if self.hint:
             zero = zero_adapter(self.hf, self.hint)
-            self.slot_weights = [zero.weights(f"slot{i}", self.device) for i in range(lora.max_loras)]
+            self.fixed = [zero.weights(f"slot{i}", self.device) for i in range(lora.max_loras)]
+            fuse_projections(self.hf, tuple(self.fixed))
+        if self.graphs:  # every slot takes part in every captured step
+            self.slot_weights = list(self.fixed)
         max_tokens = max(vllm_config.scheduler_config.max_num_batched_tokens,
                          max(vllm_config.compilation_config.cudagraph_capture_sizes or [0]))
         self.masks = torch.zeros(lora.max_loras, max_tokens, dtype=torch.bool, device=self.device)
@@ -178,9 +187,10 @@ class RequestAdapters:
             return
         name, adapter = self.loaded[lora_id]
         fresh = adapter.weights(name, self.device)
-        if self.graphs:
-            copy_weights(self.slot_weights[slot], fresh)
-        else:
+        if self.fixed and same_settings(adapter.settings(), self.hint):
+            copy_weights(self.fixed[slot], fresh)
+            self.slot_weights[slot] = self.fixed[slot]
+        else:  # an eager engine: an adapter of other settings runs from its own tensors
             self.slot_weights[slot] = fresh
 
     def _empty(self, slot: int, keep_id: bool = False) -> None:
