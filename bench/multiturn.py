@@ -173,7 +173,7 @@ def _summary(done: list[Pass]) -> dict:
     prompt, cached = sum(median.turn_prompt_tokens), sum(median.turn_cached_tokens)
     return {"tokens_per_s": median.model_tokens / median.seconds, "seconds": median.seconds,
             "passes_tokens_per_s": [p.model_tokens / p.seconds for p in done],
-            "passes_s": [round(p.seconds, 4) for p in done],
+            "passes_s": [p.seconds for p in done],  # unrounded: the ratios are computed from these
             "model_tokens": median.model_tokens, "observation_tokens": median.observation_tokens,
             "turns_run": median.turns_run,
             "prefill": {"prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached},

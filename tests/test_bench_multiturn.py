@@ -47,7 +47,7 @@ def test_two_turn_episodes_report(tmp_path):
         assert cache["turn_hit_rate"][0] == 0.0 and cache["turn_hit_rate"][1] == cache["later_turns_hit_rate"] > 0
         assert len(res["turn_seconds"]) == TURNS and len(res["passes_s"]) == len(res["passes_tokens_per_s"]) == ROUNDS
         assert res["tokens_per_s"] == res["model_tokens"] / res["seconds"]
-        assert round(res["seconds"], 4) in res["passes_s"] and res["tokens_per_s"] in res["passes_tokens_per_s"]
+        assert res["seconds"] in res["passes_s"] and res["tokens_per_s"] in res["passes_tokens_per_s"]
         assert sum(res["turn_seconds"]) <= res["seconds"] + 1e-3
         assert res["engine"]["prefix_caching"] is True
 
@@ -55,4 +55,4 @@ def test_two_turn_episodes_report(tmp_path):
     plugin, stock = results["vllm-plugin"], results["vllm"]
     assert ratio["passes"] == [a / b for a, b in zip(plugin["passes_tokens_per_s"], stock["passes_tokens_per_s"])]
     assert ratio["median"] == statistics.median(ratio["passes"])
-    assert ratio["all_passes"] == pytest.approx(sum(stock["passes_s"]) / sum(plugin["passes_s"]), rel=1e-3)
+    assert ratio["all_passes"] == pytest.approx(sum(stock["passes_s"]) / sum(plugin["passes_s"]), rel=1e-12)
