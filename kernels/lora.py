@@ -62,7 +62,7 @@ class LoraWeights:
         object.__setattr__(self, "groups", groups)
 
     def hold_a(self, layer: int, names: tuple[str, ...], rows: torch.Tensor) -> None:
-        """Read the A of `names` in `layer` (a group of groups, or one projection) from `rows` from now on: a
+        """Read the A of `names` in `layer` (a projection group, or one projection) from `rows` from now on: a
         tensor holding the same values (kernels.forward.fuse_projections: a row block of the base weight)."""
         if len(names) > 1:
             ranks = self.groups[(layer, names)][1]
