@@ -33,7 +33,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 # vLLM logs to stdout unless told otherwise; stdout is this benchmark's JSON
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -41,8 +40,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench import emit
 from bench.multiturn_engines import DEFAULT_SYSTEMS, SYSTEMS, build
 from bench.multiturn_episodes import Pass, max_model_len, prompts, run_pass
-from bench.peer.engines import add_engine_args, kv_settings, on_cpu
-from bench.peer.systems import INTERLEAVED_GPU_SHARE, TINY_KW
+from bench.peer.engines import add_engine_args, default_checkpoint, kv_settings, on_cpu
+from bench.peer.systems import INTERLEAVED_GPU_SHARE
 
 STOCK = "vllm"
 
@@ -83,17 +82,8 @@ def parse(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(sys.argv[1:] if argv is None else argv)
-    tmp = None
     args.label = args.model or f"{args.shape or 'tiny-qwen2'} (random weights)"
-    if not args.model:
-        tmp = tempfile.TemporaryDirectory(prefix="multiturn-")
-        if args.shape:
-            from bench.rollout import save_model
-            save_model(args.shape, tmp.name, args.num_layers)
-        else:
-            from rollout_service.tiny_models import tiny_model
-            tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
-        args.model = tmp.name
+    tmp = default_checkpoint(args, "multiturn-")
     try:
         return _run(args)
     finally:

@@ -41,7 +41,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench import emit
-from bench.peer.engines import LORA_SYSTEMS, add_engine_args, on_cpu, save_random_adapter
+from bench.peer.engines import LORA_SYSTEMS, add_engine_args, default_checkpoint, on_cpu, save_random_adapter
 from bench.peer.passes import run_worker
 from bench.peer.processes import process_results
 from bench.peer.report import build_report
@@ -50,7 +50,6 @@ from bench.peer.systems import (
     DEFAULT_SYSTEMS,
     INTERLEAVABLE,
     INTERLEAVED_GPU_SHARE,
-    TINY_KW,
     interleaved_gpu_share,
 )
 from rollout_service.engine.decode_policy import VERIFIED_DECODE
@@ -106,16 +105,7 @@ def main(argv: list[str] | None = None):
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
-    tmp = None
-    if not args.model:
-        tmp = tempfile.TemporaryDirectory(prefix="peer-vllm-")
-        if args.shape:
-            from bench.rollout import save_model
-            save_model(args.shape, tmp.name, args.num_layers)
-        else:
-            from rollout_service.tiny_models import tiny_model
-            tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
-        args.model = tmp.name
+    tmp = default_checkpoint(args, "peer-vllm-")
     if args.lora:
         lora_tmp = tempfile.TemporaryDirectory(prefix="peer-vllm-lora-")
         args.lora_dir = save_random_adapter(args.model, args.lora, lora_tmp.name)

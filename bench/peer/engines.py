@@ -60,6 +60,24 @@ def add_engine_args(p: argparse.ArgumentParser, gpu_memory_utilization: float = 
 LORA_SYSTEMS = ("vllm", "vllm-plugin")  # the systems --lora runs: stock vLLM's LoRA and ours, CUDA graphs on
 
 
+def default_checkpoint(args, prefix: str):
+    """Where --model is not given, random weights saved to a temp dir for `args.model`: the --shape's (with
+    --num-layers), else a tiny Qwen2. Returns the TemporaryDirectory to clean up (None where --model was given)."""
+    if args.model:
+        return None
+    import tempfile
+    tmp = tempfile.TemporaryDirectory(prefix=prefix)
+    if getattr(args, "shape", None):
+        from bench.rollout import save_model
+        save_model(args.shape, tmp.name, getattr(args, "num_layers", None))
+    else:
+        from bench.peer.systems import TINY_KW
+        from rollout_service.tiny_models import tiny_model
+        tiny_model("qwen2", seed=0, **TINY_KW).save_pretrained(tmp.name)
+    args.model = tmp.name
+    return tmp
+
+
 def lora_settings(r: int) -> dict:
     from rollout_service.lora import PROJECTIONS
     return {"r": r, "alpha": 2.0 * r, "target_modules": sorted(n for names in PROJECTIONS.values() for n in names),
