@@ -10,32 +10,52 @@ from recipes import gsm8k
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
-needs_data = pytest.mark.skipif(not (DATA / "test.jsonl").is_file(), reason=f"no GSM8K JSONL at {DATA}")
+# Rows in GSM8K's JSONL format (worked solution, then "#### answer"), for a checkout without the dataset beside it
+WRITTEN_ROWS = [
+    {"question": "Tom has 3 boxes of 14 pencils. How many pencils does he have?",
+     "answer": "He has 3 * 14 = <<3*14=42>>42 pencils.\n#### 42"},
+    {"question": "A tank holds 1,200 litres and loses 250 a day. How many litres are left after 4 days?",
+     "answer": "It loses 250 * 4 = <<250*4=1000>>1,000 litres.\nSo 1,200 - 1,000 = <<1200-1000=200>>200 are left.\n#### 200"},
+    {"question": "Ana earns $7.50 an hour for 6 hours. How much does she earn?",
+     "answer": "She earns 7.5 * 6 = <<7.5*6=45>>45 dollars.\n#### 45"},
+]
 
 
-@needs_data
-def test_jsonl_loader_through_datasets():
+@pytest.fixture(scope="module")
+def gsm8k_data(tmp_path_factory):
+    """(folder, row count, first gold answer) of the test split: the real GSM8K JSONL where it sits beside the
+    checkout, else WRITTEN_ROWS, so the loader, reward and prompt tests run in every checkout."""
+    import json
+    if (DATA / "test.jsonl").is_file():
+        return DATA, 1319, "18"
+    folder = tmp_path_factory.mktemp("gsm8k")
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in WRITTEN_ROWS))
+    return folder, len(WRITTEN_ROWS), "42"
+
+
+def test_jsonl_loader_through_datasets(gsm8k_data):
     import datasets
 
-    test = gsm8k.load_gsm8k("test", DATA)
+    folder, rows, _ = gsm8k_data
+    test = gsm8k.load_gsm8k("test", folder)
     assert isinstance(test, datasets.Dataset)
-    assert len(test) == 1319 and set(test.column_names) == {"question", "answer"}
-    same = gsm8k.load_gsm8k("test", DATA / "test.jsonl")  # a file path works too
+    assert len(test) == rows and set(test.column_names) == {"question", "answer"}
+    same = gsm8k.load_gsm8k("test", folder / "test.jsonl")  # a file path works too
     assert same[0] == test[0]
     with pytest.raises(FileNotFoundError):
-        gsm8k.load_gsm8k("validation", DATA)
+        gsm8k.load_gsm8k("validation", folder)
 
 
-@needs_data
-def test_reward_on_the_test_split():
-    test = gsm8k.load_gsm8k("test", DATA)
+def test_reward_on_the_test_split(gsm8k_data):
+    folder, _, first = gsm8k_data
+    test = gsm8k.load_gsm8k("test", folder)
     golds = [gsm8k.gold_answer(a) for a in test["answer"]]
     assert all(g is not None and gsm8k.normalize_number(g) == g for g in golds)
     # The reference solution itself earns the reward; a wrong final number does not.
     assert all(gsm8k.reward(a, g) == 1.0 for a, g in zip(test["answer"], golds))
     wrong = [a.rsplit("####", 1)[0] + f"#### {int(g) + 1}" for a, g in zip(test["answer"][:200], golds[:200])]
     assert all(gsm8k.reward(w, g) == 0.0 for w, g in zip(wrong, golds[:200]))
-    assert test[0]["answer"].endswith("#### 18") and golds[0] == "18"
+    assert test[0]["answer"].endswith(f"#### {first}") and golds[0] == first
 
 
 def test_answer_extraction_and_normalisation():
@@ -53,22 +73,23 @@ def test_answer_extraction_and_normalisation():
     assert gsm8k.reward("", "72") == 0.0
 
 
-@needs_data
-def test_prompts_and_task_with_a_local_tokenizer():
+def test_prompts_and_task_with_a_local_tokenizer(gsm8k_data):
     from recipes.config import load_config
     from recipes.task import build_task
     from recipes.tiny_task import build_tokenizer
 
+    folder, rows, first = gsm8k_data
     cfg = load_config(Path(__file__).resolve().parents[1] / "recipes" / "configs" / "gsm8k_qwen.yaml",
-                      ["task.split=test", f"task.path={DATA}", "task.max_prompt_tokens=100000"])
+                      ["task.split=test", f"task.path={folder}", "task.max_prompt_tokens=100000"])
     tok = build_tokenizer()  # no chat template: the plain "Question: ... Answer:" format
     task = build_task(cfg, tokenizer=tok)
-    assert len(task.dataset) == 1319 and task.dataset[0]["answer"] == "18"
+    assert len(task.dataset) == rows and task.dataset[0]["answer"] == first
     assert task.stop_token_ids == (tok.eos_token_id,)
-    question = gsm8k.load_gsm8k("test", DATA)[0]["question"]
+    question = gsm8k.load_gsm8k("test", folder)[0]["question"]
     expect = tok.encode(f"Question: {question.strip()}\n{gsm8k.INSTRUCTION}\nAnswer:", add_special_tokens=False)
     assert task.dataset[0]["prompt_ids"] == expect  # no chat template: the plain question/answer format
-    assert task.reward(tok.encode("#### 18"), "18") == 1.0
+    assert task.reward(tok.encode(f"#### {first}"), first) == 1.0
+    assert task.reward(tok.encode(f"#### {int(first) + 1}"), first) == 0.0
 
 
 def test_a_tiny_policy_reads_gsm8k_through_the_byte_level_tokenizer_and_warms_up_on_worked_solutions(tmp_path):
