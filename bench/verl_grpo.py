@@ -7,7 +7,8 @@ Arms, each one `python -m verl.trainer.main_ppo` process on the same model, data
 - `verl`: verl's default: vLLM rollout, use_remove_padding, the old log-probs recomputed by the actor;
 - `verl-padded` (not run unless named): the same with use_remove_padding=false. verl's packed path is written for
   flash-attn; where flash-attn is not installed (no wheel is published for every torch and CUDA), verl's actor
-  runs transformers' SDPA on packed rows, and padded rows may be the faster stock verl on that machine;
+  runs transformers' SDPA on packed rows (on an H200 without flash-attn the two paths took about the same time
+  per prompt);
 - `zerokl`: `actor_rollout_ref.model.external_lib` names the integration, and
   `algorithm.rollout_correction.bypass_mode=true` takes the rollout's log-probs as the old log-probs (their bits
   are the actor's, so the recompute pass is skipped).
