@@ -24,7 +24,8 @@ model ends at EOS at varied lengths, capped at data.max_response_length (the JSO
 length: 152-165 of 256 tokens at the quick start's shapes, 307-352 of 512 at qwen1.5b's). GSM8K rows come from --gsm8k (train.jsonl / test.jsonl), converted
 to parquet as verl's examples/data_preprocess/gsm8k.py converts them. The GPU test
 tests/gpu/test_verl_quickstart_gpu.py runs the same quick start for log-prob bits. Progress goes to stderr;
-one JSON document to stdout (and --out); each verl process's output goes to a log in --workdir.
+one JSON document to stdout (and --out); each verl process's output goes to a log in --workdir. bench.verl_plot draws
+documents' step splits as a PNG.
 """
 from __future__ import annotations
 
