@@ -21,11 +21,11 @@ The ratio is verl's step over zerokl's, per round, of the median step after the 
 The model is random weights of the shape with a byte-level tokenizer of 259 ids; the embedding is wider, as
 Qwen2.5's is, so verl's vLLM-only vocabulary mask is exercised. Sampling among the tokenizer's 259 ids, the random
 model ends at EOS at varied lengths, capped at data.max_response_length (the JSON keeps each step's mean response
-length: 152-165 of 256 tokens at the quick start's shapes, 307-352 of 512 at qwen1.5b's). GSM8K rows come from --gsm8k (train.jsonl / test.jsonl), converted
-to parquet as verl's examples/data_preprocess/gsm8k.py converts them. The GPU test
-tests/gpu/test_verl_quickstart_gpu.py runs the same quick start for log-prob bits. Progress goes to stderr;
-one JSON document to stdout (and --out); each verl process's output goes to a log in --workdir. bench.verl_plot draws
-documents' step splits as a PNG.
+length: 152-165 of 256 tokens at the quick start's shapes, 307-352 of 512 at qwen1.5b's). GSM8K rows come from
+--gsm8k (train.jsonl / test.jsonl), converted to parquet as verl's examples/data_preprocess/gsm8k.py converts them.
+The GPU test tests/gpu/test_verl_quickstart_gpu.py runs the same quick start for log-prob bits. Progress goes to
+stderr; one JSON document to stdout (and --out); each verl process's output goes to a log in --workdir.
+bench.verl_plot draws documents' step splits as a PNG.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
     python -m bench.verl_plot verl_quickstart_64.json verl_qwen15b_16.json --out verl_steps.png
 
 A bar is an arm's median step after the first (the lower middle one of an even count: a step that ran), split
-into verl's own timers at that step (`timing_s/*`: gen, old_log_prob, ref, update_actor, ...); what the named timers do not cover is "other".
+into verl's own timers at that step (`timing_s/*`: gen, old_log_prob, ref, update_actor, ...); what the named
+timers do not cover is "other".
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ WRITTEN_ROWS = [
     {"question": "Tom has 3 boxes of 14 pencils. How many pencils does he have?",
      "answer": "He has 3 * 14 = <<3*14=42>>42 pencils.\n#### 42"},
     {"question": "A tank holds 1,200 litres and loses 250 a day. How many litres are left after 4 days?",
-     "answer": "It loses 250 * 4 = <<250*4=1000>>1,000 litres.\nSo 1,200 - 1,000 = <<1200-1000=200>>200 are left.\n#### 200"},
+     "answer": "It loses 250 * 4 = <<250*4=1000>>1,000 litres.\n"
+               "So 1,200 - 1,000 = <<1200-1000=200>>200 are left.\n#### 200"},
     {"question": "Ana earns $7.50 an hour for 6 hours. How much does she earn?",
      "answer": "She earns 7.5 * 6 = <<7.5*6=45>>45 dollars.\n#### 45"},
 ]
