@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+# vLLM logs to stdout unless told otherwise; stdout is this tool's JSON
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench import emit
 from bench.peer.engines import (
@@ -36,6 +38,7 @@ from bench.peer.engines import (
     add_engine_args,
     build_llm,
     capped,
+    default_checkpoint,
     engine_facts,
     lora_request,
     request_params,
@@ -84,12 +87,7 @@ def main():
     args = p.parse_args()
     if args.lora and args.system not in LORA_SYSTEMS:
         p.error(f"--lora runs the systems {LORA_SYSTEMS}; got {args.system}")
-    tmp = None
-    if not args.model:
-        from bench.rollout import save_model
-        tmp = tempfile.TemporaryDirectory(prefix="step-profile-")
-        save_model(args.shape, tmp.name, args.num_layers)
-        args.model = tmp.name
+    tmp = default_checkpoint(args, "step-profile-")  # --shape has a default: its random weights
     lora_tmp = None
     if args.lora:
         lora_tmp = tempfile.TemporaryDirectory(prefix="step-profile-lora-")

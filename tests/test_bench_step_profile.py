@@ -21,6 +21,7 @@ def _profile(tmp_path, *options) -> dict:
                            "--system", "vllm-plugin", "--prompts", "2", "--prompt-len", "8", "--max-tokens", "4",
                            *options, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == json.loads(out.read_text())  # stdout is the JSON alone: vLLM logs to stderr
     return json.loads(out.read_text())
 
 
