@@ -31,6 +31,12 @@ def _check(name: str, t: torch.Tensor, dims: int | None = None, dtype: torch.dty
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
 
 
+def _check_lora_mask(base: torch.Tensor, mask: torch.Tensor | None) -> None:
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(base.shape[:-1])):
+        raise ValueError(f"lora_add's mask must be bool of shape {tuple(base.shape[:-1])}, got {mask.dtype} "
+                         f"{tuple(mask.shape)}")
+
+
 def _same_device(*ts):
     devices = {t.device for t in ts if t is not None}
     if len(devices) > 1:
@@ -91,11 +97,27 @@ def lora_add(base: torch.Tensor, product: torch.Tensor, scale: float, mask: torc
     _check("product", product, dtype=torch.bfloat16)
     if base.shape != product.shape:
         raise ValueError(f"lora_add takes equal shapes, got {tuple(base.shape)} and {tuple(product.shape)}")
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(base.shape[:-1])):
-        raise ValueError(f"lora_add's mask must be bool of shape {tuple(base.shape[:-1])}, got {mask.dtype} "
-                         f"{tuple(mask.shape)}")
+    _check_lora_mask(base, mask)
     _same_device(base, product, mask)
     return lora_add_with_grad(backend_for(base).lora_add, base, product, scale, mask)
+
+
+def lora_expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """lora_add(base, matmul(h, b), scale, mask): a LoRA term's expand (h [..., r], B [N, r]) and epilogue, the
+    same bits. One launch on GPU where no gradient is taken (rollouts, the trainer's no-grad passes): the
+    product never reaches memory. With a gradient, the two differentiable ops."""
+    _check("base", base, dtype=torch.bfloat16)
+    _check("h", h, dtype=torch.bfloat16)
+    _check("b", b, dims=2, dtype=torch.bfloat16)
+    if base.shape[:-1] != h.shape[:-1] or tuple(b.shape) != (base.shape[-1], h.shape[-1]):
+        raise ValueError(f"lora_expand_add takes base [..., N], h [..., r] and b [N, r], got {tuple(base.shape)}, "
+                         f"{tuple(h.shape)} and {tuple(b.shape)}")
+    _check_lora_mask(base, mask)
+    _same_device(base, h, b, mask)
+    if torch.is_grad_enabled() and (base.requires_grad or h.requires_grad or b.requires_grad):
+        return lora_add(base, matmul(h, b), scale, mask)
+    return backend_for(base).lora_expand_add(base, h, b, scale, mask)
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
@@ -225,7 +247,7 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                                            family.attention_split_kv)
 
 
-__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm", "lora_add",
+__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm", "lora_add", "lora_expand_add",
            "PackedRow", "attention", "attention_packed", "attention_sequences", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
            "head_token_logprobs", "kernel_family", "log_softmax", "logprob_temperature", "mask_vocab_tail", "matmul", "rms_norm",
            "rotary", "rotary_qk", "sample", "sampling_position", "sampling_positions", "scale_logits",

@@ -119,10 +119,16 @@ def with_lora(ops, rows: LoraRows | None, layer_idx: int, module: torch.nn.Modul
               x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`out` (the base projection of `x`) plus each adapter's term on the tokens that use it."""
     for a, b, scale, mask in lora_terms(rows, layer_idx, module, name):
-        h = ops.linear(x, a, None, row_parallel=name in ROW_PARALLEL)
-        # scale, add and select in one op (kernels.lora_add: one pass on GPU)
-        out = ops.lora_add(out, ops.linear(h, b, None), scale, mask)
+        out = _expand_add(ops, out, ops.linear(x, a, None, row_parallel=name in ROW_PARALLEL), b, scale, mask)
     return out
+
+
+def _expand_add(ops, out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float, mask) -> torch.Tensor:
+    """out + the term of shrunk rows h through B: the expand, scale, add and select in one op where the op set
+    has it (kernels.lora_expand_add: one launch on GPU), else the expand then kernels.lora_add; the same bits."""
+    if ops.lora_expand_add is not None:
+        return ops.lora_expand_add(out, h, b, scale, mask)
+    return ops.lora_add(out, ops.linear(h, b, None), scale, mask)
 
 
 def lora_projection(ctx, module: torch.nn.Module, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -156,7 +162,7 @@ def lora_projections(ctx, module: torch.nn.Module, names: tuple[str, ...], x: to
                 continue
             a, b, scale = term
             h = shrunk[i] if group is not None else _shrink(ops, x, a, base, name in ROW_PARALLEL)
-            outs[i] = ops.lora_add(outs[i], ops.linear(h, b, None), scale, mask)
+            outs[i] = _expand_add(ops, outs[i], h, b, scale, mask)
     return outs
 
 

@@ -21,6 +21,9 @@ class OpSet:
     add: Callable = K.add
     # a LoRA term's scale, add and select (base, product, scale, mask) -> bf16, the same bits as those ops
     lora_add: Callable = K.lora_add
+    # a LoRA term's expand and epilogue (base, h, B, scale, mask) -> bf16, the same bits as linear(h, B) then
+    # lora_add; None: those two ops (an op set whose linear is its own)
+    lora_expand_add: Callable | None = None
     rotary: Callable = K.rotary
     log_softmax: Callable = K.log_softmax  # fp32 rows (MoE routing)
     # one-launch forms of add + rms_norm and of rotary on q and k (same bits as the ops they replace);
@@ -60,6 +63,7 @@ CANONICAL_OPS = OpSet(
     fused_add_rms_norm=K.add_rms_norm,
     fused_rotary_qk=K.rotary_qk,
     grouped_experts=True,
+    lora_expand_add=K.lora_expand_add,
     attention_packed=K.attention_packed,
     attention_sequences=lambda q, k, v, row, scale=None: K.attention_sequences(q, k, v, row, scale=scale),
 )

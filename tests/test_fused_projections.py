@@ -65,7 +65,12 @@ def _lora_logits(model, ids, rows, calls=None):
         if calls is not None:
             calls.append(args[1].shape[0])
         return CANONICAL_OPS.linear(*args, **kwargs)
-    ops = dataclasses.replace(CANONICAL_OPS, linear=linear)
+
+    def expand_add(base, h, b, scale, mask):  # an expand and its epilogue: one product, through B
+        if calls is not None:
+            calls.append(b.shape[0])
+        return CANONICAL_OPS.lora_expand_add(base, h, b, scale, mask)
+    ops = dataclasses.replace(CANONICAL_OPS, linear=linear, lora_expand_add=expand_add)
     with torch.no_grad():
         return compute_logits(model, forward_hidden(model, ids, positions, ops=ops, lora=rows))
 

@@ -1,6 +1,6 @@
-"""kernels.lora_add, a LoRA term's scale, add and select in one op: on CPU the same bits and gradients as the
-three ops it replaces; the Triton kernel under Triton's interpreter against the same ops (the GPU test runs it
-on CUDA, tests/gpu/test_triton_kernels.py)."""
+"""kernels.lora_add, a LoRA term's scale, add and select in one op, and kernels.lora_expand_add, its expand
+and that epilogue in one op: on CPU the same bits and gradients as the ops they replace; the Triton kernels under
+Triton's interpreter against the same ops (the GPU tests run them on CUDA, tests/gpu/test_triton_kernels.py)."""
 from __future__ import annotations
 
 import os
@@ -54,6 +54,41 @@ def test_bad_inputs_are_refused():
         K.lora_add(base, product, 2.0, mask[:4])
     with pytest.raises(TypeError, match="bfloat16"):
         K.lora_add(base.float(), product, 2.0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_expand_and_epilogue_give_the_bits_of_matmul_then_lora_add(masked):
+    """lora_expand_add without a gradient (rollouts: one launch on GPU) and with one (training: the two
+    differentiable ops) give the bits of matmul then lora_add, and the gradient reaches h and B."""
+    base, _, mask = _inputs()
+    mask = mask if masked else None
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(base.shape[0], 40, generator=g).to(torch.bfloat16)
+    h, b = wide[:, 24:32], (torch.randn(base.shape[1], 8, generator=g) * 0.05).to(torch.bfloat16)
+    want = K.lora_add(base, K.matmul(h, b), 1.7, mask)
+    with torch.no_grad():
+        assert torch.equal(K.lora_expand_add(base, h, b, 1.7, mask).view(torch.int16), want.view(torch.int16))
+    hg, bg = h.clone().requires_grad_(), b.clone().requires_grad_()
+    y = K.lora_expand_add(base, hg, bg, 1.7, mask)
+    assert torch.equal(y.detach().view(torch.int16), want.view(torch.int16)) and y.requires_grad
+    y.float().sum().backward()
+    assert hg.grad is not None and bg.grad is not None and bg.grad.abs().sum() > 0
+    # the comparison can fail: without the product's bf16 rounding the bits differ
+    unrounded = K.add(base, (h.float() @ b.float().T * 1.7).to(torch.bfloat16))
+    assert not torch.equal(want if mask is None else want[mask], unrounded if mask is None else unrounded[mask])
+
+
+def test_bad_expand_inputs_are_refused():
+    base, _, mask = _inputs()
+    h, b = torch.zeros(base.shape[0], 8, dtype=torch.bfloat16), torch.zeros(base.shape[1], 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"b \[N, r\]"):
+        K.lora_expand_add(base, h, b[:, :4], 2.0)
+    with pytest.raises(ValueError, match=r"h \[\.\.\., r\]"):
+        K.lora_expand_add(base, h[:4], b, 2.0)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        K.lora_expand_add(base, h, b, 2.0, mask.float())
+    with pytest.raises(TypeError, match="bfloat16"):
+        K.lora_expand_add(base, h.float(), b, 2.0)
 
 
 def test_the_triton_kernel_under_the_interpreter():

@@ -1,7 +1,8 @@
 """A decode step's LoRA ops one by one (kernels.lora's rule at Qwen2.5-1.5B shapes) against cuBLAS doing the same
 products, per layer: where the canonical LoRA's extra time goes, and what fusing each shrink into its base
 product (the adapter's A rows appended to the base weight: one product, the same bits per output element,
-since an element reduces its own weight row over K in the fixed order) would save."""
+since an element reduces its own weight row over K in the fixed order) and each expand with its epilogue in one
+launch (kernels.lora_expand_add) save."""
 from __future__ import annotations
 
 import torch
@@ -42,15 +43,22 @@ def run_lora_ops(rep: int, ms=(64, 256), rank: int = 16) -> list[dict]:
                    "expand_ms": sum(bench_ms(lambda b=b, i=i: kt.matmul(h[:, i * rank:(i + 1) * rank], b), rep)
                                     for i, b in enumerate(bs)),
                    "epilogue_ms": sum(bench_ms(lambda o=o: kernels.lora_add(o, o, 2.0), rep) for o in base_outs),
+                   # each expand and its epilogue in one launch (kernels.lora_expand_add, the same bits)
+                   "expand_epilogue_fused_ms": sum(
+                       bench_ms(lambda b=b, i=i, o=o: kt.lora_expand_add(o, h[:, i * rank:(i + 1) * rank], b, 2.0,
+                                                                        None), rep)
+                       for i, (b, o) in enumerate(zip(bs, base_outs))),
                    "cublas_shrink_ms": bench_ms(lambda: x @ a.T, rep),
                    "cublas_expand_ms": sum(bench_ms(lambda b=b, i=i: h[:, i * rank:(i + 1) * rank] @ b.T, rep)
                                            for i, b in enumerate(bs))}
             row["lora_ms"] = row["shrink_ms"] + row["expand_ms"] + row["epilogue_ms"]
             row["cublas_lora_ms"] = row["cublas_shrink_ms"] + row["cublas_expand_ms"]
             row["shrink_fused_saves_ms"] = row["base_ms"] + row["shrink_ms"] - row["base_with_shrink_rows_ms"]
+            row["expand_fused_saves_ms"] = row["expand_ms"] + row["epilogue_ms"] - row["expand_epilogue_fused_ms"]
             rows.append({key: round(v, 5) if isinstance(v, float) else v for key, v in row.items()})
     for m in ms:
         layer = [r for r in rows if r["m"] == m]
         rows.append({"m": m, "group": "layer", **{key: round(sum(r[key] for r in layer), 5) for key in (
-            "lora_ms", "shrink_ms", "expand_ms", "epilogue_ms", "cublas_lora_ms", "shrink_fused_saves_ms")}})
+            "lora_ms", "shrink_ms", "expand_ms", "epilogue_ms", "expand_epilogue_fused_ms", "cublas_lora_ms",
+            "shrink_fused_saves_ms", "expand_fused_saves_ms")}})
     return rows

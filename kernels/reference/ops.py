@@ -188,6 +188,12 @@ def lora_add(base: torch.Tensor, product: torch.Tensor, scale: float, mask: torc
     return added if mask is None else torch.where(mask.unsqueeze(-1), added, base)
 
 
+def lora_expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """lora_add(base, matmul(h, b), scale, mask): a LoRA term's expand and epilogue (one launch on GPU)."""
+    return lora_add(base, matmul(h, b), scale, mask)
+
+
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """k_pool[blocks[n], offsets[n]] = k[n] (and v): token n's [Hkv, D] into a paged cache (strided views allowed)."""

@@ -26,12 +26,14 @@ if not INTERPRET and not torch.cuda.is_available():
 
 from .attention import BLOCK_KV, attention, attention_packed, write_kv  # noqa: E402
 from .elementwise import add, lora_add, rotary, rotary_qk, silu_mul  # noqa: E402
+from .lora import lora_expand_add  # noqa: E402
 from .matmul import BLOCK_K, MMConfig, matmul, matmul_partials, matmul_with_config, pick_config  # noqa: E402
 from . import moe  # noqa: E402  (grouped expert matmuls; kernels.moe dispatches to it)
 from .norm import add_rms_norm, rms_norm  # noqa: E402
 from .softmax import log_softmax, token_log_softmax  # noqa: E402
 from . import sampling  # noqa: E402  (fused Gumbel-max sampling; kernels.sampling dispatches to it)
 
-__all__ = ["BLOCK_K", "BLOCK_KV", "MMConfig", "add", "add_rms_norm", "attention", "attention_packed", "log_softmax", "matmul",
+__all__ = ["BLOCK_K", "BLOCK_KV", "MMConfig", "add", "add_rms_norm", "attention", "attention_packed", "log_softmax", "lora_add",
+           "lora_expand_add", "matmul",
            "matmul_partials", "matmul_with_config", "moe", "pick_config", "rms_norm", "rotary", "rotary_qk",
            "sampling", "silu_mul", "token_log_softmax", "write_kv"]

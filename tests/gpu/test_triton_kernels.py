@@ -944,3 +944,29 @@ def test_lora_add_equals_mul_add_and_select_bitwise(kt, n, masked, scale):
     assert same_bits(got[0, :4], base[0, :4]) == masked
     if scale == 1.7:  # and the fp32 sum without rounding the scaled product first gives other bits
         assert not same_bits(got, (base.float() + product.float() * scale).to(BF))
+
+
+@pytest.mark.parametrize("m", [1, 7, 40] + ([] if INTERPRET else [256, 700]))
+@pytest.mark.parametrize("n, r", [(1536, 16), (300, 8), (16, 64)] + ([] if INTERPRET else [(8960, 16), (256, 128),
+                                                                                         (1536, 80)]))
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("scale", [2.0, 1.7])
+def test_lora_expand_add_equals_the_expand_then_lora_add_bitwise(kt, m, n, r, masked, scale):
+    """A LoRA term's expand and epilogue in one launch give the bits of the canonical matmul (bf16 output) then
+    lora_add, for h a column block of a wider product (a shrink read out of its base product, as held adapters'
+    are) and base a strided view (a fused projection's output), at decode and prefill row counts, ranks of one
+    K tile, a partial one and two."""
+    wide = randn(m, 2048 + r + 8, seed=61)
+    h = wide[:, 2048:2048 + r]
+    b = randn(n, r, seed=62, scale=0.05)
+    base = randn(m, 2 * n, seed=63, scale=3.0)[:, :n]
+    mask = (torch.arange(m, device=DEV) % 3 != 1) if masked else None
+    got = kt.lora_expand_add(base, h, b, scale, mask)
+    want = kt.lora_add(base, kt.matmul(h, b), scale, mask)
+    assert same_bits(got, want)
+    # the comparison can fail: the product scaled in fp32 before its bf16 rounding gives other bits
+    unrounded = (base.float() + (kt.matmul(h, b, out_dtype=torch.float32) * scale).to(BF).float()).to(BF)
+    if masked:
+        unrounded = torch.where(mask.unsqueeze(-1), unrounded, base)
+    if m * n >= 256:
+        assert not same_bits(got, unrounded)
