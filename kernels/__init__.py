@@ -103,21 +103,31 @@ def lora_add(base: torch.Tensor, product: torch.Tensor, scale: float, mask: torc
 
 
 def lora_expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
+                    mask: torch.Tensor | None = None, widths: tuple[int, ...] | None = None) -> torch.Tensor:
     """lora_add(base, matmul(h, b), scale, mask): a LoRA term's expand (h [..., r], B [N, r]) and epilogue, the
-    same bits. One launch on GPU where no gradient is taken (rollouts, the trainer's no-grad passes): the
-    product never reaches memory. With a gradient, the two differentiable ops."""
+    same bits. `widths`: a projection group's terms side by side (one adapter, one rank r): member j's columns
+    of base and rows of B, its block j of h [..., members * r]. One launch on GPU where no gradient is taken
+    (rollouts, the trainer's no-grad passes): the product never reaches memory. With a gradient, the
+    differentiable ops one member at a time."""
     _check("base", base, dtype=torch.bfloat16)
     _check("h", h, dtype=torch.bfloat16)
     _check("b", b, dims=2, dtype=torch.bfloat16)
-    if base.shape[:-1] != h.shape[:-1] or tuple(b.shape) != (base.shape[-1], h.shape[-1]):
-        raise ValueError(f"lora_expand_add takes base [..., N], h [..., r] and b [N, r], got {tuple(base.shape)}, "
-                         f"{tuple(h.shape)} and {tuple(b.shape)}")
+    widths = tuple(widths or (base.shape[-1],))
+    r = b.shape[1]
+    if (base.shape[:-1] != h.shape[:-1] or b.shape[0] != base.shape[-1] or sum(widths) != base.shape[-1]
+            or min(widths) < 1 or h.shape[-1] != len(widths) * r):
+        raise ValueError(f"lora_expand_add takes base [..., N], h [..., members * r] and b [N, r] with member widths "
+                         f"summing to N, got {tuple(base.shape)}, {tuple(h.shape)}, {tuple(b.shape)} and {widths}")
     _check_lora_mask(base, mask)
     _same_device(base, h, b, mask)
     if torch.is_grad_enabled() and (base.requires_grad or h.requires_grad or b.requires_grad):
-        return lora_add(base, matmul(h, b), scale, mask)
-    return backend_for(base).lora_expand_add(base, h, b, scale, mask)
+        outs, col = [], 0
+        for j, w in enumerate(widths):
+            outs.append(lora_add(base[..., col:col + w], matmul(h[..., j * r:(j + 1) * r], b[col:col + w]), scale,
+                                 mask))
+            col += w
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return backend_for(base).lora_expand_add(base, h, b, scale, mask, widths)
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,

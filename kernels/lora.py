@@ -38,28 +38,36 @@ class LoraWeights:
     """One adapter's tensors in the forward's terms (bf16, on the model's device).
 
     groups[(layer, names)] = (A of the group's projections as row blocks [sum r, in], their ranks), for a
-    group (QKV, GATE_UP) whose projections all carry this adapter; their terms' A are views of it, so an
-    in-place copy into a term's A (a CUDA graph's tensors) reaches the group's shrink too."""
+    group (QKV, GATE_UP) whose projections all carry this adapter; group_b[(layer, names)] = their B as row
+    blocks [sum out, r] where the ranks are equal (the group's expands then run as one op). The terms' A and B
+    are views of these, so an in-place copy into a term's tensors (a CUDA graph's) reaches the group's too."""
     name: str
     terms: dict[LoraKey, tuple[torch.Tensor, torch.Tensor, float]]
     groups: dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, list[int]]] = field(
         init=False, repr=False, compare=False)
+    group_b: dict[tuple[int, tuple[str, ...]], torch.Tensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        terms, groups = dict(self.terms), {}
+        terms, groups, group_b = dict(self.terms), {}, {}
         for layer in sorted({layer for layer, _ in terms}):
             for names in (QKV, GATE_UP):
                 parts = [terms.get((layer, n)) for n in names]
                 if any(p is None for p in parts):
                     continue
                 fused = torch.cat([a for a, _, _ in parts], dim=0)
-                ranks, row = [a.shape[0] for a, _, _ in parts], 0
-                for name, (a, b, scale), rank in zip(names, parts, ranks):
+                ranks = [a.shape[0] for a, _, _ in parts]
+                bs = [b for _, b, _ in parts]
+                if len(set(ranks)) == 1:
+                    group_b[(layer, names)] = torch.cat(bs, dim=0)
+                    bs = group_b[(layer, names)].split([b.shape[0] for b in bs], dim=0)
+                row = 0
+                for name, (a, _, scale), b, rank in zip(names, parts, bs, ranks):
                     terms[(layer, name)] = (fused[row:row + rank], b, scale)
                     row += rank
                 groups[(layer, names)] = (fused, ranks)
         object.__setattr__(self, "terms", terms)
         object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "group_b", group_b)
 
     def hold_a(self, layer: int, names: tuple[str, ...], rows: torch.Tensor) -> None:
         """Read the A of `names` in `layer` (a projection group, or one projection) from `rows` from now on: a
@@ -155,7 +163,15 @@ def lora_projections(ctx, module: torch.nn.Module, names: tuple[str, ...], x: to
     for weights, mask in rows.adapters:
         group = weights.groups.get((layer, names))
         if group is not None:
-            shrunk = _shrink(ops, x, group[0], base, False).split(group[1], dim=-1)
+            shrunk_all = _shrink(ops, x, group[0], base, False)
+            group_b = weights.group_b.get((layer, names))
+            joint = _joint_columns(outs) if group_b is not None and ops.lora_expand_add is not None else None
+            if joint is not None:  # every expand of the group and its epilogue in one op
+                widths = tuple(out.shape[-1] for out in outs)
+                scale = weights.terms[(layer, names[0])][2]
+                outs = list(ops.lora_expand_add(joint, shrunk_all, group_b, scale, mask, widths).split(widths, -1))
+                continue
+            shrunk = shrunk_all.split(group[1], dim=-1)
         for i, name in enumerate(names):
             term = weights.terms.get((layer, name))
             if term is None:
@@ -164,6 +180,19 @@ def lora_projections(ctx, module: torch.nn.Module, names: tuple[str, ...], x: to
             h = shrunk[i] if group is not None else _shrink(ops, x, a, base, name in ROW_PARALLEL)
             outs[i] = _expand_add(ops, outs[i], h, b, scale, mask)
     return outs
+
+
+def _joint_columns(outs: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view of `outs` side by side where they are consecutive column blocks of one tensor (a fused group's
+    base product, or a group op's output), else None."""
+    first, cols = outs[0], 0
+    for out in outs:
+        if (out.shape[:-1] != first.shape[:-1] or out.stride() != first.stride() or out.stride(-1) != 1
+                or out.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or out.storage_offset() != first.storage_offset() + cols):
+            return None
+        cols += out.shape[-1]
+    return first.as_strided((*first.shape[:-1], cols), first.stride(), first.storage_offset())
 
 
 def _shrink(ops, x: torch.Tensor, a: torch.Tensor, base, row_parallel: bool) -> torch.Tensor:

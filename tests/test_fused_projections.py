@@ -66,10 +66,10 @@ def _lora_logits(model, ids, rows, calls=None):
             calls.append(args[1].shape[0])
         return CANONICAL_OPS.linear(*args, **kwargs)
 
-    def expand_add(base, h, b, scale, mask):  # an expand and its epilogue: one product, through B
+    def expand_add(base, h, b, scale, mask, widths=None):  # expands and their epilogue: one product, through B
         if calls is not None:
             calls.append(b.shape[0])
-        return CANONICAL_OPS.lora_expand_add(base, h, b, scale, mask)
+        return CANONICAL_OPS.lora_expand_add(base, h, b, scale, mask, widths)
     ops = dataclasses.replace(CANONICAL_OPS, linear=linear, lora_expand_add=expand_add)
     with torch.no_grad():
         return compute_logits(model, forward_hidden(model, ids, positions, ops=ops, lora=rows))
@@ -101,11 +101,11 @@ def test_adapters_held_in_the_base_weights_give_their_own_bits(tmp_path, targets
     assert torch.equal(out, _lora_logits(plain, ids, rows(own), plain_calls))
     assert not torch.equal(out[0], _lora_logits(plain, ids, None)[0])  # the adapters matter
     # per layer: the plain model's 7 base products, a shrink per adapter and group (q/k/v, o, gate/up, down for
-    # whole groups; q and v apart otherwise) and an expand per term; the fused model's 4 base products, no shrink
+    # whole groups; q and v apart otherwise) and an expand per term; the fused model's 4 base products, no shrink,
+    # and an expand per adapter and group (whole groups: one op for q/k/v's terms, one for gate/up's)
     layers, whole = plain.config.num_hidden_layers, len(targets) == 7
-    expands = len(held) * len(targets)
-    assert len(plain_calls) == layers * (7 + len(held) * (4 if whole else 2) + expands)
-    assert len(fused_calls) == layers * (4 + expands)
+    assert len(plain_calls) == layers * (7 + len(held) * (4 if whole else 2) + len(held) * len(targets))
+    assert len(fused_calls) == layers * (4 + len(held) * (4 if whole else 2))
     # new adapter values copied in place (as a load into a slot copies them) reach the base products
     with torch.no_grad():
         for weights in (held[0], own[0]):

@@ -78,13 +78,38 @@ def test_the_expand_and_epilogue_give_the_bits_of_matmul_then_lora_add(masked):
     assert not torch.equal(want if mask is None else want[mask], unrounded if mask is None else unrounded[mask])
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_groups_terms_side_by_side_give_each_terms_bits(grad):
+    """widths: q/k/v's terms in one op (member j: its columns of base and rows of B, its block of h) give the
+    bits of one op per member, with and without a gradient."""
+    g = torch.Generator().manual_seed(6)
+    widths, r = (24, 8, 8), 4
+    base = (torch.randn(10, 50, generator=g) * 3).to(torch.bfloat16)[:, :40]
+    h = torch.randn(10, 3 * r + 5, generator=g).to(torch.bfloat16)[:, 5:]
+    b = (torch.randn(40, r, generator=g) * 0.05).to(torch.bfloat16)
+    mask = torch.arange(10) % 4 != 0
+    each = torch.cat([K.lora_expand_add(base[:, c:c + w], h[:, j * r:(j + 1) * r], b[c:c + w], 1.7, mask)
+                      for j, (c, w) in enumerate(zip((0, 24, 32), widths))], dim=-1)
+    if grad:
+        b = b.clone().requires_grad_()
+    with torch.set_grad_enabled(grad):
+        together = K.lora_expand_add(base, h, b, 1.7, mask, widths=widths)
+    assert torch.equal(together.detach().view(torch.int16), each.view(torch.int16))
+    # the comparison can fail: every member reading h's first block gives other bits
+    assert not torch.equal(K.lora_expand_add(base, h[:, :r].repeat(1, 3), b.detach(), 1.7, mask, widths=widths), each)
+
+
 def test_bad_expand_inputs_are_refused():
     base, _, mask = _inputs()
     h, b = torch.zeros(base.shape[0], 8, dtype=torch.bfloat16), torch.zeros(base.shape[1], 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"b \[N, r\]"):
+    with pytest.raises(ValueError, match="lora_expand_add takes"):
         K.lora_expand_add(base, h, b[:, :4], 2.0)
-    with pytest.raises(ValueError, match=r"h \[\.\.\., r\]"):
+    with pytest.raises(ValueError, match="lora_expand_add takes"):
         K.lora_expand_add(base, h[:4], b, 2.0)
+    with pytest.raises(ValueError, match="lora_expand_add takes"):
+        K.lora_expand_add(base, h, b, 2.0, widths=(8, 8))  # widths that do not sum to N
+    with pytest.raises(ValueError, match="lora_expand_add takes"):
+        K.lora_expand_add(base, h, b, 2.0, widths=(base.shape[1] - 8, 8))  # one block of h for two members
     with pytest.raises(ValueError, match="mask must be bool"):
         K.lora_expand_add(base, h, b, 2.0, mask.float())
     with pytest.raises(TypeError, match="bfloat16"):
@@ -94,6 +119,6 @@ def test_bad_expand_inputs_are_refused():
 def test_the_triton_kernel_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                          "tests/gpu/test_triton_kernels.py", "-k", "lora_add"], cwd=REPO, env=env,
+                          "tests/gpu/test_triton_kernels.py", "-k", "lora_add or lora_expand_add"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]

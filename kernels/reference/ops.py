@@ -189,9 +189,16 @@ def lora_add(base: torch.Tensor, product: torch.Tensor, scale: float, mask: torc
 
 
 def lora_expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float,
-                    mask: torch.Tensor | None) -> torch.Tensor:
-    """lora_add(base, matmul(h, b), scale, mask): a LoRA term's expand and epilogue (one launch on GPU)."""
-    return lora_add(base, matmul(h, b), scale, mask)
+                    mask: torch.Tensor | None, widths: tuple[int, ...] | None = None) -> torch.Tensor:
+    """lora_add(base, matmul(h, b), scale, mask): a LoRA term's expand and epilogue (one launch on GPU). With
+    `widths`, the terms of a projection group side by side: member j's columns of base and rows of b, and its
+    rank-r block j of h."""
+    widths = tuple(widths or (base.shape[-1],))
+    r, outs, col = b.shape[-1], [], 0
+    for j, w in enumerate(widths):
+        outs.append(lora_add(base[..., col:col + w], matmul(h[..., j * r:(j + 1) * r], b[col:col + w]), scale, mask))
+        col += w
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,

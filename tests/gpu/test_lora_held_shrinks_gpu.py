@@ -59,8 +59,8 @@ def test_the_fused_expand_gives_the_trainers_bits(tmp_path, tokens):
     plain, held_model, adapters, ids, positions, picks = _setup(tmp_path, tokens)
     held = [a.weights(f"slot{i}", "cuda") for i, a in enumerate(adapters)]
     trained = [a.weights(f"train{i}", "cuda") for i, a in enumerate(adapters)]
-    for weights in trained:  # B as a trainer holds it: a parameter with a gradient
-        for _, b, _ in weights.terms.values():
+    for weights in trained:  # B as a trainer holds it: a parameter with a gradient (a group's B: one tensor)
+        for b in [*weights.group_b.values(), *(b for _, b, _ in weights.terms.values() if b._base is None)]:
             b.requires_grad_(True)
     fuse_projections(held_model, tuple(held))
     masks = [picks == 0, picks == 1]
@@ -71,4 +71,5 @@ def test_the_fused_expand_gives_the_trainers_bits(tmp_path, tokens):
     assert train.requires_grad
     assert torch.equal(rollout, train.detach())
     train.float().square().mean().backward()  # and the gradient reaches the adapter
-    assert trained[0].terms[(0, "q_proj")][1].grad is not None
+    assert trained[0].group_b[(0, ("q_proj", "k_proj", "v_proj"))].grad is not None
+    assert trained[1].terms[(0, "v_proj")][1].grad is not None

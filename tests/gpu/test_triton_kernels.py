@@ -970,3 +970,24 @@ def test_lora_expand_add_equals_the_expand_then_lora_add_bitwise(kt, m, n, r, ma
         unrounded = torch.where(mask.unsqueeze(-1), unrounded, base)
     if m * n >= 256:
         assert not same_bits(got, unrounded)
+
+
+@pytest.mark.parametrize("m", [3, 40] + ([] if INTERPRET else [256, 1100]))
+@pytest.mark.parametrize("widths", [(256, 64, 64), (128, 128), (96, 48, 48)] + ([] if INTERPRET else [
+    (1536, 256, 256), (8960, 8960), (4096, 1024, 1024)]))
+@pytest.mark.parametrize("masked", [False, True])
+def test_lora_expand_add_of_a_group_equals_one_launch_per_member_bitwise(kt, m, widths, masked):
+    """A projection group's terms in one launch (each output tile reads its member's block of h) give the bits
+    of one launch per member, with members on 128-, 64- and 16-column tile boundaries."""
+    r, n = 16, sum(widths)
+    wide = randn(m, 2 * n + len(widths) * r, seed=71)
+    base, h = wide[:, :n], wide[:, 2 * n:]
+    b = randn(n, r, seed=72, scale=0.05)
+    mask = (torch.arange(m, device=DEV) % 3 != 1) if masked else None
+    got = kt.lora_expand_add(base, h, b, 0.5, mask, widths)
+    starts = [sum(widths[:j]) for j in range(len(widths))]
+    each = [kt.lora_expand_add(base[:, c:c + w], h[:, j * r:(j + 1) * r], b[c:c + w], 0.5, mask)
+            for j, (c, w) in enumerate(zip(starts, widths))]
+    assert same_bits(got, torch.cat(each, dim=-1))
+    # the comparison can fail: member 0's block of h for every member gives other bits
+    assert not same_bits(kt.lora_expand_add(base, h[:, :r].repeat(1, len(widths)), b, 0.5, mask, widths), got)
