@@ -1,8 +1,9 @@
 """Compile the Hopper Gluon matmuls (kernels/triton/matmul_sm90.py: tree_matmul_kernel, which also runs
-the plain products, and swapped_matmul_kernel) for sm_90a without a GPU, and report what ptxas made of
-them: registers, spills, the MMA warps' register share, shared memory, and the HGMMAs against the
-wgmma waits. A kernel whose wgmma pipeline ptxas serialised waits after every HGMMA instead of once
-per K tile. A register-pressure change can be judged here before any GPU time is spent.
+the plain products, and swapped_matmul_kernel), or the LoRA expand kernel (kernels/triton/lora.py), for
+sm_90a without a GPU, and report what ptxas made of them: registers, spills, the MMA warps' register
+share, shared memory, and the HGMMAs against the wgmma waits. A kernel whose wgmma pipeline ptxas
+serialised waits after every HGMMA instead of once per K tile. A register-pressure change can be
+judged here before any GPU time is spent.
 
 Needs the Triton the GPU machine runs (3.6: its Gluon API and its bundled ptxas and nvdisasm) and
 torch (CPU is enough), e.g. in a venv of its own:
@@ -14,6 +15,8 @@ torch (CPU is enough), e.g. in a venv of its own:
     python scripts/sm90_compile_check.py --kernel swapped --weight-chunks 64,32 --block-m 128 --warps 4 \
         --stages 6 --segments 1
     SRC=my_variant.py python scripts/sm90_compile_check.py ...   # a modified copy of matmul_sm90.py
+    python scripts/sm90_compile_check.py --kernel lora --m 256 --n 2048 --k 16 --block-m 64 --block-n 128 \
+        --warps 4 --stages 2     # kernels/triton/lora.py's expand and epilogue (--k: the rank)
 
 Prints one JSON object. Launch arguments as in matmul_sm90.launch / launch_swapped / launch_column_chunks;
 extra constexprs a variant adds go in --constexpr NAME=INT, and --sass FILE keeps the disassembly.
@@ -68,6 +71,20 @@ def _load_sm90(source: Path):
     return module
 
 
+def _load_triton_kernels(names: tuple[str, ...]):
+    """Modules of kernels/triton/ (`names`, their imports among them) as a package of their own, outside
+    kernels.triton (whose __init__ wants a GPU); returns the package's modules by name."""
+    package = Path(tempfile.mkdtemp()) / "triton_kernels_check"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in names:
+        text = (ROOT / "kernels/triton" / f"{name}.py").read_text()
+        (package / f"{name}.py").write_text(text.replace("from ..contract import", "from kernels.contract import"))
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(package.parent))
+    return {name: importlib.import_module(f"triton_kernels_check.{name}") for name in names}
+
+
 SHARED_BYTES = 232448  # an H100's shared memory per block
 
 
@@ -114,6 +131,21 @@ def _warm_swapped_kernel(sm90, args):
         STAGES=stages, num_warps=args.warps, maxnreg=sm90.mma_maxnreg(args.warps), grid=(1, ), **_constexprs(args))
 
 
+def _warm_lora_kernel(args):
+    """kernels/triton/lora.py's _lora_expand_add_kernel compiled (not run) as lora_expand_add launches it:
+    --m rows, --n columns in three members (q/k/v-like: half, then two quarters), rank --k, a token mask."""
+    lora = _load_triton_kernels(("device", "elementwise", "matmul", "lora"))["lora"]
+    m, n, r = args.m, args.n, args.k
+    h, b = torch.empty(m, 3 * r, dtype=torch.bfloat16), torch.empty(n, r, dtype=torch.bfloat16)
+    base, out = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+    mask = torch.zeros(m, dtype=torch.bool)
+    return lora._lora_expand_add_kernel.warmup(
+        h, b, base, mask, out, m, n, n // 2, 3 * n // 4, r, 2.0, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
+        base.stride(0), out.stride(0), HAS_MASK=True, EVEN_K=r % lora.BLOCK_K == 0, BLOCK_M=args.block_m,
+        BLOCK_N=args.block_n, BLOCK_K=lora.BLOCK_K, GROUP_M=8, num_warps=args.warps, num_stages=args.stages,
+        grid=(1, ), **lora._NO_FMA)
+
+
 def _constexprs(args) -> dict:
     return {name: int(value) for name, value in (kv.split("=") for kv in args.constexpr)}
 
@@ -122,9 +154,12 @@ def compile_kernel(args) -> dict:
     import triton
     from triton.runtime import driver
     driver.set_active(_NoGpuDriver())
-    sm90 = _load_sm90(Path(os.environ.get("SRC", ROOT / "kernels/triton/matmul_sm90.py")))
-    warm = _warm_swapped_kernel if args.kernel == "swapped" else _warm_tree_kernel
-    kernel = warm(sm90, args)
+    if args.kernel == "lora":
+        kernel = _warm_lora_kernel(args)
+    else:
+        sm90 = _load_sm90(Path(os.environ.get("SRC", ROOT / "kernels/triton/matmul_sm90.py")))
+        warm = _warm_swapped_kernel if args.kernel == "swapped" else _warm_tree_kernel
+        kernel = warm(sm90, args)
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -152,6 +187,7 @@ def compile_kernel(args) -> dict:
         "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
         "shared_bytes": kernel.metadata.shared,
         "hgmma": sass.count("HGMMA."),
+        "hmma": sass.count("HMMA."),  # mma.sync: Triton's dots in tiles of fewer than 64 rows
         "wgmma_waits": sass.count("WARPGROUP.DEPBAR"),
         "warnings": [line.strip() for line in log.splitlines() if "warning" in line.lower()],
     }
@@ -159,8 +195,9 @@ def compile_kernel(args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", choices=("tree", "swapped"), default="tree",
-                   help="tree_matmul_kernel (plain products too: --segments 1) or swapped_matmul_kernel")
+    p.add_argument("--kernel", choices=("tree", "swapped", "lora"), default="tree",
+                   help="tree_matmul_kernel (plain products too: --segments 1), swapped_matmul_kernel, or "
+                        "kernels/triton/lora.py's expand and epilogue")
     p.add_argument("--token-chunks", default="128,8", help="swapped: the batch's rows as HEAD,TAIL")
     p.add_argument("--weight-chunks", help="swapped kernel with column chunks: a tile's weight rows as HEAD,TAIL")
     p.add_argument("--m", type=int, default=4096)
