@@ -257,8 +257,9 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                                            family.attention_split_kv)
 
 
-__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm", "lora_add", "lora_expand_add",
-           "PackedRow", "attention", "attention_packed", "attention_sequences", "backend_for", "canonical_config", "check_canonical", "gumbel_noise",
-           "head_token_logprobs", "kernel_family", "log_softmax", "logprob_temperature", "mask_vocab_tail", "matmul", "rms_norm",
+__all__ = ["CanonicalConfig", "CanonicalMismatchError", "TREE_SEGMENTS_ENV", "TREE_WIDTHS", "add", "add_rms_norm",
+           "lora_add", "lora_expand_add", "PackedRow", "attention", "attention_packed", "attention_sequences",
+           "backend_for", "canonical_config", "check_canonical", "gumbel_noise", "head_token_logprobs",
+           "kernel_family", "log_softmax", "logprob_temperature", "mask_vocab_tail", "matmul", "rms_norm",
            "rotary", "rotary_qk", "sample", "sampling_position", "sampling_positions", "scale_logits",
            "set_tree_segments", "silu_mul", "token_logprobs", "tree_segments", "write_kv"]
