@@ -151,8 +151,7 @@ def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
 # profiling step out of the KV cache. Below the budget the MLP runs whole, as stock vLLM's does (Qwen2.5-1.5B
 # up to 29,959 rows, Llama-3.1-8B up to 18,724: vLLM's 16,384-token prefill steps run whole; measured on an
 # H200, whole MLPs took the plugin's LoRA prefill from 1.15 to 0.94 s, stock's 1.00 s: fewer chunks launch fewer
-# kernels, and an all-linear adapter launches eight a chunk). Every MLP op treats rows on their own, so the bits
-# do not change. ZEROKL_MLP_CHUNK_ROWS (read at import) fixes the rows per chunk instead.
+# kernels, an adapter's among them). Every MLP op treats rows on their own, so the bits do not change. ZEROKL_MLP_CHUNK_ROWS (read at import) fixes the rows per chunk instead.
 MLP_CHUNK_BYTES = 1 << 30
 MLP_CHUNK_ROWS_ENV = "ZEROKL_MLP_CHUNK_ROWS"
 
