@@ -216,7 +216,7 @@ def row_block(a: torch.Tensor, weight: torch.Tensor) -> int | None:
 
 class RowChunkLora:
     """A forward context's view for an MLP run in row chunks of its [B * T] tokens (kernels.forward,
-    MLP_CHUNK_ROWS): the same ops and layer, the LoRA token masks cut to the chunk's rows (`rows`)."""
+    MLP_CHUNK_BYTES): the same ops and layer, the LoRA token masks cut to the chunk's rows (`rows`)."""
 
     def __init__(self, ctx):
         self.ctx, self.rows = ctx, slice(None)
