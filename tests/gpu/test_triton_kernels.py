@@ -465,6 +465,41 @@ def test_forward_with_fused_ops_equals_the_op_by_op_forward(kt):
     assert same_bits(fused, plain) and same_bits(fused, trained.detach())
 
 
+@needs_cuda  # the interpreter's bf16 dots are not a model's numbers (numpy has no bf16)
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                                     ("q_proj", "v_proj")])
+def test_lora_expand_add_in_a_forward_equals_the_expand_then_lora_add(kt, targets, tmp_path):
+    """A forward with adapters held in the base weights (as the vLLM plugin holds them): the expands and
+    epilogues in one launch per term or per group (CANONICAL_OPS) against the expand then lora_add (the op set
+    without lora_expand_add), tokens of two adapters and of none."""
+    import dataclasses
+    import sys
+
+    from kernels.forward import forward_hidden, fuse_projections
+    from kernels.lora import LoraRows
+    from kernels.opset import CANONICAL_OPS
+    from rollout_service.tiny_models import tiny_model
+    from transformers import AutoModelForCausalLM
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from lora_shared import random_adapter
+    tiny_model("qwen2", seed=3, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256,
+               num_layers=2).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=BF).to(DEV).eval()
+    adapters = [random_adapter(model, r, targets, seed).weights(f"slot{i}", DEV)
+                for i, (r, seed) in enumerate(((16, 1), (8, 2)))]
+    fuse_projections(model, tuple(adapters))
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=gen(44), device=DEV)
+    pos = torch.arange(12, device=DEV).expand(1, -1)
+    picks = torch.arange(12, device=DEV).view(1, 12) % 3  # adapter 0, 1 or none per token
+    rows = LoraRows(tuple((w, picks == i) for i, w in enumerate(adapters)))
+    with torch.no_grad():
+        fused = forward_hidden(model, ids, pos, lora=rows)
+        apart = forward_hidden(model, ids, pos, lora=rows, ops=dataclasses.replace(CANONICAL_OPS, lora_expand_add=None))
+        base = forward_hidden(model, ids, pos)
+    assert same_bits(fused, apart)
+    assert not same_bits(fused[picks == 0], base[picks == 0])  # the comparison can fail: the adapters matter
+
+
 @pytest.mark.parametrize("v", [128256, 1000])
 def test_log_softmax_invariance_and_closeness(kt, v):
     if INTERPRET and v > 5000:
@@ -955,7 +990,9 @@ def test_lora_expand_add_equals_the_expand_then_lora_add_bitwise(kt, m, n, r, ma
     """A LoRA term's expand and epilogue in one launch give the bits of the canonical matmul (bf16 output) then
     lora_add, for h a column block of a wider product (a shrink read out of its base product, as held adapters'
     are) and base a strided view (a fused projection's output), at decode and prefill row counts, ranks of one
-    K tile, a partial one and two."""
+    K tile, a partial one and two. Under the interpreter, whose bf16 dots are not numerically right (numpy has
+    no bf16), both sides share the matmul's tile loop, so it checks the wiring: which elements each output reads,
+    the rounding, the epilogue and the mask."""
     wide = randn(m, 2048 + r + 8, seed=61)
     h = wide[:, 2048:2048 + r]
     b = randn(n, r, seed=62, scale=0.05)
