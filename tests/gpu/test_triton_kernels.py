@@ -482,7 +482,7 @@ def test_lora_expand_add_in_a_forward_equals_the_expand_then_lora_add(kt, target
     from transformers import AutoModelForCausalLM
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from lora_shared import random_adapter
-    tiny_model("qwen2", seed=3, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256,
+    tiny_model("qwen2", seed=3, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512,
                num_layers=2).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=BF).to(DEV).eval()
     adapters = [random_adapter(model, r, targets, seed).weights(f"slot{i}", DEV)
