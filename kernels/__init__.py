@@ -17,6 +17,7 @@ from .contract import (KERNELS_VERSION as __version__, TREE_SEGMENTS_ENV, TREE_W
 from .packed_attention import PackedRow, packed_attention_with_grad
 from .logprobs import (head_token_logprobs, log_softmax, logprob_temperature, mask_vocab_tail, scale_logits,
                        token_logprobs)
+from .lora import per_member
 from .sampling import gumbel_noise, sample, sampling_position, sampling_positions
 
 
@@ -121,12 +122,7 @@ def lora_expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale:
     _check_lora_mask(base, mask)
     _same_device(base, h, b, mask)
     if torch.is_grad_enabled() and (base.requires_grad or h.requires_grad or b.requires_grad):
-        outs, col = [], 0
-        for j, w in enumerate(widths):
-            outs.append(lora_add(base[..., col:col + w], matmul(h[..., j * r:(j + 1) * r], b[col:col + w]), scale,
-                                 mask))
-            col += w
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return per_member(lambda x, hj, bj: lora_add(x, matmul(hj, bj), scale, mask), base, h, b, widths)
     return backend_for(base).lora_expand_add(base, h, b, scale, mask, widths)
 
 

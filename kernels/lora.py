@@ -33,6 +33,16 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
+def per_member(op, base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
+    """op(base_j, h_j, b_j) for each member j of a projection group's terms laid side by side (kernels.lora_expand_add's
+    `widths`: member j's columns of base and rows of B, its rank block of h), joined along the last dim."""
+    r, outs, col = b.shape[-1], [], 0
+    for j, w in enumerate(widths):
+        outs.append(op(base[..., col:col + w], h[..., j * r:(j + 1) * r], b[col:col + w]))
+        col += w
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
 @dataclass(frozen=True)
 class LoraWeights:
     """One adapter's tensors in the forward's terms (bf16, on the model's device).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..contract import REFERENCE, check_attention_blocks
+from ..lora import per_member
 from . import exact_math as em
 
 
@@ -193,12 +194,8 @@ def lora_expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale:
     """lora_add(base, matmul(h, b), scale, mask): a LoRA term's expand and epilogue (one launch on GPU). With
     `widths`, the terms of a projection group side by side: member j's columns of base and rows of b, and its
     rank-r block j of h."""
-    widths = tuple(widths or (base.shape[-1],))
-    r, outs, col = b.shape[-1], [], 0
-    for j, w in enumerate(widths):
-        outs.append(lora_add(base[..., col:col + w], matmul(h[..., j * r:(j + 1) * r], b[col:col + w]), scale, mask))
-        col += w
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return per_member(lambda x, hj, bj: lora_add(x, matmul(hj, bj), scale, mask), base, h, b,
+                      tuple(widths or (base.shape[-1],)))
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,

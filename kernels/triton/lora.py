@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..lora import per_member
 from .elementwise import _NO_FMA, rows_2d
 from .matmul import BLOCK_K, _segment_sum, _tile_ids
 
@@ -64,12 +65,7 @@ def lora_expand_add(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale:
     starts = [sum(widths[:j]) for j in range(1, len(widths))]
     block_n = _block_n(starts)
     if len(widths) > MAX_MEMBERS or block_n is None:  # one launch per member
-        outs, col = [], 0
-        for j, w in enumerate(widths):
-            outs.append(lora_expand_add(base[..., col:col + w], h[..., j * r:(j + 1) * r], b[col:col + w], scale,
-                                        mask))
-            col += w
-        return torch.cat(outs, dim=-1)
+        return per_member(lambda x, hj, bj: lora_expand_add(x, hj, bj, scale, mask), base, h, b, widths)
     n = base.shape[-1]
     n1, n2 = (starts + [n, n])[:2]
     base2, h2 = rows_2d(base), h.reshape(-1, h.shape[-1])

@@ -1010,12 +1010,13 @@ def test_lora_expand_add_equals_the_expand_then_lora_add_bitwise(kt, m, n, r, ma
 
 
 @pytest.mark.parametrize("m", [3, 40] + ([] if INTERPRET else [256, 1100]))
-@pytest.mark.parametrize("widths", [(256, 64, 64), (128, 128), (96, 48, 48)] + ([] if INTERPRET else [
+@pytest.mark.parametrize("widths", [(256, 64, 64), (128, 128), (96, 48, 48), (40, 20, 20)] + ([] if INTERPRET else [
     (1536, 256, 256), (8960, 8960), (4096, 1024, 1024)]))
 @pytest.mark.parametrize("masked", [False, True])
 def test_lora_expand_add_of_a_group_equals_one_launch_per_member_bitwise(kt, m, widths, masked):
     """A projection group's terms in one launch (each output tile reads its member's block of h) give the bits
-    of one launch per member, with members on 128-, 64- and 16-column tile boundaries."""
+    of one launch per member, with members on 128-, 64- and 16-column tile boundaries, and off them (40, 20, 20:
+    one launch per member)."""
     r, n = 16, sum(widths)
     wide = randn(m, 2 * n + len(widths) * r, seed=71)
     base, h = wide[:, :n], wide[:, 2 * n:]
