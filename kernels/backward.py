@@ -413,21 +413,47 @@ class _HeadTokenLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk_rows):
-            h = hidden[start:start + ctx.chunk_rows]
-            g = grad_logp[start:start + ctx.chunk_rows].float()
-            # d log_softmax(z / t)[token] / dz = (onehot(token) - softmax(z / t)) / t
-            z = F.linear(h, weight).float()
-            if ctx.vocab_limit is not None:  # forbidden ids have probability 0, so no gradient
-                z[:, ctx.vocab_limit:] = float("-inf")
-            grad_z = torch.softmax(z / ctx.t, dim=-1).mul_(-g[:, None])
-            grad_z[torch.arange(h.shape[0], device=h.device), tokens[start:start + ctx.chunk_rows]] += g
-            grad_z = grad_z.div_(ctx.t).to(hidden.dtype)
+            rows = slice(start, start + ctx.chunk_rows)
+            h = hidden[rows]
+            grad_z = logits_grad(F.linear(h, weight), grad_logp[rows], tokens[rows], ctx.t, ctx.vocab_limit)
             if want_hidden:
-                grad_hidden[start:start + ctx.chunk_rows] = grad_z @ weight
+                grad_hidden[rows] = grad_z @ weight
             if want_weight:
-                grad_weight += (grad_z.T @ h).float()
+                accumulate_product(grad_weight, grad_z.T, h)
         return (None, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None,
                 None, None)
+
+
+def logits_grad(z, g, tokens, t: float, vocab_limit: int | None = None):
+    """(onehot(tokens) - softmax(z / t)) * g[:, None] / t in z's dtype, for bf16 logits z [rows, V] (ids at or
+    past vocab_limit have probability 0 and get no gradient): the Triton kernel over z in place on a GPU,
+    else torch's ops in float32."""
+    if z.is_cuda:
+        from .backend import triton_backend
+        backend = triton_backend()
+        if backend is not None:
+            return backend.logits_grad_(z, g, tokens, t, vocab_limit)
+    return logits_grad_torch(z, g, tokens, t, vocab_limit)
+
+
+def logits_grad_torch(z, g, tokens, t: float, vocab_limit: int | None = None):
+    """logits_grad by torch's ops in float32: six passes over [rows, V]."""
+    zf = z.float()
+    if vocab_limit is not None:
+        zf[:, vocab_limit:] = float("-inf")
+    gf = g.float()
+    grad_z = torch.softmax(zf / t, dim=-1).mul_(-gf[:, None])
+    grad_z[torch.arange(z.shape[0], device=z.device), tokens] += gf
+    return grad_z.div_(t).to(z.dtype)
+
+
+def accumulate_product(acc, a, b) -> None:
+    """acc += a @ b for a float32 acc and bf16 a, b: on a GPU one cuBLAS GEMM that adds into acc in its
+    epilogue (torch.addmm's out_dtype), else the bf16 product then its float32 sum."""
+    if acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += (a @ b).float()
 
 
 def head_logprobs_with_grad(score_chunk: Callable, hidden, weight, tokens, t: float, chunk_rows: int,

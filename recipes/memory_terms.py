@@ -33,13 +33,13 @@ GATHERED_LAYERS = 2
 UNSHARDED_GRADIENT_BYTES = BF16 + FP32
 
 # -- the lm head (kernels.head_token_logprobs scores HEAD_CHUNK_ROWS rows at a time) ----------------------
-# At most three float32 [rows, vocab] tensors of a chunk at once: the logits, the scaled logits and their
-# log-softmax in the forward; the logits, their softmax and the bf16 gradient with the bf16 GEMM output
-# (2 + 2 bytes) in the backward (kernels.backward._HeadTokenLogprobs).
+# At most three float32 [rows, vocab] tensors of a chunk at once, in the forward: the logits, the scaled
+# logits and their log-softmax. The backward holds less: a chunk's bf16 logits, overwritten by their
+# gradient (kernels.backward._HeadTokenLogprobs).
 LOGITS_CHUNK_BYTES = 3 * FP32
 # The lm head weight's gradient [vocab, hidden], at the start of the backward when every activation is
-# kept: a float32 accumulator, each chunk's bf16 GEMM product and that product's float32 copy.
-HEAD_GRADIENT_BYTES = FP32 + BF16 + FP32
+# kept: a float32 accumulator that each chunk's GEMM adds into (kernels.backward.accumulate_product).
+HEAD_GRADIENT_BYTES = FP32
 
 # -- what is not a tensor of the model ----------------------------------------------------------------------
 RUNTIME_BYTES = 2 * GiB  # the CUDA context, cuBLAS and NCCL workspaces
