@@ -6,24 +6,13 @@ does); the kernel has no dot, so the interpreter's values are real.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
-needs_cuda = pytest.mark.skipif(INTERPRET, reason="needs a real GPU (cuBLAS, Qwen-sized vocabularies)")
-
-
-@pytest.fixture(scope="module")
-def kt():
-    if not INTERPRET and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return pytest.importorskip("kernels.triton")
+from triton_shared import DEV, INTERPRET, kt, needs_cuda  # noqa: F401,E402 (kt: a fixture)
 
 
 def formula(z, g, tokens, t, vocab_limit=None):

@@ -15,17 +15,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
+from triton_shared import DEV, INTERPRET, kt, needs_cuda  # noqa: F401,E402 (kt: a fixture)
+
 BF = torch.bfloat16
-needs_cuda = pytest.mark.skipif(INTERPRET, reason="needs a real GPU (cuBLAS, Llama-sized shapes)")
-
-
-@pytest.fixture(scope="module")
-def kt():
-    if not INTERPRET and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return pytest.importorskip("kernels.triton")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
