@@ -10,9 +10,9 @@ kernels/triton/matmul.py). attention: prefill 4k and decode batch 64 x 4k contex
 scaled_dot_product_attention; with --sweep, decode steps over tiles and split sizes, and prefill steps
 (32 prompts of 512 tokens) over tiles. decode (--only decode): the speed tables' decode steps against vLLM's
 FA3, in both split schedules over launch tiles. lora (--only lora): a decode step's LoRA ops per layer at
-Qwen2.5-1.5B shapes, r = 16, against cuBLAS (bench/kernel_timing/lora.py). head (--only head): the lm head's
-backward per chunk of rows, torch's ops against the fused ones (bench/kernel_timing/head.py). rms_norm and
-log_softmax vs torch.
+Qwen2.5-1.5B shapes, r = 16, against cuBLAS (bench/kernel_timing/lora.py). backward (--only backward): the lm
+head's and RMSNorm's backward, torch's ops against the trainer's kernels (bench/kernel_timing/backward.py).
+rms_norm and log_softmax vs torch.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main():
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer M values and shorter timing")
     ap.add_argument("--sweep", action="store_true", help="time a grid of launch configs per (shape, M)")
-    ap.add_argument("--only", choices=["matmul", "attention", "decode", "norms", "lora", "head"], action="append")
+    ap.add_argument("--only", choices=["matmul", "attention", "decode", "norms", "lora", "backward"], action="append")
     ap.add_argument("--shapes", help="matmul shapes to run, e.g. o/8,down/8 (name/segments)")
     ap.add_argument("--model", default="llama8b", choices=["llama8b", "qwen1.5b"], help="matmul shapes")
     ap.add_argument("--ms", help="matmul M values, e.g. 512,2048,8192")
@@ -41,7 +41,7 @@ def main():
     # the kernels need a CUDA device: imported once the arguments are read, so --help runs anywhere
     from bench.kernel_timing.attention import run_attention, run_attention_sweep
     from bench.kernel_timing.decode_attention import run_decode_attention
-    from bench.kernel_timing.head import run_head_backward
+    from bench.kernel_timing.backward import run_head_backward, run_norm_backward
     from bench.kernel_timing.lora import run_lora_ops
     from bench.kernel_timing.matmul import MS, run_matmul, summarize
     from bench.kernel_timing.norms import run_host_overhead, run_norms
@@ -69,8 +69,9 @@ def main():
         doc["decode_attention"] = run_decode_attention(rep)
     if "lora" in only:  # not in the default set: a decode step's LoRA ops at Qwen2.5-1.5B shapes, r = 16
         doc["lora_ops"] = run_lora_ops(rep)
-    if "head" in only:  # not in the default set: the lm head's backward per chunk, torch's ops against the fused
+    if "backward" in only:  # not in the default set: the trainer's backward kernels against torch's ops
         doc["head_backward"] = run_head_backward(rep)
+        doc["norm_backward"] = run_norm_backward(rep)
     if "norms" in only:
         doc.update(run_norms(rep))
         doc["host_overhead"] = run_host_overhead()

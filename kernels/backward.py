@@ -83,8 +83,23 @@ def silu_mul_ref(gate, up):
 # derives from the reference, evaluated in the same dtypes (silu_mul's by the same aten ops, so the
 # same bits; the others agree to rounding, which tests bound).
 
-def _rms_norm_grads(x, weight, eps: float, grad_out, want_x: bool, want_w: bool):
-    """(grad x, grad weight) of rms_norm_ref at x (None where not wanted)."""
+def _rms_norm_grads(x, weight, eps: float, grad_out, want_x: bool, want_w: bool, residual_grad=None):
+    """(grad x, grad weight) of rms_norm_ref at x (None where not wanted); residual_grad: a gradient of x's from
+    elsewhere, added to grad x in x's dtype (autograd's sum of the two). On a GPU one Triton launch
+    (kernels/triton/norm_grad.py), else torch's ops."""
+    if x.is_cuda:
+        from .backend import triton_backend
+        backend = triton_backend()
+        if backend is not None:
+            return backend.rms_norm_grads(x, weight, eps, grad_out, want_x, want_w, residual_grad)
+    grad_x, grad_w = rms_norm_grads_torch(x, weight, eps, grad_out, want_x, want_w)
+    if grad_x is not None and residual_grad is not None:
+        grad_x = residual_grad.to(x.dtype) + grad_x
+    return grad_x, grad_w
+
+
+def rms_norm_grads_torch(x, weight, eps: float, grad_out, want_x: bool, want_w: bool):
+    """_rms_norm_grads by torch's ops, over float32 copies of x and the gradient."""
     xf = x.float()
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     g = grad_out.float()
@@ -133,8 +148,7 @@ class _CanonicalAddRmsNorm(torch.autograd.Function):
     def backward(ctx, grad_s, grad_y):
         s, weight = ctx.saved_tensors
         want_s = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        grad_x, grad_w = _rms_norm_grads(s, weight, ctx.eps, grad_y, want_s, ctx.needs_input_grad[3])
-        total = grad_s.to(s.dtype) + grad_x if want_s else None
+        total, grad_w = _rms_norm_grads(s, weight, ctx.eps, grad_y, want_s, ctx.needs_input_grad[3], grad_s)
         return (None, None if total is None else total.to(ctx.dtypes[0]),
                 None if total is None else total.to(ctx.dtypes[1]), grad_w, None)
 

@@ -162,14 +162,14 @@ def test_head_token_logprobs_have_the_logits_paths_bits_in_any_chunking(temperat
             assert a.dtype == e.dtype and (a.float() - e.float()).norm() / e.float().norm() < 2e-2
 
 
-def test_the_head_gradient_kernel_under_the_interpreter():
-    """The GPU's logit-gradient kernel (kernels/triton/head_grad.py) against the float32 formula, on CPU
-    through Triton's interpreter (the kernel has no dot, so its values are real there)."""
+def test_the_backward_kernels_under_the_interpreter():
+    """The GPU's backward kernels (kernels/triton/head_grad.py, norm_grad.py) against torch's formulas, on CPU
+    through Triton's interpreter (the kernels have no dot, so their values are real there)."""
     import os
     from pathlib import Path
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                          "tests/gpu/test_head_grad_gpu.py"], cwd=Path(__file__).resolve().parents[1], env=env,
+                          "tests/gpu/test_head_grad_gpu.py", "tests/gpu/test_norm_grad_gpu.py"], cwd=Path(__file__).resolve().parents[1], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 

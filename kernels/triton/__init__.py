@@ -27,6 +27,7 @@ if not INTERPRET and not torch.cuda.is_available():
 from .attention import BLOCK_KV, attention, attention_packed, write_kv  # noqa: E402
 from .elementwise import add, lora_add, rotary, rotary_qk, silu_mul  # noqa: E402
 from .head_grad import logits_grad_  # noqa: E402
+from .norm_grad import rms_norm_grads  # noqa: E402
 from .lora import lora_expand_add  # noqa: E402
 from .matmul import BLOCK_K, MMConfig, matmul, matmul_partials, matmul_with_config, pick_config  # noqa: E402
 from . import moe  # noqa: E402  (grouped expert matmuls; kernels.moe dispatches to it)

@@ -1,7 +1,10 @@
-"""The lm head's backward per chunk of rows (kernels.backward._HeadTokenLogprobs), step by step: the logits
+"""The trainer's backward pieces that have a GPU kernel of their own, against torch's ops for the same formula.
+
+The lm head's backward per chunk of rows (kernels.backward._HeadTokenLogprobs), step by step: the logits
 recomputed, their gradient (torch's float32 ops against the in-place Triton kernel), the two GEMMs, and the
 weight gradient's float32 accumulation (a bf16 product then its float32 sum, against one GEMM adding into the
-accumulator)."""
+accumulator). RMSNorm's backward (kernels.backward._rms_norm_grads) at a micro-batch of 16,384 tokens: the
+layer's norms and Qwen3's per-head q and k norms."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +12,7 @@ import torch.nn.functional as F
 
 import kernels.triton as kt
 from bench.kernel_timing.timing import bench_ms
-from kernels.backward import logits_grad_torch
+from kernels.backward import logits_grad_torch, rms_norm_grads_torch
 
 SHAPES = {"qwen3-4b": (2560, 151936), "qwen1.5b": (1536, 151936)}  # hidden, vocab
 
@@ -43,5 +46,24 @@ def run_head_backward(rep: int, rows: int = 2048) -> list[dict]:
         row["chunk_before_ms"] = common + row["logits_grad_torch_ms"] + row["weight_grad_apart_ms"]
         row["chunk_after_ms"] = common + row["logits_grad_kernel_ms"] + row["weight_grad_fused_ms"]
         row["chunk_before_over_after"] = row["chunk_before_ms"] / row["chunk_after_ms"]
+        out.append(row)
+    return out
+
+
+# (name, rows, width): a 16,384-token micro-batch of Qwen3-4B (hidden 2560; 32 query and 8 KV heads of 128)
+NORMS = [("layer norm", 16384, 2560), ("q norm", 16384 * 32, 128), ("k norm", 16384 * 8, 128)]
+
+
+def run_norm_backward(rep: int) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    out = []
+    for name, rows, width in NORMS:
+        x = torch.randn(rows, width, generator=gen, device="cuda").to(torch.bfloat16)
+        w = (1 + torch.randn(width, generator=gen, device="cuda") / 4).to(torch.bfloat16)
+        g = torch.randn(rows, width, generator=gen, device="cuda").to(torch.bfloat16)
+        row = {"norm": name, "rows": rows, "width": width,
+               "torch_ms": bench_ms(lambda: rms_norm_grads_torch(x, w, 1e-6, g, True, True), rep),
+               "kernel_ms": bench_ms(lambda: kt.rms_norm_grads(x, w, 1e-6, g, True, True), rep)}
+        row["torch_over_kernel"] = row["torch_ms"] / row["kernel_ms"]
         out.append(row)
     return out
