@@ -7,6 +7,7 @@ views, so -0.0 vs +0.0 and NaN payloads count as differences.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import random
 
@@ -997,7 +998,7 @@ def test_lora_expand_add_equals_the_expand_then_lora_add_bitwise(kt, m, n, r, ma
     unrounded = (base.float() + (kt.matmul(h, b, out_dtype=torch.float32) * scale).to(BF).float()).to(BF)
     if masked:
         unrounded = torch.where(mask.unsqueeze(-1), unrounded, base)
-    if m * n >= 256:
+    if m * n >= 256 and math.frexp(scale)[0] != 0.5:  # a power of two scales exactly before or after rounding
         assert not same_bits(got, unrounded)
 
 
