@@ -118,14 +118,18 @@ H200_BF16_FLOPS = 790e12
 
 
 def train_device_metrics(results: list[dict], train_seconds: float) -> dict:
-    """GPU ranks only: the largest rank's peak allocated memory in the train step, and MFU, the model
-    FLOPs of a forward and backward per trained token (6 x parameters) over the ranks' bf16 peak."""
+    """GPU ranks only: the largest rank's peak allocated memory in the train step, MFU (the model FLOPs of a
+    forward and backward per trained token, 6 x parameters, over the ranks' bf16 peak), and the allocator's
+    device allocations and retries."""
     peak = max((r.get("peak_memory_bytes", 0) for r in results), default=0)
     if not peak:
         return {}
     flops = 6 * results[0]["num_params"] * sum(r["tokens"] for r in results) / max(train_seconds, 1e-9)
     return {"perf/train_peak_memory_gib": peak / 2 ** 30,
-            "perf/train_mfu": flops / (H200_BF16_FLOPS * len(results))}
+            "perf/train_mfu": flops / (H200_BF16_FLOPS * len(results)),
+            # the ranks' cudaMalloc calls and full-device retries in the step (recipes.step_memory.allocator_counts)
+            "perf/train_device_allocs": sum(r.get("device_allocs", 0) for r in results),
+            "perf/train_alloc_retries": sum(r.get("alloc_retries", 0) for r in results)}
 
 
 def length_spread(lengths: list[int]) -> dict:

@@ -33,3 +33,10 @@ def release_cache_for_engine(device: torch.device, plan: MemoryPlan | None) -> N
     it without allocating from the device again."""
     if device.type == "cuda" and plan is not None and plan.engine_wakes_after_step:
         torch.cuda.empty_cache()
+
+
+def allocator_counts(device: torch.device) -> tuple[int, int]:
+    """The caching allocator's counts so far on a CUDA device: (cudaMalloc calls, retries: allocations that
+    found the device full, freed the cache and tried again, a device-wide sync each)."""
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)

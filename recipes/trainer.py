@@ -44,7 +44,7 @@ from .memory_plan import (
     device_memory,
     out_of_memory_message,
 )
-from .step_memory import drop_failed_step, release_cache_for_engine
+from .step_memory import allocator_counts, drop_failed_step, release_cache_for_engine
 from .step_stats import RatioSpread, rollout_agreement, routing_out
 from .weight_push import RankWeightPush
 from .weight_versions import WeightVersions
@@ -192,6 +192,7 @@ class TrainerRank:
         cfg, start = self.cfg, time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            counts_before = allocator_counts(self.device)
         behaviour = self._versions.stale_logprobs(self.model, minibatches, stale_versions, self._logprobs,
                                                   self.device)
         # Rule: nothing is read back from the device per micro-batch, so the host queues the next forward
@@ -247,12 +248,15 @@ class TrainerRank:
             # time would be counted in whatever reads the weights next, the weight push.
             torch.cuda.current_stream(self.device).synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        allocs, retries = ([a - b for a, b in zip(allocator_counts(self.device), counts_before)]
+                           if self.device.type == "cuda" else (0, 0))
         loss_total, clipped_total, entropy_total, kept_total = totals.tolist()
         agreement = [rollout_agreement(*forward) for forward in scored]
         return {"agreement": agreement, "loss_sum": loss_total, "clipped_tokens": clipped_total,
                 "entropy_sum": entropy_total, "kept_tokens": kept_total,
                 "grad_norm": grad_norms, "tokens": seq_tokens, "ratio": ratios.summary(),
-                "seconds": time.perf_counter() - start, "peak_memory_bytes": peak,
+                "seconds": time.perf_counter() - start, "peak_memory_bytes": peak, "device_allocs": allocs,
+                "alloc_retries": retries,
                 "num_params": self.num_params}
 
     # -- weight versions (asynchronous steps) ------------------------------------------------------

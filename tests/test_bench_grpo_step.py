@@ -195,7 +195,8 @@ def _record(step: int, train_tps: float, gpu: bool, lengths: tuple[int, int, int
            "rollout/samples": 16, "response/length_mean": median + 1.0, "response/length_median": median,
            "response/length_min": low, "response/length_max": high, "response/stop_fraction": 0.0}
     if gpu:
-        rec.update({"perf/train_mfu": 0.01 * step, "perf/train_peak_memory_gib": 10.0 + step})
+        rec.update({"perf/train_mfu": 0.01 * step, "perf/train_peak_memory_gib": 10.0 + step,
+                    "perf/train_device_allocs": 100 * step, "perf/train_alloc_retries": step - 1})
     return rec
 
 
@@ -209,6 +210,7 @@ def test_summary_has_train_device_figures_and_completion_lengths_where_logged():
     # medians over the steps after the first; the spread is the widest of those steps'
     assert on_gpu["train_tokens_per_s"] == 3000.0 and on_gpu["train_mfu"] == pytest.approx(0.03)
     assert on_gpu["train_peak_memory_gib"] == 13.0
+    assert on_gpu["train_device_allocs"] == 300 and on_gpu["train_alloc_retries"] == 2
     assert "train_mfu" not in on_cpu and "train_peak_memory_gib" not in on_cpu  # CPU ranks log neither
     assert on_cpu["train_tokens_per_s"] == 1500.0
     assert on_cpu["completion_length_median"] == 1100 and on_cpu["completion_length_mean"] == 1101.0

@@ -450,3 +450,16 @@ def test_a_rank_outside_ray_reports_no_gpus_and_needs_no_ray(monkeypatch):
     if ray.is_initialized():
         ray.shutdown()
     assert actor_gpu_ids() == []
+
+
+def test_train_device_metrics_sum_the_ranks_allocator_counts():
+    from recipes.metrics import train_device_metrics
+    ranks = [{"peak_memory_bytes": 2 ** 30, "tokens": 1000, "num_params": 10 ** 9, "device_allocs": 7,
+              "alloc_retries": 1},
+             {"peak_memory_bytes": 2 ** 31, "tokens": 1000, "num_params": 10 ** 9, "device_allocs": 5,
+              "alloc_retries": 0}]
+    got = train_device_metrics(ranks, 2.0)
+    assert got["perf/train_device_allocs"] == 12 and got["perf/train_alloc_retries"] == 1
+    assert got["perf/train_peak_memory_gib"] == 2.0
+    assert got["perf/train_mfu"] == pytest.approx(6 * 10 ** 9 * 2000 / 2.0 / (790e12 * 2))
+    assert train_device_metrics([{"tokens": 1000, "num_params": 10 ** 9}], 2.0) == {}  # CPU ranks: none

@@ -7,7 +7,8 @@ import statistics
 from recipes.metrics import step_medians
 
 # the trainer's device figures (recipes.metrics.train_device_metrics): logged by GPU ranks only
-DEVICE_FIGURES = {"train_mfu": "perf/train_mfu", "train_peak_memory_gib": "perf/train_peak_memory_gib"}
+DEVICE_FIGURES = {"train_mfu": "perf/train_mfu", "train_peak_memory_gib": "perf/train_peak_memory_gib",
+                  "train_device_allocs": "perf/train_device_allocs", "train_alloc_retries": "perf/train_alloc_retries"}
 REWARD_WINDOW = 3  # steps in the trailing mean that time-to-reward compares (rewards are noisy step to step)
 
 
