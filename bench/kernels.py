@@ -11,7 +11,7 @@ scaled_dot_product_attention; with --sweep, decode steps over tiles and split si
 (32 prompts of 512 tokens) over tiles. decode (--only decode): the speed tables' decode steps against vLLM's
 FA3, in both split schedules over launch tiles. lora (--only lora): a decode step's LoRA ops per layer at
 Qwen2.5-1.5B shapes, r = 16, against cuBLAS (bench/kernel_timing/lora.py). backward (--only backward): the lm
-head's and RMSNorm's backward, torch's ops against the trainer's kernels (bench/kernel_timing/backward.py).
+head's, RMSNorm's and RoPE's backward, torch's ops against the trainer's kernels (bench/kernel_timing/backward.py).
 rms_norm and log_softmax vs torch.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main():
     # the kernels need a CUDA device: imported once the arguments are read, so --help runs anywhere
     from bench.kernel_timing.attention import run_attention, run_attention_sweep
     from bench.kernel_timing.decode_attention import run_decode_attention
-    from bench.kernel_timing.backward import run_head_backward, run_norm_backward
+    from bench.kernel_timing.backward import run_head_backward, run_norm_backward, run_rope_backward
     from bench.kernel_timing.lora import run_lora_ops
     from bench.kernel_timing.matmul import MS, run_matmul, summarize
     from bench.kernel_timing.norms import run_host_overhead, run_norms
@@ -72,6 +72,7 @@ def main():
     if "backward" in only:  # not in the default set: the trainer's backward kernels against torch's ops
         doc["head_backward"] = run_head_backward(rep)
         doc["norm_backward"] = run_norm_backward(rep)
+        doc["rope_backward"] = run_rope_backward(rep)
     if "norms" in only:
         doc.update(run_norms(rep))
         doc["host_overhead"] = run_host_overhead()

@@ -190,11 +190,27 @@ def silu_mul_with_grad(canonical: Callable, gate, up):
     return canonical(gate, up)
 
 
-def _rotary_grad(grad_out, cos, sin, dtype):
+def rotary_grad_torch(grad_out, cos, sin, dtype):
     """The rotate-half rotation's transpose applied to grad_out, in fp32 (the formula's dtype)."""
     g1, g2 = grad_out.float().chunk(2, dim=-1)
     c, s = cos.unsqueeze(2), sin.unsqueeze(2)
     return torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1).to(dtype)
+
+
+def _rotary_grads_on_gpu(grads, cos, sin, dtypes):
+    """The rotation's transpose is the rotation by -angle: on a GPU, bf16 gradients go through the forward's
+    Triton kernel with -sin, one launch for q and k. Its products and sums are unfused and in the formula's
+    order, so the bits are rotary_grad_torch's. None where that does not apply (CPU, other dtypes)."""
+    if not grads[0].is_cuda or any(d != torch.bfloat16 for d in dtypes) or \
+            any(g.dtype != torch.bfloat16 for g in grads):
+        return None
+    from .backend import triton_backend
+    backend = triton_backend()
+    if backend is None:
+        return None
+    if len(grads) == 1:
+        return (backend.rotary(grads[0], cos, -sin),)
+    return backend.rotary_qk(grads[0], grads[1], cos, -sin)
 
 
 class _CanonicalRotary(torch.autograd.Function):
@@ -209,7 +225,9 @@ class _CanonicalRotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         cos, sin = ctx.saved_tensors
-        return None, _rotary_grad(grad_out, cos, sin, ctx.dtype), None, None
+        fast = _rotary_grads_on_gpu((grad_out,), cos, sin, (ctx.dtype,))
+        grad_x = fast[0] if fast is not None else rotary_grad_torch(grad_out, cos, sin, ctx.dtype)
+        return None, grad_x, None, None
 
 
 def _check_tables(cos, sin):
@@ -237,8 +255,11 @@ class _CanonicalRotaryQK(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
-        return (None, _rotary_grad(grad_q, cos, sin, ctx.dtypes[0]), _rotary_grad(grad_k, cos, sin, ctx.dtypes[1]),
-                None, None)
+        fast = _rotary_grads_on_gpu((grad_q, grad_k), cos, sin, ctx.dtypes)
+        if fast is None:
+            fast = (rotary_grad_torch(grad_q, cos, sin, ctx.dtypes[0]),
+                    rotary_grad_torch(grad_k, cos, sin, ctx.dtypes[1]))
+        return None, fast[0], fast[1], None, None
 
 
 def rotary_qk_with_grad(canonical: Callable, q, k, cos, sin):

@@ -168,9 +168,9 @@ def test_the_backward_kernels_under_the_interpreter():
     import os
     from pathlib import Path
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                          "tests/gpu/test_head_grad_gpu.py", "tests/gpu/test_norm_grad_gpu.py"], cwd=Path(__file__).resolve().parents[1], env=env,
-                         capture_output=True, text=True, timeout=600)
+    files = ["tests/gpu/test_head_grad_gpu.py", "tests/gpu/test_layer_grads_gpu.py"]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
+                         cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 

@@ -4,7 +4,7 @@ The lm head's backward per chunk of rows (kernels.backward._HeadTokenLogprobs), 
 recomputed, their gradient (torch's float32 ops against the in-place Triton kernel), the two GEMMs, and the
 weight gradient's float32 accumulation (a bf16 product then its float32 sum, against one GEMM adding into the
 accumulator). RMSNorm's backward (kernels.backward._rms_norm_grads) at a micro-batch of 16,384 tokens: the
-layer's norms and Qwen3's per-head q and k norms."""
+layer's norms and Qwen3's per-head q and k norms; and RoPE's on q and k (the forward's kernel with -sin)."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import kernels.triton as kt
 from bench.kernel_timing.timing import bench_ms
-from kernels.backward import logits_grad_torch, rms_norm_grads_torch
+from kernels.backward import logits_grad_torch, rms_norm_grads_torch, rotary_grad_torch
 
 SHAPES = {"qwen3-4b": (2560, 151936), "qwen1.5b": (1536, 151936)}  # hidden, vocab
 
@@ -67,3 +67,19 @@ def run_norm_backward(rep: int) -> list[dict]:
         row["torch_over_kernel"] = row["torch_ms"] / row["kernel_ms"]
         out.append(row)
     return out
+
+
+def run_rope_backward(rep: int, tokens: int = 16384, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> dict:
+    """RoPE's backward on a micro-batch's q and k: torch's fp32 formula per tensor against one launch of the
+    forward's kernel with -sin (the same bits)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    gq = torch.randn(1, tokens, q_heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
+    gk = torch.randn(1, tokens, kv_heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
+    angle = torch.randn(1, tokens, head_dim // 2, generator=gen, device="cuda")
+    cos, sin = angle.cos(), angle.sin()
+    row = {"tokens": tokens, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+           "torch_ms": bench_ms(lambda: (rotary_grad_torch(gq, cos, sin, torch.bfloat16),
+                                         rotary_grad_torch(gk, cos, sin, torch.bfloat16)), rep),
+           "kernel_ms": bench_ms(lambda: kt.rotary_qk(gq, gk, cos, -sin), rep)}
+    row["torch_over_kernel"] = row["torch_ms"] / row["kernel_ms"]
+    return row

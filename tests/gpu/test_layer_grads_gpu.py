@@ -1,5 +1,6 @@
-"""GPU: RMSNorm's backward kernel (kernels/triton/norm_grad.py) against torch's ops for the same formula
-(kernels.backward.rms_norm_grads_torch).
+"""GPU: a decoder layer's written-out gradients that run as Triton kernels on a GPU, against torch's ops for the
+same formulas: RMSNorm's backward (kernels/triton/norm_grad.py against kernels.backward.rms_norm_grads_torch),
+and RoPE's (the forward's kernel with -sin, against kernels.backward.rotary_grad_torch).
 
 Gradients need no fixed bits: x's gradient has the formula's bf16 roundings and may differ by the order of a
 row's sums, the weight's by the order of the sum over rows. TRITON_INTERPRET=1 runs the small cases on CPU
@@ -81,3 +82,24 @@ def test_rms_norm_grads_at_model_shapes(kt, shape):
     gx, gw = kt.rms_norm_grads(x, w, 1e-6, g, True, True)
     want_x, want_w = rms_norm_grads_torch(x, w, 1e-6, g, True, True)
     assert rel(gx, want_x) < 1e-2 and rel(gw, want_w) < 1e-2
+
+
+@needs_cuda
+def test_rope_gradients_through_the_kernel_have_the_formulas_bits(kt):
+    """RoPE's gradient is the rotation by -angle: the forward's unfused kernel with -sin gives the bits of the
+    fp32 formula, for q and k in one launch and for one tensor; a control with +sin differs."""
+    import kernels as K
+    from kernels.backward import rotary_grad_torch
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2, 300, 32, 128, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    k = torch.randn(2, 300, 8, 128, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    angle = torch.randn(2, 300, 64, device="cuda", generator=gen)
+    cos, sin = angle.cos(), angle.sin()
+    gq = torch.randn(2, 300, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    gk = torch.randn(2, 300, 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    got_q, got_k = torch.autograd.grad(K.rotary_qk(q, k, cos, sin), (q, k), (gq, gk))
+    assert torch.equal(got_q, rotary_grad_torch(gq, cos, sin, torch.bfloat16))
+    assert torch.equal(got_k, rotary_grad_torch(gk, cos, sin, torch.bfloat16))
+    (one,) = torch.autograd.grad(K.rotary(q, cos, sin), (q,), gq)
+    assert torch.equal(one, got_q)
+    assert not torch.equal(got_q, kt.rotary(gq, cos, sin)), "the control: the forward rotation is not its transpose"
