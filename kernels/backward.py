@@ -83,15 +83,22 @@ def silu_mul_ref(gate, up):
 # derives from the reference, evaluated in the same dtypes (silu_mul's by the same aten ops, so the
 # same bits; the others agree to rounding, which tests bound).
 
+def _gpu_kernels(t: torch.Tensor):
+    """kernels.triton where t is on a GPU and Triton is there (the backward's own kernels live there too),
+    else None: the backward then runs torch's ops for the same formula."""
+    if not t.is_cuda:
+        return None
+    from .backend import triton_backend
+    return triton_backend()
+
+
 def _rms_norm_grads(x, weight, eps: float, grad_out, want_x: bool, want_w: bool, residual_grad=None):
     """(grad x, grad weight) of rms_norm_ref at x (None where not wanted); residual_grad: a gradient of x's from
     elsewhere, added to grad x in x's dtype (autograd's sum of the two). On a GPU one Triton launch
     (kernels/triton/norm_grad.py), else torch's ops."""
-    if x.is_cuda:
-        from .backend import triton_backend
-        backend = triton_backend()
-        if backend is not None:
-            return backend.rms_norm_grads(x, weight, eps, grad_out, want_x, want_w, residual_grad)
+    backend = _gpu_kernels(x)
+    if backend is not None:
+        return backend.rms_norm_grads(x, weight, eps, grad_out, want_x, want_w, residual_grad)
     grad_x, grad_w = rms_norm_grads_torch(x, weight, eps, grad_out, want_x, want_w)
     if grad_x is not None and residual_grad is not None:
         grad_x = residual_grad.to(x.dtype) + grad_x
@@ -201,12 +208,8 @@ def _rotary_grads_on_gpu(grads, cos, sin, dtypes):
     """The rotation's transpose is the rotation by -angle: on a GPU, bf16 gradients go through the forward's
     Triton kernel with -sin, one launch for q and k. Its products and sums are unfused and in the formula's
     order, so the bits are rotary_grad_torch's. None where that does not apply (CPU, other dtypes)."""
-    if not grads[0].is_cuda or any(d != torch.bfloat16 for d in dtypes) or \
-            any(g.dtype != torch.bfloat16 for g in grads):
-        return None
-    from .backend import triton_backend
-    backend = triton_backend()
-    if backend is None:
+    backend = _gpu_kernels(grads[0])
+    if backend is None or any(d != torch.bfloat16 for d in (*dtypes, *(g.dtype for g in grads))):
         return None
     if len(grads) == 1:
         return (backend.rotary(grads[0], cos, -sin),)
@@ -463,11 +466,9 @@ def logits_grad(z, g, tokens, t: float, vocab_limit: int | None = None):
     """(onehot(tokens) - softmax(z / t)) * g[:, None] / t in z's dtype, for bf16 logits z [rows, V] (ids at or
     past vocab_limit have probability 0 and get no gradient): the Triton kernel over z in place on a GPU,
     else torch's ops in float32."""
-    if z.is_cuda:
-        from .backend import triton_backend
-        backend = triton_backend()
-        if backend is not None:
-            return backend.logits_grad_(z, g, tokens, t, vocab_limit)
+    backend = _gpu_kernels(z)
+    if backend is not None:
+        return backend.logits_grad_(z, g, tokens, t, vocab_limit)
     return logits_grad_torch(z, g, tokens, t, vocab_limit)
 
 
