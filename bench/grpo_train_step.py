@@ -142,16 +142,20 @@ def run_arm(args) -> dict:
         port = s.getsockname()[1]
     rank.setup("127.0.0.1", port, model)
     cuda = device.type == "cuda"
+    allocs = {layout: [] for layout in layouts}
 
     def step(layout: str) -> tuple[float, int]:
-        """Seconds of one train step of `layout`, and its peak allocated device memory (0 on CPU)."""
+        """Seconds of one train step of `layout`, and its peak allocated device memory (0 on CPU); the
+        step's cudaMalloc calls are kept in `allocs`."""
         minibatches, tokens = plans[layout]
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        rank.train_step(minibatches[0], tokens)
+        allocs[layout].append(rank.train_step(minibatches[0], tokens)["device_allocs"])
         if cuda:
+            if args.empty_cache:
+                torch.cuda.empty_cache()
             torch.cuda.synchronize()
         return time.perf_counter() - start, torch.cuda.max_memory_allocated(device) if cuda else 0
 
@@ -171,6 +175,7 @@ def run_arm(args) -> dict:
                    "median_s": statistics.median(seconds[layout])}
         figures["tokens_per_s"] = figures["tokens"] / figures["median_s"]
         if cuda:
+            figures["device_allocs"] = allocs[layout][-len(seconds[layout]):]
             figures["peak_memory_gib"] = peaks[layout] / 2 ** 30
             figures["mfu"] = mfu(num_params, figures["tokens_per_s"])
         out[layout] = figures
@@ -251,6 +256,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per layout")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per arm, layout and round")
     ap.add_argument("--rounds", type=int, default=1, help="the arms in turn, this many times")
+    ap.add_argument("--empty-cache", action="store_true",
+                    help="give the allocator's cache back after each step, as a colocated rank does before its "
+                         "engine wakes (recipes.step_memory): the next step allocates from the device again")
     ap.add_argument("--profile", default=None, help="a directory: one profiled step per arm and layout (last round)")
     ap.add_argument("--arm", choices=ARMS, default=None, help=argparse.SUPPRESS)  # a child process's arm
     args = ap.parse_args()
@@ -272,7 +280,7 @@ def main() -> None:
               "--cap", str(args.cap), "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch),
               "--warmup", str(args.warmup), "--steps", str(args.steps), "--padded-rows", str(args.padded_rows),
               "--checkpoint-every", str(args.checkpoint_every)]
-    passed += ["--activation-checkpointing"] * args.activation_checkpointing
+    passed += ["--activation-checkpointing"] * args.activation_checkpointing + ["--empty-cache"] * args.empty_cache
     rounds = []
     for r in range(args.rounds):
         order, layout_order = (arms, layouts) if r % 2 == 0 else (arms[::-1], layouts[::-1])
@@ -296,7 +304,7 @@ def main() -> None:
                                           else {}),
               **({"cap": args.cap} if args.lengths != "arithmetic" else {}),
               "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
-              "activation_checkpointing": args.activation_checkpointing,
+              "activation_checkpointing": args.activation_checkpointing, "empty_cache": args.empty_cache,
               **({"checkpoint_every": args.checkpoint_every} if args.activation_checkpointing else {}), "arms": arms, "layouts": layouts,
               "num_params": first["num_params"], "completion_lengths": first["completion_lengths"],
               "rounds": rounds}

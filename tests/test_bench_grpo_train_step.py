@@ -60,12 +60,13 @@ def test_bench_grpo_train_step_cpu_both_layouts_variable_lengths(tmp_path):
 
 @pytest.mark.slow
 def test_bench_grpo_train_step_one_layout_one_arm_rounds_alternate():
-    """One arm, one layout (today's arithmetic lengths): no pairs, so no ratio; two rounds."""
+    """One arm, one layout (today's arithmetic lengths): no pairs, so no ratio; two rounds. --empty-cache
+    reaches the arm's process (a no-op on CPU) and the JSON says it was on."""
     proc = _bench(["--prompts", "2", "--group", "2", "--warmup", "0", "--steps", "1", "--rounds", "2",
-                   "--arms", "canonical", "--layouts", "padded"])
+                   "--arms", "canonical", "--layouts", "padded", "--empty-cache"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert [r["order"] for r in out["rounds"]] == [["canonical"], ["canonical"]]
+    assert [r["order"] for r in out["rounds"]] == [["canonical"], ["canonical"]] and out["empty_cache"] is True
     assert all(set(r["canonical"]) >= {"padded"} and "packed" not in r["canonical"] for r in out["rounds"])
     assert "packed_over_padded_tokens_per_s_median" not in out and "stock_over_canonical_median" not in out
     assert 4 <= out["completion_lengths"]["min"] <= out["completion_lengths"]["max"] <= 16
