@@ -148,6 +148,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--piece-steps", type=int, default=10, help="steps a run advances by per piece (each ends with a checkpoint)")
     ap.add_argument("--budget-min", type=float, default=None, help="start no piece after this many minutes")
     ap.add_argument("--out", required=True, help="the study's directory (runs, summary, plots)")
+    ap.add_argument("--concurrent", type=int, default=1,
+                    help="runs advanced at once, each in a process of its own (bench/quality_concurrent.py)")
+    ap.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)  # a --concurrent study's child
     ap.add_argument("overrides", nargs="*", help="the setting: key.sub=value overrides of --config")
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
@@ -155,8 +158,8 @@ def main(argv=None) -> dict:
     if unknown:
         ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    if args.steps < 1 or args.piece_steps < 1:
-        ap.error("--steps and --piece-steps must be >= 1")
+    if args.steps < 1 or args.piece_steps < 1 or args.concurrent < 1:
+        ap.error("--steps, --piece-steps and --concurrent must be >= 1")
     root = Path(args.out).expanduser().resolve() / args.setting
     root.mkdir(parents=True, exist_ok=True)
     for arm in arms:  # every arm's config is checked before any run starts
@@ -164,6 +167,8 @@ def main(argv=None) -> dict:
 
     start = time.monotonic()
     runs = [(arm, seed) for seed in seeds for arm in arms]  # seed-major: a stopped study has whole seeds
+    if args.concurrent > 1:
+        _run_in_children(args, runs, root, start)
     while True:
         pending = [(a, s) for a, s in runs if steps_done(root / f"{a}-seed{s}") < args.steps]
         if not pending:
@@ -176,6 +181,8 @@ def main(argv=None) -> dict:
         run_piece(args.config, arm, seed, [*args.overrides, *start_from], root / f"{arm}-seed{seed}", args.steps,
                   args.piece_steps)
 
+    if args.one_run:  # the parent study summarises
+        return {"done": True}
     curves = {arm: {seed: read_metrics(root / f"{arm}-seed{seed}")[:args.steps] for seed in seeds} for arm in arms}
     summary = {"done": True, "config": args.config, "steps": args.steps, "seeds": seeds,
                **summarize(curves, args.setting, args.overrides)}
@@ -184,6 +191,27 @@ def main(argv=None) -> dict:
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return summary
+
+
+def _run_in_children(args, runs: list[tuple[str, int]], root: Path, start: float) -> None:
+    """--concurrent: the pending runs advanced by child processes, up to args.concurrent at once, within the
+    budget; raises SystemExit naming the runs whose child failed, once the others have stopped."""
+    from bench.quality_concurrent import run_concurrently
+
+    def child_argv(arm: str, seed: int, minutes: float | None) -> list[str]:
+        argv = [sys.executable, "-m", "bench.quality_study", "--one-run", "--config", args.config, "--setting",
+                args.setting, "--arms", arm, "--seeds", str(seed), "--steps", str(args.steps), "--piece-steps",
+                str(args.piece_steps), "--out", args.out]
+        return argv + (["--budget-min", f"{minutes:.4f}"] if minutes is not None else []) + args.overrides
+
+    pending = [(a, s) for a, s in runs if steps_done(root / f"{a}-seed{s}") < args.steps]
+    deadline = None if args.budget_min is None else start + 60 * args.budget_min
+    needs_warmup = load_config(args.config, args.overrides).warmup.steps > 0
+    failed = run_concurrently(pending, args.concurrent, child_argv, root, needs_warmup, args.steps, deadline,
+                              steps_done, say)
+    if failed:
+        raise SystemExit("quality study: these runs failed (the others kept their steps; run the same command "
+                         "again to continue): " + "; ".join(failed))
 
 
 if __name__ == "__main__":

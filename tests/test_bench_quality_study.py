@@ -4,6 +4,7 @@ only what must hold whatever they are (zero KL on the canonical arm, nonzero KL 
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -134,3 +135,94 @@ def test_a_seed_is_warmed_once_and_every_arm_starts_from_that_checkpoint(tmp_pat
     assert warm_start(config, TINY, 3, tmp_path) == overrides  # taken from disk
     assert warm_start(config, ["warmup.steps=0"], 3, tmp_path / "none") == []  # no warm-up, nothing saved
     assert not (tmp_path / "none").exists()
+
+
+def test_a_seeds_runs_wait_for_its_warm_up_and_other_seeds_do_not():
+    from bench.quality_concurrent import next_startable
+    pending = [("stock", 0), ("canonical", 1), ("stock", 1)]
+    assert next_startable(pending, [("canonical", 0)], set()) == ("canonical", 1)  # seed 0 is being warmed
+    assert next_startable(pending, [("canonical", 0)], {0}) == ("stock", 0)  # warmed: its arms run side by side
+    assert next_startable(pending[:1], [("canonical", 0)], set()) is None
+    assert next_startable(pending[:1], [], set()) == ("stock", 0)  # nobody warming seed 0: this run warms it
+
+
+FAKE_RUN = """
+import json, os, sys, time
+root, arm, seed, steps, fail = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+run = os.path.join(root, f"{arm}-seed{seed}")
+os.makedirs(run, exist_ok=True)
+with open(os.path.join(root, "spans.txt"), "a") as f:
+    f.write(f"{arm}-seed{seed} start {time.monotonic()}\\n")
+warm = os.path.join(root, f"warm-seed{seed}")
+assert not os.path.exists(os.path.join(warm, "busy")), "two runs warmed one seed at once"
+if not os.path.exists(os.path.join(warm, "config.json")):
+    os.makedirs(warm, exist_ok=True)
+    open(os.path.join(warm, "busy"), "w").close()
+    time.sleep(0.3)
+    os.remove(os.path.join(warm, "busy"))
+    open(os.path.join(warm, "config.json"), "w").write("{}")
+time.sleep(0.3)
+print("a step line")
+if fail:
+    sys.exit("this run broke")
+with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps({"step": k + 1}) + "\\n" for k in range(steps))
+with open(os.path.join(root, "spans.txt"), "a") as f:
+    f.write(f"{arm}-seed{seed} end {time.monotonic()}\\n")
+"""
+
+
+def test_concurrent_runs_stay_within_their_limit_and_a_failed_one_is_named(tmp_path, monkeypatch):
+    """Child processes standing in for runs (the real CLI's are in the slow test below): never more than
+    `concurrent` at once, one warm-up per seed, and a child that fails is reported with its log's end while
+    the others finish."""
+    import bench.quality_concurrent as qc
+    from bench.quality_study import steps_done
+    monkeypatch.setattr(qc, "POLL_S", 0.05)
+    runs = [(arm, seed) for seed in (0, 1) for arm in ("canonical", "stock", "stock_tis")]
+    said = []
+
+    def argv(arm, seed, minutes):
+        fail = "1" if (arm, seed) == ("stock", 1) else "0"
+        return [sys.executable, "-c", FAKE_RUN, str(tmp_path), arm, str(seed), "3", fail]
+
+    failed = qc.run_concurrently(runs, 2, argv, tmp_path, True, 3, None, steps_done, said.append)
+    assert len(failed) == 1 and failed[0].startswith("stock-seed1 (exit 1; log ")
+    assert any("stock-seed1 failed" in line and "this run broke" in line for line in said)
+    assert {(a, s) for a, s in runs if steps_done(tmp_path / f"{a}-seed{s}") == 3} == set(runs) - {("stock", 1)}
+    assert "a step line" in (tmp_path / "logs" / "canonical-seed0.log").read_text()
+    events = sorted((float(t), kind) for _, kind, t in (line.split() for line in (tmp_path / "spans.txt").read_text().splitlines()))
+    live = peak = 0
+    for _, kind in events:
+        live += 1 if kind == "start" else -1
+        peak = max(peak, live)
+    assert peak == 2  # two at once, never three
+
+
+def test_no_run_starts_once_the_budget_is_spent(tmp_path):
+    from bench.quality_concurrent import run_concurrently
+    from bench.quality_study import steps_done
+
+    def argv(*_):
+        raise AssertionError("a run started after the deadline")
+    failed = run_concurrently([("canonical", 0)], 2, argv, tmp_path, False, 1, time.monotonic() - 1, steps_done,
+                              lambda _: None)
+    assert failed == [] and steps_done(tmp_path / "canonical-seed0") == 0
+
+
+@pytest.mark.slow
+def test_concurrent_runs_give_the_sequential_studys_numbers(tmp_path):
+    """--concurrent 2: each run in a process (and a Ray) of its own, the same steps as one after another."""
+    arms = ["canonical", "stock_tis"]
+    for way in ("together", "apart"):
+        (tmp_path / way).mkdir()
+    together = _study(tmp_path / "together", "--steps", "1", "--arms", ",".join(arms), "--concurrent", "2")
+    apart = _study(tmp_path / "apart", "--steps", "1", "--arms", ",".join(arms))
+    assert together["arms"]["canonical"]["rollout_train/kl"]["max"] == 0.0
+    assert together["arms"]["stock_tis"]["rollout_train/max_abs_logprob_diff"]["max"] > 0.0
+    for arm in arms:
+        runs = [tmp_path / way / "study" / "base" / f"{arm}-seed0" / "metrics.jsonl" for way in ("together", "apart")]
+        a, b = ([{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+                 for line in run.read_text().splitlines()] for run in runs)
+        assert a == b, arm
+    assert (tmp_path / "together" / "study" / "base" / "logs" / "stock_tis-seed0.log").is_file()
