@@ -9,7 +9,7 @@ cluster's resources: give each run its share with the setting's overrides
 Rule: a seed is warmed once. A run whose seed has no warmed policy yet starts only while no other run of that seed
 runs. The first run of a seed warms it (quality_study.warm_start), and the others start from its checkpoint.
 A run's output goes to <out>/<setting>/logs/<arm>-seed<k>.log. The study's own stderr says when each run starts
-and ends, and its step count every PROGRESS_S seconds.
+and ends, and every PROGRESS_S seconds each running run's steps and latest reward and max |Δ log-prob|.
 """
 from __future__ import annotations
 
@@ -57,10 +57,13 @@ def warmed_seeds(root: Path, seeds, needs_warmup: bool) -> set[int]:
 
 def run_concurrently(runs: list[tuple[str, int]], concurrent: int, child_argv: Callable[[str, int, float | None], list[str]],
                      root: Path, needs_warmup: bool, steps: int, deadline: float | None,
-                     steps_done: Callable[[Path], int], say: Callable[[str], None]) -> list[str]:
+                     steps_done: Callable[[Path], int], say: Callable[[str], None],
+                     describe: Callable[[Path], str] | None = None) -> list[str]:
     """Advance `runs` (arm, seed), up to `concurrent` at once, each in a child process running child_argv(arm,
-    seed, minutes left); none starts after `deadline` (time.monotonic()). Returns the runs whose child failed (each
-    named with its log); the others have run to `steps` or to the deadline."""
+    seed, minutes left); none starts after `deadline` (time.monotonic()). describe(run_dir): what the progress
+    lines say of a run after its step count. Returns the runs whose child failed (each named with its log); the
+    others have run to `steps` or to the deadline."""
+    describe = describe or (lambda _: "")
     pending, running, failed = list(runs), [], []
     seeds = {seed for _, seed in runs}
     (root / "logs").mkdir(parents=True, exist_ok=True)
@@ -75,7 +78,7 @@ def run_concurrently(runs: list[tuple[str, int]], concurrent: int, child_argv: C
                     failed.append(f"{child.name} (exit {child.proc.returncode}; log {child.log})")
                     say(f"{child.name} failed after {took:.0f} s; the end of {child.log}:\n{_tail(child.log)}")
                 else:
-                    say(f"{child.name}: {done}/{steps} steps, this piece {took:.0f} s")
+                    say(f"{child.name}: {done}/{steps} steps{describe(root / child.name)}, this piece {took:.0f} s")
             now = time.monotonic()
             while pending and len(running) < concurrent and (deadline is None or now < deadline):
                 chosen = next_startable(pending, [(c.arm, c.seed) for c in running],
@@ -95,7 +98,8 @@ def run_concurrently(runs: list[tuple[str, int]], concurrent: int, child_argv: C
                 break
             if running and now - last_progress >= PROGRESS_S:
                 last_progress = now
-                say("steps so far: " + ", ".join(f"{c.name} {steps_done(root / c.name)}/{steps}" for c in running))
+                say("steps so far: " + "; ".join(f"{c.name} {steps_done(root / c.name)}/{steps}{describe(root / c.name)}"
+                                                 for c in running))
             time.sleep(POLL_S)
     finally:
         for child in running:  # interrupted: no run is left advancing behind the study's back

@@ -63,6 +63,16 @@ def steps_done(run_dir: Path) -> int:
     return len(read_metrics(run_dir)) if (run_dir / METRICS_FILE).is_file() else 0
 
 
+def latest(run_dir: Path) -> str:
+    """The run's last logged step in a few words (the concurrent study's progress lines), or ""."""
+    records = read_metrics(run_dir) if (run_dir / METRICS_FILE).is_file() else []
+    if not records:
+        return ""
+    last = records[-1]
+    return (f" (reward {last.get('reward/mean', float('nan')):.3f}, "
+            f"max |Δ log-prob| {last.get('rollout_train/max_abs_logprob_diff', float('nan')):.3g})")
+
+
 def warm_start(config: str, overrides: list[str], seed: int, root: Path) -> list[str]:
     """The overrides that start seed `seed`'s runs from its warmed policy, saved once in root/warm-seed<seed>/ (the
     run's own warm-up: recipes.grpo_job.starting_model); none where the config has no warm-up."""
@@ -208,7 +218,7 @@ def _run_in_children(args, runs: list[tuple[str, int]], root: Path, start: float
     deadline = None if args.budget_min is None else start + 60 * args.budget_min
     needs_warmup = load_config(args.config, args.overrides).warmup.steps > 0
     failed = run_concurrently(pending, args.concurrent, child_argv, root, needs_warmup, args.steps, deadline,
-                              steps_done, say)
+                              steps_done, say, latest)
     if failed:
         raise SystemExit("quality study: these runs failed (the others kept their steps; run the same command "
                          "again to continue): " + "; ".join(failed))

@@ -166,7 +166,8 @@ print("a step line")
 if fail:
     sys.exit("this run broke")
 with open(os.path.join(run, "metrics.jsonl"), "w") as f:
-    f.writelines(json.dumps({"step": k + 1}) + "\\n" for k in range(steps))
+    f.writelines(json.dumps({"step": k + 1, "reward/mean": 0.5, "rollout_train/max_abs_logprob_diff": 0.25}) + "\\n"
+                 for k in range(steps))
 with open(os.path.join(root, "spans.txt"), "a") as f:
     f.write(f"{arm}-seed{seed} end {time.monotonic()}\\n")
 """
@@ -174,11 +175,12 @@ with open(os.path.join(root, "spans.txt"), "a") as f:
 
 def test_concurrent_runs_stay_within_their_limit_and_a_failed_one_is_named(tmp_path, monkeypatch):
     """Child processes standing in for runs (the real CLI's are in the slow test below): never more than
-    `concurrent` at once, one warm-up per seed, and a child that fails is reported with its log's end while
-    the others finish."""
+    `concurrent` at once, one warm-up per seed, progress lines with each run's latest reward, and a child that
+    fails is reported with its log's end while the others finish."""
     import bench.quality_concurrent as qc
-    from bench.quality_study import steps_done
+    from bench.quality_study import latest, steps_done
     monkeypatch.setattr(qc, "POLL_S", 0.05)
+    monkeypatch.setattr(qc, "PROGRESS_S", 0.2)
     runs = [(arm, seed) for seed in (0, 1) for arm in ("canonical", "stock", "stock_tis")]
     said = []
 
@@ -186,9 +188,11 @@ def test_concurrent_runs_stay_within_their_limit_and_a_failed_one_is_named(tmp_p
         fail = "1" if (arm, seed) == ("stock", 1) else "0"
         return [sys.executable, "-c", FAKE_RUN, str(tmp_path), arm, str(seed), "3", fail]
 
-    failed = qc.run_concurrently(runs, 2, argv, tmp_path, True, 3, None, steps_done, said.append)
+    failed = qc.run_concurrently(runs, 2, argv, tmp_path, True, 3, None, steps_done, said.append, latest)
     assert len(failed) == 1 and failed[0].startswith("stock-seed1 (exit 1; log ")
     assert any("stock-seed1 failed" in line and "this run broke" in line for line in said)
+    assert any(line.startswith("canonical-seed0: 3/3 steps (reward 0.500, max |Δ log-prob| 0.25)") for line in said)
+    assert any(line.startswith("steps so far: ") and "/3" in line for line in said)  # the running runs, every PROGRESS_S
     assert {(a, s) for a, s in runs if steps_done(tmp_path / f"{a}-seed{s}") == 3} == set(runs) - {("stock", 1)}
     assert "a step line" in (tmp_path / "logs" / "canonical-seed0.log").read_text()
     events = sorted((float(t), kind) for _, kind, t in (line.split() for line in (tmp_path / "spans.txt").read_text().splitlines()))
