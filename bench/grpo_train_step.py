@@ -257,8 +257,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per arm, layout and round")
     ap.add_argument("--rounds", type=int, default=1, help="the arms in turn, this many times")
     ap.add_argument("--empty-cache", action="store_true",
-                    help="give the allocator's cache back after each step, as a colocated rank does before its "
-                         "engine wakes (recipes.step_memory): the next step allocates from the device again")
+                    help="give the allocator's cache back after each step, so that the next one allocates from the "
+                         "device again, as a colocated rank's does (it empties the cache after its last backward, "
+                         "before its engine wakes: recipes.step_memory)")
     ap.add_argument("--profile", default=None, help="a directory: one profiled step per arm and layout (last round)")
     ap.add_argument("--arm", choices=ARMS, default=None, help=argparse.SUPPRESS)  # a child process's arm
     args = ap.parse_args()

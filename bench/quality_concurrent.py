@@ -57,13 +57,12 @@ def warmed_seeds(root: Path, seeds, needs_warmup: bool) -> set[int]:
 
 def run_concurrently(runs: list[tuple[str, int]], concurrent: int, child_argv: Callable[[str, int, float | None], list[str]],
                      root: Path, needs_warmup: bool, steps: int, deadline: float | None,
-                     steps_done: Callable[[Path], int], say: Callable[[str], None],
-                     describe: Callable[[Path], str] | None = None) -> list[str]:
+                     steps_done: Callable[[Path], int], describe: Callable[[Path], str],
+                     say: Callable[[str], None]) -> list[str]:
     """Advance `runs` (arm, seed), up to `concurrent` at once, each in a child process running child_argv(arm,
     seed, minutes left); none starts after `deadline` (time.monotonic()). describe(run_dir): what the progress
     lines say of a run after its step count. Returns the runs whose child failed (each named with its log); the
     others have run to `steps` or to the deadline."""
-    describe = describe or (lambda _: "")
     pending, running, failed = list(runs), [], []
     seeds = {seed for _, seed in runs}
     (root / "logs").mkdir(parents=True, exist_ok=True)

@@ -218,7 +218,7 @@ def _run_in_children(args, runs: list[tuple[str, int]], root: Path, start: float
     deadline = None if args.budget_min is None else start + 60 * args.budget_min
     needs_warmup = load_config(args.config, args.overrides).warmup.steps > 0
     failed = run_concurrently(pending, args.concurrent, child_argv, root, needs_warmup, args.steps, deadline,
-                              steps_done, say, latest)
+                              steps_done, latest, say)
     if failed:
         raise SystemExit("quality study: these runs failed (the others kept their steps; run the same command "
                          "again to continue): " + "; ".join(failed))

@@ -188,7 +188,7 @@ def test_concurrent_runs_stay_within_their_limit_and_a_failed_one_is_named(tmp_p
         fail = "1" if (arm, seed) == ("stock", 1) else "0"
         return [sys.executable, "-c", FAKE_RUN, str(tmp_path), arm, str(seed), "3", fail]
 
-    failed = qc.run_concurrently(runs, 2, argv, tmp_path, True, 3, None, steps_done, said.append, latest)
+    failed = qc.run_concurrently(runs, 2, argv, tmp_path, True, 3, None, steps_done, latest, said.append)
     assert len(failed) == 1 and failed[0].startswith("stock-seed1 (exit 1; log ")
     assert any("stock-seed1 failed" in line and "this run broke" in line for line in said)
     assert any(line.startswith("canonical-seed0: 3/3 steps (reward 0.500, max |Δ log-prob| 0.25)") for line in said)
@@ -205,12 +205,12 @@ def test_concurrent_runs_stay_within_their_limit_and_a_failed_one_is_named(tmp_p
 
 def test_no_run_starts_once_the_budget_is_spent(tmp_path):
     from bench.quality_concurrent import run_concurrently
-    from bench.quality_study import steps_done
+    from bench.quality_study import latest, steps_done
 
     def argv(*_):
         raise AssertionError("a run started after the deadline")
     failed = run_concurrently([("canonical", 0)], 2, argv, tmp_path, False, 1, time.monotonic() - 1, steps_done,
-                              lambda _: None)
+                              latest, lambda _: None)
     assert failed == [] and steps_done(tmp_path / "canonical-seed0") == 0
 
 
