@@ -114,7 +114,8 @@ def run_piece(config: str, arm: str, seed: int, overrides: list[str], run_dir: P
 
 def paired_differences(curves: dict, arm: str, key: str, windows: int = 4) -> list[dict]:
     """The canonical arm minus `arm` on `key`, seed by seed (same seed, same start and prompts), averaged over
-    each of `windows` consecutive step windows: its mean and min..max over seeds."""
+    each of `windows` consecutive step windows: its mean and min..max over seeds, and the number of seeds where
+    canonical is ahead (difference > 0) and behind (< 0)."""
     seeds = sorted(set(curves["canonical"]) & set(curves[arm]))
     steps = min(len(curves[a][s]) for a in ("canonical", arm) for s in seeds)
     size = max(steps // windows, 1)
@@ -122,14 +123,16 @@ def paired_differences(curves: dict, arm: str, key: str, windows: int = 4) -> li
     for lo in range(0, steps - size + 1, size):
         diffs = [statistics.fmean(r[key] for r in curves["canonical"][s][lo:lo + size])
                  - statistics.fmean(r[key] for r in curves[arm][s][lo:lo + size]) for s in seeds]
+        # with a handful of seeds, how many point each way says more than the mean alone
         out.append({"steps": [lo + 1, lo + size], "mean": statistics.fmean(diffs), "min": min(diffs),
-                    "max": max(diffs), "seeds": len(diffs)})
+                    "max": max(diffs), "seeds": len(diffs), "ahead": sum(d > 0 for d in diffs),
+                    "behind": sum(d < 0 for d in diffs)})
     return out
 
 
 def summarize(curves: dict, setting: str, overrides: list[str]) -> dict:
     """Per arm and quantity: the last quarter's mean over steps, as mean and min..max over seeds; and the canonical
-    arm's reward against each other arm, paired by seed, per quarter of the run."""
+    arm's reward against each other arm, paired by seed, per quarter of the run and over the whole run."""
     arms = {}
     for arm, by_seed in curves.items():
         arms[arm] = {}
@@ -143,9 +146,11 @@ def summarize(curves: dict, setting: str, overrides: list[str]) -> dict:
             if finals:
                 arms[arm][key] = {"last_quarter_mean": statistics.fmean(finals), "min": min(finals),
                                   "max": max(finals), "seeds": len(finals)}
-    reward_gap = {arm: paired_differences(curves, arm, "reward/mean") for arm in curves
-                  if arm != "canonical" and "canonical" in curves}
-    return {"setting": setting, "overrides": overrides, "arms": arms, "canonical_minus_arm_reward": reward_gap}
+    others = [arm for arm in curves if arm != "canonical" and "canonical" in curves]
+    return {"setting": setting, "overrides": overrides, "arms": arms,
+            "canonical_minus_arm_reward": {arm: paired_differences(curves, arm, "reward/mean") for arm in others},
+            "canonical_minus_arm_reward_whole_run": {arm: paired_differences(curves, arm, "reward/mean", windows=1)[0]
+                                                     for arm in others}}
 
 
 def main(argv=None) -> dict:

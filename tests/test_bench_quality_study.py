@@ -37,6 +37,10 @@ def test_finished_runs_are_summarised_paired_by_seed_without_running_anything(tm
     gap = summary["canonical_minus_arm_reward"]["stock"]  # quarters of 1 step: seed 0 and seed 1's differences
     assert [(w["steps"], round(w["min"], 9), round(w["max"], 9)) for w in gap] == [
         ([1, 1], 0.0, 0.0), ([2, 2], 0.0, 0.1), ([3, 3], 0.0, 0.2), ([4, 4], -0.1, 0.2)]
+    assert [(w["ahead"], w["behind"]) for w in gap] == [(0, 0), (1, 0), (1, 0), (1, 1)]
+    whole = summary["canonical_minus_arm_reward_whole_run"]["stock"]  # seed 0: +0.125, seed 1: -0.025
+    assert (whole["steps"], whole["ahead"], whole["behind"]) == ([1, 4], 1, 1)
+    assert (whole["min"], whole["max"]) == (pytest.approx(-0.025), pytest.approx(0.125))
     assert summary["arms"]["stock"]["reward/mean"]["last_quarter_mean"] == pytest.approx(0.3)
     assert summary["arms"]["canonical"]["rollout_train/kl"]["max"] == 0.0
     assert sorted(Path(p).name for p in summary["plots"]) == sorted(q.replace("/", "_") + ".png" for q in QUANTITIES)
