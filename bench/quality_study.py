@@ -201,8 +201,11 @@ def main(argv=None) -> dict:
     curves = {arm: {seed: read_metrics(root / f"{arm}-seed{seed}")[:args.steps] for seed in seeds} for arm in arms}
     summary = {"done": True, "config": args.config, "steps": args.steps, "seeds": seeds,
                **summarize(curves, args.setting, args.overrides)}
-    from bench.quality_plot import plot_quantities
-    summary["plots"] = [str(p) for p in plot_quantities(curves, measured(curves), root / "plots", args.setting)]
+    from bench.quality_plot import plot_quantities, plot_reward_gaps
+    plots = plot_quantities(curves, measured(curves), root / "plots", args.setting)
+    if "canonical" in curves and len(curves) > 1:
+        plots.append(plot_reward_gaps(curves, root / "plots", args.setting))
+    summary["plots"] = [str(p) for p in plots]
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return summary

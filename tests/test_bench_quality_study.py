@@ -43,7 +43,8 @@ def test_finished_runs_are_summarised_paired_by_seed_without_running_anything(tm
     assert (whole["min"], whole["max"]) == (pytest.approx(-0.025), pytest.approx(0.125))
     assert summary["arms"]["stock"]["reward/mean"]["last_quarter_mean"] == pytest.approx(0.3)
     assert summary["arms"]["canonical"]["rollout_train/kl"]["max"] == 0.0
-    assert sorted(Path(p).name for p in summary["plots"]) == sorted(q.replace("/", "_") + ".png" for q in QUANTITIES)
+    assert sorted(Path(p).name for p in summary["plots"]) == sorted(
+        [q.replace("/", "_") + ".png" for q in QUANTITIES] + ["reward_gap.png"])
     assert all(Path(p).read_bytes()[:8] == PNG for p in summary["plots"])
 
 
