@@ -53,14 +53,15 @@ def plot_quantities(curves: dict, quantities: list[str], out_dir: Path, setting:
 def plot_reward_gaps(curves: dict, out_dir: Path, setting: str, window: int = 5) -> Path:
     """reward_gap.png: for each arm, the canonical arm's reward minus that arm's, seed by seed (the same start and
     prompts), each seed's difference averaged over the last `window` steps (one step's reward is a noisy
-    estimate); the mean over seeds with its min–max band, and the zero line. Above zero: canonical ahead."""
+    estimate); the mean over seeds with its min–max band, and the zero line. Above zero: canonical ahead. curves
+    holds the canonical arm."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plt, fig, ax = _figure()
     ax.axhline(0.0, color="black", linewidth=0.8)
     for arm, by_seed in curves.items():
-        seeds = sorted(set(by_seed) & set(curves.get("canonical", {}))) if arm != "canonical" else []
-        if not seeds:
+        if arm == "canonical":
             continue
+        seeds = sorted(set(by_seed) & set(curves["canonical"]))
         steps = min(len(curves[a][s]) for a in ("canonical", arm) for s in seeds)
         gaps = [[curves["canonical"][s][i]["reward/mean"] - by_seed[s][i]["reward/mean"] for i in range(steps)]
                 for s in seeds]
