@@ -55,8 +55,7 @@ from bench.peer.systems import (
 from rollout_service.engine.decode_policy import VERIFIED_DECODE
 
 
-def main(argv: list[str] | None = None):
-    argv = sys.argv[1:] if argv is None else list(argv)
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint dir (default: a tiny random Qwen2 in a temp dir)")
     p.add_argument("--shape", help="instead of --model: random weights of a bench.rollout shape (qwen1.5b, llama8b)")
@@ -66,8 +65,11 @@ def main(argv: list[str] | None = None):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--stock-logprobs", action="store_true",
-                   help="stock systems also return each token's log-prob (logprobs=0), as ours always do")
+    # on by default: an RL rollout needs each token's log-prob (the stock pipeline's importance-sampling
+    # correction reads them), and the plugin always returns it, so stock without it does less work
+    p.add_argument("--stock-logprobs", action=argparse.BooleanOptionalAction, default=True,
+                   help="stock systems return each token's log-prob (logprobs=0), as ours always do "
+                        "(--no-stock-logprobs: none)")
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--verified-decode", default="auto", choices=VERIFIED_DECODE,
@@ -99,6 +101,12 @@ def main(argv: list[str] | None = None):
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = parser()
     args = p.parse_args(argv)
     if args.worker:
         return run_worker(args)

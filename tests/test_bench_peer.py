@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from bench.peer.engines import request_params  # noqa: E402
 from bench.peer.report import build_report  # noqa: E402
 from bench.peer.systems import interleaved_gpu_share  # noqa: E402
 
@@ -63,6 +64,7 @@ def test_interleaved_systems_share_one_process_and_take_turns(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["interleaved"] is True
+    assert report["workload"]["stock_logprobs"] is True  # the default: stock returns log-probs, as ours do
     results = report["results"]
     assert set(results) == {"vllm", "vllm-plugin"}, results
     for res in results.values():
@@ -92,6 +94,17 @@ def test_the_worker_off_takes_turns_with_stock_vllm_in_one_process(tmp_path):
         assert res["generated_tokens"] == 3 * 6 and len(res["passes_x_vllm"]) == 2
     stock, off = results["vllm"]["timed_runs_s"], results["worker-off"]["timed_runs_s"]
     _assert_pass_ratios(results["worker-off"]["passes_x_vllm"], off, stock)
+
+
+@pytest.mark.parametrize("flags, stock_logprobs", [([], 0), (["--stock-logprobs"], 0), (["--no-stock-logprobs"], None)])
+def test_stock_requests_ask_for_the_log_probs_ours_return(flags, stock_logprobs):
+    """By default stock vLLM's requests return each token's log-prob (an RL rollout needs it, and the plugin's
+    requests always do), so the two systems do the same work; --no-stock-logprobs drops it from stock's only."""
+    from bench.peer_vllm import parser
+    args = parser().parse_args(["--max-tokens", "4", *flags])
+    prompts = [[1, 2, 3], [4, 5]]
+    assert [sp.logprobs for sp in request_params(args, "vllm", prompts)] == [stock_logprobs] * 2
+    assert [sp.logprobs for sp in request_params(args, "vllm-plugin", prompts)] == [0, 0]
 
 
 def test_interleaved_engines_memory_share():
