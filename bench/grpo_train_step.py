@@ -143,16 +143,19 @@ def run_arm(args) -> dict:
     rank.setup("127.0.0.1", port, model)
     cuda = device.type == "cuda"
     allocs = {layout: [] for layout in layouts}
+    clocks = {layout: [] for layout in layouts}
 
     def step(layout: str) -> tuple[float, int]:
         """Seconds of one train step of `layout`, and its peak allocated device memory (0 on CPU); the
-        step's cudaMalloc calls are kept in `allocs`."""
+        step's cudaMalloc calls are kept in `allocs`, its GPU's median SM clock in `clocks`."""
         minibatches, tokens = plans[layout]
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        allocs[layout].append(rank.train_step(minibatches[0], tokens)["device_allocs"])
+        result = rank.train_step(minibatches[0], tokens)
+        allocs[layout].append(result["device_allocs"])
+        clocks[layout].append(result["gpu_clocks"].get("sm_clock_mhz"))
         if cuda:
             if args.empty_cache:
                 torch.cuda.empty_cache()
@@ -176,6 +179,7 @@ def run_arm(args) -> dict:
         figures["tokens_per_s"] = figures["tokens"] / figures["median_s"]
         if cuda:
             figures["device_allocs"] = allocs[layout][-len(seconds[layout]):]
+            figures["sm_clock_mhz"] = clocks[layout][-len(seconds[layout]):]  # None where nvidia-smi is not
             figures["peak_memory_gib"] = peaks[layout] / 2 ** 30
             figures["mfu"] = mfu(num_params, figures["tokens_per_s"])
         out[layout] = figures

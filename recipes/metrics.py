@@ -119,17 +119,24 @@ H200_BF16_FLOPS = 790e12
 
 def train_device_metrics(results: list[dict], train_seconds: float) -> dict:
     """GPU ranks only: the largest rank's peak allocated memory in the train step, MFU (the model FLOPs of a
-    forward and backward per trained token, 6 x parameters, over the ranks' bf16 peak), and the allocator's
-    device allocations and retries."""
+    forward and backward per trained token, 6 x parameters, over the ranks' bf16 peak), the allocator's
+    device allocations and retries, and the GPUs' SM clock, power and temperature while they trained."""
     peak = max((r.get("peak_memory_bytes", 0) for r in results), default=0)
     if not peak:
         return {}
     flops = 6 * results[0]["num_params"] * sum(r["tokens"] for r in results) / max(train_seconds, 1e-9)
-    return {"perf/train_peak_memory_gib": peak / 2 ** 30,
-            "perf/train_mfu": flops / (H200_BF16_FLOPS * len(results)),
-            # the ranks' cudaMalloc calls and full-device retries in the step (recipes.step_memory.allocator_counts)
-            "perf/train_device_allocs": sum(r.get("device_allocs", 0) for r in results),
-            "perf/train_alloc_retries": sum(r.get("alloc_retries", 0) for r in results)}
+    out = {"perf/train_peak_memory_gib": peak / 2 ** 30,
+           "perf/train_mfu": flops / (H200_BF16_FLOPS * len(results)),
+           # the ranks' cudaMalloc calls and full-device retries in the step (recipes.step_memory.allocator_counts)
+           "perf/train_device_allocs": sum(r.get("device_allocs", 0) for r in results),
+           "perf/train_alloc_retries": sum(r.get("alloc_retries", 0) for r in results)}
+    clocks = [r["gpu_clocks"] for r in results if r.get("gpu_clocks")]  # recipes.gpu_clocks: where nvidia-smi is
+    if clocks:  # the slowest rank's GPU sets the step's pace
+        out["perf/train_sm_clock_mhz"] = min(c["sm_clock_mhz"] for c in clocks)
+        out["perf/train_sm_clock_mhz_min"] = min(c["sm_clock_mhz_min"] for c in clocks)
+        out["perf/train_gpu_power_w"] = max(c["power_w"] for c in clocks)
+        out["perf/train_gpu_temperature_c"] = max(c["temperature_c_max"] for c in clocks)
+    return out
 
 
 def length_spread(lengths: list[int]) -> dict:

@@ -36,6 +36,7 @@ from trainer_patch import (
 
 from .batch import STEP_INPUTS, real_tokens
 from .config import TrainerConfig
+from .gpu_clocks import ClockSampler, gpu_id
 from .grpo_loss import clipped_pg_loss, rollout_correction
 from .lora import adapter_push, adapter_state, add_lora, save_trained_adapter
 from .memory_plan import (
@@ -158,11 +159,13 @@ class TrainerRank:
         if arm is not None:
             self.weight_push.arm(arm)
         try:
-            result = self._step_or_out_of_memory(minibatches, tokens_per_mini, stale_versions)
+            with ClockSampler(gpu_id(self.device)) as clocks:  # is the GPU at full clocks while it trains?
+                result = self._step_or_out_of_memory(minibatches, tokens_per_mini, stale_versions)
         except BaseException as e:
             self.weight_push.decline_armed(f"the train step before it failed: {e!r}")
             raise
         self._train_failed = False
+        result["gpu_clocks"] = clocks.summary()
         return result
 
     def _step_or_out_of_memory(self, minibatches: list[list[dict]], tokens_per_mini: list[int],

@@ -8,7 +8,9 @@ from recipes.metrics import step_medians
 
 # the trainer's device figures (recipes.metrics.train_device_metrics): logged by GPU ranks only
 DEVICE_FIGURES = {"train_mfu": "perf/train_mfu", "train_peak_memory_gib": "perf/train_peak_memory_gib",
-                  "train_device_allocs": "perf/train_device_allocs", "train_alloc_retries": "perf/train_alloc_retries"}
+                  "train_device_allocs": "perf/train_device_allocs", "train_alloc_retries": "perf/train_alloc_retries",
+                  "train_sm_clock_mhz": "perf/train_sm_clock_mhz", "train_gpu_power_w": "perf/train_gpu_power_w",
+                  "train_gpu_temperature_c": "perf/train_gpu_temperature_c"}
 REWARD_WINDOW = 3  # steps in the trailing mean that time-to-reward compares (rewards are noisy step to step)
 
 

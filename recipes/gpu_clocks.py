@@ -1,0 +1,68 @@
+"""The GPU's SM clock, power draw and temperature while a phase runs, sampled by nvidia-smi's own loop.
+
+A trainer step that runs slower inside a colocated GRPO step than on its own may be slower work or a slower
+GPU: the rollout before it can leave the card hot or at its power limit, and the driver then lowers the
+clocks. These figures tell the two apart. Sampling is a separate nvidia-smi process, so it costs the step
+nothing; where there is no nvidia-smi (CPU runs) or no CUDA device, there are no figures.
+"""
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+
+import torch
+
+QUERY = "clocks.sm,power.draw,temperature.gpu"
+
+
+def gpu_id(device: torch.device) -> str | None:
+    """nvidia-smi's --id for a CUDA device (its UUID: the index nvidia-smi uses ignores CUDA_VISIBLE_DEVICES)."""
+    if device.type != "cuda":
+        return None
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+class ClockSampler:
+    """`with ClockSampler(gpu): ...` samples that GPU every `interval_ms` until the block ends; then
+    summary() holds the median and lowest SM clock (MHz), the median power draw (W) and the highest
+    temperature (°C) of the samples. gpu None: no sampling, an empty summary."""
+
+    def __init__(self, gpu: str | None, interval_ms: int = 100):
+        self.gpu, self.interval_ms = gpu, interval_ms
+        self._proc: subprocess.Popen | None = None
+        self.samples: list[tuple[float, float, float]] = []
+
+    def __enter__(self) -> "ClockSampler":
+        smi = shutil.which("nvidia-smi")
+        if self.gpu is not None and smi is not None:
+            self._proc = subprocess.Popen(
+                [smi, f"--id={self.gpu}", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+                 f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate()
+        self._proc = None
+        self.samples = [row for row in map(_parse, out.splitlines()) if row is not None]
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        clocks, power, temperature = zip(*self.samples)
+        return {"sm_clock_mhz": statistics.median(clocks), "sm_clock_mhz_min": min(clocks),
+                "power_w": statistics.median(power), "temperature_c_max": max(temperature),
+                "samples": len(self.samples)}
+
+
+def _parse(line: str) -> tuple[float, float, float] | None:
+    """One sample line ("1980, 652.31, 61"); None for a line with a field the GPU does not report ([N/A])."""
+    try:
+        clock, power, temperature = (float(field) for field in line.split(","))
+    except ValueError:
+        return None
+    return clock, power, temperature
