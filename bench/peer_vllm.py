@@ -41,7 +41,14 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench import emit
-from bench.peer.engines import LORA_SYSTEMS, add_engine_args, default_checkpoint, on_cpu, save_random_adapter
+from bench.peer.engines import (
+    LORA_SYSTEMS,
+    add_engine_args,
+    add_workload_args,
+    default_checkpoint,
+    on_cpu,
+    save_random_adapter,
+)
 from bench.peer.passes import run_worker
 from bench.peer.processes import process_results
 from bench.peer.report import build_report
@@ -60,21 +67,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint dir (default: a tiny random Qwen2 in a temp dir)")
     p.add_argument("--shape", help="instead of --model: random weights of a bench.rollout shape (qwen1.5b, llama8b)")
     p.add_argument("--num-layers", type=int, help="with --shape: fewer layers of the same shape")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    # on by default: an RL rollout needs each token's log-prob (the stock pipeline's importance-sampling
-    # correction reads them), and the plugin always returns it, so stock without it does less work
-    p.add_argument("--stock-logprobs", action=argparse.BooleanOptionalAction, default=True,
-                   help="stock systems return each token's log-prob (logprobs=0), as ours always do "
-                        "(--no-stock-logprobs: none)")
+    add_workload_args(p, prompt_len=32, max_tokens=64)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--verified-decode", default="auto", choices=VERIFIED_DECODE,
                    help="how our verified requests decode (dvr: always propose with vLLM and verify)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-tokens", type=int, default=8,
                    help="an untimed run of the whole workload with this many output tokens first (JIT, caches)")
     add_engine_args(p)

@@ -36,6 +36,7 @@ from bench import emit
 from bench.peer.engines import (
     LORA_SYSTEMS,
     add_engine_args,
+    add_workload_args,
     build_llm,
     capped,
     default_checkpoint,
@@ -62,15 +63,7 @@ def main():
     p.add_argument("--shape", default="qwen1.5b")
     p.add_argument("--num-layers", type=int)
     p.add_argument("--system", default="vllm-plugin")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--stock-logprobs", action=argparse.BooleanOptionalAction, default=True,
-                   help="stock systems return each token's log-prob, as the plugin's always do and the speed "
-                        "tables ask (--no-stock-logprobs: none)")
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_args(p, prompt_len=512, max_tokens=128)
     add_engine_args(p, gpu_memory_utilization=0.5)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--full-warmups", type=int, default=0,

@@ -39,6 +39,22 @@ def kv_settings(args) -> dict:
     return dict(gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks)
 
 
+def add_workload_args(p: argparse.ArgumentParser, prompt_len: int, max_tokens: int, prompts: int = 64) -> None:
+    """The workload and sampling options request_params reads: one definition for every tool that sends
+    requests through it."""
+    p.add_argument("--prompts", type=int, default=prompts)
+    p.add_argument("--prompt-len", type=int, default=prompt_len)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    # on by default: an RL rollout needs each token's log-prob (the stock pipeline's importance-sampling
+    # correction reads them), and the plugin always returns it, so stock without it does less work
+    p.add_argument("--stock-logprobs", action=argparse.BooleanOptionalAction, default=True,
+                   help="stock systems return each token's log-prob (logprobs=0), as ours always do "
+                        "(--no-stock-logprobs: none)")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def add_engine_args(p: argparse.ArgumentParser, gpu_memory_utilization: float = 0.4) -> None:
     """The options build_llm reads (KV cache size, TP degree): one definition for every tool that builds
     engines through it."""
