@@ -13,15 +13,15 @@ import subprocess
 
 import torch
 
+from rollout_service.service.weight_sync.plan import gpu_uuid
+
 QUERY = "clocks.sm,power.draw,temperature.gpu"
 
 
 def gpu_id(device: torch.device) -> str | None:
-    """nvidia-smi's --id for a CUDA device (its UUID: the index nvidia-smi uses ignores CUDA_VISIBLE_DEVICES)."""
-    if device.type != "cuda":
-        return None
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    """nvidia-smi's --id for a CUDA device: "GPU-" and its UUID (torch gives the UUID bare), not an index,
+    because nvidia-smi's indices ignore CUDA_VISIBLE_DEVICES."""
+    return f"GPU-{gpu_uuid(device)}" if device.type == "cuda" else None
 
 
 class ClockSampler:
