@@ -12,13 +12,14 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     rounds = result["rounds"]
     labels = [f"{arm} r{i}" for i, r in enumerate(rounds) for arm in r if arm in ARMS]
+    # a curve shorter than the smoothing window has no point to draw: runs of a few steps get no panel
     curves = [(f"{arm} r{i}", r[arm]["reward_curve"]) for i, r in enumerate(rounds) for arm in r
-              if arm in ARMS and "reward_curve" in r[arm]]
+              if arm in ARMS and len(r[arm].get("reward_curve", [])) >= REWARD_WINDOW]
     # interleaved rounds: each arm's step seconds, step by step (the pairs the per-step ratios divide)
     turns = [(f"{arm} r{i}", r[arm]["step_seconds"]) for i, r in enumerate(rounds) if r.get("interleaved")
              for arm in r["order"]]
     panels = 1 + bool(curves) + bool(turns)
-    fig, axes = plt.subplots(1, panels, figsize=(1.6 * len(labels) + 2 + 6 * (panels - 1), 4), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(max(6.0, 1.6 * len(labels) + 2) + 6 * (panels - 1), 4), squeeze=False)
     ax = axes[0][0]
     bottom = [0.0] * len(labels)
     for part in STEP_PARTS:
