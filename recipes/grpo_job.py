@@ -151,6 +151,7 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
     except BaseException:
         placement.release()
         raise
+    t_checked = time.perf_counter()
     model = starting_model(cfg, task, resumed=ckpt is not None)
     t_model = time.perf_counter()
     pad_id = task.tokenizer.pad_token_id if task.tokenizer.pad_token_id is not None else task.stop_token_ids[0]
@@ -179,7 +180,7 @@ def _steps(job: GRPOJob, progress: bool) -> Iterator[dict]:
         if state.get("digest") not in (None, sync["digest"]):
             raise WeightMismatchError(f"checkpoint weights {sync['digest']} != recorded {state['digest']}")
         logger = MetricsLogger(run_dir, cfg, run_name)
-        _say_ready(job, t_start, t_model, t_pool)
+        _say_ready(job, (t_start, t_checked, t_model, t_pool))
 
         def generate(step: int):
             first = cursor0 + (step - step0 - 1) * loop_cfg.prompts_per_step
@@ -257,10 +258,15 @@ def _rank_options(cfg: RecipeConfig):
         trainer_cfg.placement, resources_per_rank=with_tree_width(resources, cfg.canonical.tree_segments)))
 
 
-def _say_ready(job: GRPOJob, t_start: float, t_model: float, t_pool: float) -> None:
+def _say_ready(job: GRPOJob, marks: tuple[float, float, float, float]) -> None:
+    """Say the set-up's seconds by part. marks: when it started; when the task, the memory check, the placement
+    and the run directory's check were done; when the starting model was built (and warmed up); when the
+    rollout pool had started."""
+    t_start, t_checked, t_model, t_pool = marks
     t_ready = time.perf_counter()
-    _say(f"run directory {job.run_dir}; set up in {t_ready - t_start:.0f}s (task and model "
-         f"{t_model - t_start:.0f}s, rollout pool {t_pool - t_model:.0f}s, trainer ranks {t_ready - t_pool:.0f}s)")
+    _say(f"run directory {job.run_dir}; set up in {t_ready - t_start:.0f}s (task, memory check and placement "
+         f"{t_checked - t_start:.0f}s, model {t_model - t_checked:.0f}s, rollout pool {t_pool - t_model:.0f}s, "
+         f"trainer ranks {t_ready - t_pool:.0f}s)")
     if job.gpus["rollout"] or job.gpus["trainer"]:
         _say(f"GPUs (Ray's ids): rollout workers {job.gpus['rollout']}, trainer ranks {job.gpus['trainer']}")
 

@@ -463,3 +463,17 @@ def test_train_device_metrics_sum_the_ranks_allocator_counts():
     assert got["perf/train_peak_memory_gib"] == 2.0
     assert got["perf/train_mfu"] == pytest.approx(6 * 10 ** 9 * 2000 / 2.0 / (790e12 * 2))
     assert train_device_metrics([{"tokens": 1000, "num_params": 10 ** 9}], 2.0) == {}  # CPU ranks: none
+
+
+def test_the_set_up_line_gives_each_part_its_own_seconds(monkeypatch, capsys):
+    """The run's set-up line splits its seconds at each mark: the checks and placement, the starting model,
+    the rollout pool, and the trainer ranks until now, so a slow part of a GPU run's set-up shows by name."""
+    from types import SimpleNamespace
+
+    from recipes import grpo_job
+    monkeypatch.setattr(grpo_job.time, "perf_counter", lambda: 100.0)
+    job = SimpleNamespace(run_dir="runs/x", gpus={"rollout": [], "trainer": []})
+    grpo_job._say_ready(job, (40.0, 43.0, 50.0, 80.0))
+    assert capsys.readouterr().out.strip() == (
+        "run directory runs/x; set up in 60s (task, memory check and placement 3s, model 7s, rollout pool 30s, "
+        "trainer ranks 20s)")
