@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
+import tempfile
 
 import torch
 
@@ -32,23 +33,28 @@ class ClockSampler:
     def __init__(self, gpu: str | None, interval_ms: int = 100):
         self.gpu, self.interval_ms = gpu, interval_ms
         self._proc: subprocess.Popen | None = None
+        self._out = None  # nvidia-smi's output goes to a file: a pipe nobody reads fills in minutes and stalls it
         self.samples: list[tuple[float, float, float]] = []
 
     def __enter__(self) -> "ClockSampler":
         smi = shutil.which("nvidia-smi")
         if self.gpu is not None and smi is not None:
+            self._out = tempfile.TemporaryFile(mode="w+")
             self._proc = subprocess.Popen(
                 [smi, f"--id={self.gpu}", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                 f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 f"--loop-ms={self.interval_ms}"], stdout=self._out, stderr=subprocess.DEVNULL, text=True)
         return self
 
     def __exit__(self, *exc) -> None:
         if self._proc is None:
             return
         self._proc.terminate()
-        out, _ = self._proc.communicate()
+        self._proc.wait()
         self._proc = None
-        self.samples = [row for row in map(_parse, out.splitlines()) if row is not None]
+        with self._out:
+            self._out.seek(0)
+            self.samples = [row for row in map(_parse, self._out.read().splitlines()) if row is not None]
+        self._out = None
 
     def summary(self) -> dict:
         if not self.samples:
